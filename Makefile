@@ -1,0 +1,46 @@
+# Two commands for a newcomer: `make lab` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+CHROMIUM ?= /usr/bin/chromium
+
+.PHONY: setup lab test unit lint bench browser clean
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+## JupyterLab on the notebooks (widgets render: ipywidgets 8, JupyterLab 4)
+lab: setup
+	$(PY) -m jupyter lab --notebook-dir=notebooks
+
+## Everything: lint, unit tests, notebooks through nbval, browser tests
+test: setup browser lint
+	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:randomly
+
+## Unit tests only (quick)
+unit: setup lint
+	$(PY) -m pytest tests -m "not e2e"
+
+lint: setup
+	$(PY) -m ruff check .
+
+## Side-by-side timing tables in the terminal
+bench: setup
+	$(PY) -m pergrad_viz bench --quantity grads --batch-sizes 2,32,128 --hidden 20 --peers all
+	$(PY) -m pergrad_viz bench --quantity jacobian --batch-sizes 2,32,128 --hidden 20
+
+## Debian's Chromium for the browser tests (never `playwright install`: it downloads)
+browser:
+	@test -x $(CHROMIUM) || { echo "installing Debian's chromium for the browser tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+		|| echo "could not install chromium: the browser tests will skip (and fail under CI=true)"; }
+
+clean:
+	rm -rf $(VENV) test-artifacts bench-out

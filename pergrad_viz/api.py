@@ -1,0 +1,200 @@
+"""The public entry points: validate, estimate memory, guard the model, dispatch to a strategy.
+
+Shapes: B samples, P trainable scalars (all parameters with ``requires_grad``, in
+``named_parameters()`` order), Y output elements per sample (an output (B, *out) is flattened).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .losses import LossFn
+from .memory import check_budget, result_bytes, working_bytes
+from .strategies import MODULES, STRATEGIES, hooks
+from .target import Target, check_modes, guest
+
+Result = dict[str, torch.Tensor] | torch.Tensor
+
+
+def resolve_strategy(strategy: str, target: Target) -> str:
+    """The strategy a call will use: ``auto`` is ``hooks`` where every layer has a rule, else ``torch_func``.
+
+    Raises ValueError for an unknown name, :class:`UnsupportedModelError` for ``hooks`` on a layer
+    without a rule.
+    """
+    if strategy == "auto":
+        try:
+            hooks.check_supported(target)
+            return "hooks"
+        except ValueError:
+            return "torch_func"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
+    if strategy == "hooks":
+        hooks.check_supported(target)
+    return strategy
+
+
+def _check_inputs(target: Target, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
+    if not isinstance(inputs, torch.Tensor):
+        raise TypeError(f"inputs must be a torch.Tensor of shape (B, ...), got {type(inputs).__name__}")
+    if inputs.dim() == 0 or inputs.shape[0] == 0:
+        raise ValueError(f"empty batch: inputs has shape {tuple(inputs.shape)}; pass at least one sample (B >= 1)")
+    if targets is not None:
+        if not isinstance(targets, torch.Tensor):
+            raise TypeError(f"targets must be a torch.Tensor of shape (B, ...), got {type(targets).__name__}")
+        if targets.dim() == 0 or targets.shape[0] != inputs.shape[0]:
+            got = "a scalar" if targets.dim() == 0 else f"{targets.shape[0]} samples"
+            raise ValueError(
+                f"batch sizes differ: inputs has {inputs.shape[0]} samples, targets has {got}; "
+                "pass one target per input sample (same first dimension)"
+            )
+    if inputs.device != target.device:
+        raise ValueError(
+            f"inputs are on {inputs.device} but the model's parameters are on {target.device}; "
+            f"move one of them, e.g. inputs.to({str(target.device)!r}) or model.to({str(inputs.device)!r})"
+        )
+    if inputs.is_floating_point() and inputs.dtype != target.dtype:
+        raise ValueError(
+            f"inputs are {inputs.dtype} but the model's parameters are {target.dtype}; "
+            f"cast one of them, e.g. inputs.to({target.dtype}) or model.to({inputs.dtype})"
+        )
+
+
+def _check_chunk(chunk_size: int | None, batch: int) -> int:
+    if chunk_size is None:
+        return batch
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int (samples per chunk) or None, got {chunk_size!r}")
+    return min(chunk_size, batch)
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], target: Target, flat: bool) -> None:
+    if not flat:
+        raise ValueError("out= is a flat buffer: pass flat=True with it (or drop out= to get a dict)")
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    problems = []
+    if tuple(out.shape) != shape:
+        problems.append(f"shape {tuple(out.shape)} instead of {shape}")
+    if out.dtype != target.dtype:
+        problems.append(f"dtype {out.dtype} instead of {target.dtype}")
+    if out.device != target.device:
+        problems.append(f"device {out.device} instead of {target.device}")
+    if problems:
+        raise ValueError(
+            "out= does not fit the result: " + "; ".join(problems) + ". Allocate it with "
+            f"torch.empty({shape}, dtype={target.dtype}, device={str(target.device)!r})"
+        )
+
+
+def _run(target: Target, strategy: str, run_chunk: Callable, batch: int, chunk: int, outputs: int | None,
+         flat: bool, out: torch.Tensor | None) -> Result:
+    lead = (batch,) if outputs is None else (batch, outputs)
+    kw = {"dtype": target.dtype, "device": target.device}
+    if flat:
+        result = torch.empty(*lead, target.num_params, **kw) if out is None else out
+        views, offset = {}, 0
+        for name, shape in target.shapes.items():
+            n = shape.numel()
+            views[name] = result[..., offset:offset + n].view(*lead, *shape)
+            offset += n
+    else:
+        result = {name: torch.empty(*lead, *shape, **kw) for name, shape in target.shapes.items()}
+        views = result
+    with guest(target.model):
+        for start in range(0, batch, chunk):
+            stop = min(start + chunk, batch)
+            run_chunk(MODULES[strategy], slice(start, stop), {n: v[start:stop] for n, v in views.items()})
+    return result
+
+
+def _prepare(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor | None, strategy: str,
+             chunk_size: int | None) -> tuple[Target, str, int, int]:
+    target = Target.of(model)
+    _check_inputs(target, inputs, targets)
+    chunk = _check_chunk(chunk_size, inputs.shape[0])
+    check_modes(model)
+    return target, resolve_strategy(strategy, target), inputs.shape[0], chunk
+
+
+def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
+                     strategy: str = "auto", flat: bool = False, chunk_size: int | None = None,
+                     max_bytes: int | None = None, out: torch.Tensor | None = None) -> Result:
+    """The gradient of each sample's loss with respect to every trainable parameter.
+
+    The per-sample gradient of sample i is the gradient of
+    ``loss_fn(model(inputs[i:i+1]), targets[i:i+1])``: what the naive loop computes, whatever
+    ``loss_fn``'s reduction.
+
+    Args:
+        model: any ``nn.Module``; left exactly as it was (no hooks, same parameters, ``.grad`` and modes).
+        loss_fn: ``loss_fn(output, targets) -> scalar``, e.g. ``nn.CrossEntropyLoss()``.
+        inputs: (B, ...) on the model's device (integer dtype for Embedding models).
+        targets: (B, ...).
+        strategy: ``"auto"`` or one of :data:`pergrad_viz.STRATEGIES`.
+        flat: return one (B, P) tensor instead of a dict.
+        chunk_size: process at most this many samples at a time, to bound working memory.
+        max_bytes: memory budget (default: half of the memory available on the device).
+        out: with ``flat=True``, a preallocated (B, P) tensor to write into (same dtype and device as
+            the parameters); it is returned.
+
+    Returns:
+        ``{name: Tensor (B, *param.shape)}`` in ``named_parameters()`` order, or (B, P) if ``flat``.
+
+    Raises:
+        ValueError: mismatched batch sizes, empty batch, unknown strategy, no trainable parameters,
+            a bad ``out``; :class:`UnsupportedModelError` (a ValueError) for BatchNorm or Dropout in
+            training mode or a layer the strategy cannot handle; :class:`MemoryBudgetError` before
+            allocating a result over ``max_bytes``.
+    """
+    target, strategy, batch, chunk = _prepare(model, inputs, targets, strategy, chunk_size)
+    if out is not None:
+        _check_out(out, (batch, target.num_params), target, flat)
+    p = target.num_params
+    check_budget(what=f"per-sample gradients of {batch} samples x {p:,} parameters",
+                 result=result_bytes(batch, p, target.dtype),
+                 working=working_bytes(strategy, chunk, batch, p, target.dtype),
+                 max_bytes=max_bytes, allocate_result=out is None, device=target.device, batch=batch, chunk=chunk)
+
+    def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
+        module.grads(target, loss_fn, inputs[rows], targets[rows], views)
+
+    return _run(target, strategy, run_chunk, batch, chunk, None, flat, out)
+
+
+def output_size(model: nn.Module, inputs: torch.Tensor) -> int:
+    """Y, the number of output elements per sample, from a forward pass of the first sample (no grad)."""
+    with torch.no_grad():
+        return model(inputs[:1]).numel()
+
+
+def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str = "auto", flat: bool = False,
+                        chunk_size: int | None = None, max_bytes: int | None = None,
+                        out: torch.Tensor | None = None) -> Result:
+    """Every output element of each sample with respect to every trainable parameter.
+
+    Args are as in :func:`per_sample_grads` (no loss, no targets); ``out`` is a (B, Y, P) buffer.
+
+    Returns:
+        ``{name: Tensor (B, Y, *param.shape)}``, or (B, Y, P) if ``flat``; Y is the number of output
+        elements per sample (an output (B, *out) is flattened).
+    """
+    target, strategy, batch, chunk = _prepare(model, inputs, None, strategy, chunk_size)
+    with guest(model):
+        y_count = output_size(model, inputs)
+    p = target.num_params
+    if out is not None:
+        _check_out(out, (batch, y_count, p), target, flat)
+    check_budget(what=f"per-sample Jacobians of {batch} samples x {y_count} outputs x {p:,} parameters",
+                 result=result_bytes(batch, p, target.dtype, y_count),
+                 working=working_bytes(strategy, chunk, batch, p, target.dtype, y_count),
+                 max_bytes=max_bytes, allocate_result=out is None, device=target.device, batch=batch, chunk=chunk)
+
+    def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
+        module.jacobian(target, inputs[rows], views)
+
+    return _run(target, strategy, run_chunk, batch, chunk, y_count, flat, out)

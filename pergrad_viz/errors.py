@@ -1,0 +1,27 @@
+"""Errors raised by pergrad_viz, each with a message that names the fix."""
+
+from __future__ import annotations
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or one of its layers) cannot be handled as asked.
+
+    Raised for BatchNorm or Dropout in training mode (per-sample gradients are not defined, or are
+    random), and by the ``hooks`` strategy for a layer with trainable parameters that has no rule.
+    """
+
+
+class MemoryBudgetError(MemoryError):
+    """The result (and the working memory a strategy needs) would not fit the memory budget.
+
+    Raised before anything large is allocated; the message gives the estimate.
+    """
+
+
+def human_bytes(n: float) -> str:
+    """Format a byte count in binary units, e.g. ``human_bytes(3 * 2**30) == '3.00 GiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,74 @@
+"""Memory estimates, checked before anything large is allocated."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .errors import MemoryBudgetError, human_bytes
+
+BUDGET_SHARE = 0.5  # of the memory available when the call starts
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory free for new tensors on ``device``: MemAvailable on CPU, free device memory on CUDA."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return int(pages * os.sysconf("SC_PAGE_SIZE")) if pages else 8 * 2**30
+
+
+def default_budget(device: torch.device) -> int:
+    """The default ``max_bytes``: half of the memory available on ``device`` now."""
+    return int(available_bytes(device) * BUDGET_SHARE)
+
+
+def result_bytes(batch: int, num_params: int, dtype: torch.dtype, outputs: int = 1) -> int:
+    """Bytes of a (B, P) per-sample gradient result, or of a (B, Y, P) Jacobian when ``outputs`` = Y."""
+    return batch * outputs * num_params * torch.empty((), dtype=dtype).element_size()
+
+
+def working_bytes(strategy: str, chunk: int, batch: int, num_params: int, dtype: torch.dtype,
+                  outputs: int = 1) -> int:
+    """Extra memory a strategy needs beyond the result, for one chunk of ``chunk`` samples.
+
+    ``torch_func`` and ``batched_grad`` build a chunk's result in fresh tensors before it is copied in;
+    ``batched_grad`` for Jacobians also holds (chunk*Y)^2 one-hot grad outputs.
+    """
+    per_chunk = result_bytes(chunk, num_params, dtype, outputs)
+    if strategy == "torch_func":
+        return per_chunk
+    if strategy == "batched_grad":
+        item = torch.empty((), dtype=dtype).element_size()
+        return per_chunk + (chunk * outputs) ** 2 * item
+    return 0
+
+
+def check_budget(*, what: str, result: int, working: int, max_bytes: int | None, allocate_result: bool,
+                 device: torch.device, batch: int, chunk: int) -> None:
+    """Raise :class:`MemoryBudgetError` when result (if allocated here) + working memory exceed the budget."""
+    budget = default_budget(device) if max_bytes is None else int(max_bytes)
+    need = (result if allocate_result else 0) + working
+    if need <= budget:
+        return
+    per_sample = max(1, need // max(batch, 1))
+    fits = budget // per_sample
+    origin = "max_bytes" if max_bytes is not None else f"{BUDGET_SHARE:.0%} of the memory available on {device}"
+    raise MemoryBudgetError(
+        f"{what} would need about {human_bytes(need)} (result {human_bytes(result)}"
+        f"{'' if allocate_result else ', in your out= buffer'}, working memory {human_bytes(working)} "
+        f"for chunks of {chunk}), more than the budget of {human_bytes(budget)} ({origin}). "
+        f"Use a smaller batch (about {fits} samples fit), pass chunk_size= to bound the working memory, "
+        "freeze parameters you do not need (requires_grad_(False)), or call per_sample_grad_norms if norms "
+        "are all you need; flat=False does not help here (results are written in place either way). "
+        "If you know the memory is there, raise max_bytes=."
+    )

@@ -1,0 +1,57 @@
+"""nn.LayerNorm, nn.GroupNorm and BatchNorm in eval mode (running statistics): the affine weight's
+gradient is the output gradient times the normalised input, summed over the positions it scales."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import register
+
+
+def _affine(xhat: torch.Tensor, grad_output: torch.Tensor, positions: int, out: dict[str, torch.Tensor],
+            shape: torch.Size) -> None:
+    """xhat (B, ...) and grad_output (N, B, ...) viewed as (N, B, positions, *shape) summed over positions."""
+    n, batch = grad_output.shape[:2]
+    g = grad_output.reshape(n, batch, positions, -1)
+    if "weight" in out:
+        w = (g * xhat.reshape(batch, positions, -1)).sum(2)
+        out["weight"].copy_(w.view(n, batch, *shape))
+    if "bias" in out:
+        out["bias"].copy_(g.sum(2).view(n, batch, *shape))
+
+
+@register(nn.LayerNorm)
+def layer_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
+               out: dict[str, torch.Tensor]) -> None:
+    shape = torch.Size(module.normalized_shape)
+    xhat = F.layer_norm(activation, shape, eps=module.eps)
+    positions = activation[0].numel() // shape.numel()
+    _affine(xhat, grad_output, positions, out, shape)
+
+
+@register(nn.GroupNorm)
+def group_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
+               out: dict[str, torch.Tensor]) -> None:
+    xhat = F.group_norm(activation, module.num_groups, eps=module.eps)
+    _per_channel(xhat, grad_output, out)
+
+
+@register(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+def batch_norm_eval(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
+                    out: dict[str, torch.Tensor]) -> None:
+    # Only reached in eval mode with running statistics: api refuses batch statistics.
+    view = (1, -1) + (1,) * (activation.dim() - 2)
+    xhat = (activation - module.running_mean.view(view)) * torch.rsqrt(module.running_var.view(view) + module.eps)
+    _per_channel(xhat, grad_output, out)
+
+
+def _per_channel(xhat: torch.Tensor, grad_output: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+    """Channel-wise affine: xhat (B, C, *spatial), grad_output (N, B, C, *spatial) -> sums per channel."""
+    n, batch, channels = grad_output.shape[:3]
+    g = grad_output.reshape(n, batch, channels, -1)
+    if "weight" in out:
+        torch.sum(g * xhat.reshape(batch, channels, -1), dim=-1, out=out["weight"])
+    if "bias" in out:
+        torch.sum(g, dim=-1, out=out["bias"])

@@ -1,0 +1,35 @@
+"""One batched forward, then one ``torch.autograd.grad`` per scalar (per-sample loss, or per output
+element) with ``retain_graph=True``, stacked into the result.
+
+Samples do not interact (BatchNorm in training mode is refused), so the gradient of the loss of
+sample i taken through the batched graph equals the gradient of that sample alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..losses import LossFn, per_sample_losses
+from ..target import Target
+from ._common import flat_outputs, write
+
+
+def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+          out: dict[str, torch.Tensor]) -> None:
+    """1 forward, B backward passes through the batch graph; writes (B, *param.shape) into ``out``."""
+    losses = per_sample_losses(loss_fn, target.model(inputs), targets)  # (B,)
+    batch = losses.shape[0]
+    for i in range(batch):
+        g = torch.autograd.grad(losses[i], target.params, retain_graph=i < batch - 1, allow_unused=True)
+        write(out, target.names, g, i)
+
+
+def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+    """1 forward, B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
+    outputs = flat_outputs(target.model(inputs))  # (B, Y)
+    batch, y_count = outputs.shape
+    for i in range(batch):
+        for j in range(y_count):
+            last = i == batch - 1 and j == y_count - 1
+            g = torch.autograd.grad(outputs[i, j], target.params, retain_graph=not last, allow_unused=True)
+            write(out, target.names, g, (i, j))

@@ -1,0 +1,135 @@
+"""Forward hooks capture each layer's input and output; one backward pass gives the gradients with
+respect to the layer outputs; a per-layer rule (``pergrad_viz.rules``) turns both into per-sample
+parameter gradients.
+
+For per-sample gradients the backward pass is a single ordinary one (of the summed per-sample losses).
+For output Jacobians it is batched over the Y one-hot output vectors only (``is_grads_batched``), never
+over B x Y: each vector selects output j of *every* sample at once, since samples do not interact.
+
+Every layer that owns trainable parameters needs a rule; :func:`check_supported` says which does not.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from ..losses import LossFn, per_sample_losses
+from ..rules import Rule, rule_for, supported_types
+from ..target import Target
+from ._common import flat_outputs
+
+
+@dataclass
+class _Call:
+    module: nn.Module
+    activation: torch.Tensor
+    output: torch.Tensor
+    versions: tuple[int, int]
+
+    def modified_in_place(self) -> bool:
+        return (self.activation._version, self.output._version) != self.versions
+
+
+def _layers(target: Target) -> dict[nn.Module, tuple[Rule | None, dict[str, str]]]:
+    """Modules that own trainable parameters -> (rule, {local name: full name})."""
+    full_name = {id(p): n for n, p in zip(target.names, target.params, strict=True)}
+    layers = {}
+    for module in target.model.modules():
+        local = {ln: full_name[id(p)] for ln, p in module.named_parameters(recurse=False) if id(p) in full_name}
+        if local:
+            layers[module] = (rule_for(module), local)
+    return layers
+
+
+def check_supported(target: Target) -> None:
+    """Raise :class:`UnsupportedModelError` naming the first layer with trainable parameters but no rule."""
+    names = {m: n for n, m in target.model.named_modules()}
+    for module, (rule, local) in _layers(target).items():
+        if rule is None:
+            raise UnsupportedModelError(
+                f"the hooks strategy has no rule for layer '{names[module] or 'model'}' "
+                f"({type(module).__name__}), which owns trainable parameters {sorted(local)}. "
+                f"Layers with rules: {', '.join(supported_types())}. Use strategy='torch_func' (or 'auto', "
+                "which picks it), or freeze those parameters with requires_grad_(False)."
+            )
+
+
+def _forward(target: Target, inputs: torch.Tensor, layers: dict, copy: bool) -> tuple[torch.Tensor, list[_Call]]:
+    calls: list[_Call] = []
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        activation = args[0].detach()
+        if copy:
+            activation = activation.clone()
+        calls.append(_Call(module, activation, output, (activation._version, output._version)))
+        # Hand later layers a copy, so that in-place ops downstream cannot change `output`.
+        return output.clone() if copy else None
+
+    handles = [m.register_forward_hook(hook) for m in layers]
+    try:
+        output = target.model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return output, calls
+
+
+def _capture(target: Target, inputs: torch.Tensor) -> tuple[torch.Tensor, list[_Call], dict]:
+    layers = _layers(target)
+    output, calls = _forward(target, inputs, layers, copy=False)
+    if any(c.modified_in_place() for c in calls):  # e.g. ReLU(inplace=True) right after a Linear
+        output, calls = _forward(target, inputs, layers, copy=True)
+    return output, calls, layers
+
+
+def _apply_rules(target: Target, calls: list[_Call], grad_outputs: tuple, layers: dict,
+                 out: dict[str, torch.Tensor]) -> None:
+    """``out[name]`` is (N, B, *param.shape) here; sums over repeated calls of a shared layer."""
+    times_called = Counter(c.module for c in calls)
+    written: set[str] = set()
+    for call, g in zip(calls, grad_outputs, strict=True):
+        rule, local = layers[call.module]
+        if g is None:  # this call does not reach the output
+            g = torch.zeros(out[next(iter(local.values()))].shape[0], *call.output.shape,
+                            dtype=call.output.dtype, device=call.output.device)
+        if times_called[call.module] == 1:
+            rule(call.module, call.activation, g, {ln: out[fn] for ln, fn in local.items()})
+            written.update(local.values())
+            continue
+        tmp = {ln: torch.empty_like(out[fn]) for ln, fn in local.items()}
+        rule(call.module, call.activation, g, tmp)
+        for ln, fn in local.items():
+            if fn in written:
+                out[fn].add_(tmp[ln])
+            else:
+                out[fn].copy_(tmp[ln])
+                written.add(fn)
+    for name in target.names:
+        if name not in written:  # a layer the forward pass never called
+            out[name].zero_()
+
+
+def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+          out: dict[str, torch.Tensor]) -> None:
+    """1 forward, 1 backward (to the layer outputs only), then the rules; writes (B, *param.shape)."""
+    output, calls, layers = _capture(target, inputs)
+    total = per_sample_losses(loss_fn, output, targets).sum()
+    grad_outputs = torch.autograd.grad(total, [c.output for c in calls], allow_unused=True)
+    grad_outputs = tuple(None if g is None else g.unsqueeze(0) for g in grad_outputs)  # N = 1
+    _apply_rules(target, calls, grad_outputs, layers, {n: t.unsqueeze(0) for n, t in out.items()})
+
+
+def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+    """1 forward, 1 backward batched over the Y outputs, then the rules; writes (B, Y, *param.shape)."""
+    output, calls, layers = _capture(target, inputs)
+    outputs = flat_outputs(output)  # (B, Y)
+    batch, y_count = outputs.shape
+    one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
+    grad_outputs = torch.autograd.grad(outputs, [c.output for c in calls], grad_outputs=one_hot,
+                                       is_grads_batched=True, allow_unused=True)  # each (Y, B, ...)
+    _apply_rules(target, calls, grad_outputs, layers, {n: t.transpose(0, 1) for n, t in out.items()})

@@ -1,0 +1,31 @@
+"""The baseline: a Python loop over samples (and outputs), one ``torch.autograd.grad`` each.
+
+This is the definition every other strategy is checked against: the gradient of sample i is the
+gradient of ``loss_fn(model(x[i:i+1]), y[i:i+1])``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..losses import LossFn
+from ..target import Target
+from ._common import write
+
+
+def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+          out: dict[str, torch.Tensor]) -> None:
+    """B forward and B backward passes of one sample each; writes (B, *param.shape) into ``out``."""
+    for i in range(inputs.shape[0]):
+        loss = loss_fn(target.model(inputs[i:i + 1]), targets[i:i + 1])
+        write(out, target.names, torch.autograd.grad(loss, target.params, allow_unused=True), i)
+
+
+def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+    """B forward and B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
+    for i in range(inputs.shape[0]):
+        output = target.model(inputs[i:i + 1]).reshape(-1)
+        y_count = output.numel()
+        for j in range(y_count):
+            g = torch.autograd.grad(output[j], target.params, retain_graph=j < y_count - 1, allow_unused=True)
+            write(out, target.names, g, (i, j))
