@@ -55,3 +55,12 @@ def per_sample_losses(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tens
         return torch.func.vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(output, targets)
     except Exception:  # loss functions that vmap cannot batch (data-dependent control flow, .item(), ...)
         return torch.stack([loss_fn(output[i:i + 1], targets[i:i + 1]) for i in range(output.shape[0])])
+
+
+def summed_per_sample_loss(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``per_sample_losses(loss_fn, output, targets).sum()``, a scalar, in one call of ``loss_fn`` where
+    the reduction allows: 'sum' is already that sum, and 'mean' over equally sized samples is it / B."""
+    if _fast_path_ok(loss_fn, targets):
+        total = loss_fn(output, targets)
+        return total * output.shape[0] if loss_fn.reduction == "mean" else total
+    return per_sample_losses(loss_fn, output, targets).sum()

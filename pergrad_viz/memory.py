@@ -9,6 +9,7 @@ import torch
 from .errors import MemoryBudgetError, human_bytes
 
 BUDGET_SHARE = 0.5  # of the memory available when the call starts
+SMALL = 64 * 2**20  # below this, a call does not look up the free memory (it costs more than small calls)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -56,8 +57,10 @@ def working_bytes(strategy: str, chunk: int, batch: int, num_params: int, dtype:
 def check_budget(*, what: str, result: int, working: int, max_bytes: int | None, allocate_result: bool,
                  device: torch.device, batch: int, chunk: int) -> None:
     """Raise :class:`MemoryBudgetError` when result (if allocated here) + working memory exceed the budget."""
-    budget = default_budget(device) if max_bytes is None else int(max_bytes)
     need = (result if allocate_result else 0) + working
+    if max_bytes is None and need <= SMALL:
+        return
+    budget = default_budget(device) if max_bytes is None else int(max_bytes)
     if need <= budget:
         return
     per_sample = max(1, need // max(batch, 1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ class Target:
     model: nn.Module
     names: tuple[str, ...]
     params: tuple[nn.Parameter, ...]
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # scratch space for one call
 
     @classmethod
     def of(cls, model: nn.Module) -> Target:
@@ -100,4 +101,5 @@ def guest(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         for m, flag in flags:
-            m.training = flag
+            if m.training != flag:
+                m.training = flag

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..losses import LossFn, per_sample_losses
+from ..losses import LossFn, summed_per_sample_loss
 from ..rules import Rule, rule_for, supported_types
 from ..target import Target
 from ._common import flat_outputs
@@ -36,21 +36,24 @@ class _Call:
 
 
 def _layers(target: Target) -> dict[nn.Module, tuple[Rule | None, dict[str, str]]]:
-    """Modules that own trainable parameters -> (rule, {local name: full name})."""
+    """Modules that own trainable parameters -> (rule, {local name: full name}); computed once per call."""
+    if "hooks.layers" in target.cache:
+        return target.cache["hooks.layers"]
     full_name = {id(p): n for n, p in zip(target.names, target.params, strict=True)}
     layers = {}
     for module in target.model.modules():
         local = {ln: full_name[id(p)] for ln, p in module.named_parameters(recurse=False) if id(p) in full_name}
         if local:
             layers[module] = (rule_for(module), local)
+    target.cache["hooks.layers"] = layers
     return layers
 
 
 def check_supported(target: Target) -> None:
     """Raise :class:`UnsupportedModelError` naming the first layer with trainable parameters but no rule."""
-    names = {m: n for n, m in target.model.named_modules()}
     for module, (rule, local) in _layers(target).items():
         if rule is None:
+            names = {m: n for n, m in target.model.named_modules()}
             raise UnsupportedModelError(
                 f"the hooks strategy has no rule for layer '{names[module] or 'model'}' "
                 f"({type(module).__name__}), which owns trainable parameters {sorted(local)}. "
@@ -118,7 +121,7 @@ def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.
           out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward (to the layer outputs only), then the rules; writes (B, *param.shape)."""
     output, calls, layers = _capture(target, inputs)
-    total = per_sample_losses(loss_fn, output, targets).sum()
+    total = summed_per_sample_loss(loss_fn, output, targets)
     grad_outputs = torch.autograd.grad(total, [c.output for c in calls], allow_unused=True)
     grad_outputs = tuple(None if g is None else g.unsqueeze(0) for g in grad_outputs)  # N = 1
     _apply_rules(target, calls, grad_outputs, layers, {n: t.unsqueeze(0) for n, t in out.items()})

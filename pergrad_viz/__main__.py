@@ -1,0 +1,105 @@
+"""``python -m pergrad_viz bench ...``: side-by-side timings in the terminal, optionally as CSV and PNG.
+
+Example::
+
+    python -m pergrad_viz bench --quantity grads --batch-sizes 2,32,128 --hidden 20 --peers all
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from . import bench, peers
+from .strategies import STRATEGIES
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _names(valid: Sequence[str], what: str):
+    def parse(text: str) -> list[str]:
+        names = list(valid) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
+        bad = [n for n in names if n not in valid]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad)}; valid: all, {', '.join(valid)}")
+        return names
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pergrad_viz", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="time strategies (and peers) on MLP(784, hidden, 10) with sample images")
+    b.add_argument("--quantity", choices=bench.QUANTITIES, default="grads")
+    b.add_argument("--batch-sizes", type=_ints, default=[2, 32, 128], metavar="B1,B2,...")
+    b.add_argument("--hidden", type=_ints, default=[20], metavar="H1,H2,...", help="hidden widths")
+    b.add_argument("--strategies", type=_names((*STRATEGIES, "auto"), "strategy"), default=list(STRATEGIES),
+                   metavar="NAMES", help="comma-separated, or 'all' (default: the five strategies)")
+    b.add_argument("--peers", type=_names(peers.PEERS, "peer"), default=[], metavar="NAMES",
+                   help="opacus,backpack or 'all' (per-sample gradients only)")
+    b.add_argument("--flat", action="store_true", help="ask for one flat (B, P) result")
+    b.add_argument("--out-buffer", action="store_true", help="write into a preallocated flat buffer (out=)")
+    b.add_argument("--slow-limit", type=int, default=1280,
+                   help="skip loop/autograd_stack/batched_grad above this many backward passes per call")
+    b.add_argument("--min-run-time", type=float, default=0.5, help="seconds of timing per method and setting")
+    b.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: unchanged)")
+    b.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    b.add_argument("--device", default="cpu", help="cpu or cuda")
+    b.add_argument("--csv", metavar="FILE", help="also write the records as CSV")
+    b.add_argument("--plot", metavar="FILE.png", help="also save a log-log runtime plot")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.peers and args.quantity != "grads":
+        print("error: --peers compute per-sample gradients only; use --quantity grads", file=sys.stderr)
+        return 2
+    missing = [p for p in args.peers if not peers.available(p)]
+    if missing:
+        print(f"error: peer(s) not installed: {', '.join(missing)} (pip install opacus backpack-for-pytorch)",
+              file=sys.stderr)
+        return 2
+    records = bench.sweep(args.quantity, args.batch_sizes, args.hidden, strategies=args.strategies,
+                          peers=args.peers, slow_limit=args.slow_limit, min_run_time=args.min_run_time,
+                          flat=args.flat, out_buffer=args.out_buffer, device=args.device,
+                          dtype=getattr(torch, args.dtype), progress=not args.no_progress)
+    print(f"# {args.quantity} on MLP(784, hidden, 10), {args.dtype}, {args.device}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, {platform.machine()} "
+          f"{platform.processor() or ''}".rstrip())
+    print("# vs loop = speed-up over the loop; vs fwd+bwd and vs floor = time / reference time (same run)")
+    print(bench.format_table(records))
+    if args.csv:
+        bench.write_csv(records, args.csv)
+        print(f"wrote {args.csv}")
+    if args.plot:
+        from . import plots
+
+        fig = plots.runtime_figure(records, title=f"{args.quantity}: time vs batch size")
+        fig.savefig(args.plot, dpi=120, bbox_inches="tight")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_bench(args) if args.command == "bench" else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

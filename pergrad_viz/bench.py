@@ -1,0 +1,277 @@
+"""Benchmark sweeps: strategies (and optional peers) x batch sizes x hidden widths on the tutorial
+``MLP(784, hidden, 10)`` with real sample images, timed with ``torch.utils.benchmark``.
+
+Results are plain :class:`Record` s; every ratio in a sweep comes from timings of that same run.
+Two reference rows come with each setting: ``forward+backward`` (one ordinary batched loss backward
+of the same model and batch) and ``memory floor`` (filling a preallocated tensor of the result's size:
+writing the answer once is the least any method can do).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils import benchmark
+
+from . import peers as peer_libs
+from .api import output_size, per_sample_grads, per_sample_jacobian, resolve_strategy
+from .data import load_sample
+from .memory import result_bytes
+from .models import MLP
+from .strategies import STRATEGIES
+from .target import Target
+
+QUANTITIES = ("grads", "jacobian")
+FORWARD_BACKWARD = "forward+backward"
+MEMORY_FLOOR = "memory floor"
+SLOW = ("loop", "autograd_stack", "batched_grad")  # work grows with B (x Y) backward passes
+
+
+@dataclass
+class Record:
+    """One timed (or skipped) method at one setting. Times in seconds; ratios from the same run."""
+
+    strategy: str
+    quantity: str
+    batch_size: int
+    hidden: int | None  # None for a model that is not the benchmark MLP
+    median_s: float | None
+    iqr_s: float | None
+    result_bytes: int
+    speedup_vs_loop: float | None = None  # loop time / this time
+    vs_forward_backward: float | None = None  # this time / plain forward+backward time
+    vs_memory_floor: float | None = None  # this time / time to fill a result-sized tensor
+    max_abs_diff: float | None = None  # largest difference from the reference result
+    note: str = ""
+
+    @property
+    def skipped(self) -> bool:
+        return self.median_s is None
+
+
+def backward_passes(strategy: str, quantity: str, batch: int, outputs: int) -> int:
+    """How many backward passes a slow strategy runs (each over one sample or the whole batch)."""
+    per_sample = batch * (outputs if quantity == "jacobian" else 1)
+    return per_sample if strategy in SLOW else 1
+
+
+def time_call(fn: Callable[[], object], min_run_time: float = 0.2) -> tuple[float, float]:
+    """(median, interquartile range) in seconds from ``Timer.blocked_autorange`` (synchronises CUDA)."""
+    m = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
+                        ).blocked_autorange(min_run_time=min_run_time)
+    return m.median, (m.iqr if math.isfinite(m.iqr) else 0.0)
+
+
+def setting(batch: int, hidden: int, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+            seed: int = 0) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    """The benchmark problem: (MLP(784, hidden, 10), MSE reduction='sum', X (B, 784), one-hot Y (B, 10)).
+
+    Images are the first ``batch`` of the bundled training sample (repeated if more are asked for).
+    """
+    torch.manual_seed(seed)
+    model = MLP(784, hidden, 10).to(device=device, dtype=dtype)
+    x, labels = load_sample(min(batch, 1000), train=True)
+    reps = -(-batch // x.shape[0])
+    x, labels = x.repeat(reps, 1)[:batch], labels.repeat(reps)[:batch]
+    y = nn.functional.one_hot(labels, 10).to(dtype)
+    return model, nn.MSELoss(reduction="sum"), x.to(device, dtype), y.to(device)
+
+
+def _flat(result: dict[str, torch.Tensor] | torch.Tensor, batch: int) -> torch.Tensor:
+    if isinstance(result, torch.Tensor):
+        return result.reshape(batch, -1)
+    return torch.cat([t.reshape(batch, -1) for t in result.values()], dim=1)
+
+
+def sweep(quantity: str = "grads", batch_sizes: Sequence[int] = (2, 32, 128), hiddens: Sequence[int] = (20,), *,
+          strategies: Sequence[str] = STRATEGIES, peers: Sequence[str] = (), slow_limit: int = 1280,
+          min_run_time: float = 0.2, flat: bool = False, out_buffer: bool = False, device: str = "cpu",
+          dtype: torch.dtype = torch.float32, progress: bool = True, check: bool = True) -> list[Record]:
+    """Time every strategy (and peer) at every (batch size, hidden width); returns plain records.
+
+    Args:
+        quantity: ``"grads"`` (per-sample gradients, MSE ``reduction='sum'``) or ``"jacobian"`` (B, Y, P).
+        strategies: names from :data:`STRATEGIES` or ``"auto"``.
+        peers: ``"opacus"`` and/or ``"backpack"`` (per-sample gradients only); each is checked for
+            agreement with our result before it is timed, and left out (with a note) if it disagrees.
+        slow_limit: ``loop``, ``autograd_stack`` and ``batched_grad`` are skipped (with a note saying
+            so) when they would run more than this many backward passes per call.
+        min_run_time: seconds of timing per method and setting (``blocked_autorange``).
+        flat, out_buffer: ask for one (B, P) tensor; with ``out_buffer`` into a preallocated one (``out=``).
+        check: compare every result with the first one computed (``max_abs_diff``).
+    """
+    if quantity not in QUANTITIES:
+        raise ValueError(f"unknown quantity {quantity!r}; valid: {', '.join(QUANTITIES)}")
+    if peers and quantity != "grads":
+        raise ValueError("peers compute per-sample gradients only: use quantity='grads'")
+    for name in strategies:
+        if name != "auto" and name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; valid: 'auto', {', '.join(STRATEGIES)}")
+    methods = [*strategies, *peers]
+    settings = [(b, h) for h in hiddens for b in batch_sizes]
+    bar = _progress(len(settings) * (len(methods) + 2), enabled=progress)
+    records: list[Record] = []
+    try:
+        for batch, hidden in settings:
+            records += _one_setting(quantity, batch, hidden, strategies, peers, slow_limit, min_run_time,
+                                    flat or out_buffer, out_buffer, device, dtype, check, bar)
+    finally:
+        bar.close()
+    return records
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="benchmark", unit="method", disable=not enabled, leave=False)
+
+
+def _one_setting(quantity, batch, hidden, strategies, peers, slow_limit, min_run_time, flat, out_buffer,
+                 device, dtype, check, bar) -> list[Record]:
+    model, loss_fn, x, y = setting(batch, hidden, device=device, dtype=dtype)
+    return compare(model, loss_fn, x, y, quantity=quantity, strategies=strategies, peers=peers,
+                   slow_limit=slow_limit, min_run_time=min_run_time, flat=flat, out_buffer=out_buffer,
+                   check=check, hidden=hidden, bar=bar)
+
+
+def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, targets: torch.Tensor | None, *,
+            quantity: str = "grads", strategies: Sequence[str] = STRATEGIES, peers: Sequence[str] = (),
+            slow_limit: int = 1280, min_run_time: float = 0.2, flat: bool = False, out_buffer: bool = False,
+            check: bool = True, hidden: int | None = None, bar=None) -> list[Record]:
+    """Time strategies (and peers) side by side on any model and batch, plus the two reference rows.
+
+    ``loss_fn`` and ``targets`` are needed for ``quantity="grads"`` and for the forward+backward row
+    (for Jacobians without them, the reference backward is of the summed outputs). ``hidden`` only labels
+    the records. Returns the strategies' records, then ``forward+backward`` and ``memory floor``.
+    """
+    bar = bar if bar is not None else _progress(len(strategies) + len(peers) + 2, enabled=False)
+    batch = inputs.shape[0]
+    target = Target.of(model)
+    outputs = output_size(model, inputs) if quantity == "jacobian" else 1
+    nbytes = result_bytes(batch, target.num_params, target.dtype, outputs)
+    shape = (batch, target.num_params) if outputs == 1 else (batch, outputs, target.num_params)
+    kw = {"dtype": target.dtype, "device": target.device}
+    out = torch.empty(shape, **kw) if out_buffer else None
+
+    def base(name: str, fn: Callable[[], object]) -> Record:
+        bar.set_postfix_str(f"B={batch} {name}")
+        median, iqr = time_call(fn, min_run_time)
+        bar.update()
+        return Record(name, quantity, batch, hidden, median, iqr, nbytes)
+
+    def forward_backward() -> object:
+        output = model(inputs)
+        loss = output.sum() if loss_fn is None or targets is None else loss_fn(output, targets)
+        return torch.autograd.grad(loss, target.params, allow_unused=True)
+
+    fb = base(FORWARD_BACKWARD, forward_backward)
+    floor = base(MEMORY_FLOOR, functools.partial(torch.empty(shape, **kw).fill_, 0.5))
+    rows: list[Record] = []
+    reference: torch.Tensor | None = None
+    for name in [*strategies, *peers]:
+        bar.set_postfix_str(f"B={batch} {name}")
+        note = ""
+        if name in peers:
+            fn = peer_libs.make_peer(name, model, loss_fn, inputs, targets)
+        else:
+            strategy = resolve_strategy(name, target)
+            note = f"auto = {strategy}" if name == "auto" else ""
+            passes = backward_passes(strategy, quantity, batch, outputs)
+            if passes > slow_limit:
+                rows.append(Record(name, quantity, batch, hidden, None, None, nbytes,
+                                   note=f"skipped: {passes} backward passes > slow_limit={slow_limit}"))
+                bar.update()
+                continue
+            fn = _strategy_call(quantity, name, model, loss_fn, inputs, targets, flat, out)
+        diff = None
+        if check or name in peers:
+            result = _flat(fn(), batch).clone()
+            if reference is None:
+                reference = result
+            diff = (result - reference).abs().max().item()
+            tol = 1e-4 * max(1.0, reference.abs().max().item())
+            if name in peers and diff > tol:
+                rows.append(Record(name, quantity, batch, hidden, None, None, nbytes, max_abs_diff=diff,
+                                   note=f"not timed: disagrees with pergrad_viz by {diff:.2e}"))
+                bar.update()
+                continue
+        median, iqr = time_call(fn, min_run_time)
+        bar.update()
+        rows.append(Record(name, quantity, batch, hidden, median, iqr, nbytes, max_abs_diff=diff, note=note))
+    loop_time = next((r.median_s for r in rows if r.strategy == "loop" and not r.skipped), None)
+    for r in [fb, floor, *rows]:
+        if r.skipped:
+            continue
+        r.speedup_vs_loop = loop_time / r.median_s if loop_time else None
+        r.vs_forward_backward = r.median_s / fb.median_s
+        r.vs_memory_floor = r.median_s / floor.median_s
+    return [*rows, fb, floor]
+
+
+def _strategy_call(quantity, strategy, model, loss_fn, x, y, flat, out) -> Callable[[], object]:
+    if quantity == "grads":
+        return lambda: per_sample_grads(model, loss_fn, x, y, strategy=strategy, flat=flat, out=out)
+    return lambda: per_sample_jacobian(model, x, strategy=strategy, flat=flat, out=out)
+
+
+def _fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.3g}x"
+
+
+def _fmt_bytes(n: int) -> str:
+    from .errors import human_bytes
+
+    return human_bytes(n)
+
+
+COLUMNS = ("quantity", "batch", "hidden", "method", "median", "IQR", "vs loop", "vs fwd+bwd", "vs floor",
+           "result", "max |diff|", "note")
+
+
+def table_rows(records: Iterable[Record]) -> list[tuple[str, ...]]:
+    """The records as rows of strings, in :data:`COLUMNS` order."""
+    return [(r.quantity, str(r.batch_size), "-" if r.hidden is None else str(r.hidden), r.strategy,
+             _fmt_time(r.median_s), _fmt_time(r.iqr_s), _fmt_ratio(r.speedup_vs_loop),
+             _fmt_ratio(r.vs_forward_backward), _fmt_ratio(r.vs_memory_floor), _fmt_bytes(r.result_bytes),
+             "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.1e}", r.note)
+            for r in records]
+
+
+def format_table(records: Iterable[Record]) -> str:
+    """An aligned plain-text table; "vs loop" is a speed-up, "vs fwd+bwd" and "vs floor" are time ratios."""
+    rows = [COLUMNS, *table_rows(records)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    right = {1, 2, 4, 5, 6, 7, 8, 9, 10}
+    lines = []
+    for k, row in enumerate(rows):
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_csv(records: Iterable[Record], path: str) -> None:
+    """One row per record, with the :class:`Record` field names as header."""
+    fields = [f.name for f in dataclasses.fields(Record)]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for r in records:
+            writer.writerow(dataclasses.asdict(r))
