@@ -19,12 +19,14 @@ from .target import Target, check_modes, guest
 Result = dict[str, torch.Tensor] | torch.Tensor
 
 
-def resolve_strategy(strategy: str, target: Target) -> str:
-    """The strategy a call will use: ``auto`` is ``hooks`` where every layer has a rule, else ``torch_func``.
+def resolve_strategy(strategy: str, model: nn.Module | Target) -> str:
+    """The strategy a call on ``model`` will use: ``auto`` is ``hooks`` where every layer has a rule,
+    else ``torch_func``.
 
     Raises ValueError for an unknown name, :class:`UnsupportedModelError` for ``hooks`` on a layer
     without a rule.
     """
+    target = model if isinstance(model, Target) else Target.of(model)
     if strategy == "auto":
         try:
             hooks.check_supported(target)

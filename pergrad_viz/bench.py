@@ -12,13 +12,13 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils import benchmark
 
 from . import peers as peer_libs
 from .api import output_size, per_sample_grads, per_sample_jacobian, resolve_strategy
@@ -64,6 +64,10 @@ def backward_passes(strategy: str, quantity: str, batch: int, outputs: int) -> i
 
 def time_call(fn: Callable[[], object], min_run_time: float = 0.2) -> tuple[float, float]:
     """(median, interquartile range) in seconds from ``Timer.blocked_autorange`` (synchronises CUDA)."""
+    # torch.utils.benchmark imports cpp_extension, which logs a CUDA_HOME warning on CPU-only machines.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    from torch.utils import benchmark
+
     m = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
                         ).blocked_autorange(min_run_time=min_run_time)
     return m.median, (m.iqr if math.isfinite(m.iqr) else 0.0)
@@ -231,7 +235,9 @@ def _fmt_time(s: float | None) -> str:
 
 
 def _fmt_ratio(r: float | None) -> str:
-    return "-" if r is None else f"{r:.3g}x"
+    if r is None:
+        return "-"
+    return f"{r:.0f}x" if r >= 100 else f"{r:.3g}x"
 
 
 def _fmt_bytes(n: int) -> str:
