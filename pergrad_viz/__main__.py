@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="opacus,backpack or 'all' (per-sample gradients only)")
     b.add_argument("--flat", action="store_true", help="ask for one flat (B, P) result")
     b.add_argument("--out-buffer", action="store_true", help="write into a preallocated flat buffer (out=)")
-    b.add_argument("--slow-limit", type=int, default=1280,
-                   help="skip loop/autograd_stack/batched_grad above this many backward passes per call")
+    b.add_argument("--slow-limit", type=int, default=20480,
+                   help="skip loop/autograd_stack/batched_grad above this many sample-backward passes per call")
     b.add_argument("--min-run-time", type=float, default=0.5, help="seconds of timing per method and setting")
     b.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: unchanged)")
     b.add_argument("--dtype", choices=("float32", "float64"), default="float32")

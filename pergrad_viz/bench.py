@@ -56,10 +56,16 @@ class Record:
         return self.median_s is None
 
 
-def backward_passes(strategy: str, quantity: str, batch: int, outputs: int) -> int:
-    """How many backward passes a slow strategy runs (each over one sample or the whole batch)."""
-    per_sample = batch * (outputs if quantity == "jacobian" else 1)
-    return per_sample if strategy in SLOW else 1
+def backward_work(strategy: str, quantity: str, batch: int, outputs: int) -> int:
+    """Samples pushed through backward passes in one call of a slow strategy (0 for the fast ones).
+
+    The loop runs B (x Y for Jacobians) backward passes of one sample each; ``autograd_stack`` and
+    ``batched_grad`` run as many passes, each over the whole batch: B times the work.
+    """
+    passes = batch * (outputs if quantity == "jacobian" else 1)
+    if strategy == "loop":
+        return passes
+    return passes * batch if strategy in SLOW else 0
 
 
 def time_call(fn: Callable[[], object], min_run_time: float = 0.2) -> tuple[float, float]:
@@ -95,7 +101,7 @@ def _flat(result: dict[str, torch.Tensor] | torch.Tensor, batch: int) -> torch.T
 
 
 def sweep(quantity: str = "grads", batch_sizes: Sequence[int] = (2, 32, 128), hiddens: Sequence[int] = (20,), *,
-          strategies: Sequence[str] = STRATEGIES, peers: Sequence[str] = (), slow_limit: int = 1280,
+          strategies: Sequence[str] = STRATEGIES, peers: Sequence[str] = (), slow_limit: int = 20480,
           min_run_time: float = 0.2, flat: bool = False, out_buffer: bool = False, device: str = "cpu",
           dtype: torch.dtype = torch.float32, progress: bool = True, check: bool = True) -> list[Record]:
     """Time every strategy (and peer) at every (batch size, hidden width); returns plain records.
@@ -106,7 +112,8 @@ def sweep(quantity: str = "grads", batch_sizes: Sequence[int] = (2, 32, 128), hi
         peers: ``"opacus"`` and/or ``"backpack"`` (per-sample gradients only); each is checked for
             agreement with our result before it is timed, and left out (with a note) if it disagrees.
         slow_limit: ``loop``, ``autograd_stack`` and ``batched_grad`` are skipped (with a note saying
-            so) when they would run more than this many backward passes per call.
+            so) when they would push more than this many samples through backward passes per call
+            (see :func:`backward_work`).
         min_run_time: seconds of timing per method and setting (``blocked_autorange``).
         flat, out_buffer: ask for one (B, P) tensor; with ``out_buffer`` into a preallocated one (``out=``).
         check: compare every result with the first one computed (``max_abs_diff``).
@@ -147,7 +154,7 @@ def _one_setting(quantity, batch, hidden, strategies, peers, slow_limit, min_run
 
 def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, targets: torch.Tensor | None, *,
             quantity: str = "grads", strategies: Sequence[str] = STRATEGIES, peers: Sequence[str] = (),
-            slow_limit: int = 1280, min_run_time: float = 0.2, flat: bool = False, out_buffer: bool = False,
+            slow_limit: int = 20480, min_run_time: float = 0.2, flat: bool = False, out_buffer: bool = False,
             check: bool = True, hidden: int | None = None, bar=None) -> list[Record]:
     """Time strategies (and peers) side by side on any model and batch, plus the two reference rows.
 
@@ -187,10 +194,10 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
         else:
             strategy = resolve_strategy(name, target)
             note = f"auto = {strategy}" if name == "auto" else ""
-            passes = backward_passes(strategy, quantity, batch, outputs)
-            if passes > slow_limit:
+            work = backward_work(strategy, quantity, batch, outputs)
+            if work > slow_limit:
                 rows.append(Record(name, quantity, batch, hidden, None, None, nbytes,
-                                   note=f"skipped: {passes} backward passes > slow_limit={slow_limit}"))
+                                   note=f"skipped: {work:,} sample-backward passes > slow_limit={slow_limit:,}"))
                 bar.update()
                 continue
             fn = _strategy_call(quantity, name, model, loss_fn, inputs, targets, flat, out)

@@ -404,7 +404,7 @@ def _options(values: Sequence[int], default: int, what: str) -> tuple[int, ...]:
 
 def explorer(*, batch_sizes: Sequence[int] = POWERS_OF_TWO_BATCH, hidden_widths: Sequence[int] = POWERS_OF_TWO_HIDDEN,
              strategies: Sequence[str] = STRATEGIES, default_batch: int = 32, default_hidden: int = 20,
-             quantity: str = "grads", slow_limit: int = 64, min_run_time: float = 0.05, sweep_batches: int = 3,
+             quantity: str = "grads", slow_limit: int = 1024, min_run_time: float = 0.05, sweep_batches: int = 3,
              device: str = "cpu", dpi: float = 80, compute: bool = True) -> Explorer:
     """The interactive explorer of the strategies on the tutorial ``MLP(784, hidden, 10)``; computes once now.
 
@@ -415,8 +415,8 @@ def explorer(*, batch_sizes: Sequence[int] = POWERS_OF_TWO_BATCH, hidden_widths:
             tutorial's hidden width 20 sits between 16 and 32).
         quantity: ``"grads"`` (per-sample gradients, (B, P)) or ``"jacobian"`` (output Jacobians, (B, Y, P)).
         slow_limit: ``loop``, ``autograd_stack`` and ``batched_grad`` are skipped, with a visible note, where
-            they would run more than this many backward passes per call (B for gradients, B x 10 for
-            Jacobians).
+            they would push more than this many samples through backward passes per call (the loop: B for
+            gradients, B x 10 for Jacobians; the other two B times that, see ``bench.backward_work``).
         min_run_time: seconds of timing per method and setting (``torch.utils.benchmark``); small keeps the
             explorer responsive, at the price of noisier timings.
         sweep_batches: how many batch sizes (up to the current one) are timed for the scaling curve.
