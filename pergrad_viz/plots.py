@@ -27,6 +27,9 @@ from .strategies import STRATEGIES
 
 __all__ = [
     "bar_figure",
+    "grouped_heatmap",
+    "image_grid",
+    "norm_histogram",
     "first_layer_images",
     "gradient_heatmap",
     "param_boundaries",
@@ -481,4 +484,88 @@ def first_layer_images(weight_grad: Any, *, image: Any = None, titles: Sequence[
         bar.tick_params(labelsize="small")
     if suptitle:
         fig.suptitle(suptitle, fontsize="medium", y=1 - 0.08 / height, va="top")
+    return fig
+
+
+# --------------------------------------------------------------------------------------------- applications
+
+
+def image_grid(images: Any, *, titles: Sequence[str] | None = None, ncols: int = 8, suptitle: str | None = None
+               ) -> Figure:
+    """Input images in grey with a title each (e.g. "given: Shirt / predicted: Coat").
+
+    Args:
+        images: (K, 784), (K, 28, 28) or (K, 1, 28, 28).
+        titles: K titles.
+    """
+    imgs = _to_numpy(images)
+    k = imgs.shape[0]
+    side = math.isqrt(imgs[0].size)
+    if k == 0 or side * side != imgs[0].size:
+        raise ValueError(f"images must be (K, H*W) or (K, H, W) square images with K >= 1, got {imgs.shape}")
+    if titles is not None and len(titles) != k:
+        raise ValueError(f"got {len(titles)} titles for {k} images")
+    imgs = imgs.reshape(k, side, side)
+    ncols = max(1, min(ncols, k))
+    nrows = -(-k // ncols)
+    fig = Figure(figsize=(1.5 * ncols, 1.75 * nrows + (0.4 if suptitle else 0)), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for j, a in enumerate(axes):
+        a.set_axis_off()
+        if j < k:
+            a.imshow(imgs[j], cmap="gray", interpolation="nearest")
+            if titles is not None:
+                a.set_title(titles[j], fontsize="x-small")
+    if suptitle:
+        fig.suptitle(suptitle, fontsize="medium")
+    return fig
+
+
+def norm_histogram(before: Any, after: Any, max_norm: float, *, bins: int = 40) -> Figure:
+    """Histograms of per-sample gradient norms (B,) before and after clipping to ``max_norm``."""
+    b, a = _to_numpy(before).ravel(), _to_numpy(after).ravel()
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.add_subplot()
+    edges = np.linspace(0.0, max(float(b.max()), float(a.max()), max_norm) * 1.02, bins + 1)
+    ax.hist(b, bins=edges, alpha=0.6, label="before clipping", color="tab:blue")
+    ax.hist(a, bins=edges, alpha=0.6, label="after clipping", color="tab:orange")
+    ax.axvline(max_norm, color="k", linestyle="--", linewidth=1, label=f"max_norm C = {max_norm:g}")
+    ax.set_xlabel("per-sample gradient L2 norm")
+    ax.set_ylabel("samples")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def grouped_heatmap(matrix: Any, groups: Any, *, group_names: Sequence[str] | None = None, title: str = "",
+                    symmetric: bool = True, cmap: str | None = None, label: str = "") -> Figure:
+    """An (N, N) matrix of samples sorted by group (e.g. class), with the group blocks outlined.
+
+    Args:
+        matrix: (N, N), e.g. cosine similarities of per-sample gradients or an empirical NTK.
+        groups: (N,) group id of each row/column, sorted (rows of one group are adjacent).
+        symmetric: colour limits symmetric around 0 (diverging map); else a sequential map from the minimum.
+    """
+    m, g = _to_numpy(matrix), _to_numpy(groups).ravel()
+    if m.ndim != 2 or m.shape[0] != m.shape[1] or m.shape[0] != g.size:
+        raise ValueError(f"matrix must be (N, N) and groups (N,), got {m.shape} and {g.shape}")
+    if np.any(np.diff(g) < 0):
+        raise ValueError("groups must be sorted: order the samples by group first (e.g. torch.argsort(labels))")
+    fig = Figure(figsize=(6.2, 5.2), layout="constrained")
+    ax = fig.add_subplot()
+    if symmetric:
+        limit = float(np.abs(m).max()) or 1.0
+        shown = ax.imshow(m, cmap=cmap or DIVERGING, vmin=-limit, vmax=limit, interpolation="nearest")
+    else:
+        shown = ax.imshow(m, cmap=cmap or "viridis", interpolation="nearest")
+    starts = [0, *np.flatnonzero(np.diff(g)) + 1, g.size]
+    for s in starts[1:-1]:
+        ax.axhline(s - 0.5, color="k", linewidth=0.6)
+        ax.axvline(s - 0.5, color="k", linewidth=0.6)
+    centres = [(a + b - 1) / 2 for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    names = [group_names[int(g[s])] if group_names is not None else str(g[s]) for s in starts[:-1]]
+    ax.set_xticks(centres, names, rotation=60, ha="right", fontsize="x-small")
+    ax.set_yticks(centres, names, fontsize="x-small")
+    fig.colorbar(shown, ax=ax, label=label)
+    if title:
+        ax.set_title(title, fontsize="medium")
     return fig
