@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
-EXPECTED = {"01_per_sample_gradients.ipynb", "02_output_jacobians.ipynb", "03_explorer.ipynb"}
+EXPECTED = {"01_per_sample_gradients.ipynb", "02_output_jacobians.ipynb", "03_explorer.ipynb",
+            "04_applications.ipynb"}
 
 
 def test_the_notebooks_are_there():
