@@ -88,6 +88,12 @@ def check_modes(model: nn.Module) -> None:
                 "pass; per-sample gradients would change your model. Renormalise once yourself and "
                 "create the Embedding with max_norm=None."
             )
+        if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
+            raise UnsupportedModelError(
+                f"{label} has scale_grad_by_freq=True, which scales each token's gradient by its count in the "
+                "whole batch, so the gradient of one sample would depend on the other samples. Create the "
+                "Embedding with scale_grad_by_freq=False."
+            )
 
 
 @contextlib.contextmanager

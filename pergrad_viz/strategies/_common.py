@@ -14,7 +14,7 @@ def write(out: dict[str, torch.Tensor], names: Sequence[str], grads: Sequence[to
         if g is None:
             out[name][index].zero_()
         else:
-            out[name][index].copy_(g)
+            out[name][index].copy_(g.to_dense() if g.is_sparse else g)  # e.g. nn.Embedding(sparse=True)
 
 
 def flat_outputs(output: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""Shared test helpers: reference loops written independently of pergrad_viz, model-state snapshots."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def ref_grads(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-sample gradients by the definition: one forward and one backward per sample."""
+    named = trainable(model)
+    rows = []
+    for i in range(x.shape[0]):
+        loss = loss_fn(model(x[i:i + 1]), y[i:i + 1])
+        g = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        rows.append([torch.zeros_like(p) if gi is None else gi for gi, (_, p) in zip(g, named, strict=True)])
+    return {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(named)}
+
+
+def ref_jacobian(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-sample output Jacobians by the definition: a double loop over samples and output elements."""
+    named = trainable(model)
+    per_sample = []
+    for i in range(x.shape[0]):
+        out = model(x[i:i + 1]).reshape(-1)
+        per_out = []
+        for j in range(out.numel()):
+            g = torch.autograd.grad(out[j], [p for _, p in named], retain_graph=True, allow_unused=True)
+            per_out.append([torch.zeros_like(p) if gi is None else gi for gi, (_, p) in zip(g, named, strict=True)])
+        per_sample.append({n: torch.stack([r[k] for r in per_out]) for k, (n, _) in enumerate(named)})
+    return {n: torch.stack([s[n] for s in per_sample]) for n, _ in named}
+
+
+def flatten_ref(ref: dict[str, torch.Tensor], lead: int) -> torch.Tensor:
+    """torch.cat of the dict's values, each flattened after its first ``lead`` dimensions."""
+    return torch.cat([t.reshape(*t.shape[:lead], -1) for t in ref.values()], dim=-1)
+
+
+def assert_dict_close(got, want: dict[str, torch.Tensor], rtol: float, atol: float) -> None:
+    assert isinstance(got, dict), f"expected a dict, got {type(got).__name__}"
+    assert list(got) == list(want), f"keys/order differ: {list(got)} vs {list(want)}"
+    for name, w in want.items():
+        g = got[name]
+        assert g.shape == w.shape, f"{name}: shape {tuple(g.shape)} vs {tuple(w.shape)}"
+        assert g.dtype == w.dtype, f"{name}: dtype {g.dtype} vs {w.dtype}"
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def hook_state(model: nn.Module) -> dict:
+    """Every hook registered on the model's modules and parameters (and globally), by key."""
+    state = {}
+    for name, m in model.named_modules():
+        for attr in _HOOK_DICTS:
+            d = getattr(m, attr, None)
+            if d is not None:
+                state[(name, attr)] = list(d.keys())
+    for name, p in model.named_parameters():
+        for attr in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+            d = getattr(p, attr, None)
+            state[(name, attr)] = [] if d is None else list(d.keys())
+    for attr in _GLOBAL_HOOKS:
+        d = getattr(_module_mod, attr, None)
+        if d is not None:
+            state[("<global>", attr)] = list(d.keys())
+    return state
+
+
+def assert_no_hooks(model: nn.Module) -> None:
+    leftover = {k: v for k, v in hook_state(model).items() if v}
+    assert not leftover, f"hooks left behind: {leftover}"
+
+
+def snapshot(model: nn.Module) -> dict:
+    return {
+        "params": {n: (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()},
+        "param_ids": {n: id(p) for n, p in model.named_parameters()},
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        "buffers": {n: None if b is None else b.clone() for n, b in model.named_buffers()},
+        "training": {n: m.training for n, m in model.named_modules()},
+        "hooks": hook_state(model),
+    }
+
+
+def assert_state_unchanged(model: nn.Module, before: dict) -> None:
+    after = snapshot(model)
+    assert after["param_ids"] == before["param_ids"], "parameters were replaced"
+    for n, (p, rg) in before["params"].items():
+        q, rg2 = after["params"][n]
+        assert rg == rg2, f"{n}: requires_grad changed"
+        assert torch.equal(p, q), f"{n}: parameter values changed"
+    for n, g in before["grads"].items():
+        g2 = after["grads"][n]
+        if g is None:
+            assert g2 is None, f"{n}: .grad was None and is now set"
+        else:
+            assert g2 is not None and torch.equal(g, g2), f"{n}: .grad changed"
+    assert list(after["buffers"]) == list(before["buffers"])
+    for n, b in before["buffers"].items():
+        assert torch.equal(b, after["buffers"][n]), f"buffer {n} changed"
+    assert after["training"] == before["training"], "training flags changed"
+    assert after["hooks"] == before["hooks"], "hooks changed"

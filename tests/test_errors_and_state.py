@@ -1,0 +1,402 @@
+"""Every error and its message; the model is left exactly as it was, after success and after every error."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, snapshot
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz import api
+
+ALL = (*pv.STRATEGIES, "auto")
+QUANTITIES = ("grads", "jacobian")
+
+
+def run(quantity, model, x, y, loss=None, **kw):
+    if quantity == "grads":
+        return pv.per_sample_grads(model, loss or nn.CrossEntropyLoss(), x, y, **kw)
+    return pv.per_sample_jacobian(model, x, **kw)
+
+
+def small_model(*layers: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), *layers, nn.Linear(6, 3)).double()
+
+
+def data(b=4):
+    torch.manual_seed(1)
+    return torch.randn(b, 4, dtype=torch.float64), torch.arange(b) % 3
+
+
+class StateNet(nn.Module):
+    """Linear, LayerNorm, BatchNorm1d (eval), Dropout (eval), frozen parts, a custom buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.ln = nn.LayerNorm(6)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+        self.fc2.weight.requires_grad_(False)
+        self.register_buffer("offset", torch.linspace(-1, 1, 6))
+        self.calls = 0
+        self.fail_at = None  # raise on this call of forward, after the first layer ran
+
+    def forward(self, x):
+        self.calls += 1
+        h = torch.tanh(self.bn(self.fc1(x)))
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            self.train(not self.training)  # even a forward that flips modes before failing is undone
+            raise Boom(f"forward call {self.calls}")
+        h = self.drop(self.ln(h + self.offset))
+        return self.head(torch.tanh(self.fc2(h)))
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def state_net(mode: str) -> StateNet:
+    torch.manual_seed(2)
+    model = StateNet().double()
+    model.bn.running_mean.uniform_(-0.3, 0.3)
+    model.bn.running_var.uniform_(0.5, 1.5)
+    if mode == "train":  # train mode, with the layers that need it in eval
+        model.train()
+        model.bn.eval()
+        model.drop.eval()
+    else:
+        model.eval()
+        model.ln.train()  # mixed flags must be kept too
+    # known .grad on some parameters, None on others
+    model.fc1.weight.grad = torch.full_like(model.fc1.weight, 0.25)
+    model.head.bias.grad = torch.arange(3, dtype=torch.float64)
+    model.fc2.weight.grad = torch.ones_like(model.fc2.weight)  # frozen but with a .grad
+    assert model.fc1.bias.grad is None and model.head.weight.grad is None
+    return model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add overhead (and spin when the CPUs are shared)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------------------------------ mode errors
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES)
+@pytest.mark.parametrize("strategy", ALL)
+def test_batchnorm_in_training_mode(quantity, strategy):
+    model = small_model(nn.BatchNorm1d(6)).train()
+    x, y = data()
+    before = snapshot(model)
+    with pytest.raises(pv.UnsupportedModelError, match=r"'?1'? \(BatchNorm1d\).*batch statistics") as info:
+        run(quantity, model, x, y, strategy=strategy)
+    assert "model.eval()" in str(info.value) and "GroupNorm" in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert_state_unchanged(model, before)  # running statistics untouched: no forward ran
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES)
+def test_batchnorm_without_running_stats(quantity):
+    model = small_model(nn.BatchNorm1d(6, track_running_stats=False)).eval()
+    x, y = data()
+    with pytest.raises(pv.UnsupportedModelError, match=r"batch statistics.*model\.eval\(\).*GroupNorm"):
+        run(quantity, model, x, y)
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES)
+def test_dropout_in_training_mode(quantity):
+    model = small_model(nn.Dropout(0.3)).train()
+    x, y = data()
+    with pytest.raises(pv.UnsupportedModelError, match=r"1 \(Dropout\) is in training mode.*model\.eval\(\)"):
+        run(quantity, model, x, y)
+    # eval mode, or p=0 in training mode, is fine and deterministic
+    for m in (small_model(nn.Dropout(0.3)).eval(), small_model(nn.Dropout(0.0)).train()):
+        got = pv.per_sample_grads(m, nn.CrossEntropyLoss(), x, y)
+        want = ref_grads(m, nn.CrossEntropyLoss(), x, y)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES)
+def test_embedding_with_max_norm(quantity):
+    model = nn.Sequential(nn.Embedding(5, 6, max_norm=1.0), nn.Flatten(), nn.Linear(12, 3)).double()
+    x = torch.tensor([[0, 1], [2, 3]])
+    weight = model[0].weight.detach().clone()
+    with pytest.raises(pv.UnsupportedModelError, match=r"max_norm=1\.0.*max_norm=None"):
+        run(quantity, model, x, torch.tensor([0, 1]))
+    assert torch.equal(model[0].weight, weight)  # not renormalised
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES)
+@pytest.mark.parametrize("strategy", ALL)
+def test_embedding_scaling_gradients_by_batch_frequency(quantity, strategy):
+    model = nn.Sequential(nn.Embedding(5, 6, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(12, 3)).double()
+    x = torch.tensor([[0, 1], [1, 1]])
+    with pytest.raises(pv.UnsupportedModelError, match=r"0 \(Embedding\) has scale_grad_by_freq=True.*other samples"):
+        run(quantity, model, x, torch.tensor([0, 1]), strategy=strategy)
+
+
+class Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(6))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES)
+@pytest.mark.parametrize(("layer", "type_name"), [(nn.PReLU(), "PReLU"), (Custom(), "Custom")])
+def test_hooks_on_an_unsupported_layer(quantity, layer, type_name):
+    model = nn.Sequential()
+    model.add_module("body", nn.Sequential(nn.Linear(4, 6), layer))
+    model.add_module("head", nn.Linear(6, 3))
+    model.double()
+    x, y = data()
+    before = snapshot(model)
+    with pytest.raises(pv.UnsupportedModelError,
+                       match=rf"no rule for layer 'body\.1' \({type_name}\).*strategy='torch_func'"):
+        run(quantity, model, x, y, strategy="hooks")
+    assert_state_unchanged(model, before)
+    if (quantity, type_name) != ("jacobian", "PReLU"):  # PyTorch bug: vmap(jacrev(prelu)) (test_agreement)
+        run(quantity, model, x, y, strategy="auto")  # auto falls back to torch_func
+
+
+# ------------------------------------------------------------------------------------------ memory budget
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES)
+@pytest.mark.parametrize("strategy", ALL)
+def test_memory_budget_raised_before_allocation(quantity, strategy, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Linear(1000, 1000).double()  # P ~ 1e6
+    x = torch.zeros(1, 1000, dtype=torch.float64).expand(2000, 1000)  # B = 2000: result ~ 16 GB (x 1000 for J)
+    y = torch.zeros(2000, 1000, dtype=torch.float64).expand(2000, 1000)
+
+    def no_run(*a, **k):
+        raise AssertionError("the result was about to be allocated")
+
+    monkeypatch.setattr(api, "_run", no_run)
+    start = time.perf_counter()
+    with pytest.raises(pv.MemoryBudgetError) as info:
+        run(quantity, model, x, y, loss=nn.MSELoss(), strategy=strategy, max_bytes=1)
+    assert time.perf_counter() - start < 5
+    assert isinstance(info.value, MemoryError)
+    msg = str(info.value)
+    assert re.search(r"about \d+\.\d\d (KiB|MiB|GiB|TiB)", msg), msg
+    assert "chunk_size" in msg and "smaller batch" in msg and "max_bytes" in msg
+    assert "budget of 1 B" in msg
+
+
+def test_memory_budget_estimate_values():
+    model = nn.Linear(10, 10).double()  # P = 110
+    x, y = torch.zeros(8, 10, dtype=torch.float64), torch.zeros(8, 10, dtype=torch.float64)
+    # result 8 x 110 x 8 B = 7040 B; loop needs no working memory, torch_func one chunk more
+    with pytest.raises(pv.MemoryBudgetError, match=r"about 6\.88 KiB .*result 6\.88 KiB.*working memory 0 B"):
+        pv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="loop", max_bytes=7039)
+    pv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="loop", max_bytes=7040)
+    with pytest.raises(pv.MemoryBudgetError, match=r"about 7\.73 KiB .*working memory 880 B for chunks of 1"):
+        pv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="torch_func", chunk_size=1, max_bytes=7040)
+    # with out=, the result is not allocated: only the working memory counts
+    out = torch.empty(8, 110, dtype=torch.float64)
+    assert pv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="loop", max_bytes=0, flat=True, out=out) is out
+    with pytest.raises(pv.MemoryBudgetError, match=r"in your out= buffer"):
+        pv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="torch_func", max_bytes=10, flat=True, out=out)
+
+
+def test_default_budget_refuses_an_impossible_result(monkeypatch):
+    model = nn.Linear(1000, 1000).double()
+    x = torch.zeros(1, 1000, dtype=torch.float64).expand(10**6, 1000)  # result 8 TB
+    monkeypatch.setattr(api, "_run", lambda *a, **k: pytest.fail("allocated"))
+    with pytest.raises(pv.MemoryBudgetError, match=r"TiB.*50% of the memory available on cpu"):
+        pv.per_sample_grads(model, nn.MSELoss(), x, x, strategy="loop")
+
+
+# --------------------------------------------------------------------------------------- input errors
+
+
+def test_batch_sizes_differ():
+    model, (x, y) = small_model(), data(4)
+    with pytest.raises(ValueError, match=r"batch sizes differ: inputs has 4 samples, targets has 3 samples"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y[:3])
+    with pytest.raises(ValueError, match=r"batch sizes differ: .*targets has a scalar"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y[0])
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES)
+def test_unknown_strategy_lists_valid_names(quantity):
+    model, (x, y) = small_model(), data()
+    with pytest.raises(ValueError, match=r"unknown strategy 'vmap'") as info:
+        run(quantity, model, x, y, strategy="vmap")
+    for name in ALL:
+        assert repr(name) in str(info.value)
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES)
+def test_no_trainable_parameters(quantity):
+    model = small_model().requires_grad_(False)
+    x, y = data()
+    with pytest.raises(ValueError, match=r"no trainable parameters.*requires_grad_\(True\)"):
+        run(quantity, model, x, y)
+    with pytest.raises(ValueError, match=r"no trainable parameters"):
+        run(quantity, nn.ReLU(), x, y)
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES)
+def test_empty_batch(quantity):
+    model, (x, y) = small_model(), data()
+    with pytest.raises(ValueError, match=r"empty batch: inputs has shape \(0, 4\)"):
+        run(quantity, model, x[:0], y[:0])
+
+
+@pytest.mark.parametrize("quantity", QUANTITIES)
+def test_inputs_dtype_differs_from_model(quantity):
+    model, (x, y) = small_model(), data()
+    with pytest.raises(ValueError, match=r"inputs are torch\.float32 but the model's parameters are torch\.float64"):
+        run(quantity, model, x.float(), y)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -1, 1.5, True, "2"])
+def test_bad_chunk_size(chunk_size):
+    model, (x, y) = small_model(), data()
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive int"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, chunk_size=chunk_size)
+
+
+def test_type_errors():
+    model, (x, y) = small_model(), data()
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+        pv.per_sample_grads(lambda t: t, nn.CrossEntropyLoss(), x, y)
+    with pytest.raises(TypeError, match=r"inputs must be a torch\.Tensor"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x.tolist(), y)
+    with pytest.raises(TypeError, match=r"targets must be a torch\.Tensor"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y.tolist())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_inputs_on_another_device():
+    model, (x, y) = small_model(), data()
+    with pytest.raises(ValueError, match=r"inputs are on cuda:0 but the model's parameters are on cpu"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x.cuda(), y.cuda())
+
+
+# ---------------------------------------------------------------------------------------- model state
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("quantity", QUANTITIES)
+@pytest.mark.parametrize("strategy", ALL)
+def test_state_unchanged_after_success(strategy, quantity, mode):
+    model = state_net(mode)
+    x, y = data(5)
+    assert_no_hooks(model)
+    before = snapshot(model)
+    result = run(quantity, model, x, y, strategy=strategy, chunk_size=2)
+    assert_no_hooks(model)
+    assert_state_unchanged(model, before)
+    assert all(torch.isfinite(t).all() for t in result.values())
+    assert "fc2.weight" not in result and "fc2.bias" in result
+
+
+def _error_cases():
+    """name -> (callable(model, strategy) that must raise, expected exception, match)."""
+    x, y = data(5)
+    ce = nn.CrossEntropyLoss()
+
+    def calls_then_raise(n):
+        count = [0]
+
+        def loss(o, t):
+            count[0] += 1
+            if count[0] >= n:
+                raise Boom(f"loss call {count[0]}")
+            return ce(o, t)
+
+        return loss
+
+    def forward_fails(quantity):
+        def go(model, strategy):
+            model.fail_at = 2
+            try:
+                run(quantity, model, x, y, strategy=strategy, chunk_size=2)
+            finally:
+                model.fail_at, model.calls = None, 0
+        return go
+
+    return {
+        "loss-raises-2nd-call": (lambda m, s: pv.per_sample_grads(m, calls_then_raise(2), x, y, strategy=s,
+                                                                  chunk_size=2), Boom, "loss call"),
+        "forward-raises-grads": (forward_fails("grads"), Boom, "forward call"),
+        "forward-raises-jacobian": (forward_fails("jacobian"), Boom, "forward call"),
+        "memory-budget": (lambda m, s: pv.per_sample_grads(m, ce, x, y, strategy=s, max_bytes=1),
+                          pv.MemoryBudgetError, "budget"),
+        "memory-budget-jacobian": (lambda m, s: pv.per_sample_jacobian(m, x, strategy=s, max_bytes=1),
+                                   pv.MemoryBudgetError, "budget"),
+        "batch-sizes": (lambda m, s: pv.per_sample_grads(m, ce, x, y[:2], strategy=s), ValueError, "batch sizes"),
+        "empty-batch": (lambda m, s: pv.per_sample_jacobian(m, x[:0], strategy=s), ValueError, "empty batch"),
+        "dtype": (lambda m, s: pv.per_sample_grads(m, ce, x.float(), y, strategy=s), ValueError, "float32"),
+        "bad-out": (lambda m, s: pv.per_sample_grads(m, ce, x, y, strategy=s, flat=True,
+                                                     out=torch.empty(5, 1, dtype=torch.float64)),
+                    ValueError, "does not fit"),
+        "bad-targets": (lambda m, s: pv.per_sample_grads(m, ce, x, y + 10, strategy=s, chunk_size=2),
+                        (IndexError, RuntimeError), None),
+        "dropout-train": (lambda m, s: pv.per_sample_grads(m, ce, x, y, strategy=s),
+                          pv.UnsupportedModelError, "Dropout"),
+        "batchnorm-train": (lambda m, s: pv.per_sample_jacobian(m, x, strategy=s),
+                            pv.UnsupportedModelError, "BatchNorm1d"),
+    }
+
+
+ERROR_CASES = _error_cases()
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+@pytest.mark.parametrize("strategy", ALL)
+def test_state_unchanged_after_errors(strategy, case, mode):
+    model = state_net(mode)
+    fn, exc, match = ERROR_CASES[case]
+    if case in ("dropout-train", "batchnorm-train"):
+        getattr(model, "drop" if case == "dropout-train" else "bn").train()
+    before = snapshot(model)
+    with pytest.raises(exc, match=match):
+        fn(model, strategy)
+    assert_no_hooks(model)
+    assert_state_unchanged(model, before)
+    # and the model still works, with the same results as the reference
+    if case in ("dropout-train", "batchnorm-train"):
+        return
+    x, y = data(5)
+    got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_user_hooks_are_kept_and_called(strategy):
+    model = state_net("eval")
+    seen = []
+    handle = model.fc1.register_forward_hook(lambda m, a, o: seen.append(o.shape[0]))
+    pre = model.head.register_forward_pre_hook(lambda m, a: None)
+    before = snapshot(model)
+    x, y = data(4)
+    pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    assert_state_unchanged(model, before)
+    assert seen, "the user's hook was not called"
+    handle.remove()
+    pre.remove()
+    assert_no_hooks(model)

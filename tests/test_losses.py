@@ -1,0 +1,164 @@
+"""pergrad_viz.losses.per_sample_losses equals the loop definition loss_fn(output[i:i+1], targets[i:i+1])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pergrad_viz import losses
+from pergrad_viz.losses import per_sample_losses
+
+B = 5
+# vmap falls back to a slow path for a few ops (Bilinear, kl_div, sparse): a warning, not a failure
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+G = torch.Generator().manual_seed(0)
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add overhead (and spin when the CPUs are shared)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+
+def randn(*shape):
+    return torch.randn(*shape, generator=G, dtype=torch.float64)
+
+
+def rand(*shape):
+    return torch.rand(*shape, generator=G, dtype=torch.float64)
+
+
+def loop(loss_fn, output, targets):
+    return torch.stack([loss_fn(output[i:i + 1], targets[i:i + 1]) for i in range(output.shape[0])])
+
+
+def check(loss_fn, output, targets, fast: bool):
+    """Values and gradients (with respect to the output) equal the loop's; the fast path is taken iff ``fast``."""
+    assert losses._fast_path_ok(loss_fn, targets) is fast
+    out1 = output.detach().clone().requires_grad_(True)
+    out2 = output.detach().clone().requires_grad_(True)
+    got = per_sample_losses(loss_fn, out1, targets)
+    want = loop(loss_fn, out2, targets)
+    assert got.shape == (output.shape[0],)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, equal_nan=True)
+    weights = torch.linspace(0.5, 2.0, output.shape[0], dtype=torch.float64)
+    finite = torch.isfinite(want)
+    (g1,) = torch.autograd.grad((got[finite] * weights[finite]).sum(), out1)
+    (g2,) = torch.autograd.grad((want[finite] * weights[finite]).sum(), out2)
+    torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-14)
+
+
+def elementwise_case(cls):
+    """(kwargs, output, targets) for each elementwise loss, with extra dimensions (B, 3, 2)."""
+    shape = (B, 3, 2)
+    if cls is nn.BCELoss:
+        return {"weight": rand(3, 2) + 0.5}, torch.sigmoid(randn(*shape)), rand(*shape)
+    if cls is nn.BCEWithLogitsLoss:
+        return {"pos_weight": rand(2) + 0.5}, randn(*shape), rand(*shape)
+    if cls is nn.SoftMarginLoss:
+        return {}, randn(*shape), torch.sign(randn(*shape))
+    if cls is nn.SmoothL1Loss:
+        return {"beta": 0.5}, randn(*shape), randn(*shape)
+    if cls is nn.HuberLoss:
+        return {"delta": 0.7}, randn(*shape), randn(*shape)
+    return {}, randn(*shape), randn(*shape)
+
+
+def test_the_fast_path_lists_are_what_these_tests_cover():
+    assert set(losses._ELEMENTWISE) == {nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss,
+                                        nn.BCEWithLogitsLoss, nn.SoftMarginLoss}
+    assert set(losses._CLASS_INDEX) == {nn.CrossEntropyLoss, nn.NLLLoss}
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("cls", losses._ELEMENTWISE, ids=lambda c: c.__name__)
+def test_elementwise_losses(cls, reduction):
+    kw, output, targets = elementwise_case(cls)
+    check(cls(reduction=reduction, **kw), output, targets, fast=True)
+    check(cls(reduction=reduction), output[:, 0], targets[:, 0], fast=True)  # (B, 2)
+
+
+def _log_probs_if_nll(cls, logits):
+    return F.log_softmax(logits, dim=1) if cls is nn.NLLLoss else logits
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("cls", losses._CLASS_INDEX, ids=lambda c: c.__name__)
+def test_class_index_losses(cls, reduction):
+    out = _log_probs_if_nll(cls, randn(B, 4))
+    y = torch.tensor([0, 3, 1, 1, 2])
+    check(cls(reduction=reduction), out, y, fast=True)
+    out_k = _log_probs_if_nll(cls, randn(B, 4, 3))  # (B, C, T) with targets (B, T)
+    y_k = torch.randint(0, 4, (B, 3), generator=G)
+    check(cls(reduction=reduction), out_k, y_k, fast=True)
+    # class weights: a weighted mean needs the generic path, a weighted sum does not
+    w = torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64)
+    check(cls(weight=w, reduction=reduction), out_k, y_k, fast=reduction == "sum")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_cross_entropy_label_smoothing_and_probabilities(reduction):
+    out = randn(B, 4, 3)
+    y = torch.randint(0, 4, (B, 3), generator=G)
+    check(nn.CrossEntropyLoss(label_smoothing=0.15, reduction=reduction), out, y, fast=True)
+    probs = torch.softmax(randn(B, 4, 3), dim=1)
+    check(nn.CrossEntropyLoss(reduction=reduction), out, probs, fast=True)
+    check(nn.CrossEntropyLoss(label_smoothing=0.1, reduction=reduction), out, probs, fast=True)
+
+
+@pytest.mark.parametrize("cls", losses._CLASS_INDEX, ids=lambda c: c.__name__)
+def test_ignore_index_present_goes_the_generic_path(cls):
+    out = _log_probs_if_nll(cls, randn(B, 4, 3))
+    y = torch.tensor([[0, -100, 1], [3, 3, -100], [1, 2, 0], [-100, -100, 2], [2, 1, 3]])
+    check(cls(), out, y, fast=False)  # mean over the non-ignored positions of each sample
+    check(cls(reduction="sum"), out, y, fast=True)  # ignored terms are 0 in the sum
+    y7 = torch.where(y == -100, torch.tensor(2), y)
+    check(cls(ignore_index=2), out, y7, fast=False)
+    # a sample whose every target is ignored: 0/0 = nan, as in the loop
+    y_all = y.clone()
+    y_all[1] = -100
+    got = per_sample_losses(cls(), out, y_all)
+    assert torch.isnan(got[1]) and torch.isfinite(got[[0, 2, 3, 4]]).all()
+    check(cls(), out, y_all, fast=False)
+    # ignore_index not present: fast path
+    check(cls(), out, y.clamp(min=0), fast=True)
+
+
+class HalfMSE(nn.MSELoss):
+    """Overrides forward with its own reduction: the fast path must not use reduction='none' on it."""
+
+    def forward(self, input, target):
+        return 0.5 * ((input - target) ** 2).sum() / input.shape[-1]
+
+
+class Capped(nn.CrossEntropyLoss):
+    def forward(self, input, target):
+        return super().forward(input, target).clamp(max=1.0)
+
+
+def test_subclass_overriding_forward_goes_the_generic_path():
+    out, y = randn(B, 3, 2), randn(B, 3, 2)
+    check(HalfMSE(reduction="mean"), out, y, fast=False)
+    want = torch.stack([0.5 * ((out[i] - y[i]) ** 2).sum() / 2 for i in range(B)])
+    torch.testing.assert_close(per_sample_losses(HalfMSE(), out, y), want, rtol=1e-12, atol=1e-14)
+    logits = 3 * randn(B, 4)
+    check(Capped(), logits, torch.tensor([0, 1, 2, 3, 0]), fast=False)
+
+
+def test_other_callables_and_reductions():
+    out, y = randn(B, 3), randn(B, 3)
+    check(lambda o, t: (o - t).abs().pow(3).sum() + o.mean(), out, y, fast=False)
+    check(nn.KLDivLoss(reduction="batchmean"), F.log_softmax(out, 1), torch.softmax(y, 1), fast=False)
+    # not vmappable (.item()): falls back to a loop on the computed outputs
+    check(lambda o, t: F.mse_loss(o, t) * (2.0 if o.sum().item() > 0 else 1.0), out, y, fast=False)
+
+
+def test_the_users_loss_is_not_modified():
+    loss = nn.MSELoss(reduction="sum")
+    per_sample_losses(loss, randn(B, 2), randn(B, 2))
+    assert loss.reduction == "sum"
