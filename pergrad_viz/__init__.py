@@ -6,15 +6,31 @@ without Python loops.
 >>> J = pv.per_sample_jacobian(model, x, flat=True)           # (B, Y, P)
 """
 
+import importlib
+
 from .api import per_sample_grads, per_sample_jacobian, resolve_strategy
+from .clipping import clip_per_sample, dp_sgd_gradient
 from .errors import MemoryBudgetError, UnsupportedModelError
+from .norms import per_sample_grad_norms
+from .ntk import empirical_ntk
 from .strategies import STRATEGIES
 
 __all__ = [
     "STRATEGIES",
     "MemoryBudgetError",
     "UnsupportedModelError",
+    "clip_per_sample",
+    "dp_sgd_gradient",
+    "empirical_ntk",
+    "per_sample_grad_norms",
     "per_sample_grads",
     "per_sample_jacobian",
     "resolve_strategy",
 ]
+
+
+def __getattr__(name: str):
+    # bench, plots and widgets pull in matplotlib / ipywidgets: imported on first use (pv.widgets.explorer()).
+    if name in ("bench", "plots", "widgets", "data", "models"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'pergrad_viz' has no attribute {name!r}")

@@ -1,0 +1,122 @@
+"""Per-sample gradient clipping and the DP-SGD gradient, on the results of :func:`pergrad_viz.per_sample_grads`.
+
+Shapes: B samples, P trainable scalars. Gradients come either flat, (B, P), or as a dict
+``{name: (B, *param.shape)}``; each sample is clipped over all of its parameters jointly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Grads = torch.Tensor | dict[str, torch.Tensor]
+
+EPS = 1e-6  # added to the norm in the scale factor, as Opacus does
+
+
+def clip_per_sample(grads: Grads, max_norm: float) -> tuple[Grads, torch.Tensor]:
+    """Scale each sample's gradient so that its L2 norm (over all parameters) is at most ``max_norm``.
+
+    Sample i is multiplied by ``min(1, max_norm / (norm_i + 1e-6))``, as in DP-SGD (Opacus): gradients
+    already within the bound are returned unchanged, longer ones keep their direction.
+
+    Args:
+        grads: a flat (B, P) tensor, or ``{name: Tensor (B, *param.shape)}`` with the same B everywhere.
+        max_norm: the bound, a finite number > 0.
+
+    Returns:
+        ``(clipped, norms)``: ``clipped`` has the structure of ``grads`` (new tensors; the input is not
+        modified), ``norms`` is (B,), each sample's norm before clipping.
+
+    Raises:
+        ValueError: ``max_norm`` not a finite positive number, an empty dict, a tensor that is not (B, P),
+            dict entries with different B, dtypes or devices; TypeError: ``grads`` of another type.
+    """
+    _check_positive("max_norm", max_norm)
+    norms = _norms(grads)
+    factor = (max_norm / (norms + EPS)).clamp(max=1.0)  # (B,)
+    if isinstance(grads, torch.Tensor):
+        return grads * factor.unsqueeze(1), norms
+    return {name: g * factor.view(-1, *(1,) * (g.dim() - 1)) for name, g in grads.items()}, norms
+
+
+def dp_sgd_gradient(grads: Grads, max_norm: float, noise_multiplier: float,
+                    generator: torch.Generator | None = None) -> Grads:
+    """The DP-SGD gradient: the sum over samples of the clipped gradients, plus Gaussian noise.
+
+    ``sum_i clip(g_i) + N(0, (noise_multiplier * max_norm)^2 I)``; divide by the (expected) batch size
+    yourself for the averaged gradient Opacus hands the optimiser.
+
+    Args:
+        grads: a flat (B, P) tensor, or ``{name: Tensor (B, *param.shape)}``.
+        max_norm: the clipping bound, a finite number > 0.
+        noise_multiplier: the noise standard deviation relative to ``max_norm``, a finite number >= 0.
+        generator: a ``torch.Generator`` on the gradients' device, for reproducible noise (drawn in the
+            dict's order); None uses the global generator.
+
+    Returns:
+        One gradient: (P,) for flat input, else ``{name: Tensor (*param.shape)}``.
+
+    Raises:
+        ValueError: as :func:`clip_per_sample`, a negative or non-finite ``noise_multiplier``, or a
+            ``generator`` on another device than the gradients; TypeError: ``generator`` not a Generator.
+    """
+    _check_positive("max_norm", max_norm)
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, int | float) \
+            or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
+        raise ValueError(f"noise_multiplier must be a finite number >= 0 (0 adds no noise), got {noise_multiplier!r}")
+    clipped, _norms = clip_per_sample(grads, max_norm)
+    tensors = {"": clipped} if isinstance(clipped, torch.Tensor) else clipped
+    sample = next(iter(tensors.values()))
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != sample.device.type:
+            raise ValueError(
+                f"generator is on {generator.device} but the gradients are on {sample.device}; create it with "
+                f"torch.Generator(device={str(sample.device)!r}).manual_seed(seed)"
+            )
+    std = noise_multiplier * max_norm
+    result = {}
+    for name, g in tensors.items():
+        total = g.sum(0)
+        if std > 0:
+            total = total + std * torch.randn(total.shape, generator=generator, dtype=total.dtype,
+                                              device=total.device)
+        result[name] = total
+    return result[""] if isinstance(clipped, torch.Tensor) else result
+
+
+def _check_positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0 (the largest L2 norm a sample may keep), got {value!r}")
+
+
+def _norms(grads: Grads) -> torch.Tensor:
+    """(B,) L2 norm of each sample over all parameters; validates the structure."""
+    if isinstance(grads, torch.Tensor):
+        if grads.dim() != 2 or not grads.is_floating_point():
+            raise ValueError(
+                f"a flat gradient must be a floating-point (B, P) tensor, got {tuple(grads.shape)} {grads.dtype}; "
+                "use per_sample_grads(..., flat=True), or pass the dict {name: (B, *param.shape)}"
+            )
+        return torch.linalg.vector_norm(grads, dim=1)
+    if not isinstance(grads, dict):
+        raise TypeError(
+            f"grads must be a (B, P) tensor or a dict {{name: (B, *param.shape)}}, got {type(grads).__name__}"
+        )
+    if not grads:
+        raise ValueError("grads is an empty dict: pass at least one parameter's per-sample gradients")
+    first_name, first = next(iter(grads.items()))
+    for name, g in grads.items():
+        if not isinstance(g, torch.Tensor) or g.dim() == 0 or not g.is_floating_point():
+            raise ValueError(f"grads[{name!r}] must be a floating-point tensor (B, *param.shape), got {g!r:.80}")
+        if g.shape[0] != first.shape[0] or g.dtype != first.dtype or g.device != first.device:
+            raise ValueError(
+                f"grads[{name!r}] is ({g.shape[0]}, ...) {g.dtype} on {g.device} but grads[{first_name!r}] is "
+                f"({first.shape[0]}, ...) {first.dtype} on {first.device}: every entry needs the same samples "
+                "first, one dtype and one device (as per_sample_grads returns them)"
+            )
+    squared = torch.stack([g.reshape(g.shape[0], -1).square().sum(1) for g in grads.values()])
+    return squared.sum(0).sqrt()

@@ -1,0 +1,271 @@
+"""Per-sample gradient norms, without materialising the (B, P) per-sample gradients where the model allows it.
+
+Shapes: B samples, P trainable scalars, T positions a layer sees per sample (tokens, or the number of
+times a shared layer is called), ``in`` / ``out`` a Linear layer's features, V x D an Embedding.
+
+With the ``hooks`` strategy (what ``"auto"`` picks when every layer with trainable parameters has a rule)
+the norms come from one forward pass that captures each layer's input and one backward pass to the layer
+outputs, then, per layer:
+
+* ``nn.Linear`` on (B, in): ``||dL/dW_i||^2 = ||g_i||^2 ||a_i||^2`` and ``||dL/db_i||^2 = ||g_i||^2``
+  (the "ghost norm": the outer product g_i a_i^T is never formed);
+* ``nn.Linear`` on (B, T, in), or called T times: ``sum_{t,s} (a_t . a_s)(g_t . g_s)`` from two (B, T, T)
+  Gram matrices when ``T * T < in * out``, else the layer's own (B, out, in) gradient;
+* ``nn.Embedding``: the rows a sample touches, summed per (sample, token) with ``index_add`` and squared:
+  O(B T D) work and memory, never the (B, V, D) gradient (``padding_idx`` rows are zero);
+* every other layer with a rule (convolutions, LayerNorm, GroupNorm, BatchNorm in eval mode), and every
+  layer owning a parameter tied to another layer (e.g. an Embedding and an output Linear sharing one
+  weight): that layer's per-sample gradient (B, *param.shape) from its rule, summed over calls and over
+  the layers sharing the parameter, then its norm. Still never the whole (B, P).
+
+Other strategies (and ``"auto"`` on models the rules do not cover) materialise the per-sample gradients
+with :func:`pergrad_viz.per_sample_grads` one chunk of samples at a time and take their norms.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from . import api
+from .errors import UnsupportedModelError
+from .losses import LossFn, per_sample_losses
+from .memory import default_budget, result_bytes, working_bytes
+from .rules import Rule
+from .rules.embedding import embedding as _embedding_rule
+from .rules.linear import linear as _linear_rule
+from .strategies import hooks
+from .target import Target, guest
+
+# What one layer saw in one call: its input (B, ...) and the gradients with respect to its output,
+# (N, B, *output.shape[1:]) with N = 1 for loss gradients and N = Y for output Jacobians.
+Seen = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class NotPerSampleError(UnsupportedModelError):
+    """A layer's input does not have the samples along its first dimension (e.g. (B*T, in) after a reshape)."""
+
+
+def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
+                          strategy: str = "auto", per_parameter: bool = False,
+                          chunk_size: int | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The L2 norm of each sample's gradient, over all trainable parameters (or per parameter).
+
+    The gradient of sample i is the one :func:`pergrad_viz.per_sample_grads` returns: the gradient of
+    ``loss_fn(model(inputs[i:i+1]), targets[i:i+1])`` with respect to every parameter with
+    ``requires_grad``. With ``strategy="auto"`` or ``"hooks"`` on a model whose layers all have rules, the
+    (B, P) gradients are never built (see the module docstring); otherwise they are built ``chunk_size``
+    samples at a time (by default as many as fit in half of the free memory) and reduced to norms.
+
+    Args:
+        model: any ``nn.Module``; left exactly as it was (no hooks, same parameters, ``.grad`` and modes).
+        loss_fn: ``loss_fn(output, targets) -> scalar``, e.g. ``nn.CrossEntropyLoss()``.
+        inputs: (B, ...) on the model's device (integer dtype for Embedding models).
+        targets: (B, ...).
+        strategy: ``"auto"`` or one of :data:`pergrad_viz.STRATEGIES`.
+        per_parameter: return ``{name: (B,)}`` norms per trainable parameter instead of the total (B,).
+        chunk_size: process at most this many samples at a time.
+
+    Returns:
+        (B,) norms in the parameters' dtype, or ``{name: Tensor (B,)}`` in ``named_parameters()`` order
+        (trainable parameters only) if ``per_parameter``; the total is the root of the sum of their squares.
+
+    Raises:
+        ValueError: as :func:`pergrad_viz.per_sample_grads` (mismatched batch sizes, empty batch, unknown
+            strategy, no trainable parameters, bad ``chunk_size``); :class:`UnsupportedModelError` for
+            BatchNorm or Dropout in training mode, or ``strategy="hooks"`` on a layer without a rule.
+        TypeError: ``per_parameter`` is not a bool.
+    """
+    if not isinstance(per_parameter, bool):
+        raise TypeError(f"per_parameter must be True or False, got {per_parameter!r}")
+    target, resolved, batch, chunk = api._prepare(model, inputs, targets, strategy, chunk_size)
+    squared = None
+    if resolved == "hooks":
+        try:
+            squared = _ghost_squared_norms(target, loss_fn, inputs, targets, chunk)
+        except NotPerSampleError:
+            if strategy != "auto":
+                raise
+            resolved = "torch_func"  # a layer sees (B*T, ...) rows: the rules cannot split them by sample
+    if squared is None:
+        squared = _materialised_squared_norms(target, resolved, loss_fn, inputs, targets, chunk_size)
+    if per_parameter:
+        return {name: s.sqrt() for name, s in squared.items()}
+    return torch.stack(list(squared.values())).sum(0).sqrt()
+
+
+def _ghost_squared_norms(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+                         chunk: int) -> dict[str, torch.Tensor]:
+    """{name: (B,) squared norms}: per chunk 1 forward with hooks, 1 backward to the layer outputs."""
+    batch = inputs.shape[0]
+    squared = {n: torch.zeros(batch, dtype=target.dtype, device=target.device) for n in target.names}
+    with guest(target.model):  # hooks._capture removes its hooks; autograd.grad leaves .grad alone
+        for start in range(0, batch, chunk):
+            rows = slice(start, min(start + chunk, batch))
+            output, calls, layers = hooks._capture(target, inputs[rows])
+            if not calls:  # no layer with trainable parameters ran: all gradients are zero
+                continue
+            total = per_sample_losses(loss_fn, output, targets[rows]).sum()
+            grad_outputs = torch.autograd.grad(total, [c.output for c in calls], allow_unused=True)
+            grad_outputs = [None if g is None else g.unsqueeze(0) for g in grad_outputs]  # N = 1
+            tied = tied_names(layers)
+            summed: dict[str, torch.Tensor] = {}  # tied parameters: (B, *shape), summed over their layers
+            for module, seen in group_calls(target, calls, grad_outputs, rows.stop - start).items():
+                rule, local = layers[module]
+                if tied.isdisjoint(local.values()):
+                    for local_name, sq in _layer_squared_norms(module, rule, local, seen).items():
+                        squared[local[local_name]][rows] = sq
+                    continue
+                for local_name, g in dense_grads(rule, module, local, seen).items():
+                    name = local[local_name]
+                    summed[name] = g[0] if name not in summed else summed[name] + g[0]
+            for name, g in summed.items():
+                squared[name][rows] = g.flatten(1).square().sum(1)
+    return squared
+
+
+def _materialised_squared_norms(target: Target, strategy: str, loss_fn: LossFn, inputs: torch.Tensor,
+                                targets: torch.Tensor, chunk_size: int | None) -> dict[str, torch.Tensor]:
+    """{name: (B,) squared norms} from :func:`pergrad_viz.per_sample_grads`, one chunk of samples at a time."""
+    batch = inputs.shape[0]
+    if chunk_size is None:
+        p = target.num_params
+        per_sample = result_bytes(1, p, target.dtype) + working_bytes(strategy, 1, 1, p, target.dtype)
+        chunk = max(1, min(batch, default_budget(target.device) // per_sample))
+    else:
+        chunk = min(chunk_size, batch)
+    squared = {n: torch.empty(batch, dtype=target.dtype, device=target.device) for n in target.names}
+    for start in range(0, batch, chunk):
+        rows = slice(start, min(start + chunk, batch))
+        grads = api.per_sample_grads(target.model, loss_fn, inputs[rows], targets[rows], strategy=strategy)
+        for name, g in grads.items():
+            squared[name][rows] = g.flatten(1).square().sum(1)
+    return squared
+
+
+# Pieces shared with pergrad_viz.ntk ------------------------------------------------------------------
+
+
+def group_calls(target: Target, calls: Sequence[hooks._Call], grad_outputs: Sequence[torch.Tensor | None],
+                batch: int) -> dict[nn.Module, Seen]:
+    """Calls that reach the output, grouped by layer: {module: [(activation (B, ...), g (N, B, ...))]}.
+
+    Raises :class:`NotPerSampleError` when a layer's input or output does not have the B samples first.
+    """
+    grouped: dict[nn.Module, Seen] = {}
+    for call, g in zip(calls, grad_outputs, strict=True):
+        if g is None:  # this call does not reach the output: it contributes nothing
+            continue
+        if call.activation.dim() == 0 or call.activation.shape[0] != batch or call.output.shape[0] != batch:
+            name = next((n for n, m in target.model.named_modules() if m is call.module), "?") or "model"
+            raise NotPerSampleError(
+                f"layer '{name}' ({type(call.module).__name__}) is called on an input of shape "
+                f"{tuple(call.activation.shape)} (output {tuple(call.output.shape)}), not on the {batch} samples "
+                "along the first dimension, so its rule cannot separate the samples. Use strategy='torch_func' "
+                "(or 'auto', which falls back to it), or keep the batch dimension first in the model."
+            )
+        grouped.setdefault(call.module, []).append((call.activation, g))
+    return grouped
+
+
+def tied_names(layers: dict[nn.Module, tuple[Rule | None, dict[str, str]]]) -> set[str]:
+    """Full names of the parameters that more than one layer owns (tied weights)."""
+    owners = Counter(name for _rule, local in layers.values() for name in local.values())
+    return {name for name, count in owners.items() if count > 1}
+
+
+def ghost_kind(rule: Rule | None) -> str | None:
+    """``"linear"`` or ``"embedding"`` for the layers handled without their per-sample gradient, else None."""
+    if rule is _linear_rule:
+        return "linear"
+    if rule is _embedding_rule:
+        return "embedding"
+    return None
+
+
+def stack_calls(kind: str, module: nn.Module, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
+    """All calls of a Linear / Embedding as one call on T positions (a shared layer's calls add up).
+
+    Returns ``(a, g)``: for ``"linear"`` a is (B, T, in) and g is (N, B, T, out); for ``"embedding"`` a
+    is the (B, T) indices and g the (N, B, T, D) output gradients with padding rows zeroed.
+    """
+    batch = seen[0][0].shape[0]
+    acts, grads = [], []
+    for a, g in seen:
+        n = g.shape[0]
+        if kind == "linear":
+            acts.append(a.reshape(batch, -1, a.shape[-1]))
+            grads.append(g.reshape(n, batch, -1, g.shape[-1]))
+            continue
+        idx = a.reshape(batch, -1)
+        g = g.reshape(n, batch, idx.shape[1], module.embedding_dim)
+        if module.padding_idx is not None:
+            g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
+        acts.append(idx)
+        grads.append(g)
+    if len(seen) == 1:
+        return acts[0], grads[0]
+    return torch.cat(acts, dim=1), torch.cat(grads, dim=2)
+
+
+def dense_grads(rule: Rule, module: nn.Module, local: dict[str, str], seen: Seen) -> dict[str, torch.Tensor]:
+    """One layer's per-sample gradients from its rule, summed over calls: {local name: (N, B, *param.shape)}."""
+    total: dict[str, torch.Tensor] = {}
+    for a, g in seen:
+        n, batch = g.shape[:2]
+        out = {ln: torch.empty(n, batch, *getattr(module, ln).shape, dtype=g.dtype, device=g.device) for ln in local}
+        rule(module, a, g, out)
+        for ln, t in out.items():
+            total[ln] = t if ln not in total else total[ln].add_(t)
+    return total
+
+
+def gram_is_cheaper(tokens: int, layer_params: int) -> bool:
+    """Norms of a Linear on T tokens: two (B, T, T) Gram matrices beat the (B, out, in) gradient if T^2 < in*out."""
+    return tokens * tokens < layer_params
+
+
+def _sample_rows(idx: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, T) indices -> (B*T,) ids of (sample, token) pairs: idx + V * sample."""
+    return (idx + vocab * torch.arange(idx.shape[0], device=idx.device).unsqueeze(1)).reshape(-1)
+
+
+def _layer_squared_norms(module: nn.Module, rule: Rule, local: dict[str, str], seen: Seen) -> dict[str, torch.Tensor]:
+    """{local name: (B,) squared per-sample gradient norm} of one layer; ``seen`` has N = 1."""
+    kind = ghost_kind(rule)
+    if kind is None:  # convolutions, norms: this one layer's (B, *param.shape) gradient
+        return {ln: t[0].flatten(1).square().sum(1) for ln, t in dense_grads(rule, module, local, seen).items()}
+    a, g = stack_calls(kind, module, seen)
+    g = g[0]  # (B, T, out)
+    if kind == "embedding":
+        return {"weight": _embedding_squared_norms(a, g, module.num_embeddings)}
+    tokens = a.shape[1]
+    result = {}
+    if tokens == 1:  # the ghost norm: ||g a^T||^2 = ||g||^2 ||a||^2, and ||g||^2 for the bias
+        g_squared = torch.linalg.vector_norm(g[:, 0], dim=1).square()
+        if "weight" in local:
+            result["weight"] = g_squared * torch.linalg.vector_norm(a[:, 0], dim=1).square()
+        if "bias" in local:
+            result["bias"] = g_squared
+        return result
+    if "weight" in local:
+        if gram_is_cheaper(tokens, a.shape[-1] * g.shape[-1]):
+            result["weight"] = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2)).clamp_min(0)
+        else:
+            result["weight"] = torch.bmm(g.mT, a).square().sum((1, 2))  # (B, out, in), this layer only
+    if "bias" in local:
+        result["bias"] = g.sum(1).square().sum(1)
+    return result
+
+
+def _embedding_squared_norms(idx: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B,) squared norms of the Embedding weight's gradient from indices (B, T) and gradients (B, T, D).
+
+    Only the rows a sample touches are non-zero: sum the gradients per (sample, index), then square.
+    """
+    unique, inverse = torch.unique(_sample_rows(idx, vocab), return_inverse=True)
+    rows = g.new_zeros(unique.numel(), g.shape[-1]).index_add_(0, inverse, g.reshape(-1, g.shape[-1]))
+    return g.new_zeros(idx.shape[0]).index_add_(0, unique // vocab, rows.square().sum(1))

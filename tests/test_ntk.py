@@ -1,0 +1,290 @@
+"""pv.empirical_ntk: equal to J J^T from the materialised per-sample Jacobians (pv.per_sample_jacobian), on
+models the layer rules cover (without materialising) and on a model that forces the fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz import api, ntk
+from pergrad_viz.models import MLP, SmallCNN
+
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+
+
+class Scale(nn.Module):
+    """A layer with a trainable parameter and no rule: forces the fallback."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class TokenNet(nn.Module):
+    """Embedding (padding_idx 0) -> Linear on (B, T, D) -> mean over T -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(12, 6, padding_idx=0)
+        self.fc = nn.Linear(6, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(self.emb(x))).mean(1))
+
+
+class SharedNet(nn.Module):
+    """A Linear and a LayerNorm each called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.ln = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(torch.tanh(self.fc(x)))
+        return self.head(self.ln(torch.tanh(self.fc(h))))
+
+
+class TiedNet(nn.Module):
+    """An Embedding and the output Linear share one weight; two hidden Linears share another."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(6, 4, padding_idx=1)
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4, bias=False)
+        self.fc2.weight = self.fc1.weight
+        self.out = nn.Linear(4, 6)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(self.emb(x).mean(1)))
+        return self.out(torch.tanh(self.fc2(h)))
+
+
+class Branchy(nn.Module):
+    """Inputs whose first feature is above 100 go through an extra layer: x1 and x2 see different layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.extra = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        if bool((x[:, 0] > 100).all()):
+            h = torch.tanh(self.extra(h))
+        return self.head(h)
+
+
+class FlatRows(nn.Module):
+    """A Linear called on (N*T, D) rows: the samples are not along its input's first dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        return self.fc(x.reshape(b * t, d)).reshape(b, t, 3).mean(1)
+
+
+def case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """(model in float64, x1 (5, ...), x2 (3, ...))."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    if name == "mlp":
+        return MLP(12, 10, 3).double(), randn(5, 12), randn(3, 12)
+    if name == "cnn":
+        return SmallCNN(3).double(), randn(5, 1, 28, 28), randn(3, 1, 28, 28)
+    if name == "tokens":
+        x1 = torch.tensor([[1, 2, 2, 0, 0, 3, 1], [0, 0, 0, 0, 0, 0, 0], [5, 5, 5, 5, 4, 0, 11],
+                           [7, 7, 7, 7, 7, 7, 7], [11, 10, 9, 8, 6, 4, 3]])
+        return TokenNet().double(), x1, torch.tensor([[2, 2, 1, 0, 0, 0, 7], [3, 4, 5, 6, 7, 8, 9], [1] * 7])
+    if name == "tied":
+        return TiedNet().double(), torch.randint(0, 6, (5, 7), generator=g), torch.randint(0, 6, (3, 7), generator=g)
+    if name == "shared":
+        return SharedNet().double(), randn(5, 6), randn(3, 6)
+    if name == "flat_rows":
+        return FlatRows().double(), randn(5, 2, 4), randn(3, 2, 4)
+    if name == "fallback":
+        return nn.Sequential(nn.Linear(5, 4), Scale(4), nn.Tanh(), nn.Linear(4, 3)).double(), randn(5, 5), randn(3, 5)
+    raise AssertionError(name)
+
+
+def reference(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """J1 J2^T from the loop's (N, Y, P) Jacobians."""
+    j1 = pv.per_sample_jacobian(model, x1, strategy="loop", flat=True)
+    j2 = j1 if x2 is None else pv.per_sample_jacobian(model, x2, strategy="loop", flat=True)
+    return torch.einsum("iyp,jzp->ijyz" if mode == "full" else "iyp,jyp->ij", j1, j2)
+
+
+def refuse_jacobian(*args, **kwargs):
+    raise AssertionError("per_sample_jacobian was called: the (N, Y, P) Jacobians were materialised")
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("use_x2", [False, True], ids=["x2_none", "x2_given"])
+@pytest.mark.parametrize("mode", ntk.MODES)
+@pytest.mark.parametrize("name", ["mlp", "cnn", "tokens", "shared", "tied"])
+def test_ntk_equals_jacobian_products(name, mode, use_x2, chunk_size, monkeypatch):
+    model, x1, x2 = case(name)
+    x2 = x2 if use_x2 else None
+    want = reference(model, x1, x2, mode)
+    monkeypatch.setattr(api, "per_sample_jacobian", refuse_jacobian)
+    got = pv.empirical_ntk(model, x1, x2, mode=mode, chunk_size=chunk_size)
+    n2, y = 3 if use_x2 else 5, 6 if name == "tied" else 3
+    assert got.shape == ((5, n2, y, y) if mode == "full" else (5, n2)) and got.dtype == torch.float64
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("use_x2", [False, True], ids=["x2_none", "x2_given"])
+@pytest.mark.parametrize("mode", ntk.MODES)
+@pytest.mark.parametrize("name", ["fallback", "flat_rows"])
+def test_fallback_model(name, mode, use_x2, chunk_size, monkeypatch):
+    model, x1, x2 = case(name)
+    x2 = x2 if use_x2 else None
+    want = reference(model, x1, x2, mode)
+    calls = []
+    real = api.per_sample_jacobian
+
+    def spy(model_, inputs, **kw):
+        calls.append((inputs.shape[0], kw["strategy"]))
+        return real(model_, inputs, **kw)
+
+    monkeypatch.setattr(api, "per_sample_jacobian", spy)
+    torch.testing.assert_close(pv.empirical_ntk(model, x1, x2, mode=mode, chunk_size=chunk_size), want, **TOL)
+    assert calls == ([(5, "torch_func"), (3, "torch_func")] if use_x2 else [(5, "torch_func")])
+
+
+@pytest.mark.parametrize("mode", ntk.MODES)
+@pytest.mark.parametrize("gram", [True, False])
+def test_linear_and_embedding_both_branches(gram, mode, monkeypatch):
+    model, x1, x2 = case("tokens")
+    want = reference(model, x1, x2, mode)
+    kinds = []
+    monkeypatch.setattr(ntk, "gram_is_cheaper", lambda kind, *a: kinds.append(kind) or gram)
+    torch.testing.assert_close(pv.empirical_ntk(model, x1, x2, mode=mode), want, **TOL)
+    assert {"linear", "embedding"} <= set(kinds)
+
+
+def test_mixed_branches_between_x1_and_x2(monkeypatch):
+    # x1's chunks keep Gram pieces, x2's the layers' Jacobians: the kernel converts as needed.
+    model, x1, x2 = case("tokens")
+    want = reference(model, x1, x2, "full")
+    seen = []
+    monkeypatch.setattr(ntk, "gram_is_cheaper", lambda *a: seen.append(1) or len(seen) <= 3)
+    torch.testing.assert_close(pv.empirical_ntk(model, x1, x2), want, **TOL)
+
+
+@pytest.mark.parametrize("mode", ntk.MODES)
+def test_layer_reached_by_one_input_set_only(mode):
+    torch.manual_seed(0)
+    model = Branchy().double()
+    x1 = torch.randn(4, 4, dtype=torch.float64)
+    x1[:, 0] += 200  # x1 goes through `extra`, x2 does not
+    x2 = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(pv.empirical_ntk(model, x1, x2, mode=mode), reference(model, x1, x2, mode), **TOL)
+
+
+def test_branch_choice_by_cost():
+    lin, emb = nn.Linear(6, 5), nn.Embedding(1000, 64)
+    assert ntk.gram_is_cheaper("linear", lin, 1, 10, True)  # (N, in) inputs: always the Gram form
+    assert not ntk.gram_is_cheaper("linear", lin, 50, 3, True)  # many tokens, a small layer
+    assert ntk.gram_is_cheaper("embedding", emb, 8, 3, True)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "fallback"])
+@pytest.mark.parametrize("mode", ntk.MODES)
+def test_symmetric_when_x2_is_none(name, mode):
+    model, x1, _ = case(name)
+    k = pv.empirical_ntk(model, x1, mode=mode, chunk_size=2)
+    kt = k.transpose(0, 1)
+    assert torch.equal(k, kt.transpose(2, 3) if mode == "full" else kt)
+    diag = torch.diagonal(k.reshape(5, 5, -1)[:, :, ::4] if mode == "full" else k).reshape(-1)
+    assert (diag > 0).all()  # J J^T has a positive diagonal (||J_i[y]||^2)
+
+
+def test_trace_is_the_trace_of_full():
+    model, x1, x2 = case("cnn")
+    full = pv.empirical_ntk(model, x1, x2)
+    torch.testing.assert_close(pv.empirical_ntk(model, x1, x2, mode="trace"),
+                               torch.diagonal(full, dim1=2, dim2=3).sum(-1), **TOL)
+
+
+def test_frozen_parameters_are_left_out():
+    model, x1, x2 = case("mlp")
+    model.fc1.weight.requires_grad_(False)
+    want = reference(model, x1, x2, "full")
+    torch.testing.assert_close(pv.empirical_ntk(model, x1, x2), want, **TOL)
+    model.fc1.weight.requires_grad_(True)
+    assert not torch.allclose(pv.empirical_ntk(model, x1, x2), want)
+
+
+def test_invalid_arguments_name_the_fix():
+    model, x1, x2 = case("mlp")
+    with pytest.raises(ValueError, match="unknown mode 'diag'.*'full'.*'trace'"):
+        pv.empirical_ntk(model, x1, mode="diag")
+    with pytest.raises(ValueError, match=r"same kind.*pass x2 with shape \(N2, 12\)"):
+        pv.empirical_ntk(model, x1, x2[:, :6])
+    with pytest.raises(ValueError, match="cast one of them"):
+        pv.empirical_ntk(model, x1, x2.float())
+    with pytest.raises(ValueError, match="empty batch"):
+        pv.empirical_ntk(model, x1, x2[:0])
+    with pytest.raises(TypeError, match="inputs must be a torch.Tensor"):
+        pv.empirical_ntk(model, x1, x2.tolist())
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        pv.empirical_ntk(model, x1, chunk_size=-1)
+    tok, t1, _ = case("tokens")
+    with pytest.raises(ValueError, match="same kind"):
+        pv.empirical_ntk(tok, t1, t1.int())
+
+
+def snapshot(model: nn.Module) -> dict:
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "grads": {n: (p.grad, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()},
+        "training": [m.training for m in model.modules()],
+        "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+                     + len(m._backward_pre_hooks) for m in model.modules()),
+    }
+
+
+def assert_unchanged(model: nn.Module, before: dict) -> None:
+    after = snapshot(model)
+    assert after["hooks"] == 0 and after["training"] == before["training"]
+    for n, p in before["params"].items():
+        assert torch.equal(after["params"][n], p), n
+    for n, (obj, value) in before["grads"].items():
+        assert after["grads"][n][0] is obj and (value is None or torch.equal(after["grads"][n][1], value)), n
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "tokens", "fallback"])
+def test_model_left_as_found_after_success_and_failure(name):
+    model, x1, x2 = case(name)
+    model.train()
+    next(m for m in model.modules() if m is not model).eval()
+    first = next(model.parameters())
+    first.grad = torch.full_like(first, 3.0)
+    before = snapshot(model)
+    pv.empirical_ntk(model, x1, x2)
+    pv.empirical_ntk(model, x1, mode="trace", chunk_size=2)
+    assert_unchanged(model, before)
+    bad = x1 + 100 if name == "tokens" else torch.cat([x1, x1], dim=1)  # the forward pass fails
+    with pytest.raises((RuntimeError, IndexError)):
+        pv.empirical_ntk(model, bad)
+    assert_unchanged(model, before)
