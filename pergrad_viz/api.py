@@ -19,9 +19,10 @@ from .target import Target, check_modes, guest
 Result = dict[str, torch.Tensor] | torch.Tensor
 
 
-def resolve_strategy(strategy: str, model: nn.Module | Target) -> str:
+def resolve_strategy(strategy: str, model: nn.Module | Target, inputs: torch.Tensor | None = None) -> str:
     """The strategy a call on ``model`` will use: ``auto`` is ``hooks`` where every layer has a rule,
-    else ``torch_func``.
+    else ``torch_func``. Given ``inputs`` (B, ...), ``hooks`` also requires that every trainable parameter is
+    used only inside the forward of a layer that owns it (checked on one sample, once per model).
 
     Raises ValueError for an unknown name, :class:`UnsupportedModelError` for ``hooks`` on a layer
     without a rule.
@@ -29,14 +30,14 @@ def resolve_strategy(strategy: str, model: nn.Module | Target) -> str:
     target = model if isinstance(model, Target) else Target.of(model)
     if strategy == "auto":
         try:
-            hooks.check_supported(target)
+            hooks.check_supported(target, inputs)
             return "hooks"
         except ValueError:
             return "torch_func"
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
     if strategy == "hooks":
-        hooks.check_supported(target)
+        hooks.check_supported(target, inputs)
     return strategy
 
 
@@ -120,7 +121,7 @@ def _prepare(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor | Non
     _check_inputs(target, inputs, targets)
     chunk = _check_chunk(chunk_size, inputs.shape[0])
     check_modes(model)
-    return target, resolve_strategy(strategy, target), inputs.shape[0], chunk
+    return target, resolve_strategy(strategy, target, inputs), inputs.shape[0], chunk
 
 
 def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,

@@ -315,20 +315,19 @@ def _build(name: str):
 CASES = ["mlp", "bias-free-mse-sum", "bias-free-mse-mean", "small-cnn", *(f"conv-{k}" for k in CONV_CONFIGS),
          "embedding", "tied", "layernorm", "groupnorm", "batchnorm-eval", "frozen", "shared", "relu-inplace", "unused",
          "out-2x3", "unsupported", "prelu"]
-UNSUPPORTED = {"unsupported", "prelu"}  # layers with parameters but no hooks rule
+UNSUPPORTED = {"unsupported"}  # layers with parameters but no hooks rule
 
 
 def params(quantity: str):
     """(quantity, name, strategy) triples; vmap(jacrev) of a PReLU hits a PyTorch batching-rule bug
-    (prelu's backward under nested vmap: "The size of tensor a (B) must match ..."), so torch_func (and auto,
-    which picks it) cannot give PReLU Jacobians."""
+    (prelu's backward under nested vmap: "The size of tensor a (B) must match ..."), so torch_func cannot give
+    PReLU Jacobians (auto picks hooks, which has a PReLU rule)."""
     prelu_bug = pytest.mark.xfail(raises=RuntimeError, strict=True,
                                   reason="PyTorch: vmap(jacrev(F.prelu)) with B > 1 fails in prelu's batching rule")
     out = []
     for name in CASES:
         for strategy in ALL:
-            marks = prelu_bug if (quantity, name) == ("jacobian", "prelu") and strategy in ("torch_func", "auto") \
-                else ()
+            marks = prelu_bug if (quantity, name) == ("jacobian", "prelu") and strategy == "torch_func" else ()
             out.append(pytest.param(quantity, name, strategy, marks=marks, id=f"{quantity}-{name}-{strategy}"))
     return out
 
@@ -517,7 +516,7 @@ def test_hooks_jacobian_both_paths(name, replicate, monkeypatch):
 
 AUTO_EXPECTED = [("mlp", "hooks"), ("small-cnn", "hooks"), ("embedding", "hooks"), ("layernorm", "hooks"),
                  ("batchnorm-eval", "hooks"), ("frozen", "hooks"), ("unsupported", "torch_func"),
-                 ("prelu", "torch_func")]
+                 ("prelu", "hooks")]
 
 
 @pytest.mark.parametrize(("quantity", "name", "expected"), [
@@ -650,14 +649,43 @@ class FunctionalTiedNet(nn.Module):
         return F.linear(torch.tanh(self.mid(self.emb(idx))), self.emb.weight).mean(1)
 
 
-@pytest.mark.parametrize("strategy", [
-    pytest.param(s, marks=pytest.mark.xfail(strict=True, reason="hooks only sees a parameter's use inside the "
-                                            "forward of the module that owns it; auto picks hooks here"))
-    if s in ("hooks", "auto") else s for s in ALL])
+@pytest.mark.parametrize("strategy", ALL)
 def test_parameter_used_outside_its_module(strategy):
     torch.manual_seed(0)
     model = FunctionalTiedNet().double()
     x, y = torch.tensor([[1, 2, 1], [3, 3, 0], [5, 4, 2]]), torch.tensor([0, 2, 5])
     loss = nn.CrossEntropyLoss()
+    if strategy == "hooks":  # it would miss the use in F.linear: refused, with the way out named
+        refusal = r"parameter 'emb.weight' .* outside .*strategy='torch_func'"
+        with pytest.raises(pv.UnsupportedModelError, match=refusal):
+            pv.per_sample_grads(model, loss, x, y, strategy=strategy)
+        with pytest.raises(pv.UnsupportedModelError, match="emb.weight"):
+            pv.per_sample_jacobian(model, x, strategy=strategy)
+        return
+    if strategy == "auto":
+        assert pv.resolve_strategy("auto", model, x) == "torch_func"
     assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy=strategy), ref_grads(model, loss, x, y),
                       RTOL, ATOL)
+    assert_dict_close(pv.per_sample_jacobian(model, x, strategy=strategy), ref_jacobian(model, x), RTOL, ATOL)
+
+
+class KeywordCallNet(nn.Module):
+    """Layers called with keyword arguments: self.fc(input=x)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(input=torch.tanh(self.fc(input=x)))
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_layers_called_with_keyword_arguments(strategy):
+    torch.manual_seed(0)
+    model, x, y = KeywordCallNet().double(), torch.randn(4, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 1])
+    loss = nn.CrossEntropyLoss()
+    assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy=strategy), ref_grads(model, loss, x, y),
+                      RTOL, ATOL)
+    assert_dict_close(pv.per_sample_jacobian(model, x, strategy=strategy), ref_jacobian(model, x), RTOL, ATOL)

@@ -49,4 +49,4 @@ def supported_types() -> tuple[str, ...]:
     return tuple(sorted(t.__name__ for t in _RULES))
 
 
-from . import conv, embedding, linear, norms  # noqa: E402,F401  (registers the rules)
+from . import activations, conv, embedding, linear, norms  # noqa: E402,F401  (registers the rules)

@@ -6,16 +6,20 @@ For per-sample gradients the backward pass is a single ordinary one (of the summ
 For output Jacobians it is batched over the Y one-hot output vectors only (``is_grads_batched``), never
 over B x Y: each vector selects output j of *every* sample at once, since samples do not interact.
 
-Every layer that owns trainable parameters needs a rule; :func:`check_supported` says which does not.
+Every layer that owns trainable parameters needs a rule, and each such parameter must be used only inside
+the forward of a layer that owns it (a rule cannot see ``F.linear(h, self.emb.weight)`` in a parent's
+forward); :func:`check_supported` checks both.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..errors import UnsupportedModelError
 from ..losses import LossFn, summed_per_sample_loss
@@ -49,8 +53,13 @@ def _layers(target: Target) -> dict[nn.Module, tuple[Rule | None, dict[str, str]
     return layers
 
 
-def check_supported(target: Target) -> None:
-    """Raise :class:`UnsupportedModelError` naming the first layer with trainable parameters but no rule."""
+def check_supported(target: Target, inputs: torch.Tensor | None = None) -> None:
+    """Raise :class:`UnsupportedModelError` naming a layer with trainable parameters but no rule or, given
+    ``inputs`` (B, ...), a trainable parameter used outside the forward of the layers that own it.
+
+    The second check runs the model on one sample, once per model (until its layers change).
+    """
+    names = None
     for module, (rule, local) in _layers(target).items():
         if rule is None:
             names = {m: n for n, m in target.model.named_modules()}
@@ -60,20 +69,82 @@ def check_supported(target: Target) -> None:
                 f"Layers with rules: {', '.join(supported_types())}. Use strategy='torch_func' (or 'auto', "
                 "which picks it), or freeze those parameters with requires_grad_(False)."
             )
+    if inputs is not None:
+        _check_parameters_stay_in_their_layers(target, inputs[:1])
+
+
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
+class _ParameterWatch(TorchFunctionMode):
+    """Notes every torch function that receives a watched parameter outside the layers that own it."""
+
+    def __init__(self, owners: dict[int, tuple[str, set[nn.Module]]]):
+        super().__init__()
+        self.owners = owners
+        self.running: list[nn.Module] = []  # the layers whose forward is executing
+        self.strays: list[tuple[str, str]] = []  # (parameter, function)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            for t in value if isinstance(value, list | tuple) else (value,):
+                owner = self.owners.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if owner is not None and (not self.running or self.running[-1] not in owner[1]):
+                    self.strays.append((owner[0], getattr(func, "__name__", str(func))))
+        return func(*args, **kwargs)
+
+
+def _check_parameters_stay_in_their_layers(target: Target, sample: torch.Tensor) -> None:
+    layers = _layers(target)
+    signature = tuple((id(m), tuple(local.values())) for m, (_rule, local) in layers.items())
+    if _CHECKED.get(target.model) == signature:
+        return
+    params = dict(zip(target.names, target.params, strict=True))
+    owners: dict[int, tuple[str, set[nn.Module]]] = {}
+    for module, (_rule, local) in layers.items():
+        for name in local.values():
+            owners.setdefault(id(params[name]), (name, set()))[1].add(module)
+    watch = _ParameterWatch(owners)
+    def enter(module: nn.Module, args: tuple) -> None:
+        watch.running.append(module)
+
+    def leave(module: nn.Module, args: tuple, output: object) -> None:
+        watch.running.pop()
+
+    handles = []
+    for module in layers:
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        with torch.no_grad(), watch:
+            target.model(sample)
+    finally:
+        for h in handles:
+            h.remove()
+    if watch.strays:
+        name, func = watch.strays[0]
+        raise UnsupportedModelError(
+            f"the hooks strategy cannot see parameter '{name}' being used outside the forward of its own layer "
+            f"(by {func} in the model's forward, e.g. weights tied with F.linear(h, self.emb.weight)), so it "
+            "would miss that part of the gradient. Use strategy='torch_func' (or 'auto', which picks it), or "
+            "tie the weights by sharing the parameter between two layers (layer2.weight = layer1.weight)."
+        )
+    _CHECKED[target.model] = signature
 
 
 def _forward(target: Target, inputs: torch.Tensor, layers: dict, copy: bool) -> tuple[torch.Tensor, list[_Call]]:
     calls: list[_Call] = []
 
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        activation = args[0].detach()
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+        activation = (args[0] if args else next(iter(kwargs.values()))).detach()  # e.g. fc(input=x)
         if copy:
             activation = activation.clone()
         calls.append(_Call(module, activation, output, (activation._version, output._version)))
         # Hand later layers a copy, so that in-place ops downstream cannot change `output`.
         return output.clone() if copy else None
 
-    handles = [m.register_forward_hook(hook) for m in layers]
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in layers]
     try:
         output = target.model(inputs)
     finally:
@@ -92,15 +163,16 @@ def _capture(target: Target, inputs: torch.Tensor) -> tuple[torch.Tensor, list[_
 
 def _apply_rules(target: Target, calls: list[_Call], grad_outputs: tuple, layers: dict,
                  out: dict[str, torch.Tensor]) -> None:
-    """``out[name]`` is (N, B, *param.shape) here; sums over repeated calls of a shared layer."""
-    times_called = Counter(c.module for c in calls)
+    """``out[name]`` is (N, B, *param.shape) here; sums over repeated calls of a shared layer, and over
+    modules that share (tie) a parameter."""
+    uses = Counter(fn for c in calls for fn in layers[c.module][1].values())
     written: set[str] = set()
     for call, g in zip(calls, grad_outputs, strict=True):
         rule, local = layers[call.module]
         if g is None:  # this call does not reach the output
             g = torch.zeros(out[next(iter(local.values()))].shape[0], *call.output.shape,
                             dtype=call.output.dtype, device=call.output.device)
-        if times_called[call.module] == 1:
+        if all(uses[fn] == 1 for fn in local.values()):
             rule(call.module, call.activation, g, {ln: out[fn] for ln, fn in local.items()})
             written.update(local.values())
             continue
@@ -127,12 +199,30 @@ def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.
     _apply_rules(target, calls, grad_outputs, layers, {n: t.unsqueeze(0) for n, t in out.items()})
 
 
+REPLICATE = None  # None: choose; True/False: force (for benchmarks)
+
+
 def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward batched over the Y outputs, then the rules; writes (B, Y, *param.shape)."""
-    output, calls, layers = _capture(target, inputs)
-    outputs = flat_outputs(output)  # (B, Y)
-    batch, y_count = outputs.shape
-    one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
-    grad_outputs = torch.autograd.grad(outputs, [c.output for c in calls], grad_outputs=one_hot,
-                                       is_grads_batched=True, allow_unused=True)  # each (Y, B, ...)
+    batch = inputs.shape[0]
+    y_count = next(iter(out.values())).shape[1]
+    replicate = REPLICATE if REPLICATE is not None else False
+    if replicate:
+        # Y copies of the batch in one plain forward and backward: copy j carries output j's one-hot.
+        stacked = inputs.unsqueeze(0).expand(y_count, *inputs.shape).reshape(y_count * batch, *inputs.shape[1:])
+        output, calls, layers = _capture(target, stacked)
+        outputs = flat_outputs(output)  # (Y * B, Y)
+        one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).repeat_interleave(batch, dim=0)
+        grad_outputs = torch.autograd.grad(outputs, [c.output for c in calls], grad_outputs=one_hot,
+                                           allow_unused=True)
+        grad_outputs = tuple(None if g is None else g.view(y_count, batch, *g.shape[1:]) for g in grad_outputs)
+        for c in calls:
+            c.activation = c.activation[:batch]
+            c.output = c.output[:batch]
+    else:
+        output, calls, layers = _capture(target, inputs)
+        outputs = flat_outputs(output)  # (B, Y)
+        one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
+        grad_outputs = torch.autograd.grad(outputs, [c.output for c in calls], grad_outputs=one_hot,
+                                           is_grads_batched=True, allow_unused=True)  # each (Y, B, ...)
     _apply_rules(target, calls, grad_outputs, layers, {n: t.transpose(0, 1) for n, t in out.items()})
