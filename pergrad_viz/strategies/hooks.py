@@ -199,30 +199,12 @@ def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.
     _apply_rules(target, calls, grad_outputs, layers, {n: t.unsqueeze(0) for n, t in out.items()})
 
 
-REPLICATE = None  # None: choose; True/False: force (for benchmarks)
-
-
 def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward batched over the Y outputs, then the rules; writes (B, Y, *param.shape)."""
-    batch = inputs.shape[0]
-    y_count = next(iter(out.values())).shape[1]
-    replicate = REPLICATE if REPLICATE is not None else False
-    if replicate:
-        # Y copies of the batch in one plain forward and backward: copy j carries output j's one-hot.
-        stacked = inputs.unsqueeze(0).expand(y_count, *inputs.shape).reshape(y_count * batch, *inputs.shape[1:])
-        output, calls, layers = _capture(target, stacked)
-        outputs = flat_outputs(output)  # (Y * B, Y)
-        one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).repeat_interleave(batch, dim=0)
-        grad_outputs = torch.autograd.grad(outputs, [c.output for c in calls], grad_outputs=one_hot,
-                                           allow_unused=True)
-        grad_outputs = tuple(None if g is None else g.view(y_count, batch, *g.shape[1:]) for g in grad_outputs)
-        for c in calls:
-            c.activation = c.activation[:batch]
-            c.output = c.output[:batch]
-    else:
-        output, calls, layers = _capture(target, inputs)
-        outputs = flat_outputs(output)  # (B, Y)
-        one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
-        grad_outputs = torch.autograd.grad(outputs, [c.output for c in calls], grad_outputs=one_hot,
-                                           is_grads_batched=True, allow_unused=True)  # each (Y, B, ...)
+    output, calls, layers = _capture(target, inputs)
+    outputs = flat_outputs(output)  # (B, Y)
+    batch, y_count = outputs.shape
+    one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
+    grad_outputs = torch.autograd.grad(outputs, [c.output for c in calls], grad_outputs=one_hot,
+                                       is_grads_batched=True, allow_unused=True)  # each (Y, B, ...)
     _apply_rules(target, calls, grad_outputs, layers, {n: t.transpose(0, 1) for n, t in out.items()})
