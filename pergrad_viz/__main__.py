@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="opacus,backpack or 'all' (per-sample gradients only)")
     b.add_argument("--flat", action="store_true", help="ask for one flat (B, P) result")
     b.add_argument("--out-buffer", action="store_true", help="write into a preallocated flat buffer (out=)")
+    b.add_argument("--chunk-sizes", type=_ints, default=[], metavar="C1,C2,...",
+                   help="also time each fast strategy with these chunk_size values")
+    b.add_argument("--norms", action="store_true",
+                   help="also time per_sample_grad_norms against materialising + .norm (gradients only)")
     b.add_argument("--slow-limit", type=int, default=20480,
                    help="skip loop/autograd_stack/batched_grad above this many sample-backward passes per call")
     b.add_argument("--min-run-time", type=float, default=0.5, help="seconds of timing per method and setting")
@@ -77,7 +81,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     records = bench.sweep(args.quantity, args.batch_sizes, args.hidden, strategies=args.strategies,
                           peers=args.peers, slow_limit=args.slow_limit, min_run_time=args.min_run_time,
-                          flat=args.flat, out_buffer=args.out_buffer, device=args.device,
+                          flat=args.flat, out_buffer=args.out_buffer, chunk_sizes=args.chunk_sizes,
+                          norms=args.norms, device=args.device,
                           dtype=getattr(torch, args.dtype), progress=not args.no_progress)
     print(f"# {args.quantity} on MLP(784, hidden, 10), {args.dtype}, {args.device}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, {platform.machine()} "

@@ -102,8 +102,9 @@ def _flat(result: dict[str, torch.Tensor] | torch.Tensor, batch: int) -> torch.T
 
 def sweep(quantity: str = "grads", batch_sizes: Sequence[int] = (2, 32, 128), hiddens: Sequence[int] = (20,), *,
           strategies: Sequence[str] = STRATEGIES, peers: Sequence[str] = (), slow_limit: int = 20480,
-          min_run_time: float = 0.2, flat: bool = False, out_buffer: bool = False, device: str = "cpu",
-          dtype: torch.dtype = torch.float32, progress: bool = True, check: bool = True) -> list[Record]:
+          min_run_time: float = 0.2, flat: bool = False, out_buffer: bool = False, chunk_sizes: Sequence[int] = (),
+          norms: bool = False, device: str = "cpu", dtype: torch.dtype = torch.float32, progress: bool = True,
+          check: bool = True) -> list[Record]:
     """Time every strategy (and peer) at every (batch size, hidden width); returns plain records.
 
     Args:
@@ -116,6 +117,7 @@ def sweep(quantity: str = "grads", batch_sizes: Sequence[int] = (2, 32, 128), hi
             (see :func:`backward_work`).
         min_run_time: seconds of timing per method and setting (``blocked_autorange``).
         flat, out_buffer: ask for one (B, P) tensor; with ``out_buffer`` into a preallocated one (``out=``).
+        chunk_sizes, norms: extra rows, see :func:`compare`.
         check: compare every result with the first one computed (``max_abs_diff``).
     """
     if quantity not in QUANTITIES:
@@ -125,14 +127,17 @@ def sweep(quantity: str = "grads", batch_sizes: Sequence[int] = (2, 32, 128), hi
     for name in strategies:
         if name != "auto" and name not in STRATEGIES:
             raise ValueError(f"unknown strategy {name!r}; valid: 'auto', {', '.join(STRATEGIES)}")
-    methods = [*strategies, *peers]
     settings = [(b, h) for h in hiddens for b in batch_sizes]
-    bar = _progress(len(settings) * (len(methods) + 2), enabled=progress)
+    per_setting = len(strategies) * (1 + len(chunk_sizes)) + len(peers) + 2 * norms + 2  # at most
+    bar = _progress(len(settings) * per_setting, enabled=progress)
     records: list[Record] = []
     try:
         for batch, hidden in settings:
-            records += _one_setting(quantity, batch, hidden, strategies, peers, slow_limit, min_run_time,
-                                    flat or out_buffer, out_buffer, device, dtype, check, bar)
+            model, loss_fn, x, y = setting(batch, hidden, device=device, dtype=dtype)
+            records += compare(model, loss_fn, x, y, quantity=quantity, strategies=strategies, peers=peers,
+                               slow_limit=slow_limit, min_run_time=min_run_time, flat=flat or out_buffer,
+                               out_buffer=out_buffer, chunk_sizes=chunk_sizes, norms=norms, check=check,
+                               hidden=hidden, bar=bar)
     finally:
         bar.close()
     return records
@@ -144,25 +149,29 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="benchmark", unit="method", disable=not enabled, leave=False)
 
 
-def _one_setting(quantity, batch, hidden, strategies, peers, slow_limit, min_run_time, flat, out_buffer,
-                 device, dtype, check, bar) -> list[Record]:
-    model, loss_fn, x, y = setting(batch, hidden, device=device, dtype=dtype)
-    return compare(model, loss_fn, x, y, quantity=quantity, strategies=strategies, peers=peers,
-                   slow_limit=slow_limit, min_run_time=min_run_time, flat=flat, out_buffer=out_buffer,
-                   check=check, hidden=hidden, bar=bar)
+@dataclass
+class _Method:
+    label: str
+    fn: Callable[[], object] | None  # None: skipped, see note
+    note: str = ""
+    kind: str = "result"  # methods of one kind are checked against each other
+    peer: bool = False
 
 
 def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, targets: torch.Tensor | None, *,
             quantity: str = "grads", strategies: Sequence[str] = STRATEGIES, peers: Sequence[str] = (),
             slow_limit: int = 20480, min_run_time: float = 0.2, flat: bool = False, out_buffer: bool = False,
-            check: bool = True, hidden: int | None = None, bar=None) -> list[Record]:
+            chunk_sizes: Sequence[int] = (), norms: bool = False, check: bool = True, hidden: int | None = None,
+            bar=None) -> list[Record]:
     """Time strategies (and peers) side by side on any model and batch, plus the two reference rows.
 
     ``loss_fn`` and ``targets`` are needed for ``quantity="grads"`` and for the forward+backward row
     (for Jacobians without them, the reference backward is of the summed outputs). ``hidden`` only labels
-    the records. Returns the strategies' records, then ``forward+backward`` and ``memory floor``.
+    the records. ``chunk_sizes`` adds a row per fast strategy and chunk size (``"hooks chunk=32"``);
+    ``norms`` (gradients only) adds ``grad norms`` (:func:`pergrad_viz.per_sample_grad_norms`) and
+    ``grads + norm`` (materialise (B, P), then ``.norm(dim=1)``), checked against each other.
+    Returns the methods' records, then ``forward+backward`` and ``memory floor``.
     """
-    bar = bar if bar is not None else _progress(len(strategies) + len(peers) + 2, enabled=False)
     batch = inputs.shape[0]
     target = Target.of(model)
     outputs = output_size(model, inputs) if quantity == "jacobian" else 1
@@ -170,52 +179,42 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     shape = (batch, target.num_params) if outputs == 1 else (batch, outputs, target.num_params)
     kw = {"dtype": target.dtype, "device": target.device}
     out = torch.empty(shape, **kw) if out_buffer else None
+    methods = _methods(quantity, model, loss_fn, inputs, targets, target, strategies, peers, slow_limit, outputs,
+                       flat, out, chunk_sizes, norms)
+    bar = bar if bar is not None else _progress(len(methods) + 2, enabled=False)
 
-    def base(name: str, fn: Callable[[], object]) -> Record:
-        bar.set_postfix_str(f"B={batch} {name}")
+    def timed(label: str, fn: Callable[[], object], size: int, **fields) -> Record:
+        bar.set_postfix_str(f"B={batch} {label}")
         median, iqr = time_call(fn, min_run_time)
         bar.update()
-        return Record(name, quantity, batch, hidden, median, iqr, nbytes)
+        return Record(label, quantity, batch, hidden, median, iqr, size, **fields)
 
     def forward_backward() -> object:
         output = model(inputs)
         loss = output.sum() if loss_fn is None or targets is None else loss_fn(output, targets)
         return torch.autograd.grad(loss, target.params, allow_unused=True)
 
-    fb = base(FORWARD_BACKWARD, forward_backward)
-    floor = base(MEMORY_FLOOR, functools.partial(torch.empty(shape, **kw).fill_, 0.5))
+    fb = timed(FORWARD_BACKWARD, forward_backward, nbytes)
+    floor = timed(MEMORY_FLOOR, functools.partial(torch.empty(shape, **kw).fill_, 0.5), nbytes)
     rows: list[Record] = []
-    reference: torch.Tensor | None = None
-    for name in [*strategies, *peers]:
-        bar.set_postfix_str(f"B={batch} {name}")
-        note = ""
-        if name in peers:
-            fn = peer_libs.make_peer(name, model, loss_fn, inputs, targets)
-        else:
-            strategy = resolve_strategy(name, target)
-            note = f"auto = {strategy}" if name == "auto" else ""
-            work = backward_work(strategy, quantity, batch, outputs)
-            if work > slow_limit:
-                rows.append(Record(name, quantity, batch, hidden, None, None, nbytes,
-                                   note=f"skipped: {work:,} sample-backward passes > slow_limit={slow_limit:,}"))
-                bar.update()
-                continue
-            fn = _strategy_call(quantity, name, model, loss_fn, inputs, targets, flat, out)
+    references: dict[str, torch.Tensor] = {}
+    for m in methods:
+        size = batch * torch.empty((), **kw).element_size() if m.kind == "norms" else nbytes
+        if m.fn is None:
+            rows.append(Record(m.label, quantity, batch, hidden, None, None, size, note=m.note))
+            bar.update()
+            continue
         diff = None
-        if check or name in peers:
-            result = _flat(fn(), batch).clone()
-            if reference is None:
-                reference = result
+        if check or m.peer:
+            result = _flat(m.fn(), batch).clone()
+            reference = references.setdefault(m.kind, result)
             diff = (result - reference).abs().max().item()
-            tol = 1e-4 * max(1.0, reference.abs().max().item())
-            if name in peers and diff > tol:
-                rows.append(Record(name, quantity, batch, hidden, None, None, nbytes, max_abs_diff=diff,
+            if m.peer and diff > 1e-4 * max(1.0, reference.abs().max().item()):
+                rows.append(Record(m.label, quantity, batch, hidden, None, None, size, max_abs_diff=diff,
                                    note=f"not timed: disagrees with pergrad_viz by {diff:.2e}"))
                 bar.update()
                 continue
-        median, iqr = time_call(fn, min_run_time)
-        bar.update()
-        rows.append(Record(name, quantity, batch, hidden, median, iqr, nbytes, max_abs_diff=diff, note=note))
+        rows.append(timed(m.label, m.fn, size, max_abs_diff=diff, note=m.note))
     loop_time = next((r.median_s for r in rows if r.strategy == "loop" and not r.skipped), None)
     for r in [fb, floor, *rows]:
         if r.skipped:
@@ -226,10 +225,39 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     return [*rows, fb, floor]
 
 
-def _strategy_call(quantity, strategy, model, loss_fn, x, y, flat, out) -> Callable[[], object]:
+def _methods(quantity, model, loss_fn, inputs, targets, target, strategies, peers, slow_limit, outputs, flat, out,
+             chunk_sizes, norms) -> list[_Method]:
+    batch = inputs.shape[0]
+    methods = []
+    for name in strategies:
+        strategy = resolve_strategy(name, target, inputs)
+        note = f"auto = {strategy}" if name == "auto" else ""
+        work = backward_work(strategy, quantity, batch, outputs)
+        if work > slow_limit:
+            methods.append(_Method(name, None, f"skipped: {work:,} sample-backward passes > slow_limit={slow_limit:,}"))
+            continue
+        methods.append(_Method(name, _strategy_call(quantity, name, model, loss_fn, inputs, targets, flat, out), note))
+        if strategy not in SLOW:
+            for c in chunk_sizes:
+                methods.append(_Method(f"{name} chunk={c}", _strategy_call(quantity, name, model, loss_fn, inputs,
+                                                                          targets, flat, out, chunk_size=c), note))
+    for name in peers:
+        methods.append(_Method(name, peer_libs.make_peer(name, model, loss_fn, inputs, targets), peer=True))
+    if norms and quantity == "grads":
+        from .norms import per_sample_grad_norms
+
+        methods.append(_Method("grad norms", lambda: per_sample_grad_norms(model, loss_fn, inputs, targets),
+                               "pv.per_sample_grad_norms: (B,) norms", kind="norms"))
+        methods.append(_Method("grads + norm", lambda: per_sample_grads(model, loss_fn, inputs, targets, flat=True)
+                               .norm(dim=1), "per_sample_grads(flat=True).norm(dim=1)", kind="norms"))
+    return methods
+
+
+def _strategy_call(quantity, strategy, model, loss_fn, x, y, flat, out, chunk_size=None) -> Callable[[], object]:
     if quantity == "grads":
-        return lambda: per_sample_grads(model, loss_fn, x, y, strategy=strategy, flat=flat, out=out)
-    return lambda: per_sample_jacobian(model, x, strategy=strategy, flat=flat, out=out)
+        return lambda: per_sample_grads(model, loss_fn, x, y, strategy=strategy, flat=flat, out=out,
+                                        chunk_size=chunk_size)
+    return lambda: per_sample_jacobian(model, x, strategy=strategy, flat=flat, out=out, chunk_size=chunk_size)
 
 
 def _fmt_time(s: float | None) -> str:

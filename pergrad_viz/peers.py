@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -35,7 +36,9 @@ def _opacus(model: nn.Module, loss_fn: nn.Module, inputs: torch.Tensor, targets:
         for _, p in params:
             p.grad = None
             p.grad_sample = None
-        loss_fn(gsm(inputs), targets).backward()
+        with warnings.catch_warnings():  # "Full backward hook is firing when gradients are computed with respect
+            warnings.simplefilter("ignore")  # to module outputs since no inputs require gradients": expected here
+            loss_fn(gsm(inputs), targets).backward()
         return {n: p.grad_sample for n, p in params}
 
     return run
@@ -53,7 +56,8 @@ def _backpack(model: nn.Module, loss_fn: nn.Module, inputs: torch.Tensor, target
     def run() -> dict[str, torch.Tensor]:
         for _, p in params:
             p.grad = None
-        with backpack(BatchGrad()):
+        with backpack(BatchGrad()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # as for Opacus, and "no extension for Module MLP" (it has none itself)
             loss(net(inputs), targets).backward()
         return {n: p.grad_batch for n, p in params}
 
