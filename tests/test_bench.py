@@ -1,0 +1,135 @@
+"""The benchmark harness and the terminal comparison (no timing is asserted: only structure and honesty)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from pergrad_viz import bench, peers
+from pergrad_viz.__main__ import main
+
+FAST = {"min_run_time": 1e-3, "progress": False}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def by_method(records):
+    return {r.strategy: r for r in records}
+
+
+def test_sweep_records_every_strategy_and_the_references():
+    records = bench.sweep("grads", [3], [8], **FAST)
+    rows = by_method(records)
+    assert list(rows) == [*bench.STRATEGIES, bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR]
+    p = 784 * 8 + 8 + 8 * 10 + 10
+    for r in records:
+        assert (r.quantity, r.batch_size, r.hidden, r.result_bytes) == ("grads", 3, 8, 3 * p * 4)
+        assert r.median_s > 0 and r.iqr_s >= 0
+    loop = rows["loop"].median_s
+    assert rows["loop"].speedup_vs_loop == pytest.approx(1.0)
+    assert rows["hooks"].speedup_vs_loop == pytest.approx(loop / rows["hooks"].median_s)
+    assert rows[bench.FORWARD_BACKWARD].vs_forward_backward == pytest.approx(1.0)
+    assert rows[bench.MEMORY_FLOOR].vs_memory_floor == pytest.approx(1.0)
+    assert all(rows[s].max_abs_diff < 1e-5 for s in bench.STRATEGIES)  # the results agree
+
+
+def test_slow_strategies_are_skipped_with_a_note():
+    records = bench.sweep("jacobian", [4], [8], slow_limit=40, **FAST)
+    rows = by_method(records)
+    assert not rows["loop"].skipped  # 4 x 10 = 40 sample-backward passes: at the limit
+    for name in ("autograd_stack", "batched_grad"):  # 40 passes over the whole batch of 4: 160
+        assert rows[name].skipped and rows[name].median_s is None
+        assert rows[name].note == "skipped: 160 sample-backward passes > slow_limit=40"
+    assert rows["hooks"].result_bytes == 4 * 10 * (784 * 8 + 8 + 80 + 10) * 4
+
+
+def test_backward_work():
+    assert bench.backward_work("loop", "grads", 8, 1) == 8
+    assert bench.backward_work("loop", "jacobian", 8, 10) == 80
+    assert bench.backward_work("autograd_stack", "jacobian", 8, 10) == 640
+    assert bench.backward_work("hooks", "jacobian", 8, 10) == 0
+
+
+def test_chunk_and_norm_rows():
+    records = bench.sweep("grads", [4], [8], strategies=["auto"], chunk_sizes=[2], norms=True, **FAST)
+    rows = by_method(records)
+    assert rows["auto"].note == "auto = hooks"
+    assert "auto chunk=2" in rows and rows["auto chunk=2"].max_abs_diff < 1e-5
+    assert rows["grad norms"].result_bytes == 4 * 4 and rows["grads + norm"].max_abs_diff < 1e-4
+
+
+@pytest.mark.skipif(not all(peers.available(p) for p in peers.PEERS), reason="opacus / backpack not installed")
+def test_peers_are_checked_then_timed():
+    rows = by_method(bench.sweep("grads", [4], [8], strategies=["hooks"], peers=list(peers.PEERS), **FAST))
+    for name in peers.PEERS:
+        assert not rows[name].skipped, rows[name].note
+        assert rows[name].max_abs_diff < 1e-5
+
+
+def test_a_peer_that_disagrees_is_not_timed(monkeypatch):
+    def wrong_peer(name, model, loss_fn, x, y):
+        return lambda: {n: torch.zeros(x.shape[0], *p.shape) for n, p in model.named_parameters()}
+
+    monkeypatch.setattr(bench.peer_libs, "make_peer", wrong_peer)
+    rows = by_method(bench.sweep("grads", [4], [8], strategies=["hooks"], peers=["opacus"], **FAST))
+    assert rows["opacus"].skipped and rows["opacus"].note.startswith("not timed: disagrees with pergrad_viz by")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown quantity 'hessian'"):
+        bench.sweep("hessian", [2], [8], **FAST)
+    with pytest.raises(ValueError, match="unknown strategy 'fast'.*'auto'"):
+        bench.sweep("grads", [2], [8], strategies=["fast"], **FAST)
+    with pytest.raises(ValueError, match="peers compute per-sample gradients only"):
+        bench.sweep("jacobian", [2], [8], peers=["opacus"], **FAST)
+
+
+def test_table_is_aligned_and_readable():
+    records = bench.sweep("grads", [2], [8], strategies=["loop", "hooks"], **FAST)
+    lines = bench.format_table(records).splitlines()
+    assert lines[0].split()[:4] == ["quantity", "batch", "hidden", "method"]
+    assert set(lines[1]) <= {"-", " "}
+    assert [line.split()[3] for line in lines[2:]] == ["loop", "hooks", "forward+backward", "memory"]
+    assert len({line.index("grads") for line in lines[2:]}) == 1
+
+
+def test_cli_prints_a_table_and_writes_csv_and_png(tmp_path, capsys):
+    csv_path, png_path = tmp_path / "r.csv", tmp_path / "r.png"
+    code = main(["bench", "--quantity", "jacobian", "--batch-sizes", "2,3", "--hidden", "8", "--strategies",
+                 "loop,hooks", "--min-run-time", "0.001", "--no-progress", "--csv", str(csv_path),
+                 "--plot", str(png_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "# jacobian on MLP(784, hidden, 10), float32, cpu" in out
+    table = [line for line in out.splitlines() if line.startswith("jacobian ")]
+    assert [(line.split()[1], line.split()[3]) for line in table] == [
+        ("2", "loop"), ("2", "hooks"), ("2", "forward+backward"), ("2", "memory"),
+        ("3", "loop"), ("3", "hooks"), ("3", "forward+backward"), ("3", "memory")]
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 8 and rows[1]["strategy"] == "hooks" and float(rows[1]["median_s"]) > 0
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--batch-sizes", "0"], "positive integers"),
+    (["bench", "--strategies", "fast"], "unknown strategy fast"),
+    (["bench", "--peers", "jax"], "unknown peer jax"),
+])
+def test_cli_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_cli_peers_need_gradients(capsys):
+    assert main(["bench", "--quantity", "jacobian", "--peers", "opacus", "--no-progress"]) == 2
+    assert "--peers compute per-sample gradients only" in capsys.readouterr().err
