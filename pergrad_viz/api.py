@@ -108,10 +108,11 @@ def _run(target: Target, strategy: str, run_chunk: Callable, batch: int, chunk: 
     else:
         result = {name: torch.empty(*lead, *shape, **kw) for name, shape in target.shapes.items()}
         views = result
-    with guest(target.model):
+    with guest(target):
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)
-            run_chunk(MODULES[strategy], slice(start, stop), {n: v[start:stop] for n, v in views.items()})
+            rows = views if chunk == batch else {n: v[start:stop] for n, v in views.items()}
+            run_chunk(MODULES[strategy], slice(start, stop), rows)
     return result
 
 
@@ -120,7 +121,7 @@ def _prepare(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor | Non
     target = Target.of(model)
     _check_inputs(target, inputs, targets)
     chunk = _check_chunk(chunk_size, inputs.shape[0])
-    check_modes(model)
+    check_modes(target)
     return target, resolve_strategy(strategy, target, inputs), inputs.shape[0], chunk
 
 
@@ -187,7 +188,7 @@ def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str
         elements per sample (an output (B, *out) is flattened).
     """
     target, strategy, batch, chunk = _prepare(model, inputs, None, strategy, chunk_size)
-    with guest(model):
+    with guest(target):
         y_count = output_size(model, inputs)
     p = target.num_params
     if out is not None:

@@ -22,6 +22,7 @@ class Target:
     model: nn.Module
     names: tuple[str, ...]
     params: tuple[nn.Parameter, ...]
+    modules: tuple[tuple[str, nn.Module], ...]  # named_modules(), walked once per call
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # scratch space for one call
 
     @classmethod
@@ -35,7 +36,7 @@ class Target:
                 "to differentiate; unfreeze some with p.requires_grad_(True)"
             )
         names, params = zip(*named, strict=True)
-        return cls(model, tuple(names), tuple(params))
+        return cls(model, tuple(names), tuple(params), tuple(model.named_modules()))
 
     @property
     def shapes(self) -> dict[str, torch.Size]:
@@ -62,13 +63,13 @@ class Target:
         return state
 
 
-def check_modes(model: nn.Module) -> None:
+def check_modes(model: nn.Module | Target) -> None:
     """Refuse layers whose per-sample gradients are undefined or random in the model's current mode.
 
     BatchNorm that uses batch statistics mixes the samples of a batch, so "the gradient of sample i"
     depends on the other samples; Dropout in training mode draws different masks in each strategy.
     """
-    for name, m in model.named_modules():
+    for name, m in model.modules if isinstance(model, Target) else model.named_modules():
         label = f"{name or 'model'} ({type(m).__name__})"
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
             raise UnsupportedModelError(
@@ -97,12 +98,13 @@ def check_modes(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def guest(model: nn.Module) -> Iterator[None]:
+def guest(model: nn.Module | Target) -> Iterator[None]:
     """Leave ``model`` as it was found: every module's training flag is restored, even on error.
 
     Strategies never call ``backward()`` (so ``.grad`` is untouched) and remove their own hooks.
     """
-    flags = [(m, m.training) for m in model.modules()]
+    modules = (m for _, m in model.modules) if isinstance(model, Target) else model.modules()
+    flags = [(m, m.training) for m in modules]
     try:
         yield
     finally:

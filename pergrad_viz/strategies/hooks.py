@@ -45,8 +45,8 @@ def _layers(target: Target) -> dict[nn.Module, tuple[Rule | None, dict[str, str]
         return target.cache["hooks.layers"]
     full_name = {id(p): n for n, p in zip(target.names, target.params, strict=True)}
     layers = {}
-    for module in target.model.modules():
-        local = {ln: full_name[id(p)] for ln, p in module.named_parameters(recurse=False) if id(p) in full_name}
+    for _, module in target.modules:
+        local = {ln: full_name[id(p)] for ln, p in module._parameters.items() if id(p) in full_name}
         if local:
             layers[module] = (rule_for(module), local)
     target.cache["hooks.layers"] = layers
@@ -62,7 +62,7 @@ def check_supported(target: Target, inputs: torch.Tensor | None = None) -> None:
     names = None
     for module, (rule, local) in _layers(target).items():
         if rule is None:
-            names = {m: n for n, m in target.model.named_modules()}
+            names = {m: n for n, m in target.modules}
             raise UnsupportedModelError(
                 f"the hooks strategy has no rule for layer '{names[module] or 'model'}' "
                 f"({type(module).__name__}), which owns trainable parameters {sorted(local)}. "
