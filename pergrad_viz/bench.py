@@ -28,6 +28,9 @@ from .models import MLP
 from .strategies import STRATEGIES
 from .target import Target
 
+# torch.utils.benchmark imports cpp_extension, which logs a CUDA_HOME warning on CPU-only machines.
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
 QUANTITIES = ("grads", "jacobian")
 FORWARD_BACKWARD = "forward+backward"
 MEMORY_FLOOR = "memory floor"
@@ -70,8 +73,6 @@ def backward_work(strategy: str, quantity: str, batch: int, outputs: int) -> int
 
 def time_call(fn: Callable[[], object], min_run_time: float = 0.2) -> tuple[float, float]:
     """(median, interquartile range) in seconds from ``Timer.blocked_autorange`` (synchronises CUDA)."""
-    # torch.utils.benchmark imports cpp_extension, which logs a CUDA_HOME warning on CPU-only machines.
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     from torch.utils import benchmark
 
     m = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
