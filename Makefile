@@ -31,10 +31,18 @@ unit: setup lint
 lint: setup
 	$(PY) -m ruff check .
 
-## Side-by-side timing tables in the terminal
+## Side-by-side timing tables in the terminal (the README's Performance section), plot in bench-out/
 bench: setup
-	$(PY) -m pergrad_viz bench --quantity grads --batch-sizes 2,32,128 --hidden 20 --peers all
-	$(PY) -m pergrad_viz bench --quantity jacobian --batch-sizes 2,32,128 --hidden 20
+	@mkdir -p bench-out
+	$(PY) -m pergrad_viz bench --quantity grads --batch-sizes 2,32,128 --hidden 20 --peers all \
+		--csv bench-out/grads.csv --plot bench-out/grads.png
+	$(PY) -m pergrad_viz bench --quantity jacobian --batch-sizes 2,32,128 --hidden 20 \
+		--csv bench-out/jacobian.csv --plot bench-out/jacobian.png
+	$(PY) -m pergrad_viz bench --quantity grads --batch-sizes 64 --hidden 20 --strategies all --peers all --norms
+	$(PY) -m pergrad_viz bench --quantity grads --batch-sizes 64 --hidden 512 --strategies loop,torch_func,auto \
+		--out-buffer --peers all --norms
+	$(PY) -m pergrad_viz bench --quantity grads --batch-sizes 256 --hidden 20 --strategies torch_func,auto \
+		--chunk-sizes 32,64
 
 ## Debian's Chromium for the browser tests (never `playwright install`: it downloads)
 browser:

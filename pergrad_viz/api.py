@@ -165,7 +165,10 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
                  max_bytes=max_bytes, allocate_result=out is None, device=target.device, batch=batch, chunk=chunk)
 
     def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
-        module.grads(target, loss_fn, inputs[rows], targets[rows], views)
+        if rows.stop - rows.start == batch:
+            module.grads(target, loss_fn, inputs, targets, views)
+        else:
+            module.grads(target, loss_fn, inputs[rows], targets[rows], views)
 
     return _run(target, strategy, run_chunk, batch, chunk, None, flat, out)
 
@@ -199,6 +202,6 @@ def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str
                  max_bytes=max_bytes, allocate_result=out is None, device=target.device, batch=batch, chunk=chunk)
 
     def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
-        module.jacobian(target, inputs[rows], views)
+        module.jacobian(target, inputs if rows.stop - rows.start == batch else inputs[rows], views)
 
     return _run(target, strategy, run_chunk, batch, chunk, y_count, flat, out)

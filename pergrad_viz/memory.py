@@ -35,7 +35,7 @@ def default_budget(device: torch.device) -> int:
 
 def result_bytes(batch: int, num_params: int, dtype: torch.dtype, outputs: int = 1) -> int:
     """Bytes of a (B, P) per-sample gradient result, or of a (B, Y, P) Jacobian when ``outputs`` = Y."""
-    return batch * outputs * num_params * torch.empty((), dtype=dtype).element_size()
+    return batch * outputs * num_params * dtype.itemsize
 
 
 def working_bytes(strategy: str, chunk: int, batch: int, num_params: int, dtype: torch.dtype,
@@ -49,8 +49,7 @@ def working_bytes(strategy: str, chunk: int, batch: int, num_params: int, dtype:
     if strategy == "torch_func":
         return per_chunk
     if strategy == "batched_grad":
-        item = torch.empty((), dtype=dtype).element_size()
-        return per_chunk + (chunk * outputs) ** 2 * item
+        return per_chunk + (chunk * outputs) ** 2 * dtype.itemsize
     return 0
 
 
