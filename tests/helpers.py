@@ -112,3 +112,20 @@ def assert_state_unchanged(model: nn.Module, before: dict) -> None:
         assert torch.equal(b, after["buffers"][n]), f"buffer {n} changed"
     assert after["training"] == before["training"], "training flags changed"
     assert after["hooks"] == before["hooks"], "hooks changed"
+
+
+class TiedNet(nn.Module):
+    """An Embedding and the output Linear share one weight; two hidden Linears share another."""
+
+    def __init__(self, vocab: int = 10):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 4, padding_idx=1)
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4, bias=False)
+        self.fc2.weight = self.fc1.weight
+        self.out = nn.Linear(4, vocab)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(self.emb(x).mean(1)))
+        return self.out(torch.tanh(self.fc2(h)))

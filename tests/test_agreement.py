@@ -25,15 +25,6 @@ DEVICES = [
 RTOL, ATOL = 1e-10, 1e-12  # float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and spin when the CPUs are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # --------------------------------------------------------------------------------------------- models
 
 

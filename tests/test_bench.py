@@ -13,14 +13,6 @@ from pergrad_viz.__main__ import main
 FAST = {"min_run_time": 1e-3, "progress": False}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def by_method(records):
     return {r.strategy: r for r in records}
 

@@ -83,15 +83,6 @@ def state_net(mode: str) -> StateNet:
     return model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and spin when the CPUs are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ------------------------------------------------------------------------------------------ mode errors
 
 

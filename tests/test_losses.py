@@ -15,15 +15,6 @@ B = 5
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 G = torch.Generator().manual_seed(0)
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and spin when the CPUs are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 
 def randn(*shape):
     return torch.randn(*shape, generator=G, dtype=torch.float64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TiedNet
 from torch import nn
 
 import pergrad_viz as pv
@@ -82,23 +83,6 @@ class SharedEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.emb(x[:, :4]).mean(1) * self.emb(x[:, 4:]).sum(1)))
-
-
-class TiedNet(nn.Module):
-    """An Embedding and the output Linear share one weight; two hidden Linears share another."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 4, padding_idx=1)
-        self.fc1 = nn.Linear(4, 4)
-        self.fc2 = nn.Linear(4, 4, bias=False)
-        self.fc2.weight = self.fc1.weight
-        self.out = nn.Linear(4, 10)
-        self.out.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.fc1(self.emb(x).mean(1)))
-        return self.out(torch.tanh(self.fc2(h)))
 
 
 class Scale(nn.Module):
@@ -186,7 +170,7 @@ def case(name: str) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
     if name == "tokens":
         return TokenNet().double(), ce, tokens(), classes
     if name == "tied":
-        return TiedNet().double(), ce, torch.randint(0, 10, (5, 6), generator=g), classes
+        return TiedNet(vocab=10).double(), ce, torch.randint(0, 10, (5, 6), generator=g), classes
     if name == "layer_norm":
         return LayerNormNet().double(), mse, torch.randn(5, 4, 6, generator=g, dtype=torch.float64), \
             torch.randn(5, 3, generator=g, dtype=torch.float64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TiedNet
 from torch import nn
 
 import pergrad_viz as pv
@@ -52,23 +53,6 @@ class SharedNet(nn.Module):
         return self.head(self.ln(torch.tanh(self.fc(h))))
 
 
-class TiedNet(nn.Module):
-    """An Embedding and the output Linear share one weight; two hidden Linears share another."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(6, 4, padding_idx=1)
-        self.fc1 = nn.Linear(4, 4)
-        self.fc2 = nn.Linear(4, 4, bias=False)
-        self.fc2.weight = self.fc1.weight
-        self.out = nn.Linear(4, 6)
-        self.out.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.fc1(self.emb(x).mean(1)))
-        return self.out(torch.tanh(self.fc2(h)))
-
-
 class Branchy(nn.Module):
     """Inputs whose first feature is above 100 go through an extra layer: x1 and x2 see different layers."""
 
@@ -114,7 +98,8 @@ def case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
                            [7, 7, 7, 7, 7, 7, 7], [11, 10, 9, 8, 6, 4, 3]])
         return TokenNet().double(), x1, torch.tensor([[2, 2, 1, 0, 0, 0, 7], [3, 4, 5, 6, 7, 8, 9], [1] * 7])
     if name == "tied":
-        return TiedNet().double(), torch.randint(0, 6, (5, 7), generator=g), torch.randint(0, 6, (3, 7), generator=g)
+        tokens = torch.randint(0, 6, (8, 7), generator=g)
+        return TiedNet(vocab=6).double(), tokens[:5], tokens[5:]
     if name == "shared":
         return SharedNet().double(), randn(5, 6), randn(3, 6)
     if name == "flat_rows":
