@@ -17,7 +17,7 @@ setup: $(STAMP)
 
 ## JupyterLab on the notebooks (widgets render: ipywidgets 8, JupyterLab 4)
 lab: setup
-	$(PY) -m jupyter lab --notebook-dir=notebooks
+	$(PY) -m jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## Everything: lint, unit tests, notebooks through nbval, browser tests
 test: setup browser lint
