@@ -28,6 +28,8 @@ def resolve_strategy(strategy: str, model: nn.Module | Target, inputs: torch.Ten
     without a rule.
     """
     target = model if isinstance(model, Target) else Target.of(model)
+    if inputs is not None:
+        check_modes(target)  # before the hooks check runs the model on a sample
     if strategy == "auto":
         try:
             hooks.check_supported(target, inputs)
@@ -55,6 +57,9 @@ def _check_inputs(target: Target, inputs: torch.Tensor, targets: torch.Tensor | 
                 f"batch sizes differ: inputs has {inputs.shape[0]} samples, targets has {got}; "
                 "pass one target per input sample (same first dimension)"
             )
+        if targets.device != inputs.device:
+            raise ValueError(f"targets are on {targets.device} but inputs are on {inputs.device}; "
+                             f"move them with targets.to({str(inputs.device)!r})")
     if inputs.device != target.device:
         raise ValueError(
             f"inputs are on {inputs.device} but the model's parameters are on {target.device}; "
@@ -121,7 +126,6 @@ def _prepare(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor | Non
     target = Target.of(model)
     _check_inputs(target, inputs, targets)
     chunk = _check_chunk(chunk_size, inputs.shape[0])
-    check_modes(target)
     return target, resolve_strategy(strategy, target, inputs), inputs.shape[0], chunk
 
 

@@ -26,7 +26,7 @@ from .data import load_sample
 from .memory import result_bytes
 from .models import MLP
 from .strategies import STRATEGIES
-from .target import Target
+from .target import Target, check_modes
 
 # torch.utils.benchmark imports cpp_extension, which logs a CUDA_HOME warning on CPU-only machines.
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -136,7 +136,7 @@ def sweep(quantity: str = "grads", batch_sizes: Sequence[int] = (2, 32, 128), hi
         for batch, hidden in settings:
             model, loss_fn, x, y = setting(batch, hidden, device=device, dtype=dtype)
             records += compare(model, loss_fn, x, y, quantity=quantity, strategies=strategies, peers=peers,
-                               slow_limit=slow_limit, min_run_time=min_run_time, flat=flat or out_buffer,
+                               slow_limit=slow_limit, min_run_time=min_run_time, flat=flat,
                                out_buffer=out_buffer, chunk_sizes=chunk_sizes, norms=norms, check=check,
                                hidden=hidden, bar=bar)
     finally:
@@ -175,6 +175,8 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     """
     batch = inputs.shape[0]
     target = Target.of(model)
+    check_modes(target)  # before the model runs (BatchNorm in training mode would update its statistics)
+    flat = flat or out_buffer
     outputs = output_size(model, inputs) if quantity == "jacobian" else 1
     nbytes = result_bytes(batch, target.num_params, target.dtype, outputs)
     shape = (batch, target.num_params) if outputs == 1 else (batch, outputs, target.num_params)
@@ -200,7 +202,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     rows: list[Record] = []
     references: dict[str, torch.Tensor] = {}
     for m in methods:
-        size = batch * torch.empty((), **kw).element_size() if m.kind == "norms" else nbytes
+        size = result_bytes(batch, 1, target.dtype) if m.kind == "norms" else nbytes
         if m.fn is None:
             rows.append(Record(m.label, quantity, batch, hidden, None, None, size, note=m.note))
             bar.update()

@@ -66,10 +66,8 @@ def dp_sgd_gradient(grads: Grads, max_norm: float, noise_multiplier: float,
     if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, int | float) \
             or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be a finite number >= 0 (0 adds no noise), got {noise_multiplier!r}")
-    clipped, _norms = clip_per_sample(grads, max_norm)
-    tensors = {"": clipped} if isinstance(clipped, torch.Tensor) else clipped
-    sample = next(iter(tensors.values()))
-    if generator is not None:
+    sample = grads if isinstance(grads, torch.Tensor) else next(iter(grads.values()), None)
+    if generator is not None and sample is not None:  # checked before the (B, P) clipped copy is made
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if generator.device.type != sample.device.type:
@@ -77,6 +75,8 @@ def dp_sgd_gradient(grads: Grads, max_norm: float, noise_multiplier: float,
                 f"generator is on {generator.device} but the gradients are on {sample.device}; create it with "
                 f"torch.Generator(device={str(sample.device)!r}).manual_seed(seed)"
             )
+    clipped, _norms = clip_per_sample(grads, max_norm)
+    tensors = {"": clipped} if isinstance(clipped, torch.Tensor) else clipped
     std = noise_multiplier * max_norm
     result = {}
     for name, g in tensors.items():

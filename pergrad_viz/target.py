@@ -13,6 +13,7 @@ from torch import nn
 from .errors import UnsupportedModelError
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_RANDOM_IN_TRAINING = (*_DROPOUT, nn.RReLU)  # draw random numbers on every forward in training mode
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,9 @@ def check_modes(model: nn.Module | Target) -> None:
                 "per-sample gradients are not defined. Call model.eval() to use the running statistics, "
                 "or use GroupNorm / LayerNorm instead of BatchNorm."
             )
-        if isinstance(m, _DROPOUT) and m.training and m.p > 0:
+        if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0:
             raise UnsupportedModelError(
-                f"{label} is in training mode: it would draw a different random mask in each strategy "
+                f"{label} is in training mode: it would draw different random numbers (masks, slopes) in each strategy "
                 "and each sample, so results would be random and not comparable. Call model.eval() "
                 "(or set p=0) before computing per-sample gradients."
             )

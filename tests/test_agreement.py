@@ -680,3 +680,30 @@ def test_layers_called_with_keyword_arguments(strategy):
     assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy=strategy), ref_grads(model, loss, x, y),
                       RTOL, ATOL)
     assert_dict_close(pv.per_sample_jacobian(model, x, strategy=strategy), ref_jacobian(model, x), RTOL, ATOL)
+
+
+class TimeFirstNet(nn.Module):
+    """A Linear applied to (T, B, in): its first dimension is not the batch (here T == B, so shapes match)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, T, 4)
+        return self.fc(x.transpose(0, 1)).mean(0)
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_layer_without_the_batch_first(strategy):
+    torch.manual_seed(0)
+    model, x, y = TimeFirstNet().double(), torch.randn(3, 3, 4, dtype=torch.float64), torch.tensor([0, 1, 2])
+    loss = nn.CrossEntropyLoss()
+    if strategy == "hooks":  # the rules would mix the samples: refused, with the way out named
+        with pytest.raises(pv.UnsupportedModelError, match=r"layer 'fc' \(Linear\) .*first dimension.*torch_func"):
+            pv.per_sample_grads(model, loss, x, y, strategy=strategy)
+        return
+    if strategy == "auto":
+        assert pv.resolve_strategy("auto", model, x) == "torch_func"
+    assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy=strategy), ref_grads(model, loss, x, y),
+                      RTOL, ATOL)
+    assert_dict_close(pv.per_sample_jacobian(model, x, strategy=strategy), ref_jacobian(model, x), RTOL, ATOL)

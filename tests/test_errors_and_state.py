@@ -390,3 +390,25 @@ def test_user_hooks_are_kept_and_called(strategy):
     handle.remove()
     pre.remove()
     assert_no_hooks(model)
+
+
+def test_resolve_strategy_checks_modes_before_running_the_model():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    before = snapshot(model)
+    with pytest.raises(pv.UnsupportedModelError, match="batch statistics"):
+        pv.resolve_strategy("auto", model, torch.randn(3, 4))
+    assert_state_unchanged(model, before)  # running statistics untouched: the model never ran
+
+
+def test_rrelu_in_training_mode_is_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.RReLU(), nn.Linear(4, 3)).train()
+    with pytest.raises(pv.UnsupportedModelError, match=r"1 \(RReLU\) is in training mode.*model\.eval\(\)"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), torch.randn(3, 4), torch.tensor([0, 1, 2]))
+    model.eval()
+    assert pv.per_sample_grads(model, nn.CrossEntropyLoss(), torch.randn(3, 4), torch.tensor([0, 1, 2]))
+
+
+def test_targets_on_another_device_are_refused_before_allocating():
+    model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"targets are on meta but inputs are on cpu.*targets\.to\('cpu'\)"):
+        pv.per_sample_grads(model, nn.MSELoss(), torch.randn(2, 4), torch.empty(2, 3, device="meta"))

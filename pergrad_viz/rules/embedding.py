@@ -14,12 +14,13 @@ def embedding(module: nn.Module, activation: torch.Tensor, grad_output: torch.Te
     if "weight" not in out:
         return
     n, batch = grad_output.shape[:2]
-    vocab, dim = module.num_embeddings, module.embedding_dim
+    dim = module.embedding_dim
     idx = activation.reshape(batch, -1)  # (B, T)
     g = grad_output.reshape(n, batch, -1, dim)  # (N, B, T, D)
     if module.padding_idx is not None:
         g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
-    rows = (idx + vocab * torch.arange(batch, device=idx.device).unsqueeze(1)).reshape(-1)  # (B*T,)
-    result = torch.zeros(n, batch * vocab, dim, dtype=g.dtype, device=g.device)
-    result.index_add_(1, rows, g.reshape(n, -1, dim))
-    out["weight"].copy_(result.view(n, batch, vocab, dim))
+    weight = out["weight"]  # (N, B, V, D), possibly a strided view into the caller's result: written in place
+    weight.zero_()
+    rows_n = torch.arange(n, device=idx.device).view(n, 1, 1)
+    rows_b = torch.arange(batch, device=idx.device).view(1, batch, 1)
+    weight.index_put_((rows_n, rows_b, idx.unsqueeze(0)), g, accumulate=True)

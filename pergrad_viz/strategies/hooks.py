@@ -70,7 +70,7 @@ def check_supported(target: Target, inputs: torch.Tensor | None = None) -> None:
                 "which picks it), or freeze those parameters with requires_grad_(False)."
             )
     if inputs is not None:
-        _check_parameters_stay_in_their_layers(target, inputs[:1])
+        _check_layers_on_a_probe(target, inputs[:2])
 
 
 _CHECKED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
@@ -95,7 +95,9 @@ class _ParameterWatch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _check_parameters_stay_in_their_layers(target: Target, sample: torch.Tensor) -> None:
+def _check_layers_on_a_probe(target: Target, sample: torch.Tensor) -> None:
+    """Run the model on ``sample`` (one or two samples) and refuse what the rules cannot handle: a trainable
+    parameter used outside its layers, or a layer whose input or output does not have the batch first."""
     layers = _layers(target)
     signature = tuple((id(m), tuple(local.values())) for m, (_rule, local) in layers.items())
     if _CHECKED.get(target.model) == signature:
@@ -106,11 +108,15 @@ def _check_parameters_stay_in_their_layers(target: Target, sample: torch.Tensor)
         for name in local.values():
             owners.setdefault(id(params[name]), (name, set()))[1].add(module)
     watch = _ParameterWatch(owners)
+    misplaced: list[tuple[nn.Module, list]] = []
     def enter(module: nn.Module, args: tuple) -> None:
         watch.running.append(module)
 
     def leave(module: nn.Module, args: tuple, output: object) -> None:
         watch.running.pop()
+        first = [t.shape[0] if t.dim() else None for t in (*args[:1], output) if isinstance(t, torch.Tensor)]
+        if any(n != sample.shape[0] for n in first):
+            misplaced.append((module, first))
 
     handles = []
     for module in layers:
@@ -122,6 +128,14 @@ def _check_parameters_stay_in_their_layers(target: Target, sample: torch.Tensor)
     finally:
         for h in handles:
             h.remove()
+    if misplaced:
+        module, first = misplaced[0]
+        name = next(n for n, m in target.modules if m is module) or "model"
+        raise UnsupportedModelError(
+            f"layer '{name}' ({type(module).__name__}) saw its input/output with first dimensions {first} for a "
+            f"batch of {sample.shape[0]}: the hooks rules need the samples along the first dimension (not e.g. "
+            "(T, B, ...) or (B*T, ...)). Use strategy='torch_func' (or 'auto', which picks it)."
+        )
     if watch.strays:
         name, func = watch.strays[0]
         raise UnsupportedModelError(
