@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import api
+from .memory import check_budget, result_bytes
 from .norms import NotPerSampleError, dense_grads, ghost_kind, group_calls, stack_calls, tied_names
 from .rules import Rule
 from .strategies import hooks
@@ -66,7 +67,7 @@ def _add_dense(dense: dict[str, torch.Tensor], local: dict[str, str], grads: dic
 
 
 def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *, mode: str = "full",
-                  chunk_size: int | None = None) -> torch.Tensor:
+                  chunk_size: int | None = None, max_bytes: int | None = None) -> torch.Tensor:
     """The empirical NTK ``K[i, j] = J(x1_i) J(x2_j)^T`` over all trainable parameters.
 
     Args:
@@ -76,6 +77,8 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = 
             (then K is computed once per pair of chunks and is exactly symmetric).
         mode: ``"full"`` for the (N1, N2, Y, Y) kernel, ``"trace"`` for its trace over the outputs (N1, N2).
         chunk_size: at most this many samples per forward/backward pass and per block of K.
+        max_bytes: memory budget for the kernel (default: half of the memory available on the device);
+            :class:`~pergrad_viz.MemoryBudgetError` is raised before computing when K alone exceeds it.
 
     Returns:
         (N1, N2, Y, Y) for ``"full"`` (``K[i, j, y, z] = sum_p J(x1_i)[y, p] J(x2_j)[z, p]``), or (N1, N2)
@@ -98,6 +101,13 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = 
                 f"and dtype {x1.dtype}, or x2=None for K(x1, x1)"
             )
     full = mode == "full"
+    with guest(target):
+        y_count = api.output_size(model, x1)
+    n2 = x1.shape[0] if x2 is None else x2.shape[0]
+    check_budget(what=f"an empirical NTK of {x1.shape[0]} x {n2} samples" + (f" x {y_count}^2 outputs" if full else ""),
+                 result=result_bytes(x1.shape[0] * n2, 1, target.dtype, y_count * y_count if full else 1),
+                 working=0, max_bytes=max_bytes, allocate_result=True, device=target.device, batch=x1.shape[0],
+                 chunk=chunk)
     if strategy == "hooks":
         try:
             kernel = _ghost_ntk(target, x1, x2, full, chunk)

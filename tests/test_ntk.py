@@ -273,3 +273,10 @@ def test_model_left_as_found_after_success_and_failure(name):
     with pytest.raises((RuntimeError, IndexError)):
         pv.empirical_ntk(model, bad)
     assert_unchanged(model, before)
+
+
+def test_kernel_over_the_memory_budget_is_refused_before_computing():
+    model = MLP(784, 8, 10)
+    with pytest.raises(pv.MemoryBudgetError, match=r"empirical NTK of 6 x 6 samples x 10\^2 outputs.*KiB"):
+        pv.empirical_ntk(model, torch.randn(6, 784), mode="full", max_bytes=1000)
+    assert pv.empirical_ntk(model, torch.randn(6, 784), mode="trace", max_bytes=1000).shape == (6, 6)
