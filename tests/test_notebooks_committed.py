@@ -30,3 +30,13 @@ def test_at_least_four_checked_cells(path: Path):
     checked = [c for c in cells if c["cell_type"] == "code" and "NBVAL_CHECK_OUTPUT" in "".join(c["source"])]
     assert len(checked) >= 4, f"{path.name}: only {len(checked)} cells carry # NBVAL_CHECK_OUTPUT"
     assert all(c.get("outputs") for c in checked), f"{path.name}: a checked cell has no output to compare"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_figures_are_shown_as_images(path: Path):
+    """A cell that returns a matplotlib Figure must show it as a picture, not only as '<Figure size ...>'."""
+    for cell in json.loads(path.read_text())["cells"]:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "".join(data.get("text/plain", "")).startswith("<Figure"):
+                assert "image/png" in data, f"{path.name}: a figure is committed as text only (%matplotlib inline?)"

@@ -15,6 +15,7 @@ in `data/`.
 """),
     code("""
 # NBVAL_CHECK_OUTPUT
+%matplotlib inline
 import torch
 
 import pergrad_viz as pv

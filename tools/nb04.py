@@ -25,6 +25,7 @@ is a prime reason not to fit. `pv.per_sample_grad_norms` computes the (B,) norms
 """),
     code("""
 # NBVAL_CHECK_OUTPUT
+%matplotlib inline
 import torch
 from torch import nn
 
