@@ -32,7 +32,7 @@ from torch import nn
 
 from . import api
 from .errors import UnsupportedModelError
-from .losses import LossFn, per_sample_losses
+from .losses import LossFn
 from .memory import default_budget, result_bytes, working_bytes
 from .rules import Rule
 from .rules.embedding import embedding as _embedding_rule
@@ -102,15 +102,12 @@ def _ghost_squared_norms(target: Target, loss_fn: LossFn, inputs: torch.Tensor, 
     """{name: (B,) squared norms}: per chunk 1 forward with hooks, 1 backward to the layer outputs."""
     batch = inputs.shape[0]
     squared = {n: torch.zeros(batch, dtype=target.dtype, device=target.device) for n in target.names}
-    with guest(target.model):  # hooks._capture removes its hooks; autograd.grad leaves .grad alone
+    with guest(target):  # hooks remove their hooks; autograd.grad leaves .grad alone
         for start in range(0, batch, chunk):
             rows = slice(start, min(start + chunk, batch))
-            output, calls, layers = hooks._capture(target, inputs[rows])
+            calls, layers, grad_outputs = hooks.loss_gradients(target, loss_fn, inputs[rows], targets[rows])
             if not calls:  # no layer with trainable parameters ran: all gradients are zero
                 continue
-            total = per_sample_losses(loss_fn, output, targets[rows]).sum()
-            grad_outputs = torch.autograd.grad(total, [c.output for c in calls], allow_unused=True)
-            grad_outputs = [None if g is None else g.unsqueeze(0) for g in grad_outputs]  # N = 1
             tied = tied_names(layers)
             summed: dict[str, torch.Tensor] = {}  # tied parameters: (B, *shape), summed over their layers
             for module, seen in group_calls(target, calls, grad_outputs, rows.stop - start).items():

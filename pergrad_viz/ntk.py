@@ -30,7 +30,6 @@ from .memory import check_budget, result_bytes
 from .norms import NotPerSampleError, dense_grads, ghost_kind, group_calls, stack_calls, tied_names
 from .rules import Rule
 from .strategies import hooks
-from .strategies._common import flat_outputs
 from .target import Target, guest
 
 MODES: tuple[str, ...] = ("full", "trace")
@@ -136,7 +135,7 @@ def _jacobian_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, f
 def _ghost_ntk(target: Target, x1: torch.Tensor, x2: torch.Tensor | None, full: bool, chunk: int) -> torch.Tensor:
     rows1 = [slice(s, min(s + chunk, x1.shape[0])) for s in range(0, x1.shape[0], chunk)]
     rows2 = rows1 if x2 is None else [slice(s, min(s + chunk, x2.shape[0])) for s in range(0, x2.shape[0], chunk)]
-    with guest(target.model):
+    with guest(target):
         f1 = [_features(target, x1[r], full) for r in rows1]
         f2 = f1 if x2 is None else [_features(target, x2[r], full) for r in rows2]
     y_count = f1[0].outputs
@@ -159,15 +158,11 @@ def _ghost_ntk(target: Target, x1: torch.Tensor, x2: torch.Tensor | None, full: 
 
 def _features(target: Target, inputs: torch.Tensor, full: bool) -> _Features:
     """1 forward with hooks and 1 backward batched over the Y outputs; per layer ghost pieces or a Jacobian."""
-    output, calls, layers = hooks._capture(target, inputs)
-    outputs = flat_outputs(output)  # (N, Y)
-    n, y_count = outputs.shape
+    calls, layers, grad_outputs, y_count = hooks.output_gradients(target, inputs)  # each (Y, N, ...)
+    n = inputs.shape[0]
     features = _Features(y_count)
     if not calls:
         return features
-    one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, n, -1)
-    grad_outputs = torch.autograd.grad(outputs, [c.output for c in calls], grad_outputs=one_hot,
-                                       is_grads_batched=True, allow_unused=True)  # each (Y, N, ...)
     tied = tied_names(layers)
     for module, seen in group_calls(target, calls, grad_outputs, n).items():
         rule, local = layers[module]

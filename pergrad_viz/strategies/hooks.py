@@ -203,22 +203,45 @@ def _apply_rules(target: Target, calls: list[_Call], grad_outputs: tuple, layers
             out[name].zero_()
 
 
+def loss_gradients(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor
+                   ) -> tuple[list[_Call], dict, tuple]:
+    """1 forward with hooks, 1 backward of the summed per-sample losses to the layer outputs only.
+
+    Returns (calls, layers, grad_outputs): one (1, B, *output.shape[1:]) gradient per call (None where the
+    call does not reach the loss); no gradients when no layer with trainable parameters ran.
+    """
+    output, calls, layers = _capture(target, inputs)
+    if not calls:
+        return calls, layers, ()
+    total = summed_per_sample_loss(loss_fn, output, targets)
+    grad_outputs = torch.autograd.grad(total, [c.output for c in calls], allow_unused=True)
+    return calls, layers, tuple(None if g is None else g.unsqueeze(0) for g in grad_outputs)  # N = 1
+
+
+def output_gradients(target: Target, inputs: torch.Tensor) -> tuple[list[_Call], dict, tuple, int]:
+    """1 forward with hooks, 1 backward batched over the Y one-hot output vectors to the layer outputs.
+
+    Returns (calls, layers, grad_outputs, Y): one (Y, B, *output.shape[1:]) gradient per call (or None).
+    """
+    output, calls, layers = _capture(target, inputs)
+    outputs = flat_outputs(output)  # (B, Y)
+    batch, y_count = outputs.shape
+    if not calls:
+        return calls, layers, (), y_count
+    one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
+    grad_outputs = torch.autograd.grad(outputs, [c.output for c in calls], grad_outputs=one_hot,
+                                       is_grads_batched=True, allow_unused=True)
+    return calls, layers, grad_outputs, y_count
+
+
 def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
           out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward (to the layer outputs only), then the rules; writes (B, *param.shape)."""
-    output, calls, layers = _capture(target, inputs)
-    total = summed_per_sample_loss(loss_fn, output, targets)
-    grad_outputs = torch.autograd.grad(total, [c.output for c in calls], allow_unused=True)
-    grad_outputs = tuple(None if g is None else g.unsqueeze(0) for g in grad_outputs)  # N = 1
+    calls, layers, grad_outputs = loss_gradients(target, loss_fn, inputs, targets)
     _apply_rules(target, calls, grad_outputs, layers, {n: t.unsqueeze(0) for n, t in out.items()})
 
 
 def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward batched over the Y outputs, then the rules; writes (B, Y, *param.shape)."""
-    output, calls, layers = _capture(target, inputs)
-    outputs = flat_outputs(output)  # (B, Y)
-    batch, y_count = outputs.shape
-    one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
-    grad_outputs = torch.autograd.grad(outputs, [c.output for c in calls], grad_outputs=one_hot,
-                                       is_grads_batched=True, allow_unused=True)  # each (Y, B, ...)
+    calls, layers, grad_outputs, _ = output_gradients(target, inputs)
     _apply_rules(target, calls, grad_outputs, layers, {n: t.transpose(0, 1) for n, t in out.items()})
