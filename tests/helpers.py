@@ -88,6 +88,7 @@ def snapshot(model: nn.Module) -> dict:
         "params": {n: (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()},
         "param_ids": {n: id(p) for n, p in model.named_parameters()},
         "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        "grad_objects": {n: p.grad for n, p in model.named_parameters()},
         "buffers": {n: None if b is None else b.clone() for n, b in model.named_buffers()},
         "training": {n: m.training for n, m in model.named_modules()},
         "hooks": hook_state(model),
@@ -107,6 +108,8 @@ def assert_state_unchanged(model: nn.Module, before: dict) -> None:
             assert g2 is None, f"{n}: .grad was None and is now set"
         else:
             assert g2 is not None and torch.equal(g, g2), f"{n}: .grad changed"
+    for n, obj in before["grad_objects"].items():
+        assert after["grad_objects"][n] is obj, f"{n}: .grad replaced"
     assert list(after["buffers"]) == list(before["buffers"])
     for n, b in before["buffers"].items():
         assert torch.equal(b, after["buffers"][n]), f"buffer {n} changed"
@@ -129,3 +132,54 @@ class TiedNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.fc1(self.emb(x).mean(1)))
         return self.out(torch.tanh(self.fc2(h)))
+
+
+class Scale(nn.Module):
+    """A layer with a trainable parameter and no rule: forces the fallbacks."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class TokenNet(nn.Module):
+    """Embedding (padding_idx 0) -> Linear on (B, T, D) -> mean over T -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(12, 6, padding_idx=0)
+        self.fc = nn.Linear(6, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(self.emb(x))).mean(1))
+
+
+class SharedNet(nn.Module):
+    """A Linear and a LayerNorm each called twice (their gradient is the sum of both calls')."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.ln = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(torch.tanh(self.fc(x)))
+        h = self.ln(torch.tanh(self.fc(h)))
+        return self.head(h)
+
+
+class FlatRows(nn.Module):
+    """A Linear called on (B*T, D) rows: the samples are not along its input's first dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        return self.fc(x.reshape(b * t, d)).reshape(b, t, 3).mean(1)

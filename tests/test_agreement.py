@@ -494,17 +494,6 @@ def test_devices(name, strategy, device):
 # ------------------------------------------------------------------------------------------- auto / hooks
 
 
-@pytest.mark.skipif(not hasattr(MODULES["hooks"], "REPLICATE"), reason="hooks has no REPLICATE switch")
-@pytest.mark.parametrize("replicate", [True, False])
-@pytest.mark.parametrize("name", [n for n in CASES if n not in UNSUPPORTED])
-def test_hooks_jacobian_both_paths(name, replicate, monkeypatch):
-    """hooks.REPLICATE forces the Jacobian path: Y copies of the batch, or a backward batched over Y."""
-    monkeypatch.setattr(MODULES["hooks"], "REPLICATE", replicate)
-    model, x, y, loss, b_j = build(name)
-    got = pv.per_sample_jacobian(model, x[:b_j], strategy="hooks", flat=True, chunk_size=2)
-    torch.testing.assert_close(got, flatten_ref(reference(name, "jacobian"), 2), rtol=RTOL, atol=ATOL)
-
-
 AUTO_EXPECTED = [("mlp", "hooks"), ("small-cnn", "hooks"), ("embedding", "hooks"), ("layernorm", "hooks"),
                  ("batchnorm-eval", "hooks"), ("frozen", "hooks"), ("unsupported", "torch_func"),
                  ("prelu", "hooks")]
@@ -628,6 +617,13 @@ def test_sparse_embedding(strategy):
     assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy=strategy), want, RTOL, ATOL)
 
 
+def assert_both_agree_with_the_loop(model, loss, x, y, strategy):
+    """Per-sample gradients and Jacobians from ``strategy`` equal the tests' own loops."""
+    assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy=strategy), ref_grads(model, loss, x, y),
+                      RTOL, ATOL)
+    assert_dict_close(pv.per_sample_jacobian(model, x, strategy=strategy), ref_jacobian(model, x), RTOL, ATOL)
+
+
 class FunctionalTiedNet(nn.Module):
     """The embedding matrix is used again outside its module's forward: F.linear(h, self.emb.weight)."""
 
@@ -655,9 +651,7 @@ def test_parameter_used_outside_its_module(strategy):
         return
     if strategy == "auto":
         assert pv.resolve_strategy("auto", model, x) == "torch_func"
-    assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy=strategy), ref_grads(model, loss, x, y),
-                      RTOL, ATOL)
-    assert_dict_close(pv.per_sample_jacobian(model, x, strategy=strategy), ref_jacobian(model, x), RTOL, ATOL)
+    assert_both_agree_with_the_loop(model, loss, x, y, strategy)
 
 
 class KeywordCallNet(nn.Module):
@@ -677,9 +671,7 @@ def test_layers_called_with_keyword_arguments(strategy):
     torch.manual_seed(0)
     model, x, y = KeywordCallNet().double(), torch.randn(4, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 1])
     loss = nn.CrossEntropyLoss()
-    assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy=strategy), ref_grads(model, loss, x, y),
-                      RTOL, ATOL)
-    assert_dict_close(pv.per_sample_jacobian(model, x, strategy=strategy), ref_jacobian(model, x), RTOL, ATOL)
+    assert_both_agree_with_the_loop(model, loss, x, y, strategy)
 
 
 class TimeFirstNet(nn.Module):
@@ -704,6 +696,4 @@ def test_layer_without_the_batch_first(strategy):
         return
     if strategy == "auto":
         assert pv.resolve_strategy("auto", model, x) == "torch_func"
-    assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy=strategy), ref_grads(model, loss, x, y),
-                      RTOL, ATOL)
-    assert_dict_close(pv.per_sample_jacobian(model, x, strategy=strategy), ref_jacobian(model, x), RTOL, ATOL)
+    assert_both_agree_with_the_loop(model, loss, x, y, strategy)

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TiedNet
+from helpers import (
+    FlatRows,
+    Scale,
+    SharedNet,
+    TiedNet,
+    TokenNet,
+    assert_no_hooks,
+    assert_state_unchanged,
+    snapshot,
+)
 from torch import nn
 
 import pergrad_viz as pv
@@ -16,19 +25,6 @@ TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
 # Models ----------------------------------------------------------------------------------------------
-
-
-class TokenNet(nn.Module):
-    """Embedding (padding_idx 0) -> Linear on (B, T, D) -> mean over T -> Linear."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(12, 6, padding_idx=0)
-        self.fc = nn.Linear(6, 5)
-        self.head = nn.Linear(5, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.fc(self.emb(x))).mean(1))
 
 
 class SeqNet(nn.Module):
@@ -58,21 +54,6 @@ class LayerNormNet(nn.Module):
         return self.head(self.ln(h))
 
 
-class SharedNet(nn.Module):
-    """A Linear and a LayerNorm each called twice (their gradient is the sum of both calls')."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(6, 6)
-        self.ln = nn.LayerNorm(6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln(torch.tanh(self.fc(x)))
-        h = self.ln(torch.tanh(self.fc(h)))
-        return self.head(h)
-
-
 class SharedEmbedding(nn.Module):
     """One Embedding called on two slices of the tokens."""
 
@@ -83,29 +64,6 @@ class SharedEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.emb(x[:, :4]).mean(1) * self.emb(x[:, 4:]).sum(1)))
-
-
-class Scale(nn.Module):
-    """A layer with a trainable parameter and no rule."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight
-
-
-class FlatRows(nn.Module):
-    """A Linear called on (B*T, D) rows: the samples are not along its input's first dimension."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        return self.fc(x.reshape(b * t, d)).reshape(b, t, 3).mean(1)
 
 
 class Conv1dBatchNorm(nn.Module):
@@ -370,30 +328,6 @@ def test_invalid_arguments_name_the_fix():
         pv.per_sample_grad_norms(nn.Sequential(nn.Linear(12, 4), nn.Dropout(0.5)).double(), loss_fn, x, y)
 
 
-def snapshot(model: nn.Module) -> dict:
-    return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
-        "grads": {n: (p.grad, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()},
-        "training": [m.training for m in model.modules()],
-        "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-                     + len(m._backward_pre_hooks) for m in model.modules()),
-    }
-
-
-def assert_unchanged(model: nn.Module, before: dict) -> None:
-    after = snapshot(model)
-    assert after["hooks"] == before["hooks"] == 0
-    assert after["training"] == before["training"]
-    assert after["requires_grad"] == before["requires_grad"]
-    for n, p in before["params"].items():
-        assert torch.equal(after["params"][n], p), n
-    for n, (obj, value) in before["grads"].items():
-        obj_after, value_after = after["grads"][n]
-        assert obj_after is obj, f"{n}: .grad replaced"
-        assert value is None or torch.equal(value_after, value), f"{n}: .grad changed"
-
-
 def prepared(name: str):
     model, loss_fn, x, y = case(name)
     model.train()
@@ -419,11 +353,14 @@ def test_model_left_as_found_after_success_and_failure(name):
     before = snapshot(model)
     pv.per_sample_grad_norms(model, loss_fn, x, y)
     pv.per_sample_grad_norms(model, loss_fn, x, y, per_parameter=True, chunk_size=2)
-    assert_unchanged(model, before)
+    assert_state_unchanged(model, before)
+    assert_no_hooks(model)
     with pytest.raises(Boom):
         pv.per_sample_grad_norms(model, boom_loss, x, y)
-    assert_unchanged(model, before)
+    assert_state_unchanged(model, before)
+    assert_no_hooks(model)
     bad = x + 100 if name == "tokens" else torch.cat([x, x], dim=1)  # a forward pass that fails
     with pytest.raises((RuntimeError, IndexError)):
         pv.per_sample_grad_norms(model, loss_fn, bad, y)
-    assert_unchanged(model, before)
+    assert_state_unchanged(model, before)
+    assert_no_hooks(model)

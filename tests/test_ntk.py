@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TiedNet
+from helpers import (
+    FlatRows,
+    Scale,
+    SharedNet,
+    TiedNet,
+    TokenNet,
+    assert_no_hooks,
+    assert_state_unchanged,
+    snapshot,
+)
 from torch import nn
 
 import pergrad_viz as pv
@@ -13,44 +22,6 @@ from pergrad_viz import api, ntk
 from pergrad_viz.models import MLP, SmallCNN
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
-
-
-class Scale(nn.Module):
-    """A layer with a trainable parameter and no rule: forces the fallback."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight
-
-
-class TokenNet(nn.Module):
-    """Embedding (padding_idx 0) -> Linear on (B, T, D) -> mean over T -> Linear."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(12, 6, padding_idx=0)
-        self.fc = nn.Linear(6, 5)
-        self.head = nn.Linear(5, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.fc(self.emb(x))).mean(1))
-
-
-class SharedNet(nn.Module):
-    """A Linear and a LayerNorm each called twice."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(6, 6)
-        self.ln = nn.LayerNorm(6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln(torch.tanh(self.fc(x)))
-        return self.head(self.ln(torch.tanh(self.fc(h))))
 
 
 class Branchy(nn.Module):
@@ -67,18 +38,6 @@ class Branchy(nn.Module):
         if bool((x[:, 0] > 100).all()):
             h = torch.tanh(self.extra(h))
         return self.head(h)
-
-
-class FlatRows(nn.Module):
-    """A Linear called on (N*T, D) rows: the samples are not along its input's first dimension."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        return self.fc(x.reshape(b * t, d)).reshape(b, t, 3).mean(1)
 
 
 def case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -239,25 +198,6 @@ def test_invalid_arguments_name_the_fix():
         pv.empirical_ntk(tok, t1, t1.int())
 
 
-def snapshot(model: nn.Module) -> dict:
-    return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "grads": {n: (p.grad, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()},
-        "training": [m.training for m in model.modules()],
-        "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-                     + len(m._backward_pre_hooks) for m in model.modules()),
-    }
-
-
-def assert_unchanged(model: nn.Module, before: dict) -> None:
-    after = snapshot(model)
-    assert after["hooks"] == 0 and after["training"] == before["training"]
-    for n, p in before["params"].items():
-        assert torch.equal(after["params"][n], p), n
-    for n, (obj, value) in before["grads"].items():
-        assert after["grads"][n][0] is obj and (value is None or torch.equal(after["grads"][n][1], value)), n
-
-
 @pytest.mark.parametrize("name", ["mlp", "cnn", "tokens", "fallback"])
 def test_model_left_as_found_after_success_and_failure(name):
     model, x1, x2 = case(name)
@@ -268,11 +208,13 @@ def test_model_left_as_found_after_success_and_failure(name):
     before = snapshot(model)
     pv.empirical_ntk(model, x1, x2)
     pv.empirical_ntk(model, x1, mode="trace", chunk_size=2)
-    assert_unchanged(model, before)
+    assert_state_unchanged(model, before)
+    assert_no_hooks(model)
     bad = x1 + 100 if name == "tokens" else torch.cat([x1, x1], dim=1)  # the forward pass fails
     with pytest.raises((RuntimeError, IndexError)):
         pv.empirical_ntk(model, bad)
-    assert_unchanged(model, before)
+    assert_state_unchanged(model, before)
+    assert_no_hooks(model)
 
 
 def test_kernel_over_the_memory_budget_is_refused_before_computing():
