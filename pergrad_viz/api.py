@@ -11,35 +11,51 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .losses import LossFn
+from .errors import UnsupportedModelError
+from .losses import LossFn, check_loss
 from .memory import check_budget, result_bytes, working_bytes
-from .strategies import MODULES, STRATEGIES, hooks
+from .probe import plan_for
+from .strategies import MODULES, STRATEGIES, hooks, torch_func
 from .target import Target, check_modes, guest
 
 Result = dict[str, torch.Tensor] | torch.Tensor
 
 
 def resolve_strategy(strategy: str, model: nn.Module | Target, inputs: torch.Tensor | None = None) -> str:
-    """The strategy a call on ``model`` will use: ``auto`` is ``hooks`` where every layer has a rule,
-    else ``torch_func``. Given ``inputs`` (B, ...), ``hooks`` also requires that every trainable parameter is
-    used only inside the forward of a layer that owns it (checked on one sample, once per model).
+    """The strategy a call on ``model`` with ``inputs`` (B, ...) will use.
 
-    Raises ValueError for an unknown name, :class:`UnsupportedModelError` for ``hooks`` on a layer
-    without a rule.
+    ``auto`` is ``hooks`` (closed-form layer rules, and the per-layer fallback for layers without one) unless a
+    probe of the model on two samples (cached per model and input signature, see ``pergrad_viz.probe``) finds
+    that the samples interact, that a layer with trainable parameters does not keep the samples apart (e.g. a
+    positional embedding broadcast over the batch), or that a parameter is used outside the forward of the
+    layer that holds it: then ``torch_func``, which computes each sample alone. Without ``inputs`` nothing is
+    probed and ``auto`` answers ``hooks``.
+
+    Raises ValueError for an unknown name; :class:`UnsupportedModelError` when ``hooks``, ``autograd_stack`` or
+    ``batched_grad`` (one batched forward pass) would not give the per-sample definition for these inputs.
     """
+    if strategy != "auto" and strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
     target = model if isinstance(model, Target) else Target.of(model)
     if inputs is not None:
-        check_modes(target)  # before the hooks check runs the model on a sample
+        check_modes(target)  # before the probe runs the model
     if strategy == "auto":
         try:
             hooks.check_supported(target, inputs)
             return "hooks"
-        except ValueError:
+        except UnsupportedModelError:
             return "torch_func"
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
     if strategy == "hooks":
         hooks.check_supported(target, inputs)
+    elif MODULES[strategy].BATCHED_FORWARD and inputs is not None:
+        with guest(target):
+            interaction = plan_for(target, inputs).interaction
+        if interaction is not None:
+            raise UnsupportedModelError(
+                f"the {strategy} strategy runs the model once on the whole batch, but the samples interact: "
+                f"{interaction}. Per-sample gradients are defined by each sample alone: use strategy='loop' or "
+                "'torch_func' (or 'auto', which picks torch_func)."
+            )
     return strategy
 
 
@@ -122,11 +138,32 @@ def _run(target: Target, strategy: str, run_chunk: Callable, batch: int, chunk: 
 
 
 def _prepare(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor | None, strategy: str,
-             chunk_size: int | None) -> tuple[Target, str, int, int]:
+             chunk_size: int | None, loss_fn: object = None) -> tuple[Target, str, int, int]:
+    if loss_fn is not None:
+        check_loss(loss_fn)
+    if strategy != "auto" and strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
     target = Target.of(model)
     _check_inputs(target, inputs, targets)
     chunk = _check_chunk(chunk_size, inputs.shape[0])
-    return target, resolve_strategy(strategy, target, inputs), inputs.shape[0], chunk
+    with guest(target):
+        resolved = resolve_strategy(strategy, target, inputs)
+    return target, resolved, inputs.shape[0], chunk
+
+
+def _run_auto(requested: str, resolved: str, run: Callable[[str], Result]) -> Result:
+    """Run ``resolved``; under ``auto``, a fast path that finds it cannot be trusted for this call hands over
+    to one that computes each sample alone (``torch_func``, then the loop where ``vmap`` cannot)."""
+    if requested != "auto":
+        return run(resolved)
+    try:
+        return run(resolved)
+    except hooks.PlanMismatchError:
+        resolved = "torch_func"
+    try:
+        return run(resolved)
+    except torch_func.VmapError:
+        return run("loop")
 
 
 def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
@@ -159,7 +196,8 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
             training mode or a layer the strategy cannot handle; :class:`MemoryBudgetError` before
             allocating a result over ``max_bytes``.
     """
-    target, strategy, batch, chunk = _prepare(model, inputs, targets, strategy, chunk_size)
+    requested = strategy
+    target, strategy, batch, chunk = _prepare(model, inputs, targets, strategy, chunk_size, loss_fn)
     if out is not None:
         _check_out(out, (batch, target.num_params), target, flat)
     p = target.num_params
@@ -174,7 +212,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
         else:
             module.grads(target, loss_fn, inputs[rows], targets[rows], views)
 
-    return _run(target, strategy, run_chunk, batch, chunk, None, flat, out)
+    return _run_auto(requested, strategy, lambda s: _run(target, s, run_chunk, batch, chunk, None, flat, out))
 
 
 def output_size(model: nn.Module, inputs: torch.Tensor) -> int:
@@ -194,6 +232,7 @@ def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str
         ``{name: Tensor (B, Y, *param.shape)}``, or (B, Y, P) if ``flat``; Y is the number of output
         elements per sample (an output (B, *out) is flattened).
     """
+    requested = strategy
     target, strategy, batch, chunk = _prepare(model, inputs, None, strategy, chunk_size)
     with guest(target):
         y_count = output_size(model, inputs)
@@ -208,4 +247,4 @@ def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str
     def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
         module.jacobian(target, inputs if rows.stop - rows.start == batch else inputs[rows], views)
 
-    return _run(target, strategy, run_chunk, batch, chunk, y_count, flat, out)
+    return _run_auto(requested, strategy, lambda s: _run(target, s, run_chunk, batch, chunk, y_count, flat, out))

@@ -23,20 +23,82 @@ _ELEMENTWISE = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss
 _CLASS_INDEX = (nn.CrossEntropyLoss, nn.NLLLoss)
 
 
-def _fast_path_ok(loss_fn: LossFn, targets: torch.Tensor) -> bool:
+def check_loss(loss_fn: object) -> None:
+    """Refuse what cannot give one scalar loss per sample: a loss class instead of an instance, and
+    ``reduction='none'`` (one loss per element). The same rule for every strategy."""
+    if isinstance(loss_fn, type):
+        raise TypeError(
+            f"loss_fn is the class {loss_fn.__name__}, not a loss: pass an instance, e.g. {loss_fn.__name__}() "
+            f"or {loss_fn.__name__}(reduction='sum')"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {type(loss_fn).__name__}")
+    if getattr(loss_fn, "reduction", None) == "none":
+        raise ValueError(
+            f"{type(loss_fn).__name__}(reduction='none') returns one loss per element, but a per-sample gradient "
+            "needs one scalar loss per sample: use reduction='sum' or reduction='mean' (the per-sample gradient is "
+            "the gradient of loss_fn(model(x[i:i+1]), y[i:i+1]))"
+        )
+
+
+def _class_targets_fit(loss_fn: object, output: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Class-index targets (B, d1, ...) for logits (B, C, d1, ...), or (CrossEntropyLoss) class probabilities
+    of the logits' shape: no broadcasting anywhere."""
+    if output.dim() < 2:
+        return False
+    if targets.is_floating_point():
+        return type(loss_fn) is nn.CrossEntropyLoss and targets.shape == output.shape
+    return tuple(targets.shape) == (output.shape[0], *output.shape[2:])
+
+
+def _weights_fit(loss_fn: object, output: torch.Tensor) -> bool:
+    """Element weights that broadcast over one sample's elements only (never across samples)."""
+    for attr in ("weight", "pos_weight"):
+        w = getattr(loss_fn, attr, None)
+        if isinstance(w, torch.Tensor) and w.dim() >= output.dim():
+            return False
+    return True
+
+
+def _fast_path_ok(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Whether one batched call with reduction='none' is provably the per-sample losses for this call: an
+    exact ``torch.nn`` loss type (a subclass may override forward), shapes that need no broadcasting."""
     reduction = getattr(loss_fn, "reduction", None)
-    # Exact types only: a subclass may override forward with its own reduction.
-    if reduction not in ("sum", "mean"):
+    if reduction not in ("sum", "mean") or output.dim() == 0 or output.shape[0] != targets.shape[0]:
         return False
     if type(loss_fn) in _ELEMENTWISE:
-        return True
+        return output.shape == targets.shape and _weights_fit(loss_fn, output)
     if type(loss_fn) in _CLASS_INDEX:
+        if not _class_targets_fit(loss_fn, output, targets):
+            return False
         if reduction == "sum":
             return True
         # 'mean' is a weighted mean, and 0/0 for a sample whose targets are all ignored.
-        has_ignored = targets.dtype == torch.long and bool((targets == loss_fn.ignore_index).any())
-        return loss_fn.weight is None and not has_ignored
+        ignored = not targets.is_floating_point() and bool((targets == loss_fn.ignore_index).any())
+        return loss_fn.weight is None and not ignored
     return False
+
+
+def _not_scalar(shape: tuple) -> ValueError:
+    return ValueError(
+        f"loss_fn returned a tensor of shape {tuple(shape)} for one sample instead of a scalar: a per-sample "
+        "gradient needs loss_fn(output, targets) to return one number (reduce it, e.g. .sum() or reduction='sum')"
+    )
+
+
+def scalar_loss(loss: torch.Tensor) -> torch.Tensor:
+    """One sample's loss as a 0-dim tensor (a (1,)-shaped one is accepted); anything larger is refused."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn must return a torch.Tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise _not_scalar(tuple(loss.shape))
+    return loss.reshape(())
+
+
+def _check_scalars(losses: torch.Tensor, batch: int) -> torch.Tensor:
+    if losses.shape[:1] != (batch,) or losses[0].numel() != 1:
+        raise _not_scalar(tuple(losses.shape[1:]))
+    return losses.reshape(batch)
 
 
 def per_sample_losses(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -45,22 +107,27 @@ def per_sample_losses(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tens
     ``output`` is (B, *out) from one batched forward, ``targets`` is (B, ...).
     Element i equals ``loss_fn(output[i:i+1], targets[i:i+1])``.
     """
-    if _fast_path_ok(loss_fn, targets):
+    if _fast_path_ok(loss_fn, output, targets):
         unreduced = copy.copy(loss_fn)
         unreduced.reduction = "none"
         terms = unreduced(output, targets)
         terms = terms.reshape(terms.shape[0], -1)
         return terms.sum(1) if loss_fn.reduction == "sum" else terms.mean(1)
+    batch = output.shape[0]
     try:
-        return torch.func.vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(output, targets)
+        losses = torch.func.vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(output, targets)
     except Exception:  # loss functions that vmap cannot batch (data-dependent control flow, .item(), ...)
-        return torch.stack([loss_fn(output[i:i + 1], targets[i:i + 1]) for i in range(output.shape[0])])
+        losses = [torch.as_tensor(loss_fn(output[i:i + 1], targets[i:i + 1])) for i in range(batch)]
+        if any(t.dim() for t in losses):
+            return _check_scalars(torch.stack([t.reshape(-1) for t in losses]), batch)
+        losses = torch.stack(losses)
+    return _check_scalars(losses, batch)
 
 
 def summed_per_sample_loss(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``per_sample_losses(loss_fn, output, targets).sum()``, a scalar, in one call of ``loss_fn`` where
     the reduction allows: 'sum' is already that sum, and 'mean' over equally sized samples is it / B."""
-    if _fast_path_ok(loss_fn, targets):
+    if _fast_path_ok(loss_fn, output, targets):
         total = loss_fn(output, targets)
         return total * output.shape[0] if loss_fn.reduction == "mean" else total
     return per_sample_losses(loss_fn, output, targets).sum()

@@ -31,22 +31,12 @@ import torch
 from torch import nn
 
 from . import api
-from .errors import UnsupportedModelError
 from .losses import LossFn
 from .memory import default_budget, result_bytes, working_bytes
-from .rules import Rule
 from .rules.embedding import embedding as _embedding_rule
 from .rules.linear import linear as _linear_rule
-from .strategies import hooks
+from .strategies import hooks, torch_func
 from .target import Target, guest
-
-# What one layer saw in one call: its input (B, ...) and the gradients with respect to its output,
-# (N, B, *output.shape[1:]) with N = 1 for loss gradients and N = Y for output Jacobians.
-Seen = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-class NotPerSampleError(UnsupportedModelError):
-    """A layer's input does not have the samples along its first dimension (e.g. (B*T, in) after a reshape)."""
 
 
 def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
@@ -81,17 +71,22 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     """
     if not isinstance(per_parameter, bool):
         raise TypeError(f"per_parameter must be True or False, got {per_parameter!r}")
-    target, resolved, batch, chunk = api._prepare(model, inputs, targets, strategy, chunk_size)
+    target, resolved, batch, chunk = api._prepare(model, inputs, targets, strategy, chunk_size, loss_fn)
     squared = None
     if resolved == "hooks":
         try:
             squared = _ghost_squared_norms(target, loss_fn, inputs, targets, chunk)
-        except NotPerSampleError:
+        except hooks.PlanMismatchError:
             if strategy != "auto":
                 raise
-            resolved = "torch_func"  # a layer sees (B*T, ...) rows: the rules cannot split them by sample
+            resolved = "torch_func"  # data-dependent layer calls: each sample alone
     if squared is None:
-        squared = _materialised_squared_norms(target, resolved, loss_fn, inputs, targets, chunk_size)
+        try:
+            squared = _materialised_squared_norms(target, resolved, loss_fn, inputs, targets, chunk_size)
+        except torch_func.VmapError:
+            if strategy != "auto":
+                raise
+            squared = _materialised_squared_norms(target, "loop", loss_fn, inputs, targets, chunk_size)
     if per_parameter:
         return {name: s.sqrt() for name, s in squared.items()}
     return torch.stack(list(squared.values())).sum(0).sqrt()
@@ -105,18 +100,16 @@ def _ghost_squared_norms(target: Target, loss_fn: LossFn, inputs: torch.Tensor, 
     with guest(target):  # hooks remove their hooks; autograd.grad leaves .grad alone
         for start in range(0, batch, chunk):
             rows = slice(start, min(start + chunk, batch))
-            calls, layers, grad_outputs = hooks.loss_gradients(target, loss_fn, inputs[rows], targets[rows])
-            if not calls:  # no layer with trainable parameters ran: all gradients are zero
-                continue
-            tied = tied_names(layers)
+            calls, grads = hooks.loss_gradients(target, loss_fn, inputs[rows], targets[rows])
+            tied = tied_names(calls)
             summed: dict[str, torch.Tensor] = {}  # tied parameters: (B, *shape), summed over their layers
-            for module, seen in group_calls(target, calls, grad_outputs, rows.stop - start).items():
-                rule, local = layers[module]
+            for layer, seen in group_calls(calls, grads).values():
+                local = layer.local
                 if tied.isdisjoint(local.values()):
-                    for local_name, sq in _layer_squared_norms(module, rule, local, seen).items():
+                    for local_name, sq in _layer_squared_norms(layer, seen).items():
                         squared[local[local_name]][rows] = sq
                     continue
-                for local_name, g in dense_grads(rule, module, local, seen).items():
+                for local_name, g in dense_grads(layer, seen).items():
                     name = local[local_name]
                     summed[name] = g[0] if name not in summed else summed[name] + g[0]
             for name, g in summed.items():
@@ -145,37 +138,30 @@ def _materialised_squared_norms(target: Target, strategy: str, loss_fn: LossFn, 
 
 # Pieces shared with pergrad_viz.ntk ------------------------------------------------------------------
 
+# What one layer's calls saw: per call, the call and its output gradients (each (N, *output.shape) or None).
+Seen = list[tuple[hooks.Call, list]]
 
-def group_calls(target: Target, calls: Sequence[hooks._Call], grad_outputs: Sequence[torch.Tensor | None],
-                batch: int) -> dict[nn.Module, Seen]:
-    """Calls that reach the output, grouped by layer: {module: [(activation (B, ...), g (N, B, ...))]}.
 
-    Raises :class:`NotPerSampleError` when a layer's input or output does not have the B samples first.
-    """
-    grouped: dict[nn.Module, Seen] = {}
-    for call, g in zip(calls, grad_outputs, strict=True):
-        if g is None:  # this call does not reach the output: it contributes nothing
+def group_calls(calls: Sequence[hooks.Call], grads: Sequence[list]) -> dict[int, tuple[hooks.Layer, Seen]]:
+    """Calls that reach the output, grouped by layer: {id(module): (layer, [(call, grads)])}."""
+    grouped: dict[int, tuple[hooks.Layer, Seen]] = {}
+    for call, g in zip(calls, grads, strict=True):
+        if all(t is None for t in g):  # this call does not reach the output: it contributes nothing
             continue
-        if call.activation.dim() == 0 or call.activation.shape[0] != batch or call.output.shape[0] != batch:
-            name = next((n for n, m in target.model.named_modules() if m is call.module), "?") or "model"
-            raise NotPerSampleError(
-                f"layer '{name}' ({type(call.module).__name__}) is called on an input of shape "
-                f"{tuple(call.activation.shape)} (output {tuple(call.output.shape)}), not on the {batch} samples "
-                "along the first dimension, so its rule cannot separate the samples. Use strategy='torch_func' "
-                "(or 'auto', which falls back to it), or keep the batch dimension first in the model."
-            )
-        grouped.setdefault(call.module, []).append((call.activation, g))
+        grouped.setdefault(id(call.layer.module), (call.layer, []))[1].append((call, g))
     return grouped
 
 
-def tied_names(layers: dict[nn.Module, tuple[Rule | None, dict[str, str]]]) -> set[str]:
-    """Full names of the parameters that more than one layer owns (tied weights)."""
-    owners = Counter(name for _rule, local in layers.values() for name in local.values())
+def tied_names(calls: Sequence[hooks.Call]) -> set[str]:
+    """Full names of the parameters that more than one layer handles (tied weights)."""
+    layers = {id(c.layer.module): c.layer for c in calls}
+    owners = Counter(name for layer in layers.values() for name in layer.local.values())
     return {name for name, count in owners.items() if count > 1}
 
 
-def ghost_kind(rule: Rule | None) -> str | None:
+def ghost_kind(layer: hooks.Layer) -> str | None:
     """``"linear"`` or ``"embedding"`` for the layers handled without their per-sample gradient, else None."""
+    rule = layer.rule
     if rule is _linear_rule:
         return "linear"
     if rule is _embedding_rule:
@@ -183,16 +169,17 @@ def ghost_kind(rule: Rule | None) -> str | None:
     return None
 
 
-def stack_calls(kind: str, module: nn.Module, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_calls(kind: str, layer: hooks.Layer, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
     """All calls of a Linear / Embedding as one call on T positions (a shared layer's calls add up).
 
     Returns ``(a, g)``: for ``"linear"`` a is (B, T, in) and g is (N, B, T, out); for ``"embedding"`` a
     is the (B, T) indices and g the (N, B, T, D) output gradients with padding rows zeroed.
     """
-    batch = seen[0][0].shape[0]
+    module = layer.module
     acts, grads = [], []
-    for a, g in seen:
-        n = g.shape[0]
+    for call, gs in seen:
+        a, g = call.activation, gs[0]
+        n, batch = g.shape[:2]
         if kind == "linear":
             acts.append(a.reshape(batch, -1, a.shape[-1]))
             grads.append(g.reshape(n, batch, -1, g.shape[-1]))
@@ -208,16 +195,31 @@ def stack_calls(kind: str, module: nn.Module, seen: Seen) -> tuple[torch.Tensor,
     return torch.cat(acts, dim=1), torch.cat(grads, dim=2)
 
 
-def dense_grads(rule: Rule, module: nn.Module, local: dict[str, str], seen: Seen) -> dict[str, torch.Tensor]:
-    """One layer's per-sample gradients from its rule, summed over calls: {local name: (N, B, *param.shape)}."""
+def _empty_like_params(layer: hooks.Layer, n: int, batch: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
+    module = layer.module
+    return {ln: torch.empty(n, batch, *module.get_parameter(ln).shape, dtype=like.dtype, device=like.device)
+            for ln in layer.local}
+
+
+def dense_grads(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
+    """One layer's per-sample gradients, summed over calls: {local name: (N, B, *param.shape)}."""
     total: dict[str, torch.Tensor] = {}
-    for a, g in seen:
-        n, batch = g.shape[:2]
-        out = {ln: torch.empty(n, batch, *getattr(module, ln).shape, dtype=g.dtype, device=g.device) for ln in local}
-        rule(module, a, g, out)
+    for call, gs in seen:
+        g = next(t for t in gs if t is not None)
+        n = g.shape[0]
+        batch = call.outputs[0].shape[call.spec.out_dims[0]] if call.spec.out_dims[0] is not None else 0
+        out = _empty_like_params(layer, n, batch, g)
+        hooks.call_grads(call, gs, out)
         for ln, t in out.items():
             total[ln] = t if ln not in total else total[ln].add_(t)
     return total
+
+
+def rule_grads(layer: hooks.Layer, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A single-tensor rule layer's per-sample gradients from stacked calls (``stack_calls``)."""
+    out = _empty_like_params(layer, g.shape[0], g.shape[1], g)
+    layer.rule(layer.module, a, g, out)
+    return out
 
 
 def gram_is_cheaper(tokens: int, layer_params: int) -> bool:
@@ -230,15 +232,16 @@ def _sample_rows(idx: torch.Tensor, vocab: int) -> torch.Tensor:
     return (idx + vocab * torch.arange(idx.shape[0], device=idx.device).unsqueeze(1)).reshape(-1)
 
 
-def _layer_squared_norms(module: nn.Module, rule: Rule, local: dict[str, str], seen: Seen) -> dict[str, torch.Tensor]:
+def _layer_squared_norms(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
     """{local name: (B,) squared per-sample gradient norm} of one layer; ``seen`` has N = 1."""
-    kind = ghost_kind(rule)
-    if kind is None:  # convolutions, norms: this one layer's (B, *param.shape) gradient
-        return {ln: t[0].flatten(1).square().sum(1) for ln, t in dense_grads(rule, module, local, seen).items()}
-    a, g = stack_calls(kind, module, seen)
+    kind = ghost_kind(layer)
+    local = layer.local
+    if kind is None:  # convolutions, norms, recurrent, fallback: this one layer's (B, *param.shape) gradient
+        return {ln: t[0].flatten(1).square().sum(1) for ln, t in dense_grads(layer, seen).items()}
+    a, g = stack_calls(kind, layer, seen)
     g = g[0]  # (B, T, out)
     if kind == "embedding":
-        return {"weight": _embedding_squared_norms(a, g, module.num_embeddings)}
+        return {"weight": _embedding_squared_norms(a, g, layer.module.num_embeddings)}
     tokens = a.shape[1]
     result = {}
     if tokens == 1:  # the ghost norm: ||g a^T||^2 = ||g||^2 ||a||^2, and ||g||^2 for the bias

@@ -27,16 +27,14 @@ from torch import nn
 
 from . import api
 from .memory import check_budget, result_bytes
-from .norms import NotPerSampleError, dense_grads, ghost_kind, group_calls, stack_calls, tied_names
-from .rules import Rule
+from .norms import dense_grads, ghost_kind, group_calls, rule_grads, stack_calls, tied_names
 from .strategies import hooks
 from .target import Target, guest
 
 MODES: tuple[str, ...] = ("full", "trace")
 
-# A Linear / Embedding kept in Gram form: (kind, a (N, T, in) or indices (N, T), g (Y, N, T, out), rule,
-# {local name: full name} of its trainable parameters).
-Ghost = tuple[str, torch.Tensor, torch.Tensor, Rule, dict[str, str]]
+# A Linear / Embedding kept in Gram form: (kind, a (N, T, in) or indices (N, T), g (Y, N, T, out), layer).
+Ghost = tuple[str, torch.Tensor, torch.Tensor, hooks.Layer]
 
 
 @dataclass
@@ -51,9 +49,9 @@ class _Features:
         """Per-parameter Jacobians, with the Gram-form layers not in ``skip`` built from their pieces when
         ``other`` holds those parameters as Jacobians (a layer in Gram form for one chunk only)."""
         dense = dict(self.dense)
-        for module, (_kind, a, g, rule, local) in self.ghost.items():
-            if module not in skip and any(name in other.dense for name in local.values()):
-                _add_dense(dense, local, dense_grads(rule, module, local, [(a, g)]))
+        for module, (_kind, a, g, layer) in self.ghost.items():
+            if module not in skip and any(name in other.dense for name in layer.local.values()):
+                _add_dense(dense, layer.local, rule_grads(layer, a, g))
         return dense
 
 
@@ -107,13 +105,11 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = 
                  result=result_bytes(x1.shape[0] * n2, 1, target.dtype, y_count * y_count if full else 1),
                  working=0, max_bytes=max_bytes, allocate_result=True, device=target.device, batch=x1.shape[0],
                  chunk=chunk)
-    if strategy == "hooks":
+    if strategy == "hooks" and (x2 is None or api.resolve_strategy("auto", target, x2) == "hooks"):
         try:
-            kernel = _ghost_ntk(target, x1, x2, full, chunk)
-        except NotPerSampleError:
-            kernel = None  # a layer sees (N*T, ...) rows: the rules cannot split them by sample
-        if kernel is not None:
-            return kernel
+            return _ghost_ntk(target, x1, x2, full, chunk)
+        except hooks.PlanMismatchError:
+            pass  # data-dependent layer calls: each sample alone
     return _jacobian_ntk(model, x1, x2, full, chunk_size)
 
 
@@ -124,8 +120,8 @@ def _jacobian_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, f
     Always with ``torch_func``: what ``"auto"`` picks for layers without rules, and what works where a layer
     sees its input as (N*T, ...) rows.
     """
-    j1 = api.per_sample_jacobian(model, x1, strategy="torch_func", flat=True, chunk_size=chunk_size)
-    j2 = j1 if x2 is None else api.per_sample_jacobian(model, x2, strategy="torch_func", flat=True,
+    j1 = api.per_sample_jacobian(model, x1, strategy="auto", flat=True, chunk_size=chunk_size)
+    j2 = j1 if x2 is None else api.per_sample_jacobian(model, x2, strategy="auto", flat=True,
                                                        chunk_size=chunk_size)
     _check_outputs(j1.shape[1], j2.shape[1])
     kernel = torch.einsum("iyp,jzp->ijyz" if full else "iyp,jyp->ij", j1, j2)
@@ -158,22 +154,19 @@ def _ghost_ntk(target: Target, x1: torch.Tensor, x2: torch.Tensor | None, full: 
 
 def _features(target: Target, inputs: torch.Tensor, full: bool) -> _Features:
     """1 forward with hooks and 1 backward batched over the Y outputs; per layer ghost pieces or a Jacobian."""
-    calls, layers, grad_outputs, y_count = hooks.output_gradients(target, inputs)  # each (Y, N, ...)
-    n = inputs.shape[0]
+    calls, grads, y_count = hooks.output_gradients(target, inputs)  # each (Y, N, ...)
     features = _Features(y_count)
-    if not calls:
-        return features
-    tied = tied_names(layers)
-    for module, seen in group_calls(target, calls, grad_outputs, n).items():
-        rule, local = layers[module]
-        kind = ghost_kind(rule)
-        if kind is not None and tied.isdisjoint(local.values()):
-            a, g = stack_calls(kind, module, seen)
-            if gram_is_cheaper(kind, module, a.shape[1], y_count, full):
-                features.ghost[module] = (kind, a, g, rule, local)
+    tied = tied_names(calls)
+    for layer, seen in group_calls(calls, grads).values():
+        kind = ghost_kind(layer)
+        if kind is not None and tied.isdisjoint(layer.local.values()):
+            a, g = stack_calls(kind, layer, seen)
+            if gram_is_cheaper(kind, layer.module, a.shape[1], y_count, full):
+                features.ghost[layer.module] = (kind, a, g, layer)
                 continue
-            seen = [(a, g)]  # the stacked calls, padding rows zeroed
-        _add_dense(features.dense, local, dense_grads(rule, module, local, seen))
+            _add_dense(features.dense, layer.local, rule_grads(layer, a, g))  # the stacked calls, padding zeroed
+            continue
+        _add_dense(features.dense, layer.local, dense_grads(layer, seen))
     return features
 
 
@@ -204,7 +197,8 @@ def _kernel(a: _Features, b: _Features, full: bool) -> torch.Tensor | None:
 
 def _gram_kernel(ga: Ghost, gb: Ghost, full: bool) -> torch.Tensor:
     """Linear / Embedding term: sum_{t,s} A[i,j,t,s] (g_{y,i,t} . g_{z,j,s}) (+ the bias term)."""
-    kind, a1, g1, _rule, local = ga
+    kind, a1, g1, layer = ga
+    local = layer.local
     a2, g2 = gb[1], gb[2]
     out, z = ("ijyz", "z") if full else ("ij", "y")
     term = None

@@ -78,6 +78,20 @@ def check_modes(model: nn.Module | Target) -> None:
                 "per-sample gradients are not defined. Call model.eval() to use the running statistics, "
                 "or use GroupNorm / LayerNorm instead of BatchNorm."
             )
+        if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.training and m.track_running_stats:
+            raise UnsupportedModelError(
+                f"{label} has track_running_stats=True in training mode: every forward pass would update its "
+                "running statistics, so computing per-sample gradients would change your model. Call model.eval() "
+                "or create it with track_running_stats=False."
+            )
+        internal_dropout = (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) or (
+            isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
+        if internal_dropout and m.training:
+            raise UnsupportedModelError(
+                f"{label} applies dropout={m.dropout} in training mode: it would draw different random masks in each "
+                "strategy and each sample, so results would be random and not comparable. Call model.eval() (or "
+                "create it with dropout=0) before computing per-sample gradients."
+            )
         if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0:
             raise UnsupportedModelError(
                 f"{label} is in training mode: it would draw different random numbers (masks, slopes) in each strategy "

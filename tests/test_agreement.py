@@ -13,6 +13,7 @@ from torch import nn
 import pergrad_viz as pv
 from pergrad_viz import models
 from pergrad_viz.strategies import MODULES
+from pergrad_viz.strategies.torch_func import VmapError
 from pergrad_viz.target import Target
 
 ALL = (*pv.STRATEGIES, "auto")
@@ -306,14 +307,14 @@ def _build(name: str):
 CASES = ["mlp", "bias-free-mse-sum", "bias-free-mse-mean", "small-cnn", *(f"conv-{k}" for k in CONV_CONFIGS),
          "embedding", "tied", "layernorm", "groupnorm", "batchnorm-eval", "frozen", "shared", "relu-inplace", "unused",
          "out-2x3", "unsupported", "prelu"]
-UNSUPPORTED = {"unsupported"}  # layers with parameters but no hooks rule
+# "unsupported": layers with parameters but no closed-form rule (hooks uses the per-layer fallback there)
 
 
 def params(quantity: str):
     """(quantity, name, strategy) triples; vmap(jacrev) of a PReLU hits a PyTorch batching-rule bug
     (prelu's backward under nested vmap: "The size of tensor a (B) must match ..."), so torch_func cannot give
     PReLU Jacobians (auto picks hooks, which has a PReLU rule)."""
-    prelu_bug = pytest.mark.xfail(raises=RuntimeError, strict=True,
+    prelu_bug = pytest.mark.xfail(raises=VmapError, strict=True,
                                   reason="PyTorch: vmap(jacrev(F.prelu)) with B > 1 fails in prelu's batching rule")
     out = []
     for name in CASES:
@@ -352,10 +353,6 @@ def compute(quantity, model, x, y, loss, b_j, **kw):
 @pytest.mark.parametrize(("quantity", "name", "strategy"), GRID)
 def test_dict_agrees_with_reference_loop(quantity, name, strategy):
     model, x, y, loss, b_j = build(name)
-    if strategy == "hooks" and name in UNSUPPORTED:
-        with pytest.raises(pv.UnsupportedModelError, match="the hooks strategy has no rule for layer"):
-            compute(quantity, model, x, y, loss, b_j, strategy=strategy)
-        return
     got = compute(quantity, model, x, y, loss, b_j, strategy=strategy)
     want = reference(name, quantity)
     assert list(want) == [n for n, _ in trainable(model)]
@@ -378,8 +375,6 @@ def test_reference_is_not_degenerate(name, quantity):
 def test_flat_chunked_agrees_with_reference_loop(quantity, name, strategy):
     """flat=True is torch.cat of the flattened dict values in named_parameters order; chunks of 2 (last short)."""
     model, x, y, loss, b_j = build(name)
-    if strategy == "hooks" and name in UNSUPPORTED:
-        pytest.skip("hooks refuses this model (checked in test_dict_agrees_with_reference_loop)")
     got = compute(quantity, model, x, y, loss, b_j, strategy=strategy, flat=True, chunk_size=2)
     want = flatten_ref(reference(name, quantity), 1 if quantity == "grads" else 2)
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float64
@@ -443,7 +438,7 @@ LOSSES = ["ce-mean", "ce-sum", "ce-weight-mean", "ce-weight-sum", "ce-label-smoo
           "ce-label-smoothing-weight-sum", "mse-mean", "mse-sum", "lambda", "lambda-not-vmappable"]
 LOSS_GRID = [
     pytest.param(loss_name, strategy, id=f"{loss_name}-{strategy}", marks=pytest.mark.xfail(
-        raises=RuntimeError, strict=True, reason="torch_func runs the loss under vmap: .item() cannot be vmapped"))
+        raises=VmapError, strict=True, reason="torch_func runs the loss under vmap: .item() cannot be vmapped"))
     if (loss_name, strategy) == ("lambda-not-vmappable", "torch_func") else
     pytest.param(loss_name, strategy, id=f"{loss_name}-{strategy}")
     for loss_name in LOSSES for strategy in ALL
@@ -480,8 +475,6 @@ def test_float32_mlp(quantity, strategy, device):
 @pytest.mark.parametrize("name", ["small-cnn", "embedding", "conv-2d-same-dil-groups-reflect", "shared",
                                   "relu-inplace", "batchnorm-eval", "unsupported"])
 def test_devices(name, strategy, device):
-    if strategy == "hooks" and name in UNSUPPORTED:
-        pytest.skip("hooks refuses this model")
     model, x, y, loss, b_j = build(name, torch.float64, device)
     got = pv.per_sample_grads(model, loss, x, y, strategy=strategy, flat=True, chunk_size=2)
     assert got.device.type == device
@@ -495,7 +488,7 @@ def test_devices(name, strategy, device):
 
 
 AUTO_EXPECTED = [("mlp", "hooks"), ("small-cnn", "hooks"), ("embedding", "hooks"), ("layernorm", "hooks"),
-                 ("batchnorm-eval", "hooks"), ("frozen", "hooks"), ("unsupported", "torch_func"),
+                 ("batchnorm-eval", "hooks"), ("frozen", "hooks"), ("unsupported", "hooks"),
                  ("prelu", "hooks")]
 
 
@@ -519,13 +512,16 @@ def test_auto_resolves_and_dispatches(quantity, name, expected, monkeypatch):
     assert_dict_close(got, reference(name, quantity), RTOL, ATOL)
 
 
-def test_auto_uses_torch_func_for_a_custom_parameterised_module_only():
+def test_a_custom_parameterised_module_goes_through_the_per_layer_fallback():
     model = nn.Sequential(nn.Linear(4, 5), Scale(5), nn.Linear(5, 2)).double()
-    assert pv.resolve_strategy("auto", Target.of(model)) == "torch_func"
-    model[1].requires_grad_(False)  # frozen: nothing for hooks to compute there
-    assert pv.resolve_strategy("auto", Target.of(model)) == "hooks"
     x, y = torch.randn(4, 4, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    assert pv.resolve_strategy("auto", model, x) == "hooks"
+    assert MODULES["hooks"].describe(Target.of(model), x) == {"0": "rule", "1": "fallback", "2": "rule"}
     loss = nn.CrossEntropyLoss()
+    assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy="hooks"), ref_grads(model, loss, x, y),
+                      RTOL, ATOL)
+    model[1].requires_grad_(False)  # frozen: nothing for hooks to compute there
+    assert MODULES["hooks"].describe(Target.of(model), x) == {"0": "rule", "2": "rule"}
     assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy="hooks"), ref_grads(model, loss, x, y),
                       RTOL, ATOL)
 
@@ -536,8 +532,8 @@ def test_subclass_overriding_forward_has_no_rule():
             return 2 * super().forward(x)
 
     model = nn.Sequential(DoubledLinear(3, 2)).double()
-    assert pv.resolve_strategy("auto", Target.of(model)) == "torch_func"
     x, y = torch.randn(3, 3, dtype=torch.float64), torch.tensor([0, 1, 1])
+    assert MODULES["hooks"].describe(Target.of(model), x) == {"0": "fallback"}
     loss = nn.CrossEntropyLoss()
     assert_dict_close(pv.per_sample_grads(model, loss, x, y), ref_grads(model, loss, x, y), RTOL, ATOL)
 
@@ -605,7 +601,7 @@ class SparseEmbeddingNet(nn.Module):
 
 
 @pytest.mark.parametrize("strategy", [
-    pytest.param(s, marks=pytest.mark.xfail(raises=NotImplementedError, strict=True,
+    pytest.param(s, marks=pytest.mark.xfail(raises=(VmapError, NotImplementedError), strict=True,
                                             reason="sparse gradients under vmap: aten::view has no SparseCPU kernel"))
     if s in ("torch_func", "batched_grad") else s for s in ALL])
 def test_sparse_embedding(strategy):
@@ -687,13 +683,12 @@ class TimeFirstNet(nn.Module):
 
 @pytest.mark.parametrize("strategy", ALL)
 def test_layer_without_the_batch_first(strategy):
+    """T == B: a check of the first dimension alone would take T for the batch. The probe runs two batch sizes, finds
+    the samples along dimension 1 of the layer's input, and the per-layer fallback handles it."""
     torch.manual_seed(0)
     model, x, y = TimeFirstNet().double(), torch.randn(3, 3, 4, dtype=torch.float64), torch.tensor([0, 1, 2])
     loss = nn.CrossEntropyLoss()
-    if strategy == "hooks":  # the rules would mix the samples: refused, with the way out named
-        with pytest.raises(pv.UnsupportedModelError, match=r"layer 'fc' \(Linear\) .*first dimension.*torch_func"):
-            pv.per_sample_grads(model, loss, x, y, strategy=strategy)
-        return
     if strategy == "auto":
-        assert pv.resolve_strategy("auto", model, x) == "torch_func"
+        assert pv.resolve_strategy("auto", model, x) == "hooks"
+        assert MODULES["hooks"].describe(Target.of(model), x) == {"fc": "fallback"}
     assert_both_agree_with_the_loop(model, loss, x, y, strategy)

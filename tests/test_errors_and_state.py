@@ -7,11 +7,13 @@ import time
 
 import pytest
 import torch
-from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, snapshot
+from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, ref_jacobian, snapshot
 from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz import api
+from pergrad_viz.strategies import hooks
+from pergrad_viz.target import Target
 
 ALL = (*pv.STRATEGIES, "auto")
 QUANTITIES = ("grads", "jacobian")
@@ -151,18 +153,20 @@ class Custom(nn.Module):
 
 @pytest.mark.parametrize("quantity", QUANTITIES)
 @pytest.mark.parametrize(("layer", "type_name"), [(nn.RMSNorm(6), "RMSNorm"), (Custom(), "Custom")])
-def test_hooks_on_an_unsupported_layer(quantity, layer, type_name):
+def test_hooks_on_a_layer_without_a_rule_uses_the_per_layer_fallback(quantity, layer, type_name):
     model = nn.Sequential()
     model.add_module("body", nn.Sequential(nn.Linear(4, 6), layer))
     model.add_module("head", nn.Linear(6, 3))
     model.double()
     x, y = data()
+    assert hooks.describe(Target.of(model), x) == {"body.0": "rule", "body.1": "fallback", "head": "rule"}
     before = snapshot(model)
-    with pytest.raises(pv.UnsupportedModelError,
-                       match=rf"no rule for layer 'body\.1' \({type_name}\).*strategy='torch_func'"):
-        run(quantity, model, x, y, strategy="hooks")
+    got = run(quantity, model, x, y, strategy="hooks")
     assert_state_unchanged(model, before)
-    run(quantity, model, x, y, strategy="auto")  # auto falls back to torch_func
+    want = ref_grads(model, nn.CrossEntropyLoss(), x, y) if quantity == "grads" else ref_jacobian(model, x)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-12)
+    assert pv.resolve_strategy("auto", model, x) == "hooks"
 
 
 # ------------------------------------------------------------------------------------------ memory budget

@@ -30,7 +30,7 @@ def loop(loss_fn, output, targets):
 
 def check(loss_fn, output, targets, fast: bool):
     """Values and gradients (with respect to the output) equal the loop's; the fast path is taken iff ``fast``."""
-    assert losses._fast_path_ok(loss_fn, targets) is fast
+    assert losses._fast_path_ok(loss_fn, output, targets) is fast
     out1 = output.detach().clone().requires_grad_(True)
     out2 = output.detach().clone().requires_grad_(True)
     got = per_sample_losses(loss_fn, out1, targets)
@@ -147,6 +147,26 @@ def test_other_callables_and_reductions():
     check(nn.KLDivLoss(reduction="batchmean"), F.log_softmax(out, 1), torch.softmax(y, 1), fast=False)
     # not vmappable (.item()): falls back to a loop on the computed outputs
     check(lambda o, t: F.mse_loss(o, t) * (2.0 if o.sum().item() > 0 else 1.0), out, y, fast=False)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_broadcasting_shapes_go_the_generic_path(reduction):
+    """MSELoss on outputs (B, 1) and targets (B,): one batched call would broadcast to (B, B)."""
+    check(nn.MSELoss(reduction=reduction), randn(B, 1), randn(B), fast=False)
+    check(nn.L1Loss(reduction=reduction), randn(B, 3), randn(B, 1), fast=False)
+    check(nn.BCEWithLogitsLoss(reduction=reduction, pos_weight=rand(B, 2)[:1]), randn(B, 2), rand(B, 2),
+          fast=False)
+    check(nn.CrossEntropyLoss(reduction=reduction), randn(B, 4), torch.tensor([[0], [1], [2], [3], [0]]).view(B),
+          fast=True)
+
+
+def test_a_loss_class_or_reduction_none_is_refused_with_the_fix():
+    with pytest.raises(TypeError, match=r"pass an instance, e\.g\. MSELoss\(\)"):
+        losses.check_loss(nn.MSELoss)
+    with pytest.raises(ValueError, match=r"reduction='none'.*use reduction='sum'"):
+        losses.check_loss(nn.MSELoss(reduction="none"))
+    with pytest.raises(ValueError, match=r"shape \(3,\) for one sample instead of a scalar"):
+        per_sample_losses(lambda o, t: (o - t).pow(2).sum(0), randn(B, 3), randn(B, 3))
 
 
 def test_the_users_loss_is_not_modified():

@@ -1,5 +1,12 @@
-"""nn.Conv1d and nn.Conv2d: any stride, padding (numbers, 'same', 'valid', any padding_mode),
-dilation and groups, through ``unfold`` (im2col)."""
+"""Convolutions: nn.Conv1d, nn.Conv2d, nn.Conv3d (any stride, padding (numbers, 'same', 'valid', any
+padding_mode), dilation and groups) and nn.ConvTranspose1d/2d/3d (any stride, padding, output_padding,
+dilation and groups; padding_mode 'zeros', the only one they allow).
+
+Conv1d and Conv2d go through ``unfold`` (im2col). Conv3d and the transposed convolutions go through one
+correlation of the layer's input with its output gradient (:func:`_correlate`): a transposed convolution is the
+adjoint of the convolution with the same weight, so its weight gradient is that of a convolution whose input
+is the output gradient and whose output gradient is the input.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +16,21 @@ from torch import nn
 
 from . import register
 
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
-@register(nn.Conv1d, nn.Conv2d)
+
+@register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def conv(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
          out: dict[str, torch.Tensor]) -> None:
+    """activation (B, C_in, *spatial), grad_output (N, B, C_out, *spatial_out)."""
     n, batch = grad_output.shape[:2]
     c_out = module.out_channels
     if "bias" in out:
         torch.sum(grad_output.reshape(n, batch, c_out, -1), dim=-1, out=out["bias"])
     if "weight" not in out:
+        return
+    if isinstance(module, nn.Conv3d):
+        _conv_by_correlation(module, activation, grad_output, out["weight"])
         return
     one_d = isinstance(module, nn.Conv1d)
     x = activation.unsqueeze(-2) if one_d else activation  # (B, C_in, H, W)
@@ -36,3 +49,66 @@ def conv(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
     g = grad_output.reshape(n, batch, groups, c_out // groups, -1)  # (N, B, G, C_out/G, L)
     w = torch.einsum("nbgol,bgil->nbgoi", g, cols)
     out["weight"].copy_(w.reshape(out["weight"].shape))
+
+
+def _conv_by_correlation(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
+                         weight: torch.Tensor) -> None:
+    """Conv weight gradient (N, B, C_out, C_in/G, *kernel) from activation (B, C_in, *spatial)."""
+    padding = module.padding
+    if module.padding_mode != "zeros" or isinstance(padding, str):  # pad explicitly as the layer does
+        pad = list(module._reversed_padding_repeated_twice)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        activation = F.pad(activation, pad, mode=mode) if any(pad) else activation
+        padding = (0,) * len(module.kernel_size)
+    w = _correlate(activation.unsqueeze(0), grad_output, module.groups, module.kernel_size, module.stride,
+                   module.dilation, padding)
+    weight.copy_(w)
+
+
+@register(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+def conv_transpose(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
+                   out: dict[str, torch.Tensor]) -> None:
+    """activation (B, C_in, *spatial), grad_output (N, B, C_out, *spatial_out) (any output_padding or
+    output_size: only the output gradient's shape matters); weight (C_in, C_out/G, *kernel)."""
+    n, batch = grad_output.shape[:2]
+    if "bias" in out:
+        torch.sum(grad_output.reshape(n, batch, module.out_channels, -1), dim=-1, out=out["bias"])
+    if "weight" not in out:
+        return
+    if module.padding_mode != "zeros":
+        raise NotImplementedError(f"{type(module).__name__} with padding_mode={module.padding_mode!r}")
+    # y = conv(., W)^T x, so dW of the transposed convolution = dW of conv with input y's gradient and
+    # output gradient x: the roles of activation and grad_output swap.
+    w = _correlate(grad_output, activation.unsqueeze(0), module.groups, module.kernel_size, module.stride,
+                   module.dilation, module.padding)
+    out["weight"].copy_(w)
+
+
+def _correlate(inp: torch.Tensor, gout: torch.Tensor, groups: int, kernel: tuple[int, ...], stride: tuple[int, ...],
+               dilation: tuple[int, ...], padding: tuple[int, ...]) -> torch.Tensor:
+    """Per-sample weight gradient of ``y = conv(inp, W)`` (stride, dilation, groups, zero padding) given dL/dy.
+
+    inp (Ni, B, C_i, *S) and gout (No, B, C_o, *S_out), with Ni or No equal to 1 (the N output gradients
+    are on one side); returns (N, B, C_o, C_i/G, *kernel) with N = max(Ni, No):
+    ``dW[n, b, o, i, k] = sum_p gout[n, b, o, p] * inp_padded[n, b, i, stride * p + dilation * k]``.
+
+    One call of conv{1,2,3}d: the samples and groups fold into the groups of the call (B * G groups, one
+    channel each), the input channels of a group and Ni into its batch, the output gradient is the kernel, and
+    stride and dilation swap roles.
+    """
+    ni, batch, c_i = inp.shape[:3]
+    no, _, c_o = gout.shape[:3]
+    spatial, spatial_out = inp.shape[3:], gout.shape[3:]
+    dims = len(kernel)
+    cig, cog = c_i // groups, c_o // groups
+    # (Ni, B, G, C_i/G, *S) -> (Ni * C_i/G, B * G, *S)
+    x = inp.reshape(ni, batch, groups, cig, *spatial).movedim(3, 1).reshape(ni * cig, batch * groups, *spatial)
+    # (No, B, G, C_o/G, *S_out) -> (B * G * No * C_o/G, 1, *S_out)
+    k = gout.reshape(no, batch, groups, cog, *spatial_out).movedim(0, 2)
+    k = k.reshape(batch * groups * no * cog, 1, *spatial_out)
+    r = _CONV[dims](x, k, stride=dilation, padding=padding, dilation=stride, groups=batch * groups)
+    # r: (Ni * C_i/G, B * G * No * C_o/G, *K') with K' >= kernel (positions past the last tap are cut off)
+    r = r[(..., *(slice(0, size) for size in kernel))]
+    r = r.reshape(ni, cig, batch, groups, no, cog, *kernel)
+    r = r.permute(0, 4, 2, 3, 5, 1, *range(6, 6 + dims))  # (Ni, No, B, G, C_o/G, C_i/G, *kernel)
+    return r.reshape(ni * no, batch, c_o, cig, *kernel)

@@ -13,6 +13,9 @@ from ..losses import LossFn, per_sample_losses
 from ..target import Target
 from ._common import flat_outputs, write
 
+SLOW_BASELINE = True  # a baseline: skipped by the benchmarks above their size limit
+BATCHED_FORWARD = True  # one forward pass over the whole batch: refused where samples interact
+
 
 def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
           out: dict[str, torch.Tensor]) -> None:

@@ -1,197 +1,285 @@
-"""Forward hooks capture each layer's input and output; one backward pass gives the gradients with
-respect to the layer outputs; a per-layer rule (``pergrad_viz.rules``) turns both into per-sample
-parameter gradients.
+"""Forward hooks capture each layer's inputs and outputs; one backward pass gives the gradients with
+respect to the layer outputs; per layer, a closed-form rule (``pergrad_viz.rules``) or, for a layer without
+one, the per-layer fallback (``torch.func`` on that layer alone) turns both into per-sample parameter
+gradients.
 
 For per-sample gradients the backward pass is a single ordinary one (of the summed per-sample losses).
 For output Jacobians it is batched over the Y one-hot output vectors only (``is_grads_batched``), never
 over B x Y: each vector selects output j of *every* sample at once, since samples do not interact.
 
-Every layer that owns trainable parameters needs a rule, and each such parameter must be used only inside
-the forward of a layer that owns it (a rule cannot see ``F.linear(h, self.emb.weight)`` in a parent's
-forward); :func:`check_supported` checks both.
+What the rules may assume is measured, not assumed (``pergrad_viz.probe``): samples that do not interact,
+where each layer's tensors hold the samples, and which layer's forward contains every use of each
+trainable parameter. Every call checks the shapes it captured against that plan.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import UnsupportedModelError
 from ..losses import LossFn, summed_per_sample_loss
-from ..rules import Rule, rule_for, supported_types
+from ..probe import SHARED, CallSpec, LayerPlan, Plan, plan_for
+from ..rules import call_rule_for, rule_for, supported_types
+from ..rules.fallback import per_sample_vjp
 from ..target import Target
 from ._common import flat_outputs
 
+SLOW_BASELINE = False  # timed at every size by the benchmarks
+BATCHED_FORWARD = True  # one forward pass over the whole batch: refused where samples interact
+
+
+
+class PlanMismatchError(UnsupportedModelError):
+    """A call captured shapes the probe did not see (data-dependent behaviour): the rules cannot be trusted."""
+
 
 @dataclass
-class _Call:
+class Layer:
+    """A module that handles some trainable parameters, and how."""
+
     module: nn.Module
-    activation: torch.Tensor
-    output: torch.Tensor
-    versions: tuple[int, int]
+    plan: LayerPlan
+
+    @property
+    def local(self) -> dict[str, str]:
+        return self.plan.local
+
+    @property
+    def kind(self) -> str:
+        return self.plan.kind
+
+    @property
+    def rule(self):
+        return rule_for(self.module) if self.kind == "rule" else None
+
+
+@dataclass
+class Call:
+    """One call of a layer: its inputs (args, kwargs) detached, and its output tensors (graph-connected)."""
+
+    layer: Layer
+    inputs: tuple[tuple, dict]
+    outputs: list[torch.Tensor]
+    spec: CallSpec
+    versions: tuple[int, ...]
+
+    @property
+    def activation(self) -> torch.Tensor:
+        """The first tensor argument (B, ...): what a single-tensor rule sees."""
+        return next(t for t in tree_flatten(self.inputs)[0] if isinstance(t, torch.Tensor))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in tree_flatten(self.inputs)[0] if isinstance(t, torch.Tensor)] + self.outputs
 
     def modified_in_place(self) -> bool:
-        return (self.activation._version, self.output._version) != self.versions
+        return tuple(t._version for t in self.tensors()) != self.versions
 
 
-def _layers(target: Target) -> dict[nn.Module, tuple[Rule | None, dict[str, str]]]:
-    """Modules that own trainable parameters -> (rule, {local name: full name}); computed once per call."""
-    if "hooks.layers" in target.cache:
-        return target.cache["hooks.layers"]
-    full_name = {id(p): n for n, p in zip(target.names, target.params, strict=True)}
-    layers = {}
-    for _, module in target.modules:
-        local = {ln: full_name[id(p)] for ln, p in module._parameters.items() if id(p) in full_name}
-        if local:
-            layers[module] = (rule_for(module), local)
-    target.cache["hooks.layers"] = layers
-    return layers
+def _layers(target: Target, plan: Plan) -> dict[str, Layer]:
+    modules = dict(target.modules)
+    return {name: Layer(modules[name], lp) for name, lp in plan.layers.items()}
+
+
+def _problem(target: Target, inputs: torch.Tensor) -> str | None:
+    plan = plan_for(target, inputs)
+    if plan.interaction is not None:
+        return f"the samples interact: {plan.interaction}"
+    return plan.hooks_problem
 
 
 def check_supported(target: Target, inputs: torch.Tensor | None = None) -> None:
-    """Raise :class:`UnsupportedModelError` naming a layer with trainable parameters but no rule or, given
-    ``inputs`` (B, ...), a trainable parameter used outside the forward of the layers that own it.
-
-    The second check runs the model on one sample, once per model (until its layers change).
-    """
-    names = None
-    for module, (rule, local) in _layers(target).items():
-        if rule is None:
-            names = {m: n for n, m in target.modules}
-            raise UnsupportedModelError(
-                f"the hooks strategy has no rule for layer '{names[module] or 'model'}' "
-                f"({type(module).__name__}), which owns trainable parameters {sorted(local)}. "
-                f"Layers with rules: {', '.join(supported_types())}. Use strategy='torch_func' (or 'auto', "
-                "which picks it), or freeze those parameters with requires_grad_(False)."
-            )
-    if inputs is not None:
-        _check_layers_on_a_probe(target, inputs[:2])
-
-
-_CHECKED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
-
-
-class _ParameterWatch(TorchFunctionMode):
-    """Notes every torch function that receives a watched parameter outside the layers that own it."""
-
-    def __init__(self, owners: dict[int, tuple[str, set[nn.Module]]]):
-        super().__init__()
-        self.owners = owners
-        self.running: list[nn.Module] = []  # the layers whose forward is executing
-        self.strays: list[tuple[str, str]] = []  # (parameter, function)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for value in (*args, *kwargs.values()):
-            for t in value if isinstance(value, list | tuple) else (value,):
-                owner = self.owners.get(id(t)) if isinstance(t, torch.Tensor) else None
-                if owner is not None and (not self.running or self.running[-1] not in owner[1]):
-                    self.strays.append((owner[0], getattr(func, "__name__", str(func))))
-        return func(*args, **kwargs)
-
-
-def _check_layers_on_a_probe(target: Target, sample: torch.Tensor) -> None:
-    """Run the model on ``sample`` (one or two samples) and refuse what the rules cannot handle: a trainable
-    parameter used outside its layers, or a layer whose input or output does not have the batch first."""
-    layers = _layers(target)
-    signature = tuple((id(m), tuple(local.values())) for m, (_rule, local) in layers.items())
-    if _CHECKED.get(target.model) == signature:
+    """Raise :class:`UnsupportedModelError` when the hooks strategy cannot give the per-sample definition for
+    ``target`` on inputs like ``inputs`` (B, ...); without inputs nothing is probed (every layer is covered by
+    a rule or the per-layer fallback)."""
+    if inputs is None:
         return
-    params = dict(zip(target.names, target.params, strict=True))
-    owners: dict[int, tuple[str, set[nn.Module]]] = {}
-    for module, (_rule, local) in layers.items():
-        for name in local.values():
-            owners.setdefault(id(params[name]), (name, set()))[1].add(module)
-    watch = _ParameterWatch(owners)
-    misplaced: list[tuple[nn.Module, list]] = []
-    def enter(module: nn.Module, args: tuple) -> None:
-        watch.running.append(module)
-
-    def leave(module: nn.Module, args: tuple, output: object) -> None:
-        watch.running.pop()
-        first = [t.shape[0] if t.dim() else None for t in (*args[:1], output) if isinstance(t, torch.Tensor)]
-        if any(n != sample.shape[0] for n in first):
-            misplaced.append((module, first))
-
-    handles = []
-    for module in layers:
-        handles.append(module.register_forward_pre_hook(enter))
-        handles.append(module.register_forward_hook(leave, always_call=True))
-    try:
-        with torch.no_grad(), watch:
-            target.model(sample)
-    finally:
-        for h in handles:
-            h.remove()
-    if misplaced:
-        module, first = misplaced[0]
-        name = next(n for n, m in target.modules if m is module) or "model"
+    problem = _problem(target, inputs)
+    if problem is not None:
         raise UnsupportedModelError(
-            f"layer '{name}' ({type(module).__name__}) saw its input/output with first dimensions {first} for a "
-            f"batch of {sample.shape[0]}: the hooks rules need the samples along the first dimension (not e.g. "
-            "(T, B, ...) or (B*T, ...)). Use strategy='torch_func' (or 'auto', which picks it)."
+            f"the hooks strategy cannot be used here: {problem}. Use strategy='torch_func' (or 'auto', which "
+            "picks it), which computes each sample alone."
         )
-    if watch.strays:
-        name, func = watch.strays[0]
-        raise UnsupportedModelError(
-            f"the hooks strategy cannot see parameter '{name}' being used outside the forward of its own layer "
-            f"(by {func} in the model's forward, e.g. weights tied with F.linear(h, self.emb.weight)), so it "
-            "would miss that part of the gradient. Use strategy='torch_func' (or 'auto', which picks it), or "
-            "tie the weights by sharing the parameter between two layers (layer2.weight = layer1.weight)."
-        )
-    _CHECKED[target.model] = signature
 
 
-def _forward(target: Target, inputs: torch.Tensor, layers: dict, copy: bool) -> tuple[torch.Tensor, list[_Call]]:
-    calls: list[_Call] = []
+def describe(target: Target, inputs: torch.Tensor) -> dict[str, str]:
+    """{layer name: 'rule' | 'call' | 'fallback'}: how each layer's per-sample gradients are computed."""
+    plan = plan_for(target, inputs)
+    return {name: lp.kind for name, lp in plan.layers.items()}
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
-        activation = (args[0] if args else next(iter(kwargs.values()))).detach()  # e.g. fc(input=x)
-        if copy:
-            activation = activation.clone()
-        calls.append(_Call(module, activation, output, (activation._version, output._version)))
-        # Hand later layers a copy, so that in-place ops downstream cannot change `output`.
-        return output.clone() if copy else None
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in layers]
+def _mismatch(layer: Layer, name: str, why: str) -> PlanMismatchError:
+    return PlanMismatchError(
+        f"layer '{name or 'model'}' ({type(layer.module).__name__}) {why} in this call, unlike in the probe of "
+        "this model: its behaviour depends on the data, so the per-layer rules cannot be trusted. Use "
+        "strategy='torch_func' (or 'auto', which switches to it)."
+    )
+
+
+def _check_call(layer: Layer, name: str, index: int, args: tuple, kwargs: dict, output: object,
+                batch: int) -> CallSpec:
+    specs = layer.plan.calls
+    if index >= len(specs):
+        raise _mismatch(layer, name, f"is called more than {len(specs)} time(s)")
+    spec = specs[index]
+    ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    for tensors, dims, rests in ((ins, spec.in_dims, spec.in_rest), (outs, spec.out_dims, spec.out_rest)):
+        if len(tensors) != len(dims):
+            raise _mismatch(layer, name, "has a different number of tensors")
+        for t, d, rest in zip(tensors, dims, rests, strict=True):
+            want = rest if d is SHARED else (*rest[:d], batch, *rest[d:])
+            if tuple(t.shape) != tuple(want):
+                raise _mismatch(layer, name, f"sees a tensor of shape {tuple(t.shape)} instead of {tuple(want)}")
+    return spec
+
+
+def _forward(target: Target, inputs: torch.Tensor, layers: dict[str, Layer], copy: bool
+             ) -> tuple[torch.Tensor, list[Call]]:
+    calls: list[Call] = []
+    counts: Counter[str] = Counter()
+    batch = inputs.shape[0]
+    names = {id(layer.module): name for name, layer in layers.items()}
+
+    def detach(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().clone() if copy else t.detach()
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
+        name = names[id(module)]
+        layer = layers[name]
+        spec = _check_call(layer, name, counts[name], args, kwargs, output, batch)
+        counts[name] += 1
+        saved = tree_map(detach, (args, kwargs))
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        call = Call(layer, saved, outputs, spec, ())
+        call.versions = tuple(t._version for t in call.tensors())
+        calls.append(call)
+        # Hand later layers a copy, so that in-place ops downstream cannot change what was captured.
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, output) if copy else None
+
+    handles = [layer.module.register_forward_hook(hook, with_kwargs=True) for layer in layers.values()]
     try:
         output = target.model(inputs)
     finally:
         for h in handles:
             h.remove()
+    for name, layer in layers.items():
+        if 0 < counts[name] < len(layer.plan.calls):
+            raise _mismatch(layer, name, f"is called {counts[name]} time(s), not {len(layer.plan.calls)},")
     return output, calls
 
 
-def _capture(target: Target, inputs: torch.Tensor) -> tuple[torch.Tensor, list[_Call], dict]:
-    layers = _layers(target)
+def capture(target: Target, inputs: torch.Tensor) -> tuple[torch.Tensor, list[Call]]:
+    """One forward pass of ``inputs`` (B, ...) with every layer's calls captured (and checked against the plan)."""
+    plan = plan_for(target, inputs)
+    if plan.interaction is not None or plan.hooks_problem is not None:
+        check_supported(target, inputs)
+    layers = target.cache.get("hooks.layers")
+    if layers is None:
+        layers = target.cache["hooks.layers"] = _layers(target, plan)
     output, calls = _forward(target, inputs, layers, copy=False)
-    if any(c.modified_in_place() for c in calls):  # e.g. ReLU(inplace=True) right after a Linear
+    if any(c.modified_in_place() for c in calls):  # e.g. ReLU(inplace=True) right after a layer, `out += x`
         output, calls = _forward(target, inputs, layers, copy=True)
-    return output, calls, layers
+    return output, calls
 
 
-def _apply_rules(target: Target, calls: list[_Call], grad_outputs: tuple, layers: dict,
-                 out: dict[str, torch.Tensor]) -> None:
+def _grad_targets(calls: list[Call]) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """The output tensors that carry gradients, and (call index, leaf index) for each."""
+    tensors, where = [], []
+    for i, call in enumerate(calls):
+        for k, t in enumerate(call.outputs):
+            if t.requires_grad:
+                tensors.append(t)
+                where.append((i, k))
+    return tensors, where
+
+
+def _regroup(calls: list[Call], where: list[tuple[int, int]], grads: tuple, batched: bool) -> list[list]:
+    """Per call, per output leaf: (N, *leaf.shape) gradients (None where the leaf gets none)."""
+    per_call: list[list] = [[None] * len(c.outputs) for c in calls]
+    for (i, k), g in zip(where, grads, strict=True):
+        if g is not None:
+            per_call[i][k] = g if batched else g.unsqueeze(0)
+    return per_call
+
+
+def loss_gradients(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor
+                   ) -> tuple[list[Call], list[list]]:
+    """1 forward with hooks, 1 backward of the summed per-sample losses to the layer outputs only.
+
+    Returns (calls, grads): per call, per output tensor, a (1, *output.shape) gradient or None.
+    """
+    output, calls = capture(target, inputs)
+    tensors, where = _grad_targets(calls)
+    if not tensors:
+        return calls, [[None] * len(c.outputs) for c in calls]
+    total = summed_per_sample_loss(loss_fn, output, targets)
+    grads = torch.autograd.grad(total, tensors, allow_unused=True)
+    return calls, _regroup(calls, where, grads, batched=False)
+
+
+def output_gradients(target: Target, inputs: torch.Tensor) -> tuple[list[Call], list[list], int]:
+    """1 forward with hooks, 1 backward batched over the Y one-hot output vectors to the layer outputs.
+
+    Returns (calls, grads, Y): per call, per output tensor, a (Y, *output.shape) gradient or None.
+    """
+    output, calls = capture(target, inputs)
+    outputs = flat_outputs(output)  # (B, Y)
+    batch, y_count = outputs.shape
+    tensors, where = _grad_targets(calls)
+    if not tensors:
+        return calls, [[None] * len(c.outputs) for c in calls], y_count
+    one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
+    try:
+        grads = torch.autograd.grad(outputs, tensors, grad_outputs=one_hot, is_grads_batched=True,
+                                    allow_unused=True, retain_graph=True)
+    except (RuntimeError, NotImplementedError):  # a backward without a batching rule: one output at a time
+        rows = [torch.autograd.grad(outputs, tensors, grad_outputs=one_hot[j], allow_unused=True,
+                                    retain_graph=True) for j in range(y_count)]
+        grads = tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows])
+                      for k in range(len(tensors)))
+    return calls, _regroup(calls, where, grads, batched=True), y_count
+
+
+def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
+    """One call's per-sample gradients of its layer's parameters into ``out`` {local name: (N, B, *shape)}."""
+    layer = call.layer
+    n = next(iter(out.values())).shape[0]
+    if all(g is None for g in grads):  # this call does not reach the output
+        for t in out.values():
+            t.zero_()
+        return
+    if layer.kind == "rule":
+        layer.rule(layer.module, call.activation, grads[0], out)
+        return
+    full = [torch.zeros(n, *o.shape, dtype=o.dtype, device=o.device) if g is None else g
+            for g, o in zip(grads, call.outputs, strict=True)]
+    if layer.kind == "call":
+        args, _kwargs = call.inputs
+        call_rule_for(layer.module)(layer.module, args, full, out)
+        return
+    per_sample_vjp(layer.module, call.inputs, call.spec.in_dims, full, call.spec.out_dims, out)
+
+
+def apply_rules(target: Target, calls: list[Call], grads: list[list], out: dict[str, torch.Tensor]) -> None:
     """``out[name]`` is (N, B, *param.shape) here; sums over repeated calls of a shared layer, and over
     modules that share (tie) a parameter."""
-    uses = Counter(fn for c in calls for fn in layers[c.module][1].values())
+    uses = Counter(fn for c in calls for fn in c.layer.local.values())
     written: set[str] = set()
-    for call, g in zip(calls, grad_outputs, strict=True):
-        rule, local = layers[call.module]
-        if g is None:  # this call does not reach the output
-            g = torch.zeros(out[next(iter(local.values()))].shape[0], *call.output.shape,
-                            dtype=call.output.dtype, device=call.output.device)
+    for call, g in zip(calls, grads, strict=True):
+        local = call.layer.local
         if all(uses[fn] == 1 for fn in local.values()):
-            rule(call.module, call.activation, g, {ln: out[fn] for ln, fn in local.items()})
+            call_grads(call, g, {ln: out[fn] for ln, fn in local.items()})
             written.update(local.values())
             continue
         tmp = {ln: torch.empty_like(out[fn]) for ln, fn in local.items()}
-        rule(call.module, call.activation, g, tmp)
+        call_grads(call, g, tmp)
         for ln, fn in local.items():
             if fn in written:
                 out[fn].add_(tmp[ln])
@@ -199,49 +287,24 @@ def _apply_rules(target: Target, calls: list[_Call], grad_outputs: tuple, layers
                 out[fn].copy_(tmp[ln])
                 written.add(fn)
     for name in target.names:
-        if name not in written:  # a layer the forward pass never called
+        if name not in written:  # a parameter the forward pass never used
             out[name].zero_()
-
-
-def loss_gradients(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor
-                   ) -> tuple[list[_Call], dict, tuple]:
-    """1 forward with hooks, 1 backward of the summed per-sample losses to the layer outputs only.
-
-    Returns (calls, layers, grad_outputs): one (1, B, *output.shape[1:]) gradient per call (None where the
-    call does not reach the loss); no gradients when no layer with trainable parameters ran.
-    """
-    output, calls, layers = _capture(target, inputs)
-    if not calls:
-        return calls, layers, ()
-    total = summed_per_sample_loss(loss_fn, output, targets)
-    grad_outputs = torch.autograd.grad(total, [c.output for c in calls], allow_unused=True)
-    return calls, layers, tuple(None if g is None else g.unsqueeze(0) for g in grad_outputs)  # N = 1
-
-
-def output_gradients(target: Target, inputs: torch.Tensor) -> tuple[list[_Call], dict, tuple, int]:
-    """1 forward with hooks, 1 backward batched over the Y one-hot output vectors to the layer outputs.
-
-    Returns (calls, layers, grad_outputs, Y): one (Y, B, *output.shape[1:]) gradient per call (or None).
-    """
-    output, calls, layers = _capture(target, inputs)
-    outputs = flat_outputs(output)  # (B, Y)
-    batch, y_count = outputs.shape
-    if not calls:
-        return calls, layers, (), y_count
-    one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
-    grad_outputs = torch.autograd.grad(outputs, [c.output for c in calls], grad_outputs=one_hot,
-                                       is_grads_batched=True, allow_unused=True)
-    return calls, layers, grad_outputs, y_count
 
 
 def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
           out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward (to the layer outputs only), then the rules; writes (B, *param.shape)."""
-    calls, layers, grad_outputs = loss_gradients(target, loss_fn, inputs, targets)
-    _apply_rules(target, calls, grad_outputs, layers, {n: t.unsqueeze(0) for n, t in out.items()})
+    calls, g = loss_gradients(target, loss_fn, inputs, targets)
+    apply_rules(target, calls, g, {n: t.unsqueeze(0) for n, t in out.items()})
 
 
 def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward batched over the Y outputs, then the rules; writes (B, Y, *param.shape)."""
-    calls, layers, grad_outputs, _ = output_gradients(target, inputs)
-    _apply_rules(target, calls, grad_outputs, layers, {n: t.transpose(0, 1) for n, t in out.items()})
+    calls, g, _ = output_gradients(target, inputs)
+    apply_rules(target, calls, g, {n: t.transpose(0, 1) for n, t in out.items()})
+
+
+def supported_layers() -> tuple[str, ...]:
+    """Layer types with a closed-form rule (every other layer goes through the per-layer fallback)."""
+    return supported_types()
+

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import torch
 
-from ..losses import LossFn
+from ..losses import LossFn, scalar_loss
 from ..target import Target
 from ._common import write
+
+SLOW_BASELINE = True  # a baseline: skipped by the benchmarks above their size limit
+BATCHED_FORWARD = False  # each sample alone
 
 
 def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
           out: dict[str, torch.Tensor]) -> None:
     """B forward and B backward passes of one sample each; writes (B, *param.shape) into ``out``."""
     for i in range(inputs.shape[0]):
-        loss = loss_fn(target.model(inputs[i:i + 1]), targets[i:i + 1])
+        loss = scalar_loss(loss_fn(target.model(inputs[i:i + 1]), targets[i:i + 1]))
         write(out, target.names, torch.autograd.grad(loss, target.params, allow_unused=True), i)
 
 

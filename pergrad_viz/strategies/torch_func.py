@@ -2,20 +2,80 @@
 
 The model is called as a pure function of its trainable parameters; frozen parameters and buffers are
 passed along unchanged. Each sample is given to the model as a batch of one (``x.unsqueeze(0)``), so
-the loss sees exactly what the loop gives it.
+the model and the loss see exactly what the loop gives them: samples cannot interact here.
+
+Where PyTorch's ``vmap`` has no batching rule for an operation inside the model (e.g. ``nn.GRU``, or
+``nn.LSTM`` in float64, in some PyTorch versions), :class:`VmapError` names the layer and the strategies
+that work.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
+from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
-from ..losses import LossFn
+from ..errors import UnsupportedModelError
+from ..losses import LossFn, scalar_loss
 from ..target import Target
+
+SLOW_BASELINE = False  # vectorised: timed at every size by the benchmarks
+BATCHED_FORWARD = False  # each sample alone: right even where samples would interact in a batch
+
+
+class VmapError(UnsupportedModelError):
+    """``torch.func.vmap`` cannot run the model (an operation without a batching rule)."""
 
 
 def _trainable(target: Target) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in zip(target.names, target.params, strict=True)}
+
+
+@contextlib.contextmanager
+def _vmap_limits(target: Target, one_sample: Callable[[], object]) -> Iterator[None]:
+    """Turn an error raised inside ``vmap`` into :class:`VmapError` naming the innermost layer that was running,
+    if the same computation for one sample without ``vmap`` (``one_sample()``) works: a limit of ``vmap``, not an
+    error of the model or the loss (which is raised unchanged)."""
+    running: list[nn.Module] = []
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        running.append(module)
+
+    def leave(module: nn.Module, args: tuple, output: object) -> None:  # returns None: the output is kept
+        if running:
+            running.pop()
+
+    handles = []
+    for _, m in target.modules:
+        handles.append(m.register_forward_pre_hook(enter))
+        handles.append(m.register_forward_hook(leave))
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as e:
+        failing = running[-1] if running else None
+        for h in handles:
+            h.remove()
+        handles = []
+        try:
+            one_sample()
+        except Exception:
+            raise e from None  # the model or the loss fails without vmap too: their own error
+        if failing is not None:
+            names = {id(m): n for n, m in target.modules}
+            where = f"in layer '{names[id(failing)] or 'model'}' ({type(failing).__name__})"
+        else:
+            where = "in the backward pass"
+        raise VmapError(
+            f"torch.func.vmap failed {where} ({str(e).splitlines()[0][:200]}), although one sample alone works: "
+            "PyTorch's vmap has no batching rule for something there. Use strategy='hooks' (or 'auto', which picks "
+            "a strategy that works) or 'loop'."
+        ) from e
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
@@ -25,9 +85,11 @@ def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.
 
     def loss_of_one(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         output = functional_call(target.model, {**params, **frozen}, (x.unsqueeze(0),))
-        return loss_fn(output, y.unsqueeze(0))
+        return scalar_loss(loss_fn(output, y.unsqueeze(0)))
 
-    result = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(_trainable(target), inputs, targets)
+    params = _trainable(target)
+    with _vmap_limits(target, lambda: grad(loss_of_one)(params, inputs[0], targets[0])):
+        result = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets)
     for name in target.names:
         out[name].copy_(result[name])
 
@@ -39,6 +101,8 @@ def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor])
     def outputs_of_one(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return functional_call(target.model, {**params, **frozen}, (x.unsqueeze(0),)).reshape(-1)
 
-    result = vmap(jacrev(outputs_of_one), in_dims=(None, 0))(_trainable(target), inputs)
+    params = _trainable(target)
+    with _vmap_limits(target, lambda: jacrev(outputs_of_one)(params, inputs[0])):
+        result = vmap(jacrev(outputs_of_one), in_dims=(None, 0))(params, inputs)
     for name in target.names:
         out[name].copy_(result[name])

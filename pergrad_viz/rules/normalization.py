@@ -1,5 +1,5 @@
-"""nn.LayerNorm, nn.GroupNorm and BatchNorm in eval mode (running statistics): the affine weight's
-gradient is the output gradient times the normalised input, summed over the positions it scales."""
+"""nn.LayerNorm, nn.GroupNorm, InstanceNorm (affine) and BatchNorm in eval mode (running statistics): the affine
+weight's gradient is the output gradient times the normalised input, summed over the positions it scales."""
 
 from __future__ import annotations
 
@@ -42,9 +42,25 @@ def group_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.T
 def batch_norm_eval(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
                     out: dict[str, torch.Tensor]) -> None:
     # Only reached in eval mode with running statistics: api refuses batch statistics.
-    view = (1, -1) + (1,) * (activation.dim() - 2)
-    xhat = (activation - module.running_mean.view(view)) * torch.rsqrt(module.running_var.view(view) + module.eps)
+    _per_channel(_running(activation, module), grad_output, out)
+
+
+@register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+def instance_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
+                  out: dict[str, torch.Tensor]) -> None:
+    """activation (B, C, *spatial): normalised per sample and channel (its own statistics, as in training mode
+    or without running statistics), else with the running statistics (eval mode with track_running_stats)."""
+    if module.training or not module.track_running_stats:
+        xhat = F.instance_norm(activation, eps=module.eps)  # no running statistics given: none are updated
+    else:
+        xhat = _running(activation, module)
     _per_channel(xhat, grad_output, out)
+
+
+def _running(activation: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """activation (B, C, *spatial) normalised with the module's running statistics (C,)."""
+    view = (1, -1) + (1,) * (activation.dim() - 2)
+    return (activation - module.running_mean.view(view)) * torch.rsqrt(module.running_var.view(view) + module.eps)
 
 
 def _per_channel(xhat: torch.Tensor, grad_output: torch.Tensor, out: dict[str, torch.Tensor]) -> None:

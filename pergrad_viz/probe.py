@@ -1,0 +1,375 @@
+"""What a batched fast path may assume about a model, found by running it on a few samples.
+
+Every strategy that evaluates the model once on the whole batch (``hooks``, ``autograd_stack``,
+``batched_grad``) is only right when the samples do not interact: row i of every layer's input and
+output inside the batch equals what that layer sees when sample i runs alone. The ``hooks`` strategy
+needs more: it must know, for each layer that owns trainable parameters, along which dimension each of
+the layer's inputs and outputs holds the samples, and which layer's forward contains every use of each
+parameter. Nothing of this is assumed; it is measured on a probe:
+
+* sample a alone, sample b alone (two *different* samples of the call when there are any), and the pair
+  (a, b) as a batch of two, each a forward pass with every module hooked;
+* a tensor's *batch dimension* is the one dimension whose size is 1 alone and 2 in the pair (all others
+  equal); a tensor with no such dimension is *shared* (e.g. a positional embedding of ``arange(T)``); a
+  tensor that changes any other way (e.g. (B*T, d) rows) is not per-sample;
+* rows of the pair are compared with the runs alone (values), and shared tensors must not change with
+  the samples (a batch mean has the shape of a shared tensor but not its values);
+* a ``TorchFunctionMode`` notes the stack of running modules at every use of a trainable parameter.
+
+Two batch sizes mean that no coincidence of sizes (T == B, layers == B) can pass for a batch dimension.
+The result, a :class:`Plan`, is cached per model and keyed by everything that can change it: the input's
+shape past the batch, dtype and device, every module (identity, type, training flag) and every parameter
+(identity, shape, dtype, ``requires_grad``). Each real call re-checks the shapes it captured against the
+plan, which is cheap.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from .rules import call_rule_for, rule_for
+from .target import Target
+
+SHARED = None  # the batch dimension of a tensor that holds no samples
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """One call of a layer: the batch dimension (or SHARED) and the shape without it, for every tensor leaf
+    of its inputs (``(args, kwargs)`` flattened) and of its output."""
+
+    in_dims: tuple[int | None, ...]
+    in_rest: tuple[tuple[int, ...], ...]
+    out_dims: tuple[int | None, ...]
+    out_rest: tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class LayerPlan:
+    """A module whose per-sample parameter gradients come from its own calls.
+
+    ``kind`` is ``"rule"`` (a closed-form rule on (B, ...) input and output), ``"call"`` (a closed-form rule
+    for a layer with several inputs / outputs, e.g. LSTM) or ``"fallback"`` (``torch.func`` on this layer
+    alone). ``local`` maps the parameter's name inside the module (dotted for a descendant's parameter the
+    module uses itself, e.g. MultiheadAttention's ``out_proj.weight``) to its full name.
+    """
+
+    name: str
+    kind: str
+    local: dict[str, str]
+    calls: list[CallSpec] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    layers: dict[str, LayerPlan]  # by module name, in named_modules() order
+    interaction: str | None  # where the samples interact (None: they do not)
+    hooks_problem: str | None  # why the hooks strategy cannot be used (None: it can)
+    verified: bool  # the probe had two different samples (else interaction could not be tested)
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    if dtype == torch.float64:
+        return 1e-7, 1e-9
+    if dtype in (torch.float16, torch.bfloat16):
+        return 2e-2, 1e-3
+    return 1e-3, 1e-5
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if not a.is_floating_point() and not a.is_complex():
+        return bool(torch.equal(a, b))
+    rtol, atol = _tolerance(a.dtype)
+    scale = max(float(a.abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0, 1.0)
+    return bool(torch.allclose(a, b, rtol=rtol, atol=atol * scale, equal_nan=True))
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class _Record:
+    """What every module saw in one probe run: {module name: [(input leaves, output leaves)]}."""
+
+    calls: dict[str, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = field(default_factory=dict)
+
+
+class _ParameterUses(TorchFunctionMode):
+    """Notes, for every torch function that receives a watched parameter and returns a tensor, the stack of
+    module names running at that moment (attribute reads such as ``p.requires_grad`` return no tensor and
+    do not count)."""
+
+    def __init__(self, watched: dict[int, str], stack: list[str]):
+        super().__init__()
+        self.watched = watched
+        self.stack = stack
+        self.uses: dict[str, list[tuple[tuple[str, ...], str]]] = {}
+        self.paused = False  # while the probe's own hooks run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self.paused:
+            return result
+        hits = [self.watched[id(t)] for t in _tensors((args, kwargs)) if id(t) in self.watched]
+        if hits and _tensors(result):
+            for name in hits:
+                self.uses.setdefault(name, []).append((tuple(self.stack), getattr(func, "__name__", str(func))))
+        return result
+
+
+def _run(target: Target, inputs: torch.Tensor, watch: dict[int, str] | None) -> tuple[_Record, object, dict]:
+    record = _Record()
+    stack: list[str] = []
+    names = {id(m): n for n, m in target.modules}
+    mode = None if watch is None else _ParameterUses(watch, stack)
+
+    def enter(module, args, kwargs):
+        stack.append(names[id(module)])
+
+    def leave(module, args, kwargs, output):
+        name = stack.pop() if stack else names[id(module)]
+        if mode is not None:
+            mode.paused = True
+        ins = [t.detach().clone() for t in _tensors((args, kwargs))]
+        outs = [t.detach().clone() for t in _tensors(output)]
+        if mode is not None:
+            mode.paused = False
+        record.calls.setdefault(name, []).append((ins, outs))
+
+    handles = []
+    for _, module in target.modules:
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    uses: dict = {}
+    try:
+        with torch.enable_grad():  # the same code paths as the real capture (no inference fast paths)
+            if mode is None:
+                output = target.model(inputs)
+            else:
+                with mode:
+                    output = target.model(inputs)
+                uses = mode.uses
+    finally:
+        for h in handles:
+            h.remove()
+    return record, output, uses
+
+
+def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | str:
+    """The dimension that is 1 alone and 2 in the pair; SHARED if the shapes are equal; "bad" otherwise."""
+    if alone == pair:
+        return SHARED
+    if len(alone) != len(pair):
+        return "bad"
+    diff = [d for d, (a, p) in enumerate(zip(alone, pair, strict=True)) if a != p]
+    if len(diff) == 1 and alone[diff[0]] == 1 and pair[diff[0]] == 2:
+        return diff[0]
+    return "bad"
+
+
+def _pick_pair(inputs: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Two samples of the call (two different ones where there are), as a batch of two."""
+    first = inputs[0]
+    for j in range(1, min(inputs.shape[0], 16)):
+        if not torch.equal(inputs[j], first):
+            return torch.stack([first, inputs[j]]), True
+    return torch.stack([first, first]), False
+
+
+def _describe(leaf: str, name: str, module: nn.Module) -> str:
+    return f"{leaf} of layer '{name or 'model'}' ({type(module).__name__})"
+
+
+class _Probe:
+    def __init__(self, target: Target, inputs: torch.Tensor):
+        self.target = target
+        self.modules = dict(target.modules)
+        pair, self.verified = _pick_pair(inputs)
+        watch = {id(p): n for n, p in zip(target.names, target.params, strict=True)}
+        self.alone_a, _, _ = _run(target, pair[:1], None)
+        self.alone_b, _, _ = _run(target, pair[1:], None)
+        self.pair, _, self.uses = _run(target, pair, watch)
+        self.interaction: str | None = None
+        self.specs: dict[str, list[CallSpec] | str] = {}
+
+    def spec(self, name: str) -> list[CallSpec] | str:
+        """The call specs of module ``name``, or why its tensors are not per-sample; notes interactions."""
+        if name in self.specs:
+            return self.specs[name]
+        module = self.modules[name]
+        pair = self.pair.calls.get(name, [])
+        alone = [self.alone_a.calls.get(name, []), self.alone_b.calls.get(name, [])]
+        result: list[CallSpec] | str
+        if len(alone[0]) != len(pair) or len(alone[1]) != len(pair):
+            result = (f"layer '{name or 'model'}' ({type(module).__name__}) is called {len(alone[0])} time(s) for one "
+                      f"sample but {len(pair)} time(s) for two: its calls depend on the batch")
+            self.interaction = self.interaction or result
+        else:
+            result = []
+            for k, (ins, outs) in enumerate(pair):
+                spec = self._call_spec(name, module, ins, outs, [a[k] for a in alone])
+                if isinstance(spec, str):
+                    result = spec
+                    break
+                result.append(spec)
+        self.specs[name] = result
+        return result
+
+    def _call_spec(self, name, module, ins, outs, alone) -> CallSpec | str:
+        dims: list[list[int | None]] = [[], []]
+        rests: list[list[tuple[int, ...]]] = [[], []]
+        for side, (leaves, what) in enumerate(((ins, "an input"), (outs, "an output"))):
+            alone_leaves = [a[side] for a in alone]
+            if any(len(a) != len(leaves) for a in alone_leaves):
+                return f"{_describe(what, name, module)} changes structure with the batch size"
+            for k, leaf in enumerate(leaves):
+                single = [a[k] for a in alone_leaves]
+                dim = _batch_dim(single[0].shape, leaf.shape)
+                if dim == "bad" or single[1].shape != single[0].shape:
+                    return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample and "
+                            f"{tuple(leaf.shape)} for two: the samples are not along one dimension of it (e.g. "
+                            "(B*T, ...) rows after a reshape)")
+                if dim is SHARED:
+                    if not (_close(leaf, single[0]) and _close(leaf, single[1])):
+                        self.interaction = self.interaction or (
+                            f"{_describe(what, name, module)} has no batch dimension but its values depend on the "
+                            "samples (e.g. a mean over the batch)")
+                    rests[side].append(tuple(leaf.shape))
+                else:
+                    for row in (0, 1):
+                        if not _close(leaf.narrow(dim, row, 1), single[row]):
+                            self.interaction = self.interaction or (
+                                f"{_describe(what, name, module)} differs for a sample inside a batch and alone: "
+                                "the samples interact (e.g. statistics over the batch)")
+                    rests[side].append(tuple(s for d, s in enumerate(leaf.shape) if d != dim))
+                dims[side].append(dim)
+        return CallSpec(tuple(dims[0]), tuple(rests[0]), tuple(dims[1]), tuple(rests[1]))
+
+
+def _common_prefix(stacks: list[tuple[str, ...]]) -> tuple[str, ...]:
+    prefix = stacks[0]
+    for s in stacks[1:]:
+        n = 0
+        while n < min(len(prefix), len(s)) and prefix[n] == s[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
+
+
+def _assign(target: Target, probe: _Probe) -> tuple[dict[str, dict[str, str]], str | None]:
+    """Which module handles each trainable parameter: {module name: {local name: full name}}, or a problem."""
+    modules = dict(target.modules)
+    params = dict(zip(target.names, target.params, strict=True))
+    owners: dict[int, list[str]] = {}
+    for mname, m in target.modules:
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(mname)
+    handlers: dict[str, dict[str, str]] = {}
+    for full in target.names:
+        p = params[full]
+        uses = probe.uses.get(full)
+        if not uses:  # never used by the forward: its gradient is zero
+            continue
+        stacks = [s for s, _func in uses]
+        innermost = {s[-1] if s else None for s in stacks}
+        own = owners.get(id(p), [])
+        if None not in innermost and all(u in own for u in innermost):
+            chosen = sorted(innermost, key=list(modules).index)  # the owners themselves (tied: several)
+        else:
+            # The deepest module whose forward contains every use and that holds the parameter.
+            prefix = _common_prefix(stacks)
+            holders = [m for m in prefix if any(q is p for q in modules[m].parameters())]
+            handler = holders[-1] if holders else None
+            if handler is None or (handler == "" and "" not in own):
+                func = next(f for s, f in uses if not s or s[-1] not in own)
+                return {}, (f"parameter '{full}' is used outside the forward of its own layer (by {func} in the "
+                            "model's forward, e.g. weights tied with F.linear(h, self.emb.weight)), so a per-layer "
+                            "rule would miss that part of the gradient")
+            chosen = [handler]
+        for h in chosen:
+            local = next(ln for ln, q in modules[h].named_parameters(remove_duplicate=False) if q is p)
+            handlers.setdefault(h, {})[local] = full
+    return handlers, None
+
+
+def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> str:
+    direct = all("." not in ln for ln in local)
+    if direct and rule_for(module) is not None and all(
+            len(s.in_dims) >= 1 and s.in_dims[0] == 0 and all(d is SHARED for d in s.in_dims[1:])
+            and s.out_dims == (0,) for s in specs):
+        return "rule"
+    if direct and call_rule_for(module) is not None and getattr(module, "batch_first", False) \
+            and getattr(module, "proj_size", 0) == 0 \
+            and all(s.in_dims[:1] == (0,) and s.out_dims[:1] == (0,) and len(s.in_rest[0]) == 2 for s in specs):
+        return "call"
+    return "fallback"
+
+
+def _make_plan(target: Target, inputs: torch.Tensor) -> Plan:
+    probe = _Probe(target, inputs)
+    # Every module's tensors are compared (samples interacting anywhere are found), the root's output too.
+    problems: dict[str, str] = {}
+    for name, _m in target.modules:
+        spec = probe.spec(name)
+        if isinstance(spec, str):
+            problems[name] = spec
+    handlers, hooks_problem = _assign(target, probe)
+    layers: dict[str, LayerPlan] = {}
+    if hooks_problem is None:
+        for name, module in target.modules:
+            if name not in handlers:
+                continue
+            if name in problems:
+                hooks_problem = problems[name]
+                break
+            specs = probe.spec(name)
+            shared_out = next((s for s in specs for d in s.out_dims if d is SHARED), None)
+            if shared_out is not None:
+                hooks_problem = (f"layer '{name or 'model'}' ({type(module).__name__}) gives an output with no batch "
+                                 "dimension (the same for every sample, e.g. a positional embedding of arange(T) "
+                                 "broadcast over the batch), so its gradient cannot be split by sample there")
+                break
+            layers[name] = LayerPlan(name, _kind(module, handlers[name], specs), handlers[name], specs)
+    if "" in problems and probe.interaction is None:
+        probe.interaction = problems[""]
+    return Plan(layers, probe.interaction, hooks_problem, probe.verified)
+
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakKeyDictionary()
+
+
+def _key(target: Target, inputs: torch.Tensor) -> tuple:
+    return (
+        tuple(inputs.shape[1:]), inputs.dtype, inputs.device,
+        tuple((n, id(m), type(m), m.training) for n, m in target.modules),
+        tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad) for n, p in target.model.named_parameters()),
+    )
+
+
+def plan_for(target: Target, inputs: torch.Tensor) -> Plan:
+    """The :class:`Plan` for ``target`` called on inputs like ``inputs`` (B, ...), from the cache or a probe.
+
+    A plan found on a batch whose samples were all equal is not cached once a call has different samples.
+    """
+    if "probe.plan" in target.cache:
+        return target.cache["probe.plan"]
+    key = _key(target, inputs)
+    cached = _PLANS.get(target.model)
+    if cached is not None and cached[0] == key and (cached[1].verified or inputs.shape[0] == 1):
+        plan = cached[1]
+    else:
+        plan = _make_plan(target, inputs)
+        _PLANS[target.model] = (key, plan)
+    target.cache["probe.plan"] = plan
+    return plan

@@ -1,0 +1,400 @@
+"""The model zoo as data: real architectures built small, and adversarial models, each a :class:`Case`.
+
+``tests/test_zoo.py`` checks every case against the reference loops of ``tests/helpers.py``: every
+strategy either gives exactly the loop's numbers or raises ``pv.UnsupportedModelError``; ``"auto"`` always
+gives the loop's numbers (unless the case's ``expect`` is ``"refuse"``).
+
+``expect`` is what ``pv.resolve_strategy("auto", model, x)`` should give:
+
+* ``"hooks"``: every real architecture (rules, plus a per-layer fallback for layers without a closed-form
+  rule: MultiheadAttention, Bilinear, RNNs, custom parameters, ...), and models whose only trap is the loss
+  (``resolve_strategy`` does not see the loss, the per-sample losses must still be right);
+* ``"torch_func"``: models whose samples interact, or with a layer that does not see the samples along its
+  first dimension (sequence-first, (B*T, d) after a reshape, a (1, T) positional input, an RNN's h_n);
+* ``"refuse"``: ``resolve_strategy`` and every strategy raise ``pv.UnsupportedModelError``.
+
+All models are float64 and seeded; inputs are seeded by (case, batch size) and do not touch the global RNG.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torchvision
+from helpers import Scale
+from torch import nn
+
+DT = torch.float64
+Inputs = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    make_model: Callable[[], nn.Module]
+    make_inputs: Callable[[int], Inputs]  # batch -> (x, y)
+    loss_fns: dict[str, Callable[[], Callable]] = field(default_factory=lambda: {"ce": nn.CrossEntropyLoss})
+    jacobian: bool = True  # also check per-sample Jacobians (Y <= 6)
+    expect: str = "hooks"  # "hooks" | "torch_func" | "refuse"
+    batches: tuple[int, ...] = (3,)  # run in this order on ONE model instance
+    expensive: bool = False  # skip the slow baseline strategies (loop, autograd_stack, batched_grad)
+
+    def __repr__(self) -> str:
+        return f"Case({self.name})"
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _gen(name: str, batch: int) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1000 * batch)
+
+
+def _floats(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return scale * torch.randn(*shape, generator=gen, dtype=DT)
+
+
+def _classes(batch: int, gen: torch.Generator, n: int = 3) -> torch.Tensor:
+    return torch.randint(0, n, (batch,), generator=gen)
+
+
+def _image_inputs(name: str, shape: tuple[int, ...], classes: int = 3) -> Callable[[int], Inputs]:
+    def make(batch: int) -> Inputs:
+        g = _gen(name, batch)
+        return _floats(batch, *shape, gen=g), _classes(batch, g, classes)
+
+    return make
+
+
+def _token_inputs(name: str, t: int, vocab: int) -> Callable[[int], Inputs]:
+    def make(batch: int) -> Inputs:
+        g = _gen(name, batch)
+        x = torch.randint(0, vocab, (batch, t), generator=g)
+        x[0, -1] = 0  # a padding token
+        x[-1, 0] = x[-1, 1]  # a repeated token
+        return x, _classes(batch, g)
+
+    return make
+
+
+def _build(fn: Callable[[], nn.Module], mode: str = "train",
+           calibrate: tuple[int, ...] | None = None) -> Callable[[], nn.Module]:
+    """``calibrate``: an input shape (without the batch) to set BatchNorm's running statistics from, so that a
+    deep network in eval mode neither blows up nor lets its first layers' gradients vanish."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        model = fn().to(DT)
+        _randomise_norms(model)
+        if calibrate is not None:
+            _calibrate_norms(model, calibrate)
+        return model.train(mode == "train")
+
+    return make
+
+
+@torch.no_grad()
+def _randomise_norms(model: nn.Module) -> None:
+    """Non-trivial running statistics and affine parameters (defaults make BatchNorm almost the identity)."""
+    g = torch.Generator().manual_seed(7)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase):
+            if m.running_mean is not None:
+                m.running_mean.copy_(0.4 * torch.rand(m.running_mean.shape, generator=g, dtype=DT) - 0.2)
+                m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g, dtype=DT))
+            if m.affine:
+                m.weight.copy_(0.5 + torch.rand(m.weight.shape, generator=g, dtype=DT))
+                m.bias.copy_(0.4 * torch.rand(m.bias.shape, generator=g, dtype=DT) - 0.2)
+
+
+@torch.no_grad()
+def _calibrate_norms(model: nn.Module, shape: tuple[int, ...]) -> None:
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average
+    model.train()
+    model(torch.randn(16, *shape, generator=torch.Generator().manual_seed(3), dtype=DT))
+    for m in bns:
+        m.momentum = 0.1
+
+
+# ------------------------------------------------------------------------------------ real architectures
+
+
+def _resnet18() -> nn.Module:
+    model = torchvision.models.resnet18(weights=None, num_classes=3)
+    # P = 11.2M in all; keep the stem (7x7 stride-2 conv, BN), a down-sampling block (strided 3x3 and 1x1
+    # convs, BN), one deep BN and the head trainable: P = 241k, gradients flow through the frozen layers.
+    keep = ("conv1.", "bn1.", "layer2.0.", "layer4.1.bn2.", "fc.")
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith(keep))
+    return model
+
+
+def _mobilenet() -> nn.Module:
+    # depthwise convs, squeeze-excitation (convs on (B, C, 1, 1)), Hardswish, BN, Dropout (eval): P = 1.5M
+    return torchvision.models.mobilenet_v3_small(weights=None, num_classes=3)
+
+
+class TransformerClassifier(nn.Module):
+    """nn.TransformerEncoder (2 layers, d_model 8, 2 heads) on (B, T, 8), mean over T, Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(1))
+
+
+class RNNClassifier(nn.Module):
+    """LSTM / GRU (2 layers, batch_first) on (B, T, 3) and a Linear head on one of its readouts."""
+
+    def __init__(self, cell: type[nn.RNNBase], readout: str, bidirectional: bool = False):
+        super().__init__()
+        self.rnn = cell(3, 5, num_layers=2, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(5 * (2 if bidirectional else 1), 3)
+        self.readout = readout
+
+    def forward(self, x):
+        out, h = self.rnn(x)
+        h_n = h[0] if isinstance(h, tuple) else h  # (layers * directions, B, H)
+        if self.readout == "last":
+            return self.head(out[:, -1])
+        if self.readout == "mean":  # (out[:, -1] would not reach the last layer's reverse weight_hh)
+            return self.head(out.mean(1))
+        if self.readout == "h_n":
+            return self.head(h_n[-1])
+        if self.readout == "h_n_all":  # the head sees (layers, B, H): not batch-first
+            return self.head(h_n).mean(0)
+        raise ValueError(self.readout)
+
+
+class SelfAttentionNet(nn.Module):
+    """Linear -> nn.MultiheadAttention(8, 2) as self-attention (residual) -> LayerNorm -> mean over T -> head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.head(self.norm(h + a).mean(1))
+
+
+class FlatHead(nn.Module):
+    """A body, then tanh, flatten and a Linear head sized by a dry run on ``example_shape``."""
+
+    def __init__(self, body: nn.Module, example_shape: tuple[int, ...]):
+        super().__init__()
+        self.body = body
+        with torch.no_grad():
+            n = body(torch.zeros(1, *example_shape)).numel()
+        self.head = nn.Linear(n, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)).flatten(1))
+
+
+class BilinearNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 5)
+        self.b = nn.Linear(4, 5)
+        self.bilinear = nn.Bilinear(5, 5, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.bilinear(torch.tanh(self.a(x)), torch.tanh(self.b(x)))))
+
+
+class ClsAndPosition(nn.Module):
+    """A learned cls token concatenated in front of the sequence, plus a learned positional parameter."""
+
+    def __init__(self, t: int, d: int):
+        super().__init__()
+        self.cls = nn.Parameter(0.5 * torch.randn(1, 1, d))
+        self.pos = nn.Parameter(0.5 * torch.randn(1, t + 1, d))
+
+    def forward(self, x):  # (B, T, d) -> (B, T + 1, d)
+        return torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+
+
+class ClsTokenNet(nn.Module):
+    def __init__(self, t: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.tokens = ClsAndPosition(t, 6)
+        self.norm = nn.LayerNorm(6)
+        self.mix = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):  # (B, T, 4)
+        h = torch.tanh(self.mix(self.norm(self.tokens(self.inp(x)))))
+        return self.head(h[:, 0] + h[:, 1:].mean(1))
+
+
+class PositionalEmbeddingNet(nn.Module):
+    """Token Embedding + a learned positional Embedding of torch.arange(T)[None] ((1, T): broadcast over B)."""
+
+    def __init__(self, vocab: int = 9, t: int = 5, d: int = 6):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d, padding_idx=0)
+        self.pos = nn.Embedding(t, d)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, idx):  # (B, T) int
+        positions = torch.arange(idx.shape[1], device=idx.device)[None]  # (1, T)
+        h = self.tok(idx) + self.pos(positions)
+        return self.head(torch.tanh(self.fc(h)).mean(1))
+
+
+# ------------------------------------------------------------------------------------------- adversarial
+
+
+class SequenceFirstLinear(nn.Module):
+    """A batch-first model whose middle Linear runs on a (T, B, d) tensor (with B == T the shapes agree)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, T, 3)
+        h = torch.tanh(self.inp(x)).transpose(0, 1)  # (T, B, 4)
+        h = torch.tanh(self.mid(h)).transpose(0, 1)  # the Linear saw (T, B, 4)
+        return self.head(h.mean(1))
+
+
+class BatchCentering(nn.Module):
+    """Centres features over the batch (h - h.mean(0)) without BatchNorm: the samples interact.
+
+    Alone (the definition) the centred part is zero; the tanh part keeps every gradient non-zero."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.head(torch.tanh(h) + 0.5 * (h - h.mean(0, keepdim=True)))
+
+
+class RowsNet(nn.Module):
+    """A Linear on (B, T, 4), then a Linear on the (B*T, 5) rows after a reshape, mean over T, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 5)
+        self.rows = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = torch.tanh(self.inp(x)).reshape(b * t, 5)
+        h = torch.tanh(self.rows(h)).reshape(b, t, 5)
+        return self.head(h.mean(1))
+
+
+def _mlp(out: int) -> Callable[[], nn.Module]:
+    return lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, out))
+
+
+def _regression_inputs(name: str, out_shape: tuple[int, ...]) -> Callable[[int], Inputs]:
+    def make(batch: int) -> Inputs:
+        g = _gen(name, batch)
+        return _floats(batch, 4, gen=g), _floats(batch, *out_shape, gen=g)
+
+    return make
+
+
+def _loss_divided_by_batch() -> Callable:
+    return lambda o, t: ((o - t) ** 2).sum() / o.shape[0]
+
+
+# ------------------------------------------------------------------------------------------------- cases
+
+
+def _rnn(name: str, cell, readout: str, bidirectional: bool = False, expect: str = "hooks",
+         batches: tuple[int, ...] = (3,)) -> Case:
+    return Case(name, _build(lambda: RNNClassifier(cell, readout, bidirectional)),
+                _image_inputs(name, (4, 3)), expect=expect, batches=batches)
+
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.AdaptiveAvgPool2d(2),
+                         nn.Flatten(), nn.Linear(16, 3))
+
+
+CASES: list[Case] = [
+    # real architectures ------------------------------------------------------------------------------
+    Case("resnet18", _build(_resnet18, "eval", calibrate=(3, 16, 16)), _image_inputs("resnet18", (3, 16, 16)),
+         batches=(2,), expensive=True),
+    Case("mobilenet_v3_small", _build(_mobilenet, "eval", calibrate=(3, 32, 32)),
+         _image_inputs("mobilenet_v3_small", (3, 32, 32)),
+         batches=(2,), expensive=True),
+    Case("transformer-eval", _build(TransformerClassifier, "eval"), _image_inputs("transformer-eval", (5, 8)),
+         expensive=True),
+    Case("transformer-train", _build(TransformerClassifier, "train"), _image_inputs("transformer-train", (5, 8)),
+         loss_fns={"ce-sum": lambda: nn.CrossEntropyLoss(reduction="sum")}, expensive=True),
+    _rnn("lstm-out-last", nn.LSTM, "last"),
+    _rnn("gru-h_n-last-layer", nn.GRU, "h_n"),
+    _rnn("lstm-h_n-last-layer", nn.LSTM, "h_n"),
+    _rnn("gru-bidirectional-out-mean", nn.GRU, "mean", bidirectional=True),
+    _rnn("lstm-bidirectional-out-mean", nn.LSTM, "mean", bidirectional=True),
+    Case("self-attention", _build(SelfAttentionNet), _image_inputs("self-attention", (4, 4))),
+    Case("conv3d", _build(lambda: FlatHead(nn.Conv3d(2, 3, 3, padding=1, stride=(1, 2, 2)), (2, 3, 4, 4))),
+         _image_inputs("conv3d", (2, 3, 4, 4))),
+    Case("conv-transpose2d",
+         _build(lambda: FlatHead(nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1), (2, 3, 3))),
+         _image_inputs("conv-transpose2d", (2, 3, 3))),
+    Case("instancenorm2d-affine",
+         _build(lambda: FlatHead(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False),  # a bias would get 0
+                                               nn.InstanceNorm2d(4, affine=True)),
+                                 (2, 4, 4))),
+         _image_inputs("instancenorm2d-affine", (2, 4, 4))),
+    Case("batchnorm2d-eval", _build(_bn_net, "eval"), _image_inputs("batchnorm2d-eval", (2, 4, 4))),
+    Case("bilinear", _build(BilinearNet), _image_inputs("bilinear", (4,))),
+    Case("custom-scale-parameter", _build(lambda: nn.Sequential(nn.Linear(4, 5), Scale(5), nn.Tanh(), nn.Linear(5, 3))),
+         _image_inputs("custom-scale-parameter", (4,))),
+    Case("cls-token-and-position-parameters", _build(ClsTokenNet),
+         _image_inputs("cls-token-and-position-parameters", (4, 4))),
+    # a layer that sees (1, T): the positional Embedding's gradient is summed over the batch
+    Case("positional-embedding", _build(PositionalEmbeddingNet), _token_inputs("positional-embedding", 5, 9),
+         expect="torch_func"),
+    # refused by every strategy: BatchNorm with batch statistics
+    Case("batchnorm2d-train", _build(_bn_net, "train"), _image_inputs("batchnorm2d-train", (2, 4, 4)),
+         expect="refuse"),
+    # adversarial --------------------------------------------------------------------------------------
+    # the samples along dimension 1 of a layer (T == B): the probe finds it, the per-layer fallback handles it
+    Case("sequence-first-linear-B2-T2", _build(SequenceFirstLinear), _image_inputs("sequence-first", (2, 3)),
+         expect="hooks", batches=(2,)),
+    # first a batch of 1 (where (1, T) is batch-first), then 3 on the same model: no stale per-model cache
+    Case("positional-embedding-B1-then-B3", _build(PositionalEmbeddingNet),
+         _token_inputs("positional-embedding-B1-then-B3", 5, 9), expect="torch_func", batches=(1, 3)),
+    _rnn("gru-head-on-full-h_n-B2-layers2", nn.GRU, "h_n_all", expect="hooks", batches=(2,)),
+    _rnn("lstm-head-on-full-h_n-B1-then-B2", nn.LSTM, "h_n_all", expect="hooks", batches=(1, 2)),
+    Case("batch-centering", _build(BatchCentering), _image_inputs("batch-centering", (4,)), expect="torch_func"),
+    Case("rows-after-reshape", _build(RowsNet), _image_inputs("rows-after-reshape", (3, 4)), expect="torch_func"),
+    # losses: resolve_strategy does not see them, the per-sample losses must still be the loop's
+    Case("mse-output-Bx1-target-B", _build(_mlp(1)), _regression_inputs("mse-broadcast", ()),
+         loss_fns={"mse-mean": nn.MSELoss, "mse-sum": lambda: nn.MSELoss(reduction="sum")}, jacobian=False),
+    Case("loss-divides-by-batch", _build(_mlp(2)), _regression_inputs("loss-divides-by-batch", (2,)),
+         loss_fns={"sum-over-batch-size": _loss_divided_by_batch}, jacobian=False),
+]
+
+BY_NAME = {c.name: c for c in CASES}
+assert len(BY_NAME) == len(CASES), "case names must be unique"

@@ -1,0 +1,181 @@
+"""The model zoo (tests/cases.py) against the reference loops: every strategy gives exactly the loop's numbers
+or refuses with ``pv.UnsupportedModelError``, never a silent wrong answer; ``"auto"`` always gives the loop's
+numbers; ``resolve_strategy`` says what the case expects; the model is left as it was after every call."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from cases import CASES, Case
+from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, ref_jacobian, snapshot, trainable
+
+import pergrad_viz as pv
+
+ALL = (*pv.STRATEGIES, "auto")
+BASELINES = ("loop", "autograd_stack", "batched_grad")  # slow: skipped on the expensive cases
+MUST_SUCCEED = ("auto", "loop")  # the definition, and what the user gets by default
+RTOL, ATOL = 1e-6, 1e-9
+
+pytestmark = [
+    # vmap falls back to a slow path for a few ops (Bilinear, RNNs): a warning, not a failure
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    # the (B, 1) vs (B,) MSELoss case broadcasts on purpose
+    pytest.mark.filterwarnings("ignore:Using a target size:UserWarning"),
+]
+
+
+def _grid(quantity: str) -> list:
+    out = []
+    for case in CASES:
+        if quantity == "jacobian" and not case.jacobian:
+            continue
+        for strategy in ALL:
+            if case.expensive and strategy in BASELINES:
+                continue
+            out.append(pytest.param(case, strategy, id=f"{case.name}-{strategy}"))
+    return out
+
+
+@functools.cache
+def _reference(name: str, quantity: str, loss_name: str | None, batch: int) -> dict[str, torch.Tensor]:
+    """The loop's result on a fresh model, computed once per (case, quantity, loss, batch)."""
+    case = next(c for c in CASES if c.name == name)
+    model = case.make_model()
+    x, y = case.make_inputs(batch)
+    if quantity == "jacobian":
+        return ref_jacobian(model, x)
+    return ref_grads(model, case.loss_fns[loss_name](), x, y)
+
+
+def _model_with_a_grad(case: Case):
+    """The case's model, with a known .grad on its first trainable parameter (it must stay untouched)."""
+    model = case.make_model()
+    _, p = trainable(model)[0]
+    p.grad = torch.full_like(p, 0.25)
+    return model
+
+
+def _runs(case: Case, quantity: str):
+    """(label, batch, loss name) for every call a test makes, in the case's batch order."""
+    losses = [None] if quantity == "jacobian" else list(case.loss_fns)
+    return [(f"{case.name} B={b}" + (f" loss={ln}" if ln else ""), b, ln) for ln in losses for b in case.batches]
+
+
+def _call(quantity: str, case: Case, model, loss_name: str | None, x, y, strategy: str):
+    if quantity == "jacobian":
+        return pv.per_sample_jacobian(model, x, strategy=strategy)
+    return pv.per_sample_grads(model, case.loss_fns[loss_name](), x, y, strategy=strategy)
+
+
+def _assert_refusal_is_explained(err: pv.UnsupportedModelError, case: Case, strategy: str, label: str) -> None:
+    msg = str(err)
+    assert len(msg) >= 40, f"{label} {strategy}: a refusal needs a message that says why, got {msg!r}"
+    if case.expect != "refuse":  # the model is fine for some strategy: the message must name one
+        assert any(s in msg for s in ("torch_func", "'auto'", "'loop'")), (
+            f"{label} {strategy}: the refusal does not say which strategy to use instead: {msg!r}")
+
+
+def _check(quantity: str, case: Case, strategy: str) -> None:
+    model = _model_with_a_grad(case)
+    for label, batch, loss_name in _runs(case, quantity):
+        x, y = case.make_inputs(batch)
+        before = snapshot(model)
+        try:
+            got = _call(quantity, case, model, loss_name, x, y, strategy)
+        except pv.UnsupportedModelError as err:
+            assert_no_hooks(model)
+            assert_state_unchanged(model, before)
+            if case.expect == "refuse":
+                _assert_refusal_is_explained(err, case, strategy, label)
+                continue
+            assert strategy not in MUST_SUCCEED, f"{label}: strategy {strategy!r} must not refuse: {err}"
+            _assert_refusal_is_explained(err, case, strategy, label)
+            continue
+        assert_no_hooks(model)
+        assert_state_unchanged(model, before)
+        assert case.expect != "refuse", f"{label}: {strategy!r} should have raised UnsupportedModelError"
+        want = _reference(case.name, quantity, loss_name, batch)
+        assert isinstance(got, dict) and list(got) == list(want), f"{label}: keys {list(got)} vs {list(want)}"
+        for name, w in want.items():
+            g = got[name]
+            assert g.shape == w.shape and g.dtype == w.dtype, f"{label} {name}: {g.shape}/{g.dtype} vs {w.shape}"
+            torch.testing.assert_close(
+                g, w, rtol=RTOL, atol=ATOL,
+                msg=lambda m, name=name, label=label: f"{label} {strategy}: silently wrong {quantity} for {name}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize(("case", "strategy"), _grid("grads"))
+def test_grads_equal_loop_or_refuse(case, strategy):
+    _check("grads", case, strategy)
+
+
+@pytest.mark.parametrize(("case", "strategy"), _grid("jacobian"))
+def test_jacobian_equals_loop_or_refuse(case, strategy):
+    _check("jacobian", case, strategy)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_auto_resolves_as_expected(case):
+    """On one model instance, in the case's batch order (a batch of 1 first must not decide for later ones)."""
+    model = _model_with_a_grad(case)
+    for b in case.batches:
+        x, _ = case.make_inputs(b)
+        before = snapshot(model)
+        if case.expect == "refuse":
+            with pytest.raises(pv.UnsupportedModelError):
+                pv.resolve_strategy("auto", model, x)
+        else:
+            got = pv.resolve_strategy("auto", model, x)
+            # with one sample every layer sees "a batch of one" first: either answer is right there
+            allowed = {"hooks", "torch_func"} if b == 1 else {case.expect}
+            assert got in allowed, f"{case.name} B={b}: auto resolved to {got!r}, expected {case.expect!r}"
+        assert_no_hooks(model)
+        assert_state_unchanged(model, before)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.expect != "refuse"], ids=lambda c: c.name)
+def test_grad_norms_equal_norms_of_loop(case, strategy):
+    model = _model_with_a_grad(case)
+    for label, batch, loss_name in _runs(case, "grads"):
+        x, y = case.make_inputs(batch)
+        before = snapshot(model)
+        try:
+            got = pv.per_sample_grad_norms(model, case.loss_fns[loss_name](), x, y, strategy=strategy)
+        except pv.UnsupportedModelError as err:
+            assert strategy != "auto", f"{label}: auto must not refuse: {err}"
+            assert_state_unchanged(model, before)
+            _assert_refusal_is_explained(err, case, strategy, label)
+            continue
+        assert_no_hooks(model)
+        assert_state_unchanged(model, before)
+        ref = _reference(case.name, "grads", loss_name, batch)
+        want = torch.stack([t.reshape(batch, -1).pow(2).sum(1) for t in ref.values()]).sum(0).sqrt()
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, label=label: f"{label} {strategy}: silently wrong norms: {m}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_reference_is_not_degenerate(case):
+    """Every trainable parameter gets gradients well above the tolerances (else any strategy would pass)."""
+    if case.expect == "refuse":
+        pytest.skip("no reference for a refused model")
+    for _, batch, loss_name in _runs(case, "grads"):
+        for name, g in _reference(case.name, "grads", loss_name, batch).items():
+            assert g.abs().max() > 1e-4, f"{case.name} B={batch}: {name} has (near) zero gradients"
+
+
+def test_batch_centering_really_mixes_samples():
+    """The batched forward of that case differs from the per-sample one, so a batched strategy that does not
+    notice gives wrong numbers (the test above would not catch a case that is not adversarial)."""
+    case = next(c for c in CASES if c.name == "batch-centering")
+    model = case.make_model()
+    x, _ = case.make_inputs(case.batches[-1])
+    with torch.no_grad():
+        alone = torch.cat([model(x[i:i + 1]) for i in range(x.shape[0])])
+        assert (model(x) - alone).abs().max() > 1e-3
