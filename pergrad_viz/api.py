@@ -16,7 +16,7 @@ from .losses import LossFn, check_loss
 from .memory import check_budget, result_bytes, working_bytes
 from .probe import plan_for
 from .strategies import MODULES, STRATEGIES, hooks, torch_func
-from .target import Target, check_modes, guest
+from .target import Target, check_modes, guest, hooked_parameter
 
 Result = dict[str, torch.Tensor] | torch.Tensor
 
@@ -39,6 +39,16 @@ def resolve_strategy(strategy: str, model: nn.Module | Target, inputs: torch.Ten
     target = model if isinstance(model, Target) else Target.of(model)
     if inputs is not None:
         check_modes(target)  # before the probe runs the model
+    hooked = hooked_parameter(target)
+    if hooked is not None:
+        if strategy == "auto":
+            return "loop"
+        if strategy != "loop":
+            raise UnsupportedModelError(
+                f"parameter '{hooked}' has a gradient hook (register_hook), which the per-sample definition (the loop "
+                f"of torch.autograd.grad) applies but the {strategy} strategy cannot. Use strategy='loop' (or 'auto', "
+                "which picks it), or remove the hook."
+            )
     if strategy == "auto":
         try:
             hooks.check_supported(target, inputs)

@@ -180,9 +180,10 @@ def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | str:
 def _pick_pair(inputs: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Two samples of the call (two different ones where there are), as a batch of two."""
     first = inputs[0]
-    for j in range(1, min(inputs.shape[0], 16)):
-        if not torch.equal(inputs[j], first):
-            return torch.stack([first, inputs[j]]), True
+    if inputs.shape[0] > 1:
+        differs = (inputs[1:] != inputs[:1]).reshape(inputs.shape[0] - 1, -1).any(1).nonzero()
+        if differs.numel():
+            return torch.stack([first, inputs[1 + int(differs[0, 0])]]), True
     return torch.stack([first, first]), False
 
 
@@ -276,6 +277,19 @@ def _assign(target: Target, probe: _Probe) -> tuple[dict[str, dict[str, str]], s
             if p is not None:
                 owners.setdefault(id(p), []).append(mname)
     handlers: dict[str, dict[str, str]] = {}
+
+    def why_not(name: str) -> str | None:
+        """Why module ``name`` cannot handle parameters: its tensors are not per-sample, or an output is shared."""
+        spec = probe.spec(name)
+        if isinstance(spec, str):
+            return spec
+        if any(d is SHARED for s in spec for d in s.out_dims):
+            m = modules[name]
+            return (f"layer '{name or 'model'}' ({type(m).__name__}) gives an output with no batch dimension (the same "
+                    "for every sample, e.g. a positional embedding of arange(T) broadcast over the batch), so its "
+                    "gradient cannot be split by sample there")
+        return None
+
     for full in target.names:
         p = params[full]
         uses = probe.uses.get(full)
@@ -284,15 +298,20 @@ def _assign(target: Target, probe: _Probe) -> tuple[dict[str, dict[str, str]], s
         stacks = [s for s, _func in uses]
         innermost = {s[-1] if s else None for s in stacks}
         own = owners.get(id(p), [])
-        if None not in innermost and all(u in own for u in innermost):
+        if None not in innermost and all(u in own and why_not(u) is None for u in innermost):
             chosen = sorted(innermost, key=list(modules).index)  # the owners themselves (tied: several)
         else:
-            # The deepest module whose forward contains every use and that holds the parameter.
+            # The deepest module whose forward contains every use, that holds the parameter and keeps the samples
+            # apart (e.g. a Linear holding a weight-norm parametrization, not the parametrization itself).
             prefix = _common_prefix(stacks)
             holders = [m for m in prefix if any(q is p for q in modules[m].parameters())]
-            handler = holders[-1] if holders else None
+            usable = [m for m in holders if why_not(m) is None]
+            handler = usable[-1] if usable else None
             if handler is None or (handler == "" and "" not in own):
-                func = next(f for s, f in uses if not s or s[-1] not in own)
+                inner = [u for u in innermost if u is not None and u in own and why_not(u) is not None]
+                if inner:
+                    return {}, why_not(inner[0])
+                func = next((f for s, f in uses if not s or s[-1] not in own), uses[0][1])
                 return {}, (f"parameter '{full}' is used outside the forward of its own layer (by {func} in the "
                             "model's forward, e.g. weights tied with F.linear(h, self.emb.weight)), so a per-layer "
                             "rule would miss that part of the gradient")
@@ -303,8 +322,16 @@ def _assign(target: Target, probe: _Probe) -> tuple[dict[str, dict[str, str]], s
     return handlers, None
 
 
+def _user_hooks(module: nn.Module) -> int:
+    """Forward (pre-)hooks that may change what a layer sees or gives: a closed-form rule would not know them."""
+    from torch.nn.modules import module as module_mod
+
+    return (len(module._forward_hooks) + len(module._forward_pre_hooks)
+            + len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks))
+
+
 def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> str:
-    direct = all("." not in ln for ln in local)
+    direct = all("." not in ln for ln in local) and not _user_hooks(module)
     if direct and rule_for(module) is not None and all(
             len(s.in_dims) >= 1 and s.in_dims[0] == 0 and all(d is SHARED for d in s.in_dims[1:])
             and s.out_dims == (0,) for s in specs):
@@ -318,31 +345,21 @@ def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> st
 
 def _make_plan(target: Target, inputs: torch.Tensor) -> Plan:
     probe = _Probe(target, inputs)
-    # Every module's tensors are compared (samples interacting anywhere are found), the root's output too.
-    problems: dict[str, str] = {}
-    for name, _m in target.modules:
-        spec = probe.spec(name)
-        if isinstance(spec, str):
-            problems[name] = spec
-    handlers, hooks_problem = _assign(target, probe)
+    for name, _m in target.modules:  # every module's tensors are compared: samples interacting anywhere are found
+        probe.spec(name)
+    handlers, hooks_problem = _assign(target, probe)  # handlers keep the samples apart (checked there)
     layers: dict[str, LayerPlan] = {}
     if hooks_problem is None:
         for name, module in target.modules:
-            if name not in handlers:
-                continue
-            if name in problems:
-                hooks_problem = problems[name]
-                break
-            specs = probe.spec(name)
-            shared_out = next((s for s in specs for d in s.out_dims if d is SHARED), None)
-            if shared_out is not None:
-                hooks_problem = (f"layer '{name or 'model'}' ({type(module).__name__}) gives an output with no batch "
-                                 "dimension (the same for every sample, e.g. a positional embedding of arange(T) "
-                                 "broadcast over the batch), so its gradient cannot be split by sample there")
-                break
-            layers[name] = LayerPlan(name, _kind(module, handlers[name], specs), handlers[name], specs)
-    if "" in problems and probe.interaction is None:
-        probe.interaction = problems[""]
+            if name in handlers:
+                specs = probe.spec(name)
+                layers[name] = LayerPlan(name, _kind(module, handlers[name], specs), handlers[name], specs)
+    root = probe.spec("")
+    if isinstance(root, str):
+        probe.interaction = probe.interaction or root
+    elif probe.interaction is None and root and root[0].out_dims[:1] != (0,):
+        probe.interaction = (f"the model's output has the samples along dimension {root[0].out_dims[0]}, not 0: a "
+                             "batched output cannot be split into per-sample losses or outputs by its first dimension")
     return Plan(layers, probe.interaction, hooks_problem, probe.verified)
 
 
@@ -352,7 +369,7 @@ _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakK
 def _key(target: Target, inputs: torch.Tensor) -> tuple:
     return (
         tuple(inputs.shape[1:]), inputs.dtype, inputs.device,
-        tuple((n, id(m), type(m), m.training) for n, m in target.modules),
+        tuple((n, id(m), type(m), m.training, m.__dict__.get("forward"), _user_hooks(m)) for n, m in target.modules),
         tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad) for n, p in target.model.named_parameters()),
     )
 

@@ -112,6 +112,12 @@ def check_modes(model: nn.Module | Target) -> None:
             )
 
 
+def hooked_parameter(target: Target) -> str | None:
+    """The name of a trainable parameter with a gradient hook (``p.register_hook``), if any: ``torch.autograd.grad``
+    (the loop) applies such hooks; the batched strategies compute the plain gradient and cannot."""
+    return next((n for n, p in zip(target.names, target.params, strict=True) if p._backward_hooks), None)
+
+
 @contextlib.contextmanager
 def guest(model: nn.Module | Target) -> Iterator[None]:
     """Leave ``model`` as it was found: every module's training flag is restored, even on error.

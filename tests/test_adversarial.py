@@ -1,0 +1,189 @@
+"""Models built to fool a fast path: each either gives exactly the loop's numbers or is refused, never silently wrong.
+
+Each test changes one thing a cached check could miss (hooks, modes, parameters, sizes, sample order) and compares
+every strategy with the tests' own loop (float64).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_state_unchanged, ref_grads, ref_jacobian, snapshot
+from torch import nn
+from torch.nn.utils import parametrizations
+
+import pergrad_viz as pv
+from pergrad_viz.strategies import hooks
+from pergrad_viz.target import Target
+
+ALL = (*pv.STRATEGIES, "auto")
+RTOL, ATOL = 1e-10, 1e-12
+
+
+def agree_or_refuse(model, loss, x, y, strategy, *, jacobian=True) -> bool:
+    """True when ``strategy`` equals the loop (gradients and Jacobians); False when it refused clearly."""
+    before = snapshot(model)
+    try:
+        got = pv.per_sample_grads(model, loss, x, y, strategy=strategy)
+        got_j = pv.per_sample_jacobian(model, x, strategy=strategy) if jacobian else None
+    except pv.UnsupportedModelError as e:
+        assert strategy not in ("auto", "loop"), f"{strategy} refused: {e}"
+        assert "strategy=" in str(e) or "'loop'" in str(e), str(e)
+        assert_state_unchanged(model, before)
+        return False
+    assert_state_unchanged(model, before)
+    want = ref_grads(model, loss, x, y)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{strategy} {n}: {m}")
+    if jacobian:
+        for name, w in ref_jacobian(model, x).items():
+            torch.testing.assert_close(got_j[name], w, rtol=RTOL, atol=ATOL)
+    return True
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def data(b=4):
+    torch.manual_seed(1)
+    return torch.randn(b, 4, dtype=torch.float64), torch.arange(b) % 3
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_a_forward_hook_that_changes_a_layer_output(strategy):
+    """A rule assumes output = layer(input); a user's hook that scales it must send that layer to the fallback."""
+    model = mlp()
+    handle = model[0].register_forward_hook(lambda m, args, out: 2 * out)
+    x, y = data()
+    try:
+        assert agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)
+        if strategy == "hooks":
+            assert hooks.describe(Target.of(model), x)["0"] == "fallback"
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_a_gradient_hook_on_a_parameter(strategy):
+    """The loop's torch.autograd.grad applies p.register_hook; only the loop can, so the others refuse."""
+    model = mlp()
+    handle = model[2].weight.register_hook(lambda g: 3 * g)
+    x, y = data()
+    try:
+        agreed = agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)
+        assert agreed == (strategy in ("loop", "auto"))
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_weight_norm_parametrization(strategy):
+    model = mlp()
+    parametrizations.weight_norm(model[0])
+    x, y = data()
+    assert agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)
+
+
+class SequenceFirstOutput(nn.Module):
+    """Returns (T, B, C): with T == B a reshape to (B, -1) would silently mix the samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, T, 4) -> (T, B, 3)
+        return self.fc(x).transpose(0, 1)
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_an_output_without_the_batch_first(strategy):
+    torch.manual_seed(0)
+    model = SequenceFirstOutput().double()
+    x = torch.randn(2, 2, 4, dtype=torch.float64)
+    loss = lambda o, t: (o.squeeze(1) - t).pow(2).sum()  # noqa: E731  (one sample: (T, 1, 3) vs (T, 3))
+    y = torch.randn(2, 2, 3, dtype=torch.float64)
+    agreed = agree_or_refuse(model, loss, x, y, strategy)
+    assert agreed == (strategy in ("loop", "torch_func", "auto"))
+
+
+class CentreInTraining(nn.Module):
+    """Mixes the samples only in training mode: a plan cached in eval mode must not be reused after .train()."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h - h.mean(0) if self.training else h
+
+
+def test_a_mode_switch_is_seen():
+    torch.manual_seed(0)
+    model, (x, y) = CentreInTraining().double().eval(), data()
+    loss = nn.CrossEntropyLoss()
+    assert pv.resolve_strategy("auto", model, x) == "hooks"
+    assert agree_or_refuse(model, loss, x, y, "hooks")
+    model.train()
+    assert pv.resolve_strategy("auto", model, x) == "torch_func"
+    assert not agree_or_refuse(model, loss, x, y, "hooks")
+    assert agree_or_refuse(model, loss, x, y, "auto")
+
+
+def test_a_replaced_layer_or_parameter_or_freeze_is_seen():
+    model, (x, y) = mlp(), data()
+    loss = nn.CrossEntropyLoss()
+    assert agree_or_refuse(model, loss, x, y, "hooks")
+    model[2] = nn.Bilinear(6, 6, 3).double()  # a new layer: calls with one argument would break it ...
+    model[2].forward = lambda h, _m=model[2]: nn.Bilinear.forward(_m, h, h)  # ... so give it one
+    assert agree_or_refuse(model, loss, x, y, "hooks")
+    model[0].weight = nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    assert agree_or_refuse(model, loss, x, y, "hooks")
+    model[0].weight.requires_grad_(False)
+    assert agree_or_refuse(model, loss, x, y, "hooks")
+
+
+class CentreAfterSixteen(nn.Module):
+    """Batch-centring, tested on a batch whose first 16 samples are all the same (a probe must find a different one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h - h.mean(0)
+
+
+def test_samples_that_interact_are_found_past_identical_leading_samples():
+    torch.manual_seed(0)
+    model = CentreAfterSixteen().double()
+    x = torch.cat([torch.ones(17, 4), torch.randn(3, 4)]).double()
+    y = torch.arange(20) % 3
+    assert pv.resolve_strategy("auto", model, x) == "torch_func"
+    for strategy in ("hooks", "autograd_stack", "batched_grad"):
+        assert not agree_or_refuse(model, nn.CrossEntropyLoss(reduction="sum"), x, y, strategy, jacobian=False)
+
+
+def test_batch_of_one_then_more_on_a_shared_layer_output():
+    """A learned positional Embedding on arange(T)[None]: (1, T) is batch-first for B = 1 only."""
+
+    class Positional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.head = nn.Embedding(9, 4), nn.Embedding(5, 4), nn.Linear(4, 3)
+
+        def forward(self, idx):
+            return self.head(self.tok(idx) + self.pos(torch.arange(idx.shape[1])[None])).mean(1)
+
+    torch.manual_seed(0)
+    model = Positional().double()
+    x = torch.randint(0, 9, (3, 5))
+    y = torch.tensor([0, 1, 2])
+    loss = nn.CrossEntropyLoss()
+    assert agree_or_refuse(model, loss, x[:1], y[:1], "auto")  # cached at B = 1 ...
+    for strategy in ALL:  # ... must not be reused at B = 3
+        agree_or_refuse(model, loss, x, y, strategy)
+    assert pv.resolve_strategy("auto", model, x) == "torch_func"
