@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import bench, peers
+from . import bench, bench_models, peers
 from .strategies import STRATEGIES
 
 
@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pergrad_viz", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="time strategies (and peers) on MLP(784, hidden, 10) with sample images")
+    b.add_argument("--model", choices=bench_models.MODELS, default=None,
+                   help="a real architecture (per-sample gradients, B=32 by default) instead of the MLP sweep")
     b.add_argument("--quantity", choices=bench.QUANTITIES, default="grads")
     b.add_argument("--batch-sizes", type=_ints, default=[2, 32, 128], metavar="B1,B2,...")
     b.add_argument("--hidden", type=_ints, default=[20], metavar="H1,H2,...", help="hidden widths")
@@ -79,6 +81,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"error: peer(s) not installed: {', '.join(missing)} (pip install opacus backpack-for-pytorch)",
               file=sys.stderr)
         return 2
+    if args.model is not None:
+        return _run_model_bench(args)
     records = bench.sweep(args.quantity, args.batch_sizes, args.hidden, strategies=args.strategies,
                           peers=args.peers, slow_limit=args.slow_limit, min_run_time=args.min_run_time,
                           flat=args.flat, out_buffer=args.out_buffer, chunk_sizes=args.chunk_sizes,
@@ -101,8 +105,30 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_model_bench(args: argparse.Namespace) -> int:
+    if args.quantity != "grads":
+        print("error: --model benchmarks per-sample gradients: use --quantity grads", file=sys.stderr)
+        return 2
+    strategies = [*args.strategies, "auto"] if "auto" not in args.strategies else args.strategies
+    batches = args.batch_sizes if args.batch_sizes_given else [32]
+    records = bench.model_sweep(args.model, batches, strategies=strategies, peers=args.peers,
+                                slow_limit=args.slow_limit, min_run_time=args.min_run_time, flat=True,
+                                out_buffer=args.out_buffer, norms=args.norms, device=args.device,
+                                dtype=getattr(torch, args.dtype), progress=not args.no_progress)
+    print(f"# per-sample gradients (B, P) of {args.model}, flat, {args.dtype}, {args.device}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, {platform.machine()}")
+    print("# vs loop = speed-up over the loop; vs fwd+bwd and vs floor = time / reference time (same run)")
+    print(bench.format_table(records))
+    if args.csv:
+        bench.write_csv(records, args.csv)
+        print(f"wrote {args.csv}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.batch_sizes_given = any(a.startswith("--batch-sizes") for a in argv)
     return run_bench(args) if args.command == "bench" else 2
 
 

@@ -213,7 +213,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
     p = target.num_params
     check_budget(what=f"per-sample gradients of {batch} samples x {p:,} parameters",
                  result=result_bytes(batch, p, target.dtype),
-                 working=working_bytes(strategy, chunk, batch, p, target.dtype),
+                 working=working_bytes(strategy, chunk, batch, p, target.dtype, largest_param=target.largest_param),
                  max_bytes=max_bytes, allocate_result=out is None, device=target.device, batch=batch, chunk=chunk)
 
     def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
@@ -251,7 +251,7 @@ def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str
         _check_out(out, (batch, y_count, p), target, flat)
     check_budget(what=f"per-sample Jacobians of {batch} samples x {y_count} outputs x {p:,} parameters",
                  result=result_bytes(batch, p, target.dtype, y_count),
-                 working=working_bytes(strategy, chunk, batch, p, target.dtype, y_count),
+                 working=working_bytes(strategy, chunk, batch, p, target.dtype, y_count, target.largest_param),
                  max_bytes=max_bytes, allocate_result=out is None, device=target.device, batch=batch, chunk=chunk)
 
     def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:

@@ -25,7 +25,7 @@ from .api import output_size, per_sample_grads, per_sample_jacobian, resolve_str
 from .data import load_sample
 from .memory import result_bytes
 from .models import MLP
-from .strategies import STRATEGIES
+from .strategies import MODULES, STRATEGIES
 from .target import Target, check_modes
 
 # torch.utils.benchmark imports cpp_extension, which logs a CUDA_HOME warning on CPU-only machines.
@@ -34,7 +34,7 @@ logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 QUANTITIES = ("grads", "jacobian")
 FORWARD_BACKWARD = "forward+backward"
 MEMORY_FLOOR = "memory floor"
-SLOW = ("loop", "autograd_stack", "batched_grad")  # work grows with B (x Y) backward passes
+SLOW = tuple(name for name, module in MODULES.items() if module.SLOW_BASELINE)  # B (x Y) backward passes
 
 
 @dataclass
@@ -144,6 +144,32 @@ def sweep(quantity: str = "grads", batch_sizes: Sequence[int] = (2, 32, 128), hi
     return records
 
 
+def model_sweep(model_name: str, batch_sizes: Sequence[int] = (32,), *, strategies: Sequence[str] = STRATEGIES,
+                peers: Sequence[str] = (), slow_limit: int = 20480, min_run_time: float = 0.2, flat: bool = True,
+                out_buffer: bool = False, norms: bool = False, device: str = "cpu",
+                dtype: torch.dtype = torch.float32, progress: bool = True) -> list[Record]:
+    """Per-sample gradients of a real architecture (:mod:`pergrad_viz.bench_models`): every strategy, a hand-written
+    ``vmap(grad(functional_call))`` (concatenated to (B, P)), peers where they run, and the reference rows."""
+    from . import bench_models
+
+    per_setting = len(strategies) + len(peers) + 2 * norms + 3
+    bar = _progress(len(batch_sizes) * per_setting, enabled=progress)
+    records: list[Record] = []
+    try:
+        for batch in batch_sizes:
+            model, loss_fn, x, y = bench_models.problem(model_name, batch, device=device, dtype=dtype)
+            hand = ("hand vmap", functools.partial(bench_models.hand_written_vmap, model, loss_fn, x, y),
+                    "vmap(grad(functional_call)) + torch.cat, as users write it")
+            records += compare(model, loss_fn, x, y, quantity="grads", strategies=strategies, peers=peers,
+                               slow_limit=slow_limit, min_run_time=min_run_time, flat=flat, out_buffer=out_buffer,
+                               norms=norms, extras=[hand], bar=bar)
+    finally:
+        bar.close()
+    for r in records:
+        r.note = f"{model_name}; {r.note}" if r.note else model_name
+    return records
+
+
 def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
@@ -163,7 +189,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
             quantity: str = "grads", strategies: Sequence[str] = STRATEGIES, peers: Sequence[str] = (),
             slow_limit: int = 20480, min_run_time: float = 0.2, flat: bool = False, out_buffer: bool = False,
             chunk_sizes: Sequence[int] = (), norms: bool = False, check: bool = True, hidden: int | None = None,
-            bar=None) -> list[Record]:
+            extras: Sequence[tuple[str, Callable[[], object], str]] = (), bar=None) -> list[Record]:
     """Time strategies (and peers) side by side on any model and batch, plus the two reference rows.
 
     ``loss_fn`` and ``targets`` are needed for ``quantity="grads"`` and for the forward+backward row
@@ -171,6 +197,8 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     the records. ``chunk_sizes`` adds a row per fast strategy and chunk size (``"hooks chunk=32"``);
     ``norms`` (gradients only) adds ``grad norms`` (:func:`pergrad_viz.per_sample_grad_norms`) and
     ``grads + norm`` (materialise (B, P), then ``.norm(dim=1)``), checked against each other.
+    ``extras`` are more (label, no-argument function, note) rows, checked against the strategies' result (e.g. a
+    hand-written ``vmap``).
     Returns the methods' records, then ``forward+backward`` and ``memory floor``.
     """
     batch = inputs.shape[0]
@@ -184,6 +212,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     out = torch.empty(shape, **kw) if out_buffer else None
     methods = _methods(quantity, model, loss_fn, inputs, targets, target, strategies, peers, slow_limit, outputs,
                        flat, out, chunk_sizes, norms)
+    methods[len(strategies):len(strategies)] = [_Method(label, fn, note) for label, fn, note in extras]
     bar = bar if bar is not None else _progress(len(methods) + 2, enabled=False)
 
     def timed(label: str, fn: Callable[[], object], size: int, **fields) -> Record:
@@ -209,7 +238,15 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
             continue
         diff = None
         if check or m.peer:
-            result = _flat(m.fn(), batch).clone()
+            try:
+                result = _flat(m.fn(), batch).clone()
+            except Exception as e:  # a peer (or hand-written code) that cannot run this model
+                if not m.peer:
+                    raise
+                rows.append(Record(m.label, quantity, batch, hidden, None, None, size,
+                                   note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}"))
+                bar.update()
+                continue
             reference = references.setdefault(m.kind, result)
             diff = (result - reference).abs().max().item()
             if m.peer and diff > 1e-4 * max(1.0, reference.abs().max().item()):
@@ -245,7 +282,10 @@ def _methods(quantity, model, loss_fn, inputs, targets, target, strategies, peer
                 methods.append(_Method(f"{name} chunk={c}", _strategy_call(quantity, name, model, loss_fn, inputs,
                                                                           targets, flat, out, chunk_size=c), note))
     for name in peers:
-        methods.append(_Method(name, peer_libs.make_peer(name, model, loss_fn, inputs, targets), peer=True))
+        try:
+            methods.append(_Method(name, peer_libs.make_peer(name, model, loss_fn, inputs, targets), peer=True))
+        except Exception as e:  # e.g. a layer the peer does not support
+            methods.append(_Method(name, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}"))
     if norms and quantity == "grads":
         from .norms import per_sample_grad_norms
 

@@ -39,18 +39,13 @@ def result_bytes(batch: int, num_params: int, dtype: torch.dtype, outputs: int =
 
 
 def working_bytes(strategy: str, chunk: int, batch: int, num_params: int, dtype: torch.dtype,
-                  outputs: int = 1) -> int:
-    """Extra memory a strategy needs beyond the result, for one chunk of ``chunk`` samples.
+                  outputs: int = 1, largest_param: int | None = None) -> int:
+    """Extra memory a strategy needs beyond the result, for one chunk of ``chunk`` samples: each strategy module
+    declares its own estimate (``working_bytes(chunk, num_params, largest_param, itemsize, outputs)``)."""
+    from .strategies import MODULES
 
-    ``torch_func`` and ``batched_grad`` build a chunk's result in fresh tensors before it is copied in;
-    ``batched_grad`` for Jacobians also holds (chunk*Y)^2 one-hot grad outputs.
-    """
-    per_chunk = result_bytes(chunk, num_params, dtype, outputs)
-    if strategy == "torch_func":
-        return per_chunk
-    if strategy == "batched_grad":
-        return per_chunk + (chunk * outputs) ** 2 * dtype.itemsize
-    return 0
+    largest = num_params if largest_param is None else largest_param
+    return MODULES[strategy].working_bytes(chunk, num_params, largest, dtype.itemsize, outputs)
 
 
 def check_budget(*, what: str, result: int, working: int, max_bytes: int | None, allocate_result: bool,
@@ -73,4 +68,20 @@ def check_budget(*, what: str, result: int, working: int, max_bytes: int | None,
         "freeze parameters you do not need (requires_grad_(False)), or call per_sample_grad_norms if norms "
         "are all you need; flat=False does not help here (results are written in place either way). "
         "If you know the memory is there, raise max_bytes=."
+    )
+
+
+def check_held(*, what: str, held: int, detail: str, fix: str, device: torch.device) -> None:
+    """Raise :class:`MemoryBudgetError` when ``held`` bytes, several results held at once by a tool built on the
+    package (e.g. the explorer: its heatmap's gradients plus the results compared while timing), exceed the same
+    budget as a call's (:data:`BUDGET_SHARE` of the memory available on ``device``). ``detail`` says what is held,
+    ``fix`` what to change."""
+    if held <= SMALL:
+        return
+    budget = default_budget(device)
+    if held <= budget:
+        return
+    raise MemoryBudgetError(
+        f"{what} would hold about {human_bytes(held)} ({detail}), more than the budget of {human_bytes(budget)} "
+        f"({BUDGET_SHARE:.0%} of the memory available on {device}). {fix}"
     )

@@ -336,10 +336,11 @@ def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> st
             len(s.in_dims) >= 1 and s.in_dims[0] == 0 and all(d is SHARED for d in s.in_dims[1:])
             and s.out_dims == (0,) for s in specs):
         return "rule"
-    if direct and call_rule_for(module) is not None and getattr(module, "batch_first", False) \
-            and getattr(module, "proj_size", 0) == 0 \
-            and all(s.in_dims[:1] == (0,) and s.out_dims[:1] == (0,) and len(s.in_rest[0]) == 2 for s in specs):
-        return "call"
+    if direct and call_rule_for(module) is not None and getattr(module, "proj_size", 0) == 0:
+        batch_dim = 0 if getattr(module, "batch_first", False) else 1  # (B, T, in) or (T, B, in)
+        if all(s.in_dims[:1] == (batch_dim,) and s.out_dims[:1] == (batch_dim,) and len(s.in_rest[0]) == 2
+               for s in specs):
+            return "call"
     return "fallback"
 
 

@@ -49,6 +49,11 @@ class Target:
         return sum(p.numel() for p in self.params)
 
     @property
+    def largest_param(self) -> int:
+        """The number of elements of the largest trainable parameter."""
+        return max(p.numel() for p in self.params)
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.params[0].dtype
 

@@ -187,3 +187,28 @@ def test_batch_of_one_then_more_on_a_shared_layer_output():
     for strategy in ALL:  # ... must not be reused at B = 3
         agree_or_refuse(model, loss, x, y, strategy)
     assert pv.resolve_strategy("auto", model, x) == "torch_func"
+
+
+class SequenceFirstLSTM(nn.Module):
+    """nn.LSTM with the default batch_first=False on (T, B, in), its state passed by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, num_layers=2)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):  # (B, T, 3)
+        xt = x.transpose(0, 1)
+        h0 = torch.zeros(2, x.shape[0], 4, dtype=x.dtype) + 0.1 * x[:, 0, :1].T.unsqueeze(-1)  # per-sample h0
+        out, (h_n, _) = self.lstm(xt, hx=(h0, torch.zeros_like(h0)))
+        return self.head(out[-1] + h_n[0])
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_a_sequence_first_lstm_with_its_state_by_keyword(strategy):
+    torch.manual_seed(0)
+    model = SequenceFirstLSTM().double()
+    x, y = torch.randn(2, 2, 3, dtype=torch.float64), torch.tensor([0, 1])  # T == B
+    assert agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)
+    if strategy == "hooks":
+        assert hooks.describe(Target.of(model), x) == {"lstm": "call", "head": "rule"}

@@ -179,3 +179,20 @@ def test_batch_centering_really_mixes_samples():
     with torch.no_grad():
         alone = torch.cat([model(x[i:i + 1]) for i in range(x.shape[0])])
         assert (model(x) - alone).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.jacobian and c.expect != "refuse"], ids=lambda c: c.name)
+def test_empirical_ntk_equals_jacobian_products(case):
+    """K[i, j] = J_i J_j^T from the loop's Jacobians; the NTK works from the same layer rules and fallbacks."""
+    model = _model_with_a_grad(case)
+    batch = case.batches[-1]
+    x, _ = case.make_inputs(batch)
+    before = snapshot(model)
+    got = pv.empirical_ntk(model, x, mode="full")
+    assert_no_hooks(model)
+    assert_state_unchanged(model, before)
+    jac = _reference(case.name, "jacobian", None, batch)
+    flat = torch.cat([t.reshape(batch, t.shape[1], -1) for t in jac.values()], dim=-1)  # (B, Y, P)
+    want = torch.einsum("iyp,jzp->ijyz", flat, flat)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL,
+                               msg=lambda m: f"{case.name}: silently wrong empirical NTK: {m}")

@@ -17,6 +17,11 @@ SLOW_BASELINE = True  # a baseline: skipped by the benchmarks above their size l
 BATCHED_FORWARD = True  # one forward pass over the whole batch: refused where samples interact
 
 
+def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
+    """One scalar's gradients at a time, written straight into the result: nothing of result size."""
+    return 0
+
+
 def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
           out: dict[str, torch.Tensor]) -> None:
     """1 forward, B backward passes through the batch graph; writes (B, *param.shape) into ``out``."""

@@ -17,6 +17,11 @@ SLOW_BASELINE = True  # a baseline: skipped by the benchmarks above their size l
 BATCHED_FORWARD = True  # one forward pass over the whole batch: refused where samples interact
 
 
+def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
+    """The vmapped backward builds a chunk's result before the copy, and (chunk*Y)^2 one-hot grad outputs."""
+    return (chunk * outputs * num_params + (chunk * outputs) ** 2) * itemsize
+
+
 def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
           out: dict[str, torch.Tensor]) -> None:
     """Writes (B, *param.shape) into ``out``: row i of the one-hot (B, B) picks the loss of sample i."""

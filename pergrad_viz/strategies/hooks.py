@@ -14,6 +14,7 @@ trainable parameter. Every call checks the shapes it captured against that plan.
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from dataclasses import dataclass
 
@@ -31,6 +32,12 @@ from ._common import flat_outputs
 
 SLOW_BASELINE = False  # timed at every size by the benchmarks
 BATCHED_FORWARD = True  # one forward pass over the whole batch: refused where samples interact
+
+
+def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
+    """Rules write into the result; a temporary of one parameter's per-sample size (a convolution's einsum, the
+    per-layer fallback's vmap result, a tied parameter's second layer) at most."""
+    return chunk * outputs * largest_param * itemsize
 
 
 
@@ -261,7 +268,9 @@ def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
     full = [torch.zeros(n, *o.shape, dtype=o.dtype, device=o.device) if g is None else g
             for g, o in zip(grads, call.outputs, strict=True)]
     if layer.kind == "call":
-        args, _kwargs = call.inputs
+        args, kwargs = call.inputs
+        if kwargs:  # e.g. lstm(x, hx=h): the rule takes the arguments in the order of forward's signature
+            args = tuple(inspect.signature(layer.module.forward).bind(*args, **kwargs).arguments.values())
         call_rule_for(layer.module)(layer.module, args, full, out)
         return
     per_sample_vjp(layer.module, call.inputs, call.spec.in_dims, full, call.spec.out_dims, out)

@@ -16,6 +16,11 @@ SLOW_BASELINE = True  # a baseline: skipped by the benchmarks above their size l
 BATCHED_FORWARD = False  # each sample alone
 
 
+def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
+    """One sample's gradients at a time, written straight into the result: nothing of result size."""
+    return 0
+
+
 def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
           out: dict[str, torch.Tensor]) -> None:
     """B forward and B backward passes of one sample each; writes (B, *param.shape) into ``out``."""

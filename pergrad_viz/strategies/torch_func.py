@@ -26,6 +26,11 @@ SLOW_BASELINE = False  # vectorised: timed at every size by the benchmarks
 BATCHED_FORWARD = False  # each sample alone: right even where samples would interact in a batch
 
 
+def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
+    """vmap builds a chunk's result in fresh tensors before it is copied into the caller's."""
+    return chunk * outputs * num_params * itemsize
+
+
 class VmapError(UnsupportedModelError):
     """``torch.func.vmap`` cannot run the model (an operation without a batching rule)."""
 

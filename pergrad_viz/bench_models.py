@@ -1,0 +1,94 @@
+"""Real architectures for ``python -m pergrad_viz bench --model NAME``: seeded, built locally (no downloads).
+
+Every problem is ``(model, loss_fn, inputs (B, ...), targets (B,))`` with ``CrossEntropyLoss(reduction='sum')``
+over 10 classes (so that Opacus' and BackPACK's per-sample gradients are the plain per-sample gradients):
+
+* ``mlp``: the tutorial's ``MLP(784, 20, 10)`` on (B, 784) bundled Fashion-MNIST images;
+* ``resnet18``: torchvision's ResNet-18 in eval mode (BatchNorm on its running statistics), (B, 3, 32, 32);
+* ``mobilenet``: torchvision's MobileNetV3-Small in eval mode, (B, 3, 32, 32);
+* ``transformer``: a 2-layer ``nn.TransformerEncoder`` (d_model 64, 4 heads, feed-forward 128, batch-first, eval)
+  on (B, 16, 64) token features, mean over tokens, a Linear head;
+* ``lstm``: a 2-layer batch-first ``nn.LSTM`` (32 -> 64) on (B, 16, 32), a Linear head on the last step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MODELS: tuple[str, ...] = ("mlp", "resnet18", "mobilenet", "transformer", "lstm")
+CLASSES = 10
+
+
+class TransformerClassifier(nn.Module):
+    """(B, T, d) -> TransformerEncoder -> mean over T -> Linear -> (B, classes)."""
+
+    def __init__(self, d_model: int = 64, heads: int = 4, feedforward: int = 128, layers: int = 2,
+                 classes: int = CLASSES):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model, heads, feedforward, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(1))
+
+
+class LSTMClassifier(nn.Module):
+    """(B, T, in) -> 2-layer LSTM -> last step -> Linear -> (B, classes)."""
+
+    def __init__(self, features: int = 32, hidden: int = 64, layers: int = 2, classes: int = CLASSES):
+        super().__init__()
+        self.lstm = nn.LSTM(features, hidden, layers, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+def problem(name: str, batch: int, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+            seed: int = 0) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    """The benchmark problem ``name`` at batch size ``batch``: (model, loss_fn, inputs, targets)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        from .bench import setting
+
+        model, _, x, _ = setting(batch, 20, device=device, dtype=dtype, seed=seed)
+        y = torch.randint(0, CLASSES, (batch,), generator=generator)
+    else:
+        if name in ("resnet18", "mobilenet"):
+            import torchvision
+
+            build = torchvision.models.resnet18 if name == "resnet18" else torchvision.models.mobilenet_v3_small
+            model = build(num_classes=CLASSES)
+            x = torch.randn(batch, 3, 32, 32, generator=generator)
+        elif name == "transformer":
+            model = TransformerClassifier()
+            x = torch.randn(batch, 16, 64, generator=generator)
+        else:
+            model = LSTMClassifier()
+            x = torch.randn(batch, 16, 32, generator=generator)
+        model.eval()
+        y = torch.randint(0, CLASSES, (batch,), generator=generator)
+    model = model.to(device=device, dtype=dtype)
+    return model, nn.CrossEntropyLoss(reduction="sum"), x.to(device=device, dtype=dtype), y.to(device)
+
+
+def hand_written_vmap(model: nn.Module, loss_fn: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+                      ) -> torch.Tensor:
+    """The textbook ``vmap(grad(functional_call))``, written as a user would, concatenated to (B, P)."""
+    from torch.func import functional_call, grad, vmap
+
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def loss_of_one(p, x, y):
+        return loss_fn(functional_call(model, (p, frozen, buffers), (x.unsqueeze(0),)), y.unsqueeze(0))
+
+    grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets)
+    return torch.cat([g.reshape(inputs.shape[0], -1) for g in grads.values()], dim=1)
