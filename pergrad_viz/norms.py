@@ -33,8 +33,7 @@ from torch import nn
 from . import api
 from .losses import LossFn
 from .memory import default_budget, result_bytes, working_bytes
-from .rules.embedding import embedding as _embedding_rule
-from .rules.linear import linear as _linear_rule
+from .rules import GhostRule, ghost_rule_for
 from .strategies import hooks, torch_func
 from .target import Target, guest
 
@@ -159,40 +158,21 @@ def tied_names(calls: Sequence[hooks.Call]) -> set[str]:
     return {name for name, count in owners.items() if count > 1}
 
 
+def ghost_rule(layer: hooks.Layer) -> GhostRule | None:
+    """The layer's :class:`~pergrad_viz.rules.GhostRule` where its closed-form rule applies, else None."""
+    return ghost_rule_for(layer.module) if layer.kind == "rule" else None
+
+
 def ghost_kind(layer: hooks.Layer) -> str | None:
     """``"linear"`` or ``"embedding"`` for the layers handled without their per-sample gradient, else None."""
-    rule = layer.rule
-    if rule is _linear_rule:
-        return "linear"
-    if rule is _embedding_rule:
-        return "embedding"
-    return None
+    ghost = ghost_rule(layer)
+    return None if ghost is None else ghost.kind
 
 
-def stack_calls(kind: str, layer: hooks.Layer, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
-    """All calls of a Linear / Embedding as one call on T positions (a shared layer's calls add up).
-
-    Returns ``(a, g)``: for ``"linear"`` a is (B, T, in) and g is (N, B, T, out); for ``"embedding"`` a
-    is the (B, T) indices and g the (N, B, T, D) output gradients with padding rows zeroed.
-    """
-    module = layer.module
-    acts, grads = [], []
-    for call, gs in seen:
-        a, g = call.activation, gs[0]
-        n, batch = g.shape[:2]
-        if kind == "linear":
-            acts.append(a.reshape(batch, -1, a.shape[-1]))
-            grads.append(g.reshape(n, batch, -1, g.shape[-1]))
-            continue
-        idx = a.reshape(batch, -1)
-        g = g.reshape(n, batch, idx.shape[1], module.embedding_dim)
-        if module.padding_idx is not None:
-            g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
-        acts.append(idx)
-        grads.append(g)
-    if len(seen) == 1:
-        return acts[0], grads[0]
-    return torch.cat(acts, dim=1), torch.cat(grads, dim=2)
+def stack_calls(kind: str | None, layer: hooks.Layer, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
+    """All calls of a ghost-rule layer as one call on T positions (a shared layer's calls add up): for a Linear
+    a is (B, T, in) and g (N, B, T, out); for an Embedding a is the (B, T) indices and g (N, B, T, D)."""
+    return ghost_rule_for(layer.module).stack(layer.module, [(call.activation, gs[0]) for call, gs in seen])
 
 
 def _empty_like_params(layer: hooks.Layer, n: int, batch: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -222,50 +202,10 @@ def rule_grads(layer: hooks.Layer, a: torch.Tensor, g: torch.Tensor) -> dict[str
     return out
 
 
-def gram_is_cheaper(tokens: int, layer_params: int) -> bool:
-    """Norms of a Linear on T tokens: two (B, T, T) Gram matrices beat the (B, out, in) gradient if T^2 < in*out."""
-    return tokens * tokens < layer_params
-
-
-def _sample_rows(idx: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B, T) indices -> (B*T,) ids of (sample, token) pairs: idx + V * sample."""
-    return (idx + vocab * torch.arange(idx.shape[0], device=idx.device).unsqueeze(1)).reshape(-1)
-
-
 def _layer_squared_norms(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
     """{local name: (B,) squared per-sample gradient norm} of one layer; ``seen`` has N = 1."""
-    kind = ghost_kind(layer)
-    local = layer.local
-    if kind is None:  # convolutions, norms, recurrent, fallback: this one layer's (B, *param.shape) gradient
+    ghost = ghost_rule(layer)
+    if ghost is None:  # convolutions, norms, recurrent, fallback: this one layer's (B, *param.shape) gradient
         return {ln: t[0].flatten(1).square().sum(1) for ln, t in dense_grads(layer, seen).items()}
-    a, g = stack_calls(kind, layer, seen)
-    g = g[0]  # (B, T, out)
-    if kind == "embedding":
-        return {"weight": _embedding_squared_norms(a, g, layer.module.num_embeddings)}
-    tokens = a.shape[1]
-    result = {}
-    if tokens == 1:  # the ghost norm: ||g a^T||^2 = ||g||^2 ||a||^2, and ||g||^2 for the bias
-        g_squared = torch.linalg.vector_norm(g[:, 0], dim=1).square()
-        if "weight" in local:
-            result["weight"] = g_squared * torch.linalg.vector_norm(a[:, 0], dim=1).square()
-        if "bias" in local:
-            result["bias"] = g_squared
-        return result
-    if "weight" in local:
-        if gram_is_cheaper(tokens, a.shape[-1] * g.shape[-1]):
-            result["weight"] = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2)).clamp_min(0)
-        else:
-            result["weight"] = torch.bmm(g.mT, a).square().sum((1, 2))  # (B, out, in), this layer only
-    if "bias" in local:
-        result["bias"] = g.sum(1).square().sum(1)
-    return result
-
-
-def _embedding_squared_norms(idx: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B,) squared norms of the Embedding weight's gradient from indices (B, T) and gradients (B, T, D).
-
-    Only the rows a sample touches are non-zero: sum the gradients per (sample, index), then square.
-    """
-    unique, inverse = torch.unique(_sample_rows(idx, vocab), return_inverse=True)
-    rows = g.new_zeros(unique.numel(), g.shape[-1]).index_add_(0, inverse, g.reshape(-1, g.shape[-1]))
-    return g.new_zeros(idx.shape[0]).index_add_(0, unique // vocab, rows.square().sum(1))
+    a, g = stack_calls(ghost.kind, layer, seen)
+    return ghost.squared_norms(layer.module, a, g[0], layer.local)

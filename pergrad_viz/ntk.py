@@ -27,7 +27,8 @@ from torch import nn
 
 from . import api
 from .memory import check_budget, result_bytes
-from .norms import dense_grads, ghost_kind, group_calls, rule_grads, stack_calls, tied_names
+from .norms import dense_grads, ghost_rule, group_calls, rule_grads, stack_calls, tied_names
+from .rules import ghost_rule_for
 from .strategies import hooks
 from .target import Target, guest
 
@@ -158,11 +159,11 @@ def _features(target: Target, inputs: torch.Tensor, full: bool) -> _Features:
     features = _Features(y_count)
     tied = tied_names(calls)
     for layer, seen in group_calls(calls, grads).values():
-        kind = ghost_kind(layer)
-        if kind is not None and tied.isdisjoint(layer.local.values()):
-            a, g = stack_calls(kind, layer, seen)
-            if gram_is_cheaper(kind, layer.module, a.shape[1], y_count, full):
-                features.ghost[layer.module] = (kind, a, g, layer)
+        ghost = ghost_rule(layer)
+        if ghost is not None and tied.isdisjoint(layer.local.values()):
+            a, g = stack_calls(ghost.kind, layer, seen)
+            if gram_is_cheaper(ghost.kind, layer.module, a.shape[1], y_count, full):
+                features.ghost[layer.module] = (ghost.kind, a, g, layer)
                 continue
             _add_dense(features.dense, layer.local, rule_grads(layer, a, g))  # the stacked calls, padding zeroed
             continue
@@ -171,15 +172,10 @@ def _features(target: Target, inputs: torch.Tensor, full: bool) -> _Features:
 
 
 def gram_is_cheaper(kind: str, module: nn.Module, tokens: int, y_count: int, full: bool) -> bool:
-    """Whether the Gram form of a Linear / Embedding costs fewer multiply-adds per pair (i, j) than
-    contracting the layer's (Y, P_layer) Jacobians (T = S = ``tokens`` positions per sample)."""
-    if kind == "linear":
-        features, width, params = module.in_features, module.out_features, module.weight.numel()
-    else:
-        features, width, params = 1, module.embedding_dim, module.weight.numel()
-    pairs = y_count * y_count if full else y_count
-    gram = tokens * tokens * (features + y_count * width) + tokens * pairs * width
-    return gram <= pairs * params
+    """Whether the Gram form of a ghost-rule layer (``kind``: "linear", "embedding") costs fewer multiply-adds per
+    pair (i, j) than contracting the layer's (Y, P_layer) Jacobians (T = S = ``tokens`` positions per sample)."""
+    gram, dense = ghost_rule_for(module).gram_cost(module, tokens, y_count, y_count * y_count if full else y_count)
+    return gram <= dense
 
 
 def _kernel(a: _Features, b: _Features, full: bool) -> torch.Tensor | None:
@@ -203,10 +199,7 @@ def _gram_kernel(ga: Ghost, gb: Ghost, full: bool) -> torch.Tensor:
     out, z = ("ijyz", "z") if full else ("ij", "y")
     term = None
     if "weight" in local:
-        if kind == "linear":
-            overlap = torch.einsum("itk,jsk->ijts", a1, a2)  # (N1, N2, T, S): a_{i,t} . a_{j,s}
-        else:
-            overlap = (a1[:, None, :, None] == a2[None, :, None, :]).to(g1.dtype)  # same index
+        overlap = ghost_rule_for(layer.module).overlap(a1, a2, g1.dtype)  # (N1, N2, T, S)
         if overlap.shape[2] == overlap.shape[3] == 1:  # (N, in) inputs: (a_i . a_j) (g_{y,i} . g_{z,j})
             gg = torch.einsum(f"yio,{z}jo->{out}", g1[:, :, 0], g2[:, :, 0])
             term = gg * overlap[:, :, 0, 0].view(*overlap.shape[:2], *(1,) * (gg.dim() - 2))

@@ -18,8 +18,9 @@ from helpers import (
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz import api, norms
+from pergrad_viz import api
 from pergrad_viz.models import MLP, SmallCNN, bias_free_net
+from pergrad_viz.rules import linear as linear_rules
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 
@@ -226,9 +227,9 @@ def test_padding_rows_and_all_padding_sample():
 def test_linear_on_tokens_both_branches(shape, gram, monkeypatch):
     tokens_, d_in, d_out = shape
     # The natural choice: Gram matrices for T=3 and an 8x8 layer (9 < 64), the layer's gradient for T=6, 3x4.
-    assert norms.gram_is_cheaper(tokens_, d_in * d_out) == (tokens_ == 3)
+    assert linear_rules.gram_is_cheaper(tokens_, d_in * d_out) == (tokens_ == 3)
     taken = []
-    monkeypatch.setattr(norms, "gram_is_cheaper", lambda t, p: taken.append(t) or gram)
+    monkeypatch.setattr(linear_rules, "gram_is_cheaper", lambda t, p: taken.append(t) or gram)
     model = SeqNet(d_in, d_out).double()
     x = torch.randn(5, tokens_, d_in, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     assert_norms(model, nn.CrossEntropyLoss(), x, torch.tensor([0, 1, 2, 1, 0]))

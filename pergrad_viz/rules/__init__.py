@@ -25,13 +25,19 @@ Two kinds, each registered by its own decorator:
   does not reach the loss;
 * ``out``: as above.
 
+``@register_ghost(*types)`` for layers whose per-sample weight gradient is a sum over the T positions they saw of
+outer products (``nn.Linear``: g_t a_t^T; ``nn.Embedding``: g_t in row idx_t): a class of static methods that give
+per-sample gradient norms and NTK terms from Gram matrices, never the per-sample gradient itself (see
+:class:`GhostRule`).
+
 Rules are small pure functions: no state, no hooks of their own. Layers that own trainable parameters but
 have no rule go through the per-layer fallback (``pergrad_viz.rules.fallback``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -39,8 +45,40 @@ from torch import nn
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], None]
 CallRule = Callable[[nn.Module, tuple, list, dict[str, torch.Tensor]], None]
 
+
+
+class GhostRule(Protocol):
+    """Norms and kernels of a layer with per-sample weight gradient sum_t outer(g_t, a_t), from Gram matrices.
+
+    Shapes: B samples, T positions (tokens, or repeated calls of a shared layer), N = 1 for loss gradients and
+    N = Y for output Jacobians.
+    """
+
+    kind: str
+
+    @staticmethod
+    def stack(module: nn.Module, seen: Sequence[tuple[torch.Tensor, torch.Tensor]]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All calls ``[(activation (B, ...), grad_output (N, B, ...))]`` as one call on T positions: ``(a, g)``
+        with a (B, T, ...) and g (N, B, T, out) (rows the layer ignores, e.g. ``padding_idx``, zeroed)."""
+
+    @staticmethod
+    def squared_norms(module: nn.Module, a: torch.Tensor, g: torch.Tensor, local: Collection[str]
+                      ) -> dict[str, torch.Tensor]:
+        """{local name: (B,) squared norm of the per-sample gradient}, from ``stack``'s a and g[0] (B, T, out)."""
+
+    @staticmethod
+    def overlap(a1: torch.Tensor, a2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(N1, N2, T, S): what the weight's kernel term multiplies g_t . g_s by (a_t . a_s for Linear)."""
+
+    @staticmethod
+    def gram_cost(module: nn.Module, tokens: int, y_count: int, pairs: int) -> tuple[int, int]:
+        """Multiply-adds per pair of samples of the Gram form and of contracting the layer's Jacobians."""
+
+
 _RULES: dict[type[nn.Module], Rule] = {}
 _CALL_RULES: dict[type[nn.Module], CallRule] = {}
+_GHOST_RULES: dict[type[nn.Module], type] = {}
 
 
 def register(*module_types: type[nn.Module]) -> Callable[[Rule], Rule]:
@@ -63,6 +101,22 @@ def register_call(*module_types: type[nn.Module]) -> Callable[[CallRule], CallRu
         return rule
 
     return deco
+
+
+def register_ghost(*module_types: type[nn.Module]) -> Callable[[type], type]:
+    """Class decorator: the :class:`GhostRule` of these module types (used only where their closed-form rule is)."""
+
+    def deco(cls: type) -> type:
+        for t in module_types:
+            _GHOST_RULES[t] = cls
+        return cls
+
+    return deco
+
+
+def ghost_rule_for(module: nn.Module) -> GhostRule | None:
+    """The :class:`GhostRule` for ``module``, or None."""
+    return _lookup(_GHOST_RULES, module)
 
 
 def _lookup(registry: dict, module: nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import register
+from . import register, register_ghost
 
 
 @register(nn.Embedding)
@@ -24,3 +24,42 @@ def embedding(module: nn.Module, activation: torch.Tensor, grad_output: torch.Te
     rows_n = torch.arange(n, device=idx.device).view(n, 1, 1)
     rows_b = torch.arange(batch, device=idx.device).view(1, batch, 1)
     weight.index_put_((rows_n, rows_b, idx.unsqueeze(0)), g, accumulate=True)
+
+
+@register_ghost(nn.Embedding)
+class EmbeddingGhost:
+    """Only the rows a sample touches are non-zero: sum the gradients per (sample, index), then square."""
+
+    kind = "embedding"
+
+    @staticmethod
+    def stack(module, seen):
+        acts, grads = [], []
+        for a, g in seen:
+            n, batch = g.shape[:2]
+            idx = a.reshape(batch, -1)
+            g = g.reshape(n, batch, idx.shape[1], module.embedding_dim)
+            if module.padding_idx is not None:
+                g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
+            acts.append(idx)
+            grads.append(g)
+        return (acts[0], grads[0]) if len(seen) == 1 else (torch.cat(acts, dim=1), torch.cat(grads, dim=2))
+
+    @staticmethod
+    def squared_norms(module, a, g, local):
+        if "weight" not in local:
+            return {}
+        vocab = module.num_embeddings
+        pairs = (a + vocab * torch.arange(a.shape[0], device=a.device).unsqueeze(1)).reshape(-1)  # (sample, token)
+        unique, inverse = torch.unique(pairs, return_inverse=True)
+        rows = g.new_zeros(unique.numel(), g.shape[-1]).index_add_(0, inverse, g.reshape(-1, g.shape[-1]))
+        return {"weight": g.new_zeros(a.shape[0]).index_add_(0, unique // vocab, rows.square().sum(1))}
+
+    @staticmethod
+    def overlap(a1, a2, dtype):
+        return (a1[:, None, :, None] == a2[None, :, None, :]).to(dtype)  # the same index
+
+    @staticmethod
+    def gram_cost(module, tokens, y_count, pairs):
+        gram = tokens * tokens * (1 + y_count * module.embedding_dim) + tokens * pairs * module.embedding_dim
+        return gram, pairs * module.weight.numel()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import register
+from . import register, register_ghost
 
 
 @register(nn.Linear)
@@ -37,3 +37,54 @@ def _outer(g: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> None:
         torch.bmm(g[0].unsqueeze(2), a.unsqueeze(1), out=out[0])
     else:
         torch.mul(g.unsqueeze(-1), a.unsqueeze(1), out=out)
+
+
+def gram_is_cheaper(tokens: int, layer_params: int) -> bool:
+    """Norms of a Linear on T tokens: two (B, T, T) Gram matrices beat the (B, out, in) gradient if T^2 < in*out."""
+    return tokens * tokens < layer_params
+
+
+@register_ghost(nn.Linear)
+class LinearGhost:
+    """||sum_t g_t a_t^T||^2 = sum_{t,s} (a_t . a_s)(g_t . g_s): the ghost norm (T = 1: ||g||^2 ||a||^2)."""
+
+    kind = "linear"
+
+    @staticmethod
+    def stack(module, seen):
+        acts, grads = [], []
+        for a, g in seen:
+            n, batch = g.shape[:2]
+            acts.append(a.reshape(batch, -1, a.shape[-1]))
+            grads.append(g.reshape(n, batch, -1, g.shape[-1]))
+        return (acts[0], grads[0]) if len(seen) == 1 else (torch.cat(acts, dim=1), torch.cat(grads, dim=2))
+
+    @staticmethod
+    def squared_norms(module, a, g, local):
+        result = {}
+        tokens = a.shape[1]
+        if tokens == 1:  # the ghost norm: ||g a^T||^2 = ||g||^2 ||a||^2, and ||g||^2 for the bias
+            g_squared = torch.linalg.vector_norm(g[:, 0], dim=1).square()
+            if "weight" in local:
+                result["weight"] = g_squared * torch.linalg.vector_norm(a[:, 0], dim=1).square()
+            if "bias" in local:
+                result["bias"] = g_squared
+            return result
+        if "weight" in local:
+            if gram_is_cheaper(tokens, a.shape[-1] * g.shape[-1]):
+                result["weight"] = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2)).clamp_min(0)
+            else:
+                result["weight"] = torch.bmm(g.mT, a).square().sum((1, 2))  # (B, out, in), this layer only
+        if "bias" in local:
+            result["bias"] = g.sum(1).square().sum(1)
+        return result
+
+    @staticmethod
+    def overlap(a1, a2, dtype):
+        return torch.einsum("itk,jsk->ijts", a1, a2)  # a_{i,t} . a_{j,s}
+
+    @staticmethod
+    def gram_cost(module, tokens, y_count, pairs):
+        width = module.out_features
+        gram = tokens * tokens * (module.in_features + y_count * width) + tokens * pairs * width
+        return gram, pairs * module.weight.numel()
