@@ -72,6 +72,7 @@ class Plan:
     interaction: str | None  # where the samples interact (None: they do not)
     hooks_problem: str | None  # why the hooks strategy cannot be used (None: it can)
     verified: bool  # the probe had two different samples (else interaction could not be tested)
+    copy_captures: bool = False  # set once a forward modified a captured tensor in place (ReLU(inplace=True), +=)
 
 
 def _tolerance(dtype: torch.dtype) -> tuple[float, float]:

@@ -47,8 +47,15 @@ def conv(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
     groups = module.groups
     cols = cols.view(batch, groups, -1, cols.shape[-1])  # (B, G, C_in/G * k, L)
     g = grad_output.reshape(n, batch, groups, c_out // groups, -1)  # (N, B, G, C_out/G, L)
+    weight = out["weight"]
+    if groups == 1 and weight[0, 0].is_contiguous():
+        # Straight into the result (a strided view): one batched matmul per gradient row, no temporary.
+        rows = weight.view(n, batch, c_out, -1)  # (N, B, C_out, C_in * k)
+        for r in range(n):
+            torch.bmm(g[r, :, 0], cols[:, 0].mT, out=rows[r])
+        return
     w = torch.einsum("nbgol,bgil->nbgoi", g, cols)
-    out["weight"].copy_(w.reshape(out["weight"].shape))
+    weight.copy_(w.reshape(weight.shape))
 
 
 def _conv_by_correlation(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,

@@ -65,23 +65,34 @@ class Layer:
         return rule_for(self.module) if self.kind == "rule" else None
 
 
+def tensors_of(obj: object) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a tensor, or nested tuples / lists / dicts of them and other values), in
+    ``torch.utils._pytree`` order; the common cases without the pytree machinery (it costs per call)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if type(obj) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in obj):
+        return list(obj)
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
 @dataclass
 class Call:
     """One call of a layer: its inputs (args, kwargs) detached, and its output tensors (graph-connected)."""
 
     layer: Layer
     inputs: tuple[tuple, dict]
+    input_tensors: list[torch.Tensor]  # the tensors of ``inputs``, in order
     outputs: list[torch.Tensor]
     spec: CallSpec
-    versions: tuple[int, ...]
+    versions: tuple[int, ...] = ()
 
     @property
     def activation(self) -> torch.Tensor:
         """The first tensor argument (B, ...): what a single-tensor rule sees."""
-        return next(t for t in tree_flatten(self.inputs)[0] if isinstance(t, torch.Tensor))
+        return self.input_tensors[0]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in tree_flatten(self.inputs)[0] if isinstance(t, torch.Tensor)] + self.outputs
+        return self.input_tensors + self.outputs
 
     def modified_in_place(self) -> bool:
         return tuple(t._version for t in self.tensors()) != self.versions
@@ -127,14 +138,12 @@ def _mismatch(layer: Layer, name: str, why: str) -> PlanMismatchError:
     )
 
 
-def _check_call(layer: Layer, name: str, index: int, args: tuple, kwargs: dict, output: object,
+def _check_call(layer: Layer, name: str, index: int, ins: list[torch.Tensor], outs: list[torch.Tensor],
                 batch: int) -> CallSpec:
     specs = layer.plan.calls
     if index >= len(specs):
         raise _mismatch(layer, name, f"is called more than {len(specs)} time(s)")
     spec = specs[index]
-    ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
     for tensors, dims, rests in ((ins, spec.in_dims, spec.in_rest), (outs, spec.out_dims, spec.out_rest)):
         if len(tensors) != len(dims):
             raise _mismatch(layer, name, "has a different number of tensors")
@@ -160,15 +169,24 @@ def _forward(target: Target, inputs: torch.Tensor, layers: dict[str, Layer], cop
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
         name = names[id(module)]
         layer = layers[name]
-        spec = _check_call(layer, name, counts[name], args, kwargs, output, batch)
+        ins = tensors_of(args) if not kwargs else tensors_of((args, kwargs))
+        outputs = tensors_of(output)
+        spec = _check_call(layer, name, counts[name], ins, outputs, batch)
         counts[name] += 1
-        saved = tree_map(detach, (args, kwargs))
-        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-        call = Call(layer, saved, outputs, spec, ())
+        if not kwargs and len(ins) == len(args):  # the common case: tensors only, positional
+            saved_ins = [detach(t) for t in ins]
+            saved = (tuple(saved_ins), {})
+        else:
+            saved = tree_map(detach, (args, kwargs))
+            saved_ins = tensors_of(saved)
+        call = Call(layer, saved, saved_ins, outputs, spec)
         call.versions = tuple(t._version for t in call.tensors())
         calls.append(call)
         # Hand later layers a copy, so that in-place ops downstream cannot change what was captured.
-        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, output) if copy else None
+        if not copy:
+            return None
+        return output.clone() if isinstance(output, torch.Tensor) else tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, output)
 
     handles = [layer.module.register_forward_hook(hook, with_kwargs=True) for layer in layers.values()]
     try:
@@ -190,8 +208,9 @@ def capture(target: Target, inputs: torch.Tensor) -> tuple[torch.Tensor, list[Ca
     layers = target.cache.get("hooks.layers")
     if layers is None:
         layers = target.cache["hooks.layers"] = _layers(target, plan)
-    output, calls = _forward(target, inputs, layers, copy=False)
-    if any(c.modified_in_place() for c in calls):  # e.g. ReLU(inplace=True) right after a layer, `out += x`
+    output, calls = _forward(target, inputs, layers, copy=plan.copy_captures)
+    if not plan.copy_captures and any(c.modified_in_place() for c in calls):  # ReLU(inplace=True), `out += x`
+        plan.copy_captures = True  # known from now on for this model and input signature: one forward pass
         output, calls = _forward(target, inputs, layers, copy=True)
     return output, calls
 
