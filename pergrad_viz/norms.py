@@ -195,13 +195,6 @@ def dense_grads(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
     return total
 
 
-def rule_grads(layer: hooks.Layer, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A single-tensor rule layer's per-sample gradients from stacked calls (``stack_calls``)."""
-    out = _empty_like_params(layer, g.shape[0], g.shape[1], g)
-    layer.rule(layer.module, a, g, out)
-    return out
-
-
 def _layer_squared_norms(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
     """{local name: (B,) squared per-sample gradient norm} of one layer; ``seen`` has N = 1."""
     ghost = ghost_rule(layer)

@@ -27,15 +27,16 @@ from torch import nn
 
 from . import api
 from .memory import check_budget, result_bytes
-from .norms import dense_grads, ghost_rule, group_calls, rule_grads, stack_calls, tied_names
+from .norms import Seen, dense_grads, ghost_rule, group_calls, stack_calls, tied_names
 from .rules import ghost_rule_for
 from .strategies import hooks
 from .target import Target, guest
 
 MODES: tuple[str, ...] = ("full", "trace")
 
-# A Linear / Embedding kept in Gram form: (kind, a (N, T, in) or indices (N, T), g (Y, N, T, out), layer).
-Ghost = tuple[str, torch.Tensor, torch.Tensor, hooks.Layer]
+# A Linear / Embedding / Conv kept in Gram form: (kind, a (N, T, in) or indices (N, T), g (Y, N, T, out), layer,
+# the calls it came from).
+Ghost = tuple[str, torch.Tensor, torch.Tensor, hooks.Layer, Seen]
 
 
 @dataclass
@@ -50,9 +51,9 @@ class _Features:
         """Per-parameter Jacobians, with the Gram-form layers not in ``skip`` built from their pieces when
         ``other`` holds those parameters as Jacobians (a layer in Gram form for one chunk only)."""
         dense = dict(self.dense)
-        for module, (_kind, a, g, layer) in self.ghost.items():
+        for module, (_kind, _a, _g, layer, seen) in self.ghost.items():
             if module not in skip and any(name in other.dense for name in layer.local.values()):
-                _add_dense(dense, layer.local, rule_grads(layer, a, g))
+                _add_dense(dense, layer.local, dense_grads(layer, seen))
         return dense
 
 
@@ -163,10 +164,8 @@ def _features(target: Target, inputs: torch.Tensor, full: bool) -> _Features:
         if ghost is not None and tied.isdisjoint(layer.local.values()):
             a, g = stack_calls(ghost.kind, layer, seen)
             if gram_is_cheaper(ghost.kind, layer.module, a.shape[1], y_count, full):
-                features.ghost[layer.module] = (ghost.kind, a, g, layer)
+                features.ghost[layer.module] = (ghost.kind, a, g, layer, seen)
                 continue
-            _add_dense(features.dense, layer.local, rule_grads(layer, a, g))  # the stacked calls, padding zeroed
-            continue
         _add_dense(features.dense, layer.local, dense_grads(layer, seen))
     return features
 
@@ -193,7 +192,7 @@ def _kernel(a: _Features, b: _Features, full: bool) -> torch.Tensor | None:
 
 def _gram_kernel(ga: Ghost, gb: Ghost, full: bool) -> torch.Tensor:
     """Linear / Embedding term: sum_{t,s} A[i,j,t,s] (g_{y,i,t} . g_{z,j,s}) (+ the bias term)."""
-    kind, a1, g1, layer = ga
+    kind, a1, g1, layer, _seen = ga
     local = layer.local
     a2, g2 = gb[1], gb[2]
     out, z = ("ijyz", "z") if full else ("ij", "y")

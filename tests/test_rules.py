@@ -224,3 +224,31 @@ def test_recurrent_refuses_what_it_does_not_cover():
         recurrent(gru, (packed,), [None, None], empty_out(gru, 1))
     with pytest.raises(NotImplementedError, match="unbatched"):
         recurrent(gru, (x[0],), [None, None], empty_out(gru, 1))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(in_channels=3, out_channels=4, kernel_size=3, stride=2, padding=1),
+    dict(in_channels=2, out_channels=5, kernel_size=(2, 3), padding="same", padding_mode="reflect", dilation=2),
+    dict(in_channels=2, out_channels=3, kernel_size=3, padding="valid", bias=False),
+], ids=["stride-pad", "same-reflect-dilation", "valid-nobias"])
+@pytest.mark.parametrize("gram", [True, False])
+def test_conv_ghost_norms_equal_the_dense_rule(kw, gram, monkeypatch):
+    """The im2col Gram form of a Conv2d's per-sample gradient norms equals the norms of its dense rule's gradients."""
+    from pergrad_viz.rules import conv as conv_rules
+    from pergrad_viz.rules import ghost_rule_for
+    from pergrad_viz.rules import linear as linear_rules
+
+    torch.manual_seed(0)
+    layer = nn.Conv2d(**kw).double()
+    x = torch.randn(3, kw["in_channels"], 7, 6, dtype=torch.float64)
+    g = torch.randn(1, *layer(x).shape, dtype=torch.float64)
+    out = {n: torch.empty(1, 3, *p.shape, dtype=torch.float64) for n, p in layer.named_parameters()}
+    conv_rules.conv(layer, x, g, out)
+    ghost = ghost_rule_for(layer)
+    assert ghost is conv_rules.ConvGhost
+    monkeypatch.setattr(linear_rules, "gram_is_cheaper", lambda tokens, params: gram)
+    a, gs = ghost.stack(layer, [(x, g)])
+    got = ghost.squared_norms(layer, a, gs[0], set(out))
+    for name, t in out.items():
+        torch.testing.assert_close(got[name], t[0].flatten(1).square().sum(1), rtol=1e-10, atol=1e-12)
+    assert ghost_rule_for(nn.Conv2d(4, 4, 3, groups=2)) is None  # grouped: the dense rule

@@ -57,6 +57,10 @@ class GhostRule(Protocol):
     kind: str
 
     @staticmethod
+    def applies(module: nn.Module) -> bool:
+        """Whether this layer's configuration has the outer-product form (else its dense rule is used)."""
+
+    @staticmethod
     def stack(module: nn.Module, seen: Sequence[tuple[torch.Tensor, torch.Tensor]]
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """All calls ``[(activation (B, ...), grad_output (N, B, ...))]`` as one call on T positions: ``(a, g)``
@@ -115,8 +119,9 @@ def register_ghost(*module_types: type[nn.Module]) -> Callable[[type], type]:
 
 
 def ghost_rule_for(module: nn.Module) -> GhostRule | None:
-    """The :class:`GhostRule` for ``module``, or None."""
-    return _lookup(_GHOST_RULES, module)
+    """The :class:`GhostRule` for ``module``, or None (also where it does not apply to this configuration)."""
+    ghost = _lookup(_GHOST_RULES, module)
+    return ghost if ghost is not None and ghost.applies(module) else None
 
 
 def _lookup(registry: dict, module: nn.Module):

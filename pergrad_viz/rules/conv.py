@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import register
+from . import register, register_ghost
+from .linear import LinearGhost
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -32,18 +33,7 @@ def conv(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
     if isinstance(module, nn.Conv3d):
         _conv_by_correlation(module, activation, grad_output, out["weight"])
         return
-    one_d = isinstance(module, nn.Conv1d)
-    x = activation.unsqueeze(-2) if one_d else activation  # (B, C_in, H, W)
-    # The padding the layer applies (also for 'same' and non-zero padding modes), done explicitly.
-    pad = list(module._reversed_padding_repeated_twice)
-    if any(pad):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(activation, pad, mode=mode)
-        x = x.unsqueeze(-2) if one_d else x
-    kernel = (1, *module.kernel_size) if one_d else module.kernel_size
-    dilation = (1, *module.dilation) if one_d else module.dilation
-    stride = (1, *module.stride) if one_d else module.stride
-    cols = F.unfold(x, kernel, dilation=dilation, stride=stride)  # (B, C_in * k, L)
+    cols = _columns(module, activation)  # (B, C_in * k, L)
     groups = module.groups
     cols = cols.view(batch, groups, -1, cols.shape[-1])  # (B, G, C_in/G * k, L)
     g = grad_output.reshape(n, batch, groups, c_out // groups, -1)  # (N, B, G, C_out/G, L)
@@ -56,6 +46,49 @@ def conv(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
         return
     w = torch.einsum("nbgol,bgil->nbgoi", g, cols)
     weight.copy_(w.reshape(weight.shape))
+
+
+def _columns(module: nn.Module, activation: torch.Tensor) -> torch.Tensor:
+    """im2col of a Conv1d / Conv2d input (B, C_in, *spatial) as the layer sees it: (B, C_in * k, L)."""
+    one_d = isinstance(module, nn.Conv1d)
+    x = activation
+    # The padding the layer applies (also for 'same' and non-zero padding modes), done explicitly.
+    pad = list(module._reversed_padding_repeated_twice)
+    if any(pad):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(activation, pad, mode=mode)
+    x = x.unsqueeze(-2) if one_d else x  # (B, C_in, H, W)
+    kernel = (1, *module.kernel_size) if one_d else module.kernel_size
+    dilation = (1, *module.dilation) if one_d else module.dilation
+    stride = (1, *module.stride) if one_d else module.stride
+    return F.unfold(x, kernel, dilation=dilation, stride=stride)
+
+
+@register_ghost(nn.Conv1d, nn.Conv2d)
+class ConvGhost(LinearGhost):
+    """A convolution (groups=1) is a Linear from the C_in * k values of each patch to C_out, applied at the L output
+    positions: its norms and NTK terms are those of that Linear on L positions, from the im2col columns."""
+
+    kind = "conv"
+
+    @staticmethod
+    def applies(module):
+        return module.groups == 1
+
+    @staticmethod
+    def stack(module, seen):
+        acts, grads = [], []
+        for a, g in seen:
+            n, batch = g.shape[:2]
+            acts.append(_columns(module, a).mT)  # (B, L, C_in * k)
+            grads.append(g.reshape(n, batch, module.out_channels, -1).mT)  # (N, B, L, C_out)
+        return (acts[0], grads[0]) if len(seen) == 1 else (torch.cat(acts, dim=1), torch.cat(grads, dim=2))
+
+    @staticmethod
+    def gram_cost(module, tokens, y_count, pairs):
+        inputs, width = module.weight[0].numel(), module.out_channels
+        gram = tokens * tokens * (inputs + y_count * width) + tokens * pairs * width
+        return gram, pairs * module.weight.numel()
 
 
 def _conv_by_correlation(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,

@@ -33,6 +33,10 @@ class EmbeddingGhost:
     kind = "embedding"
 
     @staticmethod
+    def applies(module):
+        return True
+
+    @staticmethod
     def stack(module, seen):
         acts, grads = [], []
         for a, g in seen:

@@ -51,6 +51,10 @@ class LinearGhost:
     kind = "linear"
 
     @staticmethod
+    def applies(module):
+        return True
+
+    @staticmethod
     def stack(module, seen):
         acts, grads = [], []
         for a, g in seen:
