@@ -13,7 +13,6 @@ import csv
 import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from .memory import result_bytes
 from .models import MLP
 from .strategies import MODULES, STRATEGIES
 from .target import Target, check_modes
+from .timing import time_interleaved
 
 # torch.utils.benchmark imports cpp_extension, which logs a CUDA_HOME warning on CPU-only machines.
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -69,15 +69,6 @@ def backward_work(strategy: str, quantity: str, batch: int, outputs: int) -> int
     if strategy == "loop":
         return passes
     return passes * batch if strategy in SLOW else 0
-
-
-def time_call(fn: Callable[[], object], min_run_time: float = 0.2) -> tuple[float, float]:
-    """(median, interquartile range) in seconds from ``Timer.blocked_autorange`` (synchronises CUDA)."""
-    from torch.utils import benchmark
-
-    m = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
-                        ).blocked_autorange(min_run_time=min_run_time)
-    return m.median, (m.iqr if math.isfinite(m.iqr) else 0.0)
 
 
 def setting(batch: int, hidden: int, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -189,7 +180,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
             quantity: str = "grads", strategies: Sequence[str] = STRATEGIES, peers: Sequence[str] = (),
             slow_limit: int = 20480, min_run_time: float = 0.2, flat: bool = False, out_buffer: bool = False,
             chunk_sizes: Sequence[int] = (), norms: bool = False, check: bool = True, hidden: int | None = None,
-            extras: Sequence[tuple[str, Callable[[], object], str]] = (), bar=None) -> list[Record]:
+            extras: Sequence[tuple[str, Callable[[], object], str]] = (), rounds: int = 7, bar=None) -> list[Record]:
     """Time strategies (and peers) side by side on any model and batch, plus the two reference rows.
 
     ``loss_fn`` and ``targets`` are needed for ``quantity="grads"`` and for the forward+backward row
@@ -199,6 +190,9 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     ``grads + norm`` (materialise (B, P), then ``.norm(dim=1)``), checked against each other.
     ``extras`` are more (label, no-argument function, note) rows, checked against the strategies' result (e.g. a
     hand-written ``vmap``).
+    Every method and both reference rows are timed in ``rounds`` interleaved rounds
+    (:func:`pergrad_viz.timing.time_interleaved`, blocks of about ``min_run_time / rounds`` seconds): medians and
+    interquartile ranges over the rounds; a row whose IQR exceeds 25% of its median says ``NOISY ... rerun``.
     Returns the methods' records, then ``forward+backward`` and ``memory floor``.
     """
     batch = inputs.shape[0]
@@ -215,20 +209,16 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     methods[len(strategies):len(strategies)] = [_Method(label, fn, note) for label, fn, note in extras]
     bar = bar if bar is not None else _progress(len(methods) + 2, enabled=False)
 
-    def timed(label: str, fn: Callable[[], object], size: int, **fields) -> Record:
-        bar.set_postfix_str(f"B={batch} {label}")
-        median, iqr = time_call(fn, min_run_time)
-        bar.update()
-        return Record(label, quantity, batch, hidden, median, iqr, size, **fields)
-
     def forward_backward() -> object:
         output = model(inputs)
         loss = output.sum() if loss_fn is None or targets is None else loss_fn(output, targets)
         return torch.autograd.grad(loss, target.params, allow_unused=True)
 
-    fb = timed(FORWARD_BACKWARD, forward_backward, nbytes)
-    floor = timed(MEMORY_FLOOR, functools.partial(torch.empty(shape, **kw).fill_, 0.5), nbytes)
-    rows: list[Record] = []
+    timed: dict[str, tuple[Callable[[], object], int, dict]] = {
+        FORWARD_BACKWARD: (forward_backward, nbytes, {}),
+        MEMORY_FLOOR: (functools.partial(torch.empty(shape, **kw).fill_, 0.5), nbytes, {}),
+    }
+    rows: list[Record | str] = []  # a Record (not timed) or the label of a timed method, in table order
     references: dict[str, torch.Tensor] = {}
     for m in methods:
         size = result_bytes(batch, 1, target.dtype) if m.kind == "norms" else nbytes
@@ -240,7 +230,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
         if check or m.peer:
             try:
                 result = _flat(m.fn(), batch).clone()
-            except Exception as e:  # a peer (or hand-written code) that cannot run this model
+            except Exception as e:  # a peer that cannot run this model
                 if not m.peer:
                     raise
                 rows.append(Record(m.label, quantity, batch, hidden, None, None, size,
@@ -254,7 +244,23 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
                                    note=f"not timed: disagrees with pergrad_viz by {diff:.2e}"))
                 bar.update()
                 continue
-        rows.append(timed(m.label, m.fn, size, max_abs_diff=diff, note=m.note))
+        timed[m.label] = (m.fn, size, {"max_abs_diff": diff, "note": m.note})
+        rows.append(m.label)
+    # All methods and both reference rows in interleaved rounds: a stall of the machine hits them alike.
+    bar.set_postfix_str(f"B={batch}: {len(timed)} methods, {rounds} interleaved rounds")
+    timings = time_interleaved({label: fn for label, (fn, _, _) in timed.items()}, rounds=rounds,
+                               min_block_s=min_run_time / rounds)
+    bar.update(len(timed))
+    records: dict[str, Record] = {}
+    for label, (_fn, size, fields) in timed.items():
+        t = timings[label]
+        note = fields.get("note") or ""
+        if t.noisy:
+            note = f"NOISY: IQR {t.spread:.0%} of the median, rerun" + (f"; {note}" if note else "")
+        records[label] = Record(label, quantity, batch, hidden, t.median_s, t.iqr_s, size,
+                                max_abs_diff=fields.get("max_abs_diff"), note=note)
+    fb, floor = records[FORWARD_BACKWARD], records[MEMORY_FLOOR]
+    rows = [records[r] if isinstance(r, str) else r for r in rows]
     loop_time = next((r.median_s for r in rows if r.strategy == "loop" and not r.skipped), None)
     for r in [fb, floor, *rows]:
         if r.skipped:

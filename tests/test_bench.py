@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 
 import pytest
 import torch
@@ -125,3 +126,26 @@ def test_cli_rejects_bad_arguments(argv, message, capsys):
 def test_cli_peers_need_gradients(capsys):
     assert main(["bench", "--quantity", "jacobian", "--peers", "opacus", "--no-progress"]) == 2
     assert "--peers compute per-sample gradients only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["transformer", "lstm"])
+def test_cli_model_bench_has_the_hand_written_vmap_and_the_reference_rows(name, capsys):
+    """`bench --model NAME`: every strategy named, the hand-written vmap (checked against them), the references."""
+    code = main(["bench", "--model", name, "--batch-sizes", "2", "--strategies", "hooks,torch_func",
+                 "--min-run-time", "0.02", "--no-progress"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert f"per-sample gradients (B, P) of {name}" in out
+    rows = {cells[3]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines()
+                                         if line.startswith("grads"))}
+    assert {"hooks", "torch_func", "auto", "hand vmap", "forward+backward", "memory floor"} <= set(rows)
+    assert "auto = hooks" in rows["auto"][-1]
+    assert max(float(rows[m][10]) for m in ("hooks", "torch_func", "auto", "hand vmap")) < 1e-4
+
+
+def test_interleaved_rows_report_spread_and_noise():
+    model, loss, x, y = bench.setting(4, 8)
+    records = bench.compare(model, loss, x, y, strategies=["hooks"], min_run_time=0.02, rounds=3)
+    assert [r.strategy for r in records] == ["hooks", "forward+backward", "memory floor"]
+    assert all(r.median_s > 0 and r.iqr_s >= 0 for r in records)
+    assert all(("NOISY" in r.note) == (r.iqr_s / r.median_s > 0.25) for r in records)
