@@ -21,7 +21,12 @@ def linear(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tenso
     a = activation.reshape(batch, -1, activation.shape[-1])  # (B, T, in)
     g = grad_output.reshape(n, batch, -1, grad_output.shape[-1])  # (N, B, T, out)
     if "weight" in out:
-        out["weight"].copy_(torch.matmul(g.transpose(-1, -2), a))  # (N, B, out, in)
+        weight = out["weight"]  # (N, B, out, in)
+        if weight[0, 0].is_contiguous():  # straight into the result, no temporary of its size
+            for r in range(n):
+                torch.bmm(g[r].mT, a, out=weight[r])
+        else:
+            weight.copy_(torch.matmul(g.transpose(-1, -2), a))
     if "bias" in out:
         torch.sum(g, dim=2, out=out["bias"])
 
