@@ -332,12 +332,14 @@ def _user_hooks(module: nn.Module) -> int:
 
 
 def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> str:
-    direct = all("." not in ln for ln in local) and not _user_hooks(module)
-    if direct and rule_for(module) is not None and all(
+    if _user_hooks(module):  # a hook may change what the layer sees or gives: only the layer itself knows
+        return "fallback"
+    own = all("." not in ln for ln in local)  # the module's own parameters (a call rule may also cover children's)
+    if own and rule_for(module) is not None and all(
             len(s.in_dims) >= 1 and s.in_dims[0] == 0 and all(d is SHARED for d in s.in_dims[1:])
             and s.out_dims == (0,) for s in specs):
         return "rule"
-    if direct and call_rule_for(module) is not None and getattr(module, "proj_size", 0) == 0:
+    if call_rule_for(module) is not None:
         batch_dim = 0 if getattr(module, "batch_first", False) else 1  # (B, T, in) or (T, B, in)
         if all(s.in_dims[:1] == (batch_dim,) and s.out_dims[:1] == (batch_dim,) and len(s.in_rest[0]) == 2
                for s in specs):

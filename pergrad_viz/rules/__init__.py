@@ -96,10 +96,13 @@ def register(*module_types: type[nn.Module]) -> Callable[[Rule], Rule]:
     return deco
 
 
-def register_call(*module_types: type[nn.Module]) -> Callable[[CallRule], CallRule]:
-    """Decorator: use the decorated call rule (several inputs / outputs) for these module types."""
+def register_call(*module_types: type[nn.Module], supports: Callable[[nn.Module], bool] | None = None
+                  ) -> Callable[[CallRule], CallRule]:
+    """Decorator: use the decorated call rule (several inputs / outputs) for these module types; ``supports(module)``
+    says whether it covers that layer's configuration (else the layer goes through the per-layer fallback)."""
 
     def deco(rule: CallRule) -> CallRule:
+        rule.supports = supports or (lambda module: True)
         for t in module_types:
             _CALL_RULES[t] = rule
         return rule
@@ -137,8 +140,10 @@ def rule_for(module: nn.Module) -> Rule | None:
 
 
 def call_rule_for(module: nn.Module) -> CallRule | None:
-    """The call rule (several inputs / outputs) for ``module``, or None."""
-    return _lookup(_CALL_RULES, module)
+    """The call rule (several inputs / outputs) for ``module``, or None (also where it does not support the
+    layer's configuration)."""
+    rule = _lookup(_CALL_RULES, module)
+    return rule if rule is not None and rule.supports(module) else None
 
 
 def supported_types() -> tuple[str, ...]:

@@ -37,7 +37,7 @@ class _Pass:
     saved: list  # per step: gate values the backward needs (LSTM, GRU)
 
 
-@register_call(nn.RNN, nn.LSTM, nn.GRU)
+@register_call(nn.RNN, nn.LSTM, nn.GRU, supports=lambda m: m.proj_size == 0 if isinstance(m, nn.LSTM) else True)
 def recurrent(module: nn.Module, inputs: tuple, grad_outputs: list, out: dict[str, torch.Tensor]) -> None:
     """inputs ``(x,)`` or ``(x, hx)``: x (B, T, in) or (T, B, in), hx (L * D, B, H) (LSTM: a pair (h0, c0));
     grad_outputs ``[output (N, *x.shape[:2], D * H), h_n (N, L * D, B, H)]`` and, for LSTM, c_n alike."""
