@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_mod
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -325,8 +326,6 @@ def _assign(target: Target, probe: _Probe) -> tuple[dict[str, dict[str, str]], s
 
 def _user_hooks(module: nn.Module) -> int:
     """Forward (pre-)hooks that may change what a layer sees or gives: a closed-form rule would not know them."""
-    from torch.nn.modules import module as module_mod
-
     return (len(module._forward_hooks) + len(module._forward_pre_hooks)
             + len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks))
 

@@ -151,4 +151,4 @@ def supported_types() -> tuple[str, ...]:
     return tuple(sorted({t.__name__ for t in (*_RULES, *_CALL_RULES)}))
 
 
-from . import activations, conv, embedding, linear, normalization, recurrent  # noqa: E402,F401  (registers the rules)
+from . import activations, attention, conv, embedding, linear, normalization, recurrent  # noqa: E402,F401  (registers the rules)

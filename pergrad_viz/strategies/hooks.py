@@ -288,10 +288,15 @@ def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
             for g, o in zip(grads, call.outputs, strict=True)]
     if layer.kind == "call":
         args, kwargs = call.inputs
-        if kwargs:  # e.g. lstm(x, hx=h): the rule takes the arguments in the order of forward's signature
-            args = tuple(inspect.signature(layer.module.forward).bind(*args, **kwargs).arguments.values())
-        call_rule_for(layer.module)(layer.module, args, full, out)
-        return
+        if kwargs:  # e.g. lstm(x, hx=h): the rule takes every argument in the order of forward's signature
+            bound = inspect.signature(layer.module.forward).bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
+        try:
+            call_rule_for(layer.module)(layer.module, args, full, out)
+            return
+        except NotImplementedError:  # a configuration the closed form does not cover: this layer's fallback
+            pass
     per_sample_vjp(layer.module, call.inputs, call.spec.in_dims, full, call.spec.out_dims, out)
 
 
