@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: setup lab test unit lint bench browser clean
+.PHONY: setup lab test unit lint bench browser clean data
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ lab: setup
 	$(PY) -m jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## Everything: lint, unit tests, notebooks through nbval, browser tests
-test: setup browser lint
+test: setup browser data lint
 	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:randomly
 
@@ -43,12 +43,22 @@ bench: setup
 		--out-buffer --peers all --norms
 	$(PY) -m pergrad_viz bench --quantity grads --batch-sizes 256 --hidden 20 --strategies torch_func,auto \
 		--chunk-sizes 32,64
+	for m in mlp resnet18 mobilenet transformer lstm; do \
+		$(PY) -m pergrad_viz bench --model $$m --strategies all --peers all --norms || exit 1; done
+	$(PY) -m pergrad_viz bench --targets
 
 ## Debian's Chromium for the browser tests (never `playwright install`: it downloads)
 browser:
 	@test -x $(CHROMIUM) || { echo "installing Debian's chromium for the browser tests"; \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
 		|| echo "could not install chromium: the browser tests will skip (and fail under CI=true)"; }
+
+## Debian's full Fashion-MNIST (60,000 + 10,000 images) for whole-dataset scans; without it, the bundled sample
+FASHION_MNIST ?= /usr/share/datasets/fashion-mnist
+data:
+	@test -f $(FASHION_MNIST)/train-images-idx3-ubyte.gz || { echo "installing Debian's dataset-fashion-mnist"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist) \
+		|| echo "could not install dataset-fashion-mnist: scans will use the bundled 1,000-image sample"; }
 
 clean:
 	rm -rf $(VENV) test-artifacts bench-out

@@ -13,6 +13,7 @@ from .clipping import clip_per_sample, dp_sgd_gradient
 from .errors import MemoryBudgetError, UnsupportedModelError
 from .norms import per_sample_grad_norms
 from .ntk import empirical_ntk
+from .scan import load_scan, scan
 from .strategies import STRATEGIES
 
 __all__ = [
@@ -22,10 +23,12 @@ __all__ = [
     "clip_per_sample",
     "dp_sgd_gradient",
     "empirical_ntk",
+    "load_scan",
     "per_sample_grad_norms",
     "per_sample_grads",
     "per_sample_jacobian",
     "resolve_strategy",
+    "scan",
 ]
 
 

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time strategies (and peers) on MLP(784, hidden, 10) with sample images")
     b.add_argument("--model", choices=bench_models.MODELS, default=None,
                    help="a real architecture (per-sample gradients, B=32 by default) instead of the MLP sweep")
+    b.add_argument("--targets", action="store_true",
+                   help="measure the project's performance targets (several tables, then one line per target)")
     b.add_argument("--quantity", choices=bench.QUANTITIES, default="grads")
     b.add_argument("--batch-sizes", type=_ints, default=[2, 32, 128], metavar="B1,B2,...")
     b.add_argument("--hidden", type=_ints, default=[20], metavar="H1,H2,...", help="hidden widths")
@@ -67,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--csv", metavar="FILE", help="also write the records as CSV")
     b.add_argument("--plot", metavar="FILE.png", help="also save a log-log runtime plot")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from . import cli_scan  # scan, scan-bench
+
+    cli_scan.add_subcommands(sub)
     return parser
 
 
@@ -81,6 +86,11 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"error: peer(s) not installed: {', '.join(missing)} (pip install opacus backpack-for-pytorch)",
               file=sys.stderr)
         return 2
+    if args.targets:
+        from . import bench_targets
+
+        print(bench_targets.report(min_run_time=args.min_run_time, progress=not args.no_progress))
+        return 0
     if args.model is not None:
         return _run_model_bench(args)
     records = bench.sweep(args.quantity, args.batch_sizes, args.hidden, strategies=args.strategies,
@@ -129,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.batch_sizes_given = any(a.startswith("--batch-sizes") for a in argv)
+    if getattr(args, "run", None) is not None:  # scan, scan-bench (pergrad_viz.cli_scan)
+        return args.run(args)
     return run_bench(args) if args.command == "bench" else 2
 
 

@@ -1,0 +1,133 @@
+"""The project's performance targets, measured: ``python -m pergrad_viz bench --targets``.
+
+Each target is a ratio of two rows of one side-by-side table (both timed in the same interleaved rounds), so
+machine load moves both alike. The report prints every table it used, then one line per target: the ratio
+measured, the goal, and whether it was met.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import bench, bench_models
+from .api import per_sample_grads
+from .bench import FORWARD_BACKWARD, MEMORY_FLOOR, Record
+
+FRESH_FLOOR = "fresh floor"  # allocating a result-sized tensor and writing it once (page faults included)
+
+
+@dataclass
+class Goal:
+    """A ratio of rows of one table (``ratio(rows)``, None if a row is missing) compared with ``goal``."""
+
+    setting: str
+    what: str
+    ratio: Callable[[dict[str, Record]], float | None]
+    goal: float
+    at_least: bool  # True: ratio >= goal; False: ratio <= goal
+
+
+def _t(rows: dict[str, Record], label: str) -> float | None:
+    r = rows.get(label)
+    return None if r is None else r.median_s
+
+
+def _over(numerator: str, *denominator: str) -> Callable[[dict[str, Record]], float | None]:
+    """median(numerator) / sum of median(denominator rows)."""
+
+    def ratio(rows: dict[str, Record]) -> float | None:
+        times = [_t(rows, numerator), *(_t(rows, d) for d in denominator)]
+        return None if any(t is None for t in times) else times[0] / sum(times[1:])
+
+    return ratio
+
+
+def _fresh_result_over_out(rows: dict[str, Record]) -> float | None:
+    """(auto with a fresh result - the fresh allocation's page faults) / auto writing into out=."""
+    fresh, out, fresh_floor, floor = (_t(rows, k) for k in ("auto fresh", "auto", FRESH_FLOOR, MEMORY_FLOOR))
+    if None in (fresh, out, fresh_floor, floor):
+        return None
+    return (fresh - max(0.0, fresh_floor - floor)) / out
+
+
+def _fresh_floor(nbytes: int, dtype: torch.dtype) -> tuple[str, Callable[[], object], str]:
+    n = nbytes // dtype.itemsize
+    return FRESH_FLOOR, lambda: torch.empty(n, dtype=dtype).fill_(0.5), "torch.empty + fill each call"
+
+
+def _settings(min_run_time: float, progress: bool) -> dict[str, list[Record]]:
+    """The tables the goals are read from: {setting: records}."""
+    tables: dict[str, list[Record]] = {}
+    kw = {"min_run_time": min_run_time}
+
+    def mlp(hidden: int, batch: int):
+        return bench.setting(batch, hidden)
+
+    model, loss, x, y = mlp(20, 64)
+    tables["MLP(784, 20, 10) grads B=64"] = bench.compare(model, loss, x, y, strategies=["loop", "auto"], **kw)
+    model, loss, x, y = mlp(20, 2)
+    tables["MLP(784, 20, 10) jacobian B=2"] = bench.compare(model, loss, x, y, quantity="jacobian",
+                                                          strategies=["loop", "auto"], **kw)
+    model, loss, x, y = mlp(512, 64)
+    tables["MLP(784, 512, 10) norms B=64"] = bench.compare(model, loss, x, y, strategies=["auto"], norms=True, **kw)
+    for name in ("transformer", "resnet18", "lstm"):
+        model, loss, x, y = bench_models.problem(name, 32)
+        hand = ("hand vmap", lambda m=model, f=loss, a=x, b=y: bench_models.hand_written_vmap(m, f, a, b), "")
+        strategies = ["loop", "torch_func", "auto"]
+        records = bench.compare(model, loss, x, y, strategies=strategies, flat=True, norms=True,
+                                extras=[hand], slow_limit=10**9, **kw)
+        tables[f"{name} grads B=32"] = records
+    model, loss, x, y = bench_models.problem("resnet18", 32)
+    nbytes = next(r.result_bytes for r in tables["resnet18 grads B=32"] if r.strategy == MEMORY_FLOOR)
+    fresh = ("auto fresh", lambda: per_sample_grads(model, loss, x, y, flat=True), "flat, without out=")
+    tables["resnet18 grads B=32 out="] = bench.compare(
+        model, loss, x, y, strategies=["auto"], out_buffer=True, extras=[fresh, _fresh_floor(nbytes, torch.float32)],
+        **kw)
+    return tables
+
+
+GOALS = [
+    Goal("MLP(784, 20, 10) grads B=64", "loop / auto", _over("loop", "auto"), 40, True),
+    Goal("MLP(784, 20, 10) grads B=64", "auto / forward+backward", _over("auto", FORWARD_BACKWARD), 1.3, False),
+    Goal("MLP(784, 20, 10) jacobian B=2", "loop / auto", _over("loop", "auto"), 10, True),
+    Goal("MLP(784, 512, 10) norms B=64", "grad norms / forward+backward", _over("grad norms", FORWARD_BACKWARD),
+         1.1, False),
+    Goal("transformer grads B=32", "grad norms / forward+backward", _over("grad norms", FORWARD_BACKWARD), 1.1,
+         False),
+    Goal("resnet18 grads B=32", "grad norms / forward+backward", _over("grad norms", FORWARD_BACKWARD), 1.1, False),
+    Goal("transformer grads B=32", "torch_func / auto", _over("torch_func", "auto"), 2, True),
+    Goal("lstm grads B=32", "loop / auto", _over("loop", "auto"), 3, True),
+    Goal("resnet18 grads B=32", "loop / auto", _over("loop", "auto"), 1.5, True),
+    Goal("resnet18 grads B=32", "hand vmap / auto", _over("hand vmap", "auto"), 1.2, True),
+    Goal("resnet18 grads B=32", "torch_func / hand vmap", _over("torch_func", "hand vmap"), 1.1, False),
+    Goal("resnet18 grads B=32 out=", "auto (out=) / (forward+backward + memory floor)",
+         _over("auto", FORWARD_BACKWARD, MEMORY_FLOOR), 2, False),
+    Goal("resnet18 grads B=32 out=", "(auto fresh - page faults) / auto (out=)", _fresh_result_over_out, 1.3, False),
+]
+
+
+def report(min_run_time: float = 0.5, progress: bool = True) -> str:
+    """Measure every goal's table and return the tables and the goal lines as text."""
+    start = time.perf_counter()
+    tables = _settings(min_run_time, progress)
+    lines = []
+    for setting, records in tables.items():
+        lines += [f"## {setting}", bench.format_table(records), ""]
+    rows_of = {s: {r.strategy: r for r in records} for s, records in tables.items()}
+    header = f"{'setting':30s} {'ratio (same table, same rounds)':50s} {'measured':>9s} {'goal':>8s}  met"
+    lines += ["## targets", header, "-" * len(header)]
+    for goal in GOALS:
+        ratio = goal.ratio(rows_of[goal.setting])
+        sign = ">=" if goal.at_least else "<="
+        if ratio is None:
+            lines.append(f"{goal.setting:30s} {goal.what:50s} {'-':>9s} {sign}{goal.goal:>6.3g}x  not measured")
+            continue
+        met = ratio >= goal.goal if goal.at_least else ratio <= goal.goal
+        lines.append(f"{goal.setting:30s} {goal.what:50s} {ratio:>8.3g}x {sign}{goal.goal:>6.3g}x  "
+                     f"{'yes' if met else 'NO'}")
+    lines.append(f"# measured in {time.perf_counter() - start:.0f} s, {torch.get_num_threads()} threads")
+    return "\n".join(lines)

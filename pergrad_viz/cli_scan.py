@@ -1,0 +1,186 @@
+"""``python -m pergrad_viz scan ...`` and ``scan-bench ...``: whole-dataset scans from the command line.
+
+One process::
+
+    python -m pergrad_viz scan --data fashion-mnist --model cnn --checkpoint cnn.pt \\
+        --quantities loss,grad_norm,el2n,projection --proj-dim 256 --out scans/train
+
+Several processes (one machine; gloo on CPU, NCCL with --device cuda): the same arguments under torchrun::
+
+    torchrun --nproc_per_node 2 -m pergrad_viz scan --data fashion-mnist --model cnn --out scans/train
+
+Several machines: start the same command on every node with torchrun's rendezvous, e.g.
+``torchrun --nnodes 2 --nproc_per_node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id scan1 -m
+pergrad_viz scan ... --out DIR`` where DIR is on a file system every node shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from .scan import QUANTITIES
+
+MODELS = ("mlp", "cnn")
+DATA = ("fashion-mnist", "fashion-mnist-sample")
+DEFAULT_QUANTITIES = "loss,grad_norm,layer_norms,el2n"
+
+
+def _quantities(text: str) -> list[str]:
+    names = [q.strip() for q in text.split(",") if q.strip()]
+    bad = [q for q in names if q not in QUANTITIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown quantities {', '.join(bad) or '(none)'}; valid: {', '.join(QUANTITIES)}")
+    return names
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", choices=DATA, default="fashion-mnist",
+                   help="fashion-mnist: the full dataset from Debian's dataset-fashion-mnist (`make data`), else the "
+                        "bundled sample with a note; fashion-mnist-sample: always the bundled 1,000 + 1,000 images")
+    p.add_argument("--split", choices=("train", "test"), default="train")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="scan the first N examples only")
+    p.add_argument("--model", choices=MODELS, default="cnn", help="mlp: MLP(784, --hidden, 10); cnn: SmallCNN")
+    p.add_argument("--hidden", type=int, default=20, help="hidden width of --model mlp")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per process (default: unchanged)")
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Register ``scan`` and ``scan-bench`` on the ``python -m pergrad_viz`` parser."""
+    s = sub.add_parser("scan", help="per-example losses, gradient norms, EL2N, gradient sketches of a dataset to DIR",
+                       description="Scan a dataset: per-example losses, gradient norms (total and per layer), "
+                                   "EL2N scores and gradient sketches, written to DIR in dataset order (resumable).",
+                       epilog=__doc__.split("\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(s)
+    s.add_argument("--checkpoint", metavar="FILE", help="a state_dict saved with torch.save (default: a seeded, "
+                                                         "untrained model)")
+    s.add_argument("--model-seed", type=int, default=0, help="torch.manual_seed for the model without --checkpoint")
+    s.add_argument("--quantities", type=_quantities, default=_quantities(DEFAULT_QUANTITIES), metavar="Q1,Q2,...",
+                   help=f"some of {', '.join(QUANTITIES)} (default: {DEFAULT_QUANTITIES})")
+    s.add_argument("--proj-dim", type=int, default=None, metavar="K", help="width of the gradient sketch (adds "
+                                                                           "'projection')")
+    s.add_argument("--seed", type=int, default=0, help="seed of the projection")
+    s.add_argument("--chunk-size", type=int, default=None, help="examples per resumable chunk (multiple of "
+                                                                "--batch-size; default 16 batches)")
+    s.add_argument("--out", required=True, metavar="DIR", help="the scan's directory (created, or continued)")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available); under torchrun each "
+                                                  "process takes cuda:LOCAL_RANK")
+    s.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per process")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(run=run_scan)
+
+    b = sub.add_parser("scan-bench", help="scan throughput (examples/s) next to a plain forward+backward, 1 vs N "
+                                          "processes")
+    _common(b)
+    b.set_defaults(limit=4096, threads=1)
+    b.add_argument("--proj-dim", type=int, default=256, metavar="K")
+    b.add_argument("--processes", type=_ints, default=[1, 2], metavar="W1,W2,...",
+                   help="also scan with these numbers of processes under torchrun (1 = in this process)")
+    b.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
+    b.add_argument("--full-data", action="store_true",
+                   help="also time one whole-dataset scan (all quantities, proj 256) with the largest --processes")
+    b.set_defaults(run=run_scan_bench)
+
+
+def load_model(name: str, checkpoint: str | None, hidden: int = 20, seed: int = 0) -> torch.nn.Module:
+    """MLP(784, hidden, 10) or SmallCNN, from a checkpoint (a state_dict, or a dict holding one under
+    'state_dict' / 'model') or seeded; in eval mode."""
+    from .models import MLP, SmallCNN
+
+    torch.manual_seed(seed)
+    model = MLP(784, hidden, 10) if name == "mlp" else SmallCNN()
+    if checkpoint:
+        try:
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise SystemExit(f"error: --checkpoint {checkpoint} does not exist") from None
+        if isinstance(state, dict) and ("state_dict" in state or "model" in state):
+            state = state.get("state_dict", state.get("model"))
+        try:
+            model.load_state_dict(state)
+        except (RuntimeError, TypeError) as exc:
+            raise SystemExit(f"error: {checkpoint} does not fit --model {name}: {exc}") from None
+    return model.eval()
+
+
+def _distributed(device: str) -> tuple[int, int, str]:
+    """Join the torchrun group when there is one (gloo on CPU, NCCL on CUDA); returns (rank, world, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    dist = torch.distributed
+    if device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device(device))
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def run_scan(args: argparse.Namespace) -> int:
+    from . import datasets
+    from .scan import scan
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, device = _distributed(device)
+    try:
+        model = load_model(args.model, args.checkpoint, args.hidden, args.model_seed).to(device)
+        if rank == 0 and not args.checkpoint:
+            print(f"note: no --checkpoint: scanning an untrained {args.model} (torch.manual_seed({args.model_seed}))",
+                  file=sys.stderr)
+        source = datasets.DEBIAN_SOURCE if args.data == "fashion-mnist" else None
+        dataset = datasets.fashion_mnist(args.split, limit=args.limit, source=source, quiet=rank != 0)
+        try:
+            result = scan(model, torch.nn.CrossEntropyLoss(), dataset, quantities=args.quantities,
+                          batch_size=args.batch_size, proj_dim=args.proj_dim, out=args.out, seed=args.seed,
+                          chunk_size=args.chunk_size, num_workers=args.num_workers, progress=not args.no_progress)
+        except (ValueError, TypeError, OSError) as exc:  # refusals (their messages name the fix)
+            if rank == 0:
+                print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if rank == 0:
+            run = result.manifest["runs"][-1]
+            shapes = ", ".join(f"{q} {tuple(t.shape)}" for q, t in result.items())
+            print(f"scanned {run['examples']} of {len(dataset)} examples ({args.data} {args.split}) with {world} "
+                  f"process(es) on {device} in {run['seconds']:.2f} s ({run['examples_per_s'] or 0:,.0f} examples/s); "
+                  f"{args.out}: {shapes}")
+    finally:
+        if world > 1:
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+def run_scan_bench(args: argparse.Namespace) -> int:
+    from . import scan_bench
+
+    records = scan_bench.throughput(model=args.model, hidden=args.hidden, n=args.limit, split=args.split,
+                                    data=args.data, batch_size=args.batch_size, proj_dim=args.proj_dim,
+                                    processes=args.processes, rounds=args.rounds, threads=args.threads)
+    print(scan_bench.header(args))
+    print(scan_bench.format_table(records))
+    if args.full_data:
+        full = scan_bench.full_data_timing(model=args.model, hidden=args.hidden, data=args.data, split=args.split,
+                                           batch_size=args.batch_size, proj_dim=args.proj_dim,
+                                           processes=max(args.processes), threads=args.threads)
+        print(full)
+    return 0

@@ -1,0 +1,190 @@
+"""A scan's directory: a JSON manifest, one ``.npy`` file per quantity, one marker file per finished chunk.
+
+Layout of ``DIR``::
+
+    DIR/manifest.json          what was scanned and how (see :func:`new_manifest`), which chunks are done
+    DIR/<quantity>.npy         (N, ...) rows in dataset order, NaN until written (numpy .npy, memory-mappable)
+    DIR/chunks/<c>.done        written by the process that finished chunk c, after its rows were flushed
+
+Chunk c covers the examples ``[c * chunk_size, min((c + 1) * chunk_size, N))``. The markers are the truth
+while a scan runs (any process may finish any chunk); rank 0 copies them into the manifest's
+``chunks.done``. Writes of the manifest go through a temporary file and ``os.replace``, so a killed
+process never leaves half a manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+FORMAT = "pergrad_viz.scan/1"
+MANIFEST = "manifest.json"
+CHUNKS = "chunks"
+
+# The fields of a manifest that must match for a rerun to continue a scan (everything that changes results).
+MUST_MATCH = ("fingerprint", "settings", "arrays")
+
+
+class ScanMismatchError(ValueError):
+    """A scan directory holds a different scan (model, dataset or settings) than the one asked for."""
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor's values (any dtype, any shape, any device)."""
+    t = t.detach().cpu().contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def model_fingerprint(model: nn.Module) -> dict:
+    """{"class", "sha256"} of the model's class, trainable flags and every parameter and buffer value."""
+    h = hashlib.sha256(f"{type(model).__module__}.{type(model).__qualname__}".encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{p.requires_grad}".encode())
+    for name, t in model.state_dict().items():
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(_tensor_bytes(t))
+    return {"class": type(model).__qualname__, "sha256": h.hexdigest()}
+
+
+def _item_bytes(value: object) -> bytes:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)}:{value.dtype}:".encode() + _tensor_bytes(value)
+    if isinstance(value, np.ndarray):
+        return f"{value.shape}:{value.dtype}:".encode() + np.ascontiguousarray(value).tobytes()
+    if isinstance(value, (tuple, list)):
+        return b"(" + b",".join(_item_bytes(v) for v in value) + b")"
+    return repr(value).encode()
+
+
+def dataset_fingerprint(dataset: object, n: int, samples: int = 16) -> dict:
+    """{"class", "length", "sha256"}: the dataset's type, length and ``samples`` evenly spaced items (the
+    first and the last among them). A sampled fingerprint: it catches another dataset, another split,
+    another order or transform, not an edit of one item between the sampled ones."""
+    h = hashlib.sha256(f"{type(dataset).__qualname__}:{n}".encode())
+    for i in sorted({round(k * (n - 1) / max(samples - 1, 1)) for k in range(samples)}):
+        h.update(f"{i}:".encode() + _item_bytes(dataset[i]))
+    return {"class": type(dataset).__qualname__, "length": n, "sha256": h.hexdigest()}
+
+
+def loss_description(loss_fn: object) -> str:
+    """A stable text for the loss: its type and its plain settings (``reduction``, ``label_smoothing``, ...)."""
+    if isinstance(loss_fn, nn.Module):
+        plain = {k: v for k, v in sorted(vars(loss_fn).items())
+                 if not k.startswith("_") and k != "training" and isinstance(v, (int, float, str, bool, type(None)))}
+        tensors = {k: hashlib.sha256(_item_bytes(v)).hexdigest()[:12] for k, v in sorted(loss_fn._buffers.items())
+                   if v is not None}
+        return f"{type(loss_fn).__qualname__}({plain}, {tensors})"
+    return f"{getattr(loss_fn, '__module__', '?')}.{getattr(loss_fn, '__qualname__', type(loss_fn).__qualname__)}"
+
+
+def chunk_count(n: int, chunk_size: int) -> int:
+    return math.ceil(n / chunk_size)
+
+
+def manifest_path(out: Path) -> Path:
+    return out / MANIFEST
+
+
+def read_manifest(out: Path) -> dict:
+    """The manifest of the scan in ``out``; clear errors for a missing or foreign directory."""
+    path = manifest_path(out)
+    if not out.exists():
+        raise FileNotFoundError(f"no scan at {out}: the directory does not exist. Run pv.scan(..., out={str(out)!r}) "
+                                "(or `python -m pergrad_viz scan --out ...`) first")
+    if not path.is_file():
+        raise FileNotFoundError(f"{out} is not a pergrad_viz scan: it has no {MANIFEST}. Pass the directory a scan "
+                                "wrote (pv.scan(..., out=DIR))")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} cannot be read as JSON ({exc}); it is damaged: delete {out} and scan again") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(f"{path} is not a pergrad_viz scan manifest (format {found!r}, expected {FORMAT!r}); "
+                         "pass a directory written by pv.scan, or delete it and scan again")
+    return manifest
+
+
+def write_manifest(out: Path, manifest: Mapping) -> None:
+    """Atomically replace ``out/manifest.json``."""
+    path = manifest_path(out)
+    tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def differences(old: Mapping, new: Mapping) -> list[str]:
+    """Human-readable differences between two manifests in the fields that must match."""
+    diffs = []
+
+    def walk(a: object, b: object, where: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b), key=str):
+                walk(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
+        elif a != b:
+            diffs.append(f"{where}: {a!r} in the directory, {b!r} now")
+
+    for field in MUST_MATCH:
+        walk(old.get(field), new.get(field), field)
+    return diffs
+
+
+def check_same_scan(out: Path, old: Mapping, new: Mapping) -> None:
+    """Refuse to continue a scan with a different model, dataset or settings."""
+    diffs = differences(old, new)
+    if diffs:
+        shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        raise ScanMismatchError(
+            f"{out} holds a different scan ({shown}). Results would be mixed, so nothing was done. To fix: pass a "
+            f"new out= directory, delete {out} to start over, or rerun with the model, dataset and settings it was "
+            "started with"
+        )
+
+
+def create_arrays(out: Path, arrays: Mapping[str, Mapping]) -> None:
+    """One NaN-filled ``.npy`` per quantity, shapes and dtypes from the manifest's ``arrays``."""
+    for spec in arrays.values():
+        mm = np.lib.format.open_memmap(out / spec["file"], mode="w+", dtype=np.dtype(spec["dtype"]),
+                                       shape=tuple(spec["shape"]))
+        mm[...] = np.nan
+        mm.flush()
+        del mm
+
+
+def open_arrays(out: Path, arrays: Mapping[str, Mapping], mode: str = "r+") -> dict[str, np.memmap]:
+    """The quantities' ``.npy`` files memory-mapped (checked against the manifest)."""
+    result = {}
+    for q, spec in arrays.items():
+        path = out / spec["file"]
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing from the scan in {out}: delete {out} and scan again")
+        mm = np.load(path, mmap_mode=mode)
+        if tuple(mm.shape) != tuple(spec["shape"]) or mm.dtype != np.dtype(spec["dtype"]):
+            raise ValueError(f"{path} holds {mm.dtype} {tuple(mm.shape)}, the manifest says {spec['dtype']} "
+                             f"{tuple(spec['shape'])}: the scan in {out} is damaged; delete it and scan again")
+        result[q] = mm
+    return result
+
+
+def done_chunks(out: Path) -> set[int]:
+    """Chunks whose marker file exists."""
+    folder = out / CHUNKS
+    if not folder.is_dir():
+        return set()
+    return {int(p.stem) for p in folder.glob("*.done") if p.stem.isdigit()}
+
+
+def mark_done(out: Path, chunk: int) -> None:
+    folder = out / CHUNKS
+    folder.mkdir(exist_ok=True)
+    tmp = folder / f".{chunk:07d}.{os.getpid()}.tmp"
+    tmp.write_bytes(b"")
+    os.replace(tmp, folder / f"{chunk:07d}.done")

@@ -1,0 +1,365 @@
+"""Whole-dataset scans (pergrad_viz.scan): values against independent references, sketches against an explicit
+dense projection, resuming, refusals, one process vs two under torchrun."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz import datasets
+from pergrad_viz.cli_scan import load_model
+from pergrad_viz.models import MLP, SmallCNN
+from pergrad_viz.scan_bench import format_table, throughput, torchrun_command
+from pergrad_viz.sketch import GradientSketch, allocate, layer_blocks
+from tests.helpers import flatten_ref, ref_grads
+
+scan_mod = importlib.import_module("pergrad_viz.scan")  # the module (pv.scan is the function)
+ALL = ("loss", "grad_norm", "layer_norms", "el2n")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _data(n: int = 48, seed: int = 0, flat: bool = False) -> torch.utils.data.TensorDataset:
+    x, y = pv.data.load_sample(n, flatten=flat)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _model(kind: type = SmallCNN, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return kind().eval()
+
+
+def _explicit_projection(sk: GradientSketch, names: list[str], shapes: dict[str, torch.Size]) -> torch.Tensor:
+    """The (P, K) matrix of the sketch, built here from its seeded factors with torch.kron (rows in
+    named_parameters() order): what the sketch must equal on materialised gradients."""
+    rows = {}
+    for bs, off, mats in zip(sk.blocks, sk.offsets, sk.matrices, strict=True):
+        if bs.kind == "kronecker":
+            r_out, r_in = mats
+            out, inp, bias = bs.block.linear
+            parts = [torch.kron(r_out, r_in[:inp])] + ([torch.kron(r_out, r_in[inp:inp + 1])] if bias else [])
+        elif bs.kind == "dense":
+            parts = [mats[0]]
+        else:
+            parts = [torch.eye(bs.block.size, dtype=sk.dtype)]
+        m = torch.cat(parts)
+        start = 0
+        for name in bs.block.params:
+            n = shapes[name].numel()
+            rows[name] = (off, bs.dim, m[start:start + n])
+            start += n
+    dense = torch.zeros(sum(s.numel() for s in shapes.values()), sk.proj_dim, dtype=sk.dtype)
+    offset = 0
+    for name in names:
+        off, dim, m = rows[name]
+        dense[offset:offset + m.shape[0], off:off + dim] = m
+        offset += m.shape[0]
+    return dense
+
+
+@pytest.mark.parametrize("kind", [MLP, SmallCNN])
+def test_scan_values_match_references(tmp_path, kind):
+    model, ds = _model(kind), _data(40)
+    x, y = ds.tensors
+    loss_fn = nn.CrossEntropyLoss()
+    res = pv.scan(model, loss_fn, ds, quantities=ALL, proj_dim=24, batch_size=16, chunk_size=32, out=tmp_path / "s",
+                  progress=False)
+    assert list(res) == [*ALL, "projection"]
+    ref = ref_grads(model, loss_fn, x, y)  # the per-sample loop, written independently of pergrad_viz
+    flat = flatten_ref(ref, 1)
+    logits = model(x).detach()
+    torch.testing.assert_close(res["loss"], nn.functional.cross_entropy(logits, y, reduction="none"))
+    torch.testing.assert_close(res["grad_norm"], flat.norm(dim=1), rtol=1e-5, atol=1e-6)
+    modules = [b.module for b in layer_blocks(model)]
+    assert res.layers == modules
+    per_layer = torch.stack([torch.cat([ref[n].flatten(1) for n in ref if n.rpartition(".")[0] == m], 1).norm(dim=1)
+                             for m in modules], 1)
+    torch.testing.assert_close(res["layer_norms"], per_layer, rtol=1e-5, atol=1e-6)
+    el2n = (logits.softmax(1) - nn.functional.one_hot(y, 10)).norm(dim=1)
+    torch.testing.assert_close(res["el2n"], el2n)
+    sk = GradientSketch(model, 24, seed=0)
+    names = [n for n, p in model.named_parameters()]
+    dense = _explicit_projection(sk, names, {n: p.shape for n, p in model.named_parameters()})
+    torch.testing.assert_close(sk.dense_matrix(), dense)
+    torch.testing.assert_close(res["projection"], flat @ dense, rtol=1e-4, atol=1e-5)
+
+
+class _Tokens(nn.Module):
+    """Embedding -> Linear on (B, T, d) -> Linear without bias, a frozen bias, GroupNorm: every kind of block."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(12, 6)
+        self.mix = nn.Linear(6, 5)
+        self.norm = nn.GroupNorm(1, 5)
+        self.head = nn.Linear(5, 3, bias=False)
+        self.out = nn.Linear(3, 3)
+        self.out.bias.requires_grad_(False)
+
+    def forward(self, idx):
+        h = torch.tanh(self.mix(self.emb(idx)))  # (B, T, 5): the Linear sees T positions per sample
+        h = self.norm(h.mean(1))
+        return self.out(self.head(h))
+
+
+class _Tied(nn.Module):
+    """The output layer reuses the embedding's weight: the hooks pass cannot serve it (materialised instead)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.fc = nn.Linear(4, 7)
+        self.fc.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.fc(torch.relu(self.emb(idx).mean(1)))
+
+
+@pytest.mark.parametrize("kind", [_Tokens, _Tied])
+@pytest.mark.parametrize("proj_dim", [9, 30])
+def test_projection_equals_dense_projection_of_materialised_grads(tmp_path, kind, proj_dim):
+    torch.manual_seed(1)
+    model = kind()
+    vocab = model.emb.num_embeddings
+    idx, y = torch.randint(0, vocab, (20, 5)), torch.randint(0, 3, (20,))
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    res = pv.scan(model, loss_fn, torch.utils.data.TensorDataset(idx, y), quantities=("grad_norm",),
+                  proj_dim=proj_dim, seed=3, batch_size=8, out=tmp_path / "s", progress=False)
+    sk = GradientSketch(model, proj_dim, seed=3)
+    assert sum(b.dim for b in sk.blocks) == proj_dim
+    assert {b.kind for b in sk.blocks} >= ({"kronecker", "dense"} if kind is _Tokens else {"dense"})
+    flat = pv.per_sample_grads(model, loss_fn, idx, y, flat=True)  # (B, P)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+    torch.testing.assert_close(res["projection"], flat @ _explicit_projection(sk, names, shapes), rtol=1e-4,
+                               atol=1e-5)
+    torch.testing.assert_close(res["grad_norm"], flat.norm(dim=1), rtol=1e-5, atol=1e-6)
+
+
+def test_sketch_dot_products_estimate_gradient_dot_products():
+    model, (x, y) = _model(MLP), _data(64, flat=True).tensors
+    flat = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, flat=True)
+    true = flat @ flat.T
+    estimates = [GradientSketch(model, 2048, seed=s).project_grads(flat) for s in range(3)]
+    for s in estimates:
+        corr = torch.corrcoef(torch.stack([(s @ s.T).flatten(), true.flatten()]))[0, 1]
+        assert corr > 0.85, corr  # kronecker factors are coarser than one dense (P, K) matrix: 0.94 measured
+    mean = sum(s @ s.T for s in estimates) / len(estimates)  # unbiased: averaging seeds gets closer
+    assert (mean - true).norm() < min(((s @ s.T) - true).norm() for s in estimates)
+
+
+def test_allocation_is_exact_and_refuses_bad_sizes():
+    blocks = layer_blocks(SmallCNN())
+    for k in (4, 5, 17, 97, 128, 255, 256, 700):
+        sketches = allocate(blocks, k)
+        assert sum(b.dim for b in sketches) == k
+        assert all(b.dim == b.k_out * b.k_in for b in sketches if b.kind == "kronecker")
+    mlp = layer_blocks(MLP())
+    for k in (2, 3, 101, 127, 256):  # only kronecker blocks: the last one takes an exact factor pair
+        assert sum(b.dim for b in allocate(mlp, k)) == k
+    with pytest.raises(ValueError, match="proj_dim=1 must lie between"):
+        allocate(mlp, 1)
+    with pytest.raises(ValueError, match="P=15910"):
+        allocate(mlp, 20000)
+
+
+def test_interrupted_scan_resumes_to_the_same_result(tmp_path, monkeypatch):
+    model, ds = _model(), _data(72)
+    kw = {"quantities": ALL, "proj_dim": 16, "batch_size": 8, "chunk_size": 16, "progress": False}
+    want = pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "ref", **kw)
+    seen: list[int] = []
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_after_two(chunk: int) -> None:
+        seen.append(chunk)
+        if len(seen) == 2:
+            raise Interrupted("simulated interruption")
+
+    monkeypatch.setattr(scan_mod, "CHUNK_HOOK", stop_after_two)
+    monkeypatch.setattr(scan_mod, "SYNC_SECONDS", 0.0)  # mark every chunk as soon as it is finished
+    with pytest.raises(Interrupted):
+        pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "s", **kw)
+    with pytest.raises(ValueError, match="unfinished: 2 of 5 chunks done.*partial=True"):
+        pv.load_scan(tmp_path / "s")
+    part = pv.load_scan(tmp_path / "s", partial=True)
+    assert torch.isnan(part["loss"][32:]).all() and not torch.isnan(part["loss"][:32]).any()
+
+    seen.clear()
+    monkeypatch.setattr(scan_mod, "CHUNK_HOOK", seen.append)
+    got = pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "s", **kw)
+    assert seen == [2, 3, 4]  # only the missing chunks were computed
+    for q in want:
+        assert torch.equal(got[q], want[q]), q
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["chunks"]["done"] == [0, 1, 2, 3, 4]
+    assert [r["examples"] for r in manifest["runs"]] == [72 - 32]  # the interrupted run recorded no run
+
+
+def test_killed_mid_chunk_recomputes_that_chunk(tmp_path):
+    model, ds = _model(MLP), _data(40, flat=True)
+    kw = {"quantities": ("loss", "grad_norm"), "batch_size": 10, "chunk_size": 20, "progress": False}
+    want = pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "s", **kw)
+    want = {q: t.clone() for q, t in want.items()}
+    # What a kill leaves: rows of a chunk half written, no marker, the manifest not updated.
+    (tmp_path / "s" / "chunks" / "0000001.done").unlink()
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    manifest["chunks"]["done"], manifest["complete"] = [0], False
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps(manifest))
+    rows = np.load(tmp_path / "s" / "loss.npy", mmap_mode="r+")
+    rows[20:30] = -1.0
+    rows.flush()
+    del rows
+    got = pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "s", **kw)
+    for q in want:
+        assert torch.equal(got[q], want[q]), q
+
+
+def test_rerun_with_other_model_data_or_settings_is_refused(tmp_path):
+    model, ds = _model(MLP), _data(30, flat=True)
+    out = tmp_path / "s"
+    pv.scan(model, nn.CrossEntropyLoss(), ds, quantities=("loss",), batch_size=10, out=out, progress=False)
+    before = (out / "loss.npy").read_bytes()
+    pv.scan(model, nn.CrossEntropyLoss(), ds, quantities=("loss",), batch_size=10, out=out, progress=False)  # same
+    other = _model(MLP, seed=1)
+    cases = [
+        (other, ds, {"quantities": ("loss",)}, r"fingerprint\.model\.sha256"),
+        (model, _data(31, flat=True), {"quantities": ("loss",)}, r"fingerprint\.dataset"),
+        (model, ds, {"quantities": ("loss", "el2n")}, r"settings\.quantities"),
+        (model, ds, {"quantities": ("loss",), "chunk_size": 20}, r"settings\.chunk_size"),
+    ]
+    for m, d, kw, field in cases:
+        fix = "pass a new out= directory, delete"
+        with pytest.raises(scan_mod.ScanMismatchError, match=f"holds a different scan.*{field}.*{fix}"):
+            pv.scan(m, nn.CrossEntropyLoss(), d, batch_size=10, out=out, progress=False, **kw)
+    with pytest.raises(scan_mod.ScanMismatchError, match=r"settings\.loss"):
+        pv.scan(model, nn.CrossEntropyLoss(reduction="sum"), ds, quantities=("loss",), batch_size=10, out=out,
+                progress=False)
+    assert (out / "loss.npy").read_bytes() == before  # nothing was written
+
+
+def test_bad_inputs_get_clear_errors(tmp_path):
+    model, ds = _model(MLP), _data(8, flat=True)
+    loss_fn = nn.CrossEntropyLoss()
+    with pytest.raises(FileNotFoundError, match="no scan at .*does not exist.*Run pv.scan"):
+        pv.load_scan(tmp_path / "missing")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(FileNotFoundError, match="not a pergrad_viz scan.*no manifest.json"):
+        pv.load_scan(foreign)
+    with pytest.raises(FileExistsError, match="not empty.*Pass a new or empty directory"):
+        pv.scan(model, loss_fn, ds, out=foreign, progress=False)
+    (foreign / "manifest.json").write_text('{"format": "something else"}')
+    with pytest.raises(ValueError, match="not a pergrad_viz scan manifest"):
+        pv.load_scan(foreign)
+    (foreign / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="damaged: delete"):
+        pv.scan(model, loss_fn, ds, out=foreign, progress=False)
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        pv.scan(model, loss_fn, ds, out=foreign / "notes.txt", progress=False)
+    no_labels = torch.utils.data.TensorDataset(ds.tensors[0])
+    with pytest.raises(ValueError, match=r"not an \(input, label\) pair.*TensorDataset\(inputs, labels\)"):
+        pv.scan(model, loss_fn, no_labels, out=tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match="needs proj_dim"):
+        pv.scan(model, loss_fn, ds, quantities=("projection",), out=tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match="unknown quantities.*valid: loss"):
+        pv.scan(model, loss_fn, ds, quantities=("los",), out=tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match="multiple of batch_size"):
+        pv.scan(model, loss_fn, ds, batch_size=4, chunk_size=6, out=tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match="dataset is empty"):
+        pv.scan(model, loss_fn, torch.utils.data.TensorDataset(torch.zeros(0, 784), torch.zeros(0)),
+                out=tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        pv.scan(model, nn.CrossEntropyLoss(reduction="none"), ds, out=tmp_path / "a", progress=False)
+    regression = torch.utils.data.TensorDataset(ds.tensors[0], torch.randn(8, 10))
+    with pytest.raises(ValueError, match="drop 'el2n'"):
+        pv.scan(model, nn.MSELoss(), regression, quantities=("el2n",), out=tmp_path / "b", progress=False)
+    dropout = nn.Sequential(nn.Linear(784, 4), nn.Dropout(0.5), nn.Linear(4, 10))
+    with pytest.raises(pv.UnsupportedModelError, match="model.eval"):
+        pv.scan(dropout, loss_fn, ds, out=tmp_path / "c", progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # refused before writing
+
+
+def test_model_left_as_found_and_results_are_copy_on_write(tmp_path):
+    model, ds = _model(), _data(16)
+    model.train()  # GroupNorm only: training mode is fine
+    pv.scan(model, nn.CrossEntropyLoss(), ds, quantities=ALL, proj_dim=8, batch_size=8, out=tmp_path / "s",
+            progress=False)
+    assert model.training and all(p.grad is None for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    loaded = pv.load_scan(tmp_path / "s")
+    assert loaded.complete and loaded["projection"].shape == (16, 8)
+    loaded["loss"][:] = 0  # copy-on-write: the file is unchanged
+    assert (pv.load_scan(tmp_path / "s")["loss"] > 0).all()
+
+
+def test_fashion_mnist_dataset(tmp_path, capsys, monkeypatch):
+    ds = datasets.fashion_mnist("test", limit=10, source=tmp_path)  # no Debian files there: the bundled sample
+    err = capsys.readouterr().err
+    assert "bundled sample" in err and "make data" in err
+    x, y = ds[0]
+    want_x, want_y = pv.data.load_sample(10, train=False, flatten=False)
+    assert len(ds) == 10 and x.shape == (1, 28, 28) and torch.equal(ds.tensors[0], want_x)
+    assert torch.equal(ds.tensors[1], want_y)
+    if not (datasets.DEBIAN_SOURCE / "t10k-images-idx3-ubyte.gz").is_file():
+        pytest.skip("Debian's dataset-fashion-mnist is not installed (`make data`)")
+    monkeypatch.setenv("PERGRAD_VIZ_CACHE", str(tmp_path / "cache"))
+    full = datasets.fashion_mnist("test")
+    assert len(full) == 10000 and torch.equal(full.tensors[0][:10], want_x)
+
+
+def test_two_processes_under_torchrun_match_one(tmp_path):
+    args = ["--data", "fashion-mnist-sample", "--model", "mlp", "--limit", "90", "--batch-size", "15",
+            "--chunk-size", "15", "--quantities", "loss,grad_norm,layer_norms,el2n", "--proj-dim", "32",
+            "--threads", "1", "--device", "cpu", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(torchrun_command(2, [*args, "--out", str(tmp_path / "two")]), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "with 2 process(es)" in proc.stdout
+    two = pv.load_scan(tmp_path / "two")
+    assert two.manifest["runs"][-1]["world_size"] == 2
+    model = load_model("mlp", None)
+    ds = datasets.fashion_mnist("train", limit=90, source=None)
+    one = pv.scan(model, nn.CrossEntropyLoss(), ds, quantities=ALL, proj_dim=32, batch_size=15, chunk_size=15,
+                  out=tmp_path / "one", progress=False)
+    assert two.manifest["fingerprint"] == one.manifest["fingerprint"]
+    for q in one:
+        torch.testing.assert_close(two[q], one[q], rtol=0, atol=1e-6)
+
+
+def test_cli_scan_in_process_and_bench_table(tmp_path, capsys):
+    from pergrad_viz.__main__ import main
+
+    ckpt = tmp_path / "cnn.pt"
+    torch.save(_model(SmallCNN, seed=5).state_dict(), ckpt)
+    assert main(["scan", "--data", "fashion-mnist-sample", "--model", "cnn", "--checkpoint", str(ckpt), "--limit",
+                 "20", "--split", "test", "--batch-size", "10", "--quantities", "loss,el2n", "--out",
+                 str(tmp_path / "s"), "--no-progress", "--device", "cpu"]) == 0
+    assert "scanned 20 of 20 examples" in capsys.readouterr().out
+    assert main(["scan", "--data", "fashion-mnist-sample", "--model", "cnn", "--limit", "20", "--split", "test",
+                 "--batch-size", "10", "--quantities", "loss", "--out", str(tmp_path / "s"), "--no-progress",
+                 "--device", "cpu"]) == 2  # another model (seeded, no checkpoint) and quantities: refused
+    err = capsys.readouterr().err
+    assert "error:" in err and "holds a different scan" in err and "pass a new out= directory" in err
+    res = pv.load_scan(tmp_path / "s")
+    x, y = pv.data.load_sample(20, train=False, flatten=False)
+    logits = _model(SmallCNN, seed=5)(x).detach()
+    torch.testing.assert_close(res["loss"], nn.functional.cross_entropy(logits, y, reduction="none"))
+    records = throughput("mlp", n=64, batch_size=32, proj_dim=16, processes=(1,), rounds=1, data="fashion-mnist-sample")
+    table = format_table(records)
+    assert [r["method"] for r in records] == ["forward+backward", "scan: losses only", "scan: grad norms",
+                                              "scan: + projection"]
+    assert "examples/s" in table and "scan: + projection 16" in table
+    assert torchrun_command(2, ["--out", "d"])[:3] == [sys.executable, "-m", "torch.distributed.run"]
