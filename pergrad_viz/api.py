@@ -16,12 +16,12 @@ from .losses import LossFn, check_loss
 from .memory import check_budget, result_bytes, working_bytes
 from .probe import plan_for
 from .strategies import MODULES, STRATEGIES, hooks, torch_func
-from .target import Target, check_modes, guest, hooked_parameter
+from .trainable import Trainable, check_modes, hooked_parameter, restoring_modes
 
 Result = dict[str, torch.Tensor] | torch.Tensor
 
 
-def resolve_strategy(strategy: str, model: nn.Module | Target, inputs: torch.Tensor | None = None) -> str:
+def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: torch.Tensor | None = None) -> str:
     """The strategy a call on ``model`` with ``inputs`` (B, ...) will use.
 
     ``auto`` is ``hooks`` (closed-form layer rules, and the per-layer fallback for layers without one) unless a
@@ -36,10 +36,10 @@ def resolve_strategy(strategy: str, model: nn.Module | Target, inputs: torch.Ten
     """
     if strategy != "auto" and strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
-    target = model if isinstance(model, Target) else Target.of(model)
+    trainable = model if isinstance(model, Trainable) else Trainable.of(model)
     if inputs is not None:
-        check_modes(target)  # before the probe runs the model
-    hooked = hooked_parameter(target)
+        check_modes(trainable)  # before the probe runs the model
+    hooked = hooked_parameter(trainable)
     if hooked is not None:
         if strategy == "auto":
             return "loop"
@@ -51,15 +51,15 @@ def resolve_strategy(strategy: str, model: nn.Module | Target, inputs: torch.Ten
             )
     if strategy == "auto":
         try:
-            hooks.check_supported(target, inputs)
+            hooks.check_supported(trainable, inputs)
             return "hooks"
         except UnsupportedModelError:
             return "torch_func"
     if strategy == "hooks":
-        hooks.check_supported(target, inputs)
+        hooks.check_supported(trainable, inputs)
     elif MODULES[strategy].BATCHED_FORWARD and inputs is not None:
-        with guest(target):
-            interaction = plan_for(target, inputs).interaction
+        with restoring_modes(trainable):
+            interaction = plan_for(trainable, inputs).interaction
         if interaction is not None:
             raise UnsupportedModelError(
                 f"the {strategy} strategy runs the model once on the whole batch, but the samples interact: "
@@ -69,7 +69,7 @@ def resolve_strategy(strategy: str, model: nn.Module | Target, inputs: torch.Ten
     return strategy
 
 
-def _check_inputs(target: Target, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
+def _check_inputs(trainable: Trainable, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
     if not isinstance(inputs, torch.Tensor):
         raise TypeError(f"inputs must be a torch.Tensor of shape (B, ...), got {type(inputs).__name__}")
     if inputs.dim() == 0 or inputs.shape[0] == 0:
@@ -86,15 +86,15 @@ def _check_inputs(target: Target, inputs: torch.Tensor, targets: torch.Tensor | 
         if targets.device != inputs.device:
             raise ValueError(f"targets are on {targets.device} but inputs are on {inputs.device}; "
                              f"move them with targets.to({str(inputs.device)!r})")
-    if inputs.device != target.device:
+    if inputs.device != trainable.device:
         raise ValueError(
-            f"inputs are on {inputs.device} but the model's parameters are on {target.device}; "
-            f"move one of them, e.g. inputs.to({str(target.device)!r}) or model.to({str(inputs.device)!r})"
+            f"inputs are on {inputs.device} but the model's parameters are on {trainable.device}; "
+            f"move one of them, e.g. inputs.to({str(trainable.device)!r}) or model.to({str(inputs.device)!r})"
         )
-    if inputs.is_floating_point() and inputs.dtype != target.dtype:
+    if inputs.is_floating_point() and inputs.dtype != trainable.dtype:
         raise ValueError(
-            f"inputs are {inputs.dtype} but the model's parameters are {target.dtype}; "
-            f"cast one of them, e.g. inputs.to({target.dtype}) or model.to({inputs.dtype})"
+            f"inputs are {inputs.dtype} but the model's parameters are {trainable.dtype}; "
+            f"cast one of them, e.g. inputs.to({trainable.dtype}) or model.to({inputs.dtype})"
         )
 
 
@@ -106,7 +106,7 @@ def _check_chunk(chunk_size: int | None, batch: int) -> int:
     return min(chunk_size, batch)
 
 
-def _check_out(out: torch.Tensor, shape: tuple[int, ...], target: Target, flat: bool) -> None:
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], trainable: Trainable, flat: bool) -> None:
     if not flat:
         raise ValueError("out= is a flat buffer: pass flat=True with it (or drop out= to get a dict)")
     if not isinstance(out, torch.Tensor):
@@ -114,32 +114,32 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], target: Target, flat: 
     problems = []
     if tuple(out.shape) != shape:
         problems.append(f"shape {tuple(out.shape)} instead of {shape}")
-    if out.dtype != target.dtype:
-        problems.append(f"dtype {out.dtype} instead of {target.dtype}")
-    if out.device != target.device:
-        problems.append(f"device {out.device} instead of {target.device}")
+    if out.dtype != trainable.dtype:
+        problems.append(f"dtype {out.dtype} instead of {trainable.dtype}")
+    if out.device != trainable.device:
+        problems.append(f"device {out.device} instead of {trainable.device}")
     if problems:
         raise ValueError(
             "out= does not fit the result: " + "; ".join(problems) + ". Allocate it with "
-            f"torch.empty({shape}, dtype={target.dtype}, device={str(target.device)!r})"
+            f"torch.empty({shape}, dtype={trainable.dtype}, device={str(trainable.device)!r})"
         )
 
 
-def _run(target: Target, strategy: str, run_chunk: Callable, batch: int, chunk: int, outputs: int | None,
+def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, chunk: int, outputs: int | None,
          flat: bool, out: torch.Tensor | None) -> Result:
     lead = (batch,) if outputs is None else (batch, outputs)
-    kw = {"dtype": target.dtype, "device": target.device}
+    kw = {"dtype": trainable.dtype, "device": trainable.device}
     if flat:
-        result = torch.empty(*lead, target.num_params, **kw) if out is None else out
+        result = torch.empty(*lead, trainable.num_params, **kw) if out is None else out
         views, offset = {}, 0
-        for name, shape in target.shapes.items():
+        for name, shape in trainable.shapes.items():
             n = shape.numel()
             views[name] = result[..., offset:offset + n].view(*lead, *shape)
             offset += n
     else:
-        result = {name: torch.empty(*lead, *shape, **kw) for name, shape in target.shapes.items()}
+        result = {name: torch.empty(*lead, *shape, **kw) for name, shape in trainable.shapes.items()}
         views = result
-    with guest(target):
+    with restoring_modes(trainable):
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)
             rows = views if chunk == batch else {n: v[start:stop] for n, v in views.items()}
@@ -148,17 +148,17 @@ def _run(target: Target, strategy: str, run_chunk: Callable, batch: int, chunk: 
 
 
 def _prepare(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor | None, strategy: str,
-             chunk_size: int | None, loss_fn: object = None) -> tuple[Target, str, int, int]:
+             chunk_size: int | None, loss_fn: object = None) -> tuple[Trainable, str, int, int]:
     if loss_fn is not None:
         check_loss(loss_fn)
     if strategy != "auto" and strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
-    target = Target.of(model)
-    _check_inputs(target, inputs, targets)
+    trainable = Trainable.of(model)
+    _check_inputs(trainable, inputs, targets)
     chunk = _check_chunk(chunk_size, inputs.shape[0])
-    with guest(target):
-        resolved = resolve_strategy(strategy, target, inputs)
-    return target, resolved, inputs.shape[0], chunk
+    with restoring_modes(trainable):
+        resolved = resolve_strategy(strategy, trainable, inputs)
+    return trainable, resolved, inputs.shape[0], chunk
 
 
 def _run_auto(requested: str, resolved: str, run: Callable[[str], Result]) -> Result:
@@ -207,22 +207,23 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
             allocating a result over ``max_bytes``.
     """
     requested = strategy
-    target, strategy, batch, chunk = _prepare(model, inputs, targets, strategy, chunk_size, loss_fn)
+    trainable, strategy, batch, chunk = _prepare(model, inputs, targets, strategy, chunk_size, loss_fn)
     if out is not None:
-        _check_out(out, (batch, target.num_params), target, flat)
-    p = target.num_params
+        _check_out(out, (batch, trainable.num_params), trainable, flat)
+    p = trainable.num_params
     check_budget(what=f"per-sample gradients of {batch} samples x {p:,} parameters",
-                 result=result_bytes(batch, p, target.dtype),
-                 working=working_bytes(strategy, chunk, batch, p, target.dtype, largest_param=target.largest_param),
-                 max_bytes=max_bytes, allocate_result=out is None, device=target.device, batch=batch, chunk=chunk)
+                 result=result_bytes(batch, p, trainable.dtype),
+                 working=working_bytes(strategy, chunk, batch, p, trainable.dtype,
+                                       largest_param=trainable.largest_param),
+                 max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
 
     def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
         if rows.stop - rows.start == batch:
-            module.grads(target, loss_fn, inputs, targets, views)
+            module.grads(trainable, loss_fn, inputs, targets, views)
         else:
-            module.grads(target, loss_fn, inputs[rows], targets[rows], views)
+            module.grads(trainable, loss_fn, inputs[rows], targets[rows], views)
 
-    return _run_auto(requested, strategy, lambda s: _run(target, s, run_chunk, batch, chunk, None, flat, out))
+    return _run_auto(requested, strategy, lambda s: _run(trainable, s, run_chunk, batch, chunk, None, flat, out))
 
 
 def output_size(model: nn.Module, inputs: torch.Tensor) -> int:
@@ -243,18 +244,18 @@ def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str
         elements per sample (an output (B, *out) is flattened).
     """
     requested = strategy
-    target, strategy, batch, chunk = _prepare(model, inputs, None, strategy, chunk_size)
-    with guest(target):
+    trainable, strategy, batch, chunk = _prepare(model, inputs, None, strategy, chunk_size)
+    with restoring_modes(trainable):
         y_count = output_size(model, inputs)
-    p = target.num_params
+    p = trainable.num_params
     if out is not None:
-        _check_out(out, (batch, y_count, p), target, flat)
+        _check_out(out, (batch, y_count, p), trainable, flat)
     check_budget(what=f"per-sample Jacobians of {batch} samples x {y_count} outputs x {p:,} parameters",
-                 result=result_bytes(batch, p, target.dtype, y_count),
-                 working=working_bytes(strategy, chunk, batch, p, target.dtype, y_count, target.largest_param),
-                 max_bytes=max_bytes, allocate_result=out is None, device=target.device, batch=batch, chunk=chunk)
+                 result=result_bytes(batch, p, trainable.dtype, y_count),
+                 working=working_bytes(strategy, chunk, batch, p, trainable.dtype, y_count, trainable.largest_param),
+                 max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
 
     def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
-        module.jacobian(target, inputs if rows.stop - rows.start == batch else inputs[rows], views)
+        module.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs[rows], views)
 
-    return _run_auto(requested, strategy, lambda s: _run(target, s, run_chunk, batch, chunk, y_count, flat, out))
+    return _run_auto(requested, strategy, lambda s: _run(trainable, s, run_chunk, batch, chunk, y_count, flat, out))

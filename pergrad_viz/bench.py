@@ -25,8 +25,8 @@ from .data import load_sample
 from .memory import result_bytes
 from .models import MLP
 from .strategies import MODULES, STRATEGIES
-from .target import Target, check_modes
 from .timing import time_interleaved
+from .trainable import Trainable, check_modes
 
 # torch.utils.benchmark imports cpp_extension, which logs a CUDA_HOME warning on CPU-only machines.
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -196,15 +196,15 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     Returns the methods' records, then ``forward+backward`` and ``memory floor``.
     """
     batch = inputs.shape[0]
-    target = Target.of(model)
-    check_modes(target)  # before the model runs (BatchNorm in training mode would update its statistics)
+    trainable = Trainable.of(model)
+    check_modes(trainable)  # before the model runs (BatchNorm in training mode would update its statistics)
     flat = flat or out_buffer
     outputs = output_size(model, inputs) if quantity == "jacobian" else 1
-    nbytes = result_bytes(batch, target.num_params, target.dtype, outputs)
-    shape = (batch, target.num_params) if outputs == 1 else (batch, outputs, target.num_params)
-    kw = {"dtype": target.dtype, "device": target.device}
+    nbytes = result_bytes(batch, trainable.num_params, trainable.dtype, outputs)
+    shape = (batch, trainable.num_params) if outputs == 1 else (batch, outputs, trainable.num_params)
+    kw = {"dtype": trainable.dtype, "device": trainable.device}
     out = torch.empty(shape, **kw) if out_buffer else None
-    methods = _methods(quantity, model, loss_fn, inputs, targets, target, strategies, peers, slow_limit, outputs,
+    methods = _methods(quantity, model, loss_fn, inputs, targets, trainable, strategies, peers, slow_limit, outputs,
                        flat, out, chunk_sizes, norms)
     methods[len(strategies):len(strategies)] = [_Method(label, fn, note) for label, fn, note in extras]
     bar = bar if bar is not None else _progress(len(methods) + 2, enabled=False)
@@ -212,7 +212,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     def forward_backward() -> object:
         output = model(inputs)
         loss = output.sum() if loss_fn is None or targets is None else loss_fn(output, targets)
-        return torch.autograd.grad(loss, target.params, allow_unused=True)
+        return torch.autograd.grad(loss, trainable.params, allow_unused=True)
 
     timed: dict[str, tuple[Callable[[], object], int, dict]] = {
         FORWARD_BACKWARD: (forward_backward, nbytes, {}),
@@ -221,7 +221,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     rows: list[Record | str] = []  # a Record (not timed) or the label of a timed method, in table order
     references: dict[str, torch.Tensor] = {}
     for m in methods:
-        size = result_bytes(batch, 1, target.dtype) if m.kind == "norms" else nbytes
+        size = result_bytes(batch, 1, trainable.dtype) if m.kind == "norms" else nbytes
         if m.fn is None:
             rows.append(Record(m.label, quantity, batch, hidden, None, None, size, note=m.note))
             bar.update()
@@ -271,12 +271,12 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     return [*rows, fb, floor]
 
 
-def _methods(quantity, model, loss_fn, inputs, targets, target, strategies, peers, slow_limit, outputs, flat, out,
+def _methods(quantity, model, loss_fn, inputs, targets, trainable, strategies, peers, slow_limit, outputs, flat, out,
              chunk_sizes, norms) -> list[_Method]:
     batch = inputs.shape[0]
     methods = []
     for name in strategies:
-        strategy = resolve_strategy(name, target, inputs)
+        strategy = resolve_strategy(name, trainable, inputs)
         note = f"auto = {strategy}" if name == "auto" else ""
         work = backward_work(strategy, quantity, batch, outputs)
         if work > slow_limit:

@@ -35,7 +35,7 @@ from .losses import LossFn
 from .memory import default_budget, result_bytes, working_bytes
 from .rules import GhostRule, ghost_rule_for
 from .strategies import hooks, torch_func
-from .target import Target, guest
+from .trainable import Trainable, restoring_modes
 
 
 def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
@@ -70,36 +70,36 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     """
     if not isinstance(per_parameter, bool):
         raise TypeError(f"per_parameter must be True or False, got {per_parameter!r}")
-    target, resolved, batch, chunk = api._prepare(model, inputs, targets, strategy, chunk_size, loss_fn)
+    trainable, resolved, batch, chunk = api._prepare(model, inputs, targets, strategy, chunk_size, loss_fn)
     squared = None
     if resolved == "hooks":
         try:
-            squared = _ghost_squared_norms(target, loss_fn, inputs, targets, chunk)
+            squared = _ghost_squared_norms(trainable, loss_fn, inputs, targets, chunk)
         except hooks.PlanMismatchError:
             if strategy != "auto":
                 raise
             resolved = "torch_func"  # data-dependent layer calls: each sample alone
     if squared is None:
         try:
-            squared = _materialised_squared_norms(target, resolved, loss_fn, inputs, targets, chunk_size)
+            squared = _materialised_squared_norms(trainable, resolved, loss_fn, inputs, targets, chunk_size)
         except torch_func.VmapError:
             if strategy != "auto":
                 raise
-            squared = _materialised_squared_norms(target, "loop", loss_fn, inputs, targets, chunk_size)
+            squared = _materialised_squared_norms(trainable, "loop", loss_fn, inputs, targets, chunk_size)
     if per_parameter:
         return {name: s.sqrt() for name, s in squared.items()}
     return torch.stack(list(squared.values())).sum(0).sqrt()
 
 
-def _ghost_squared_norms(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
                          chunk: int) -> dict[str, torch.Tensor]:
     """{name: (B,) squared norms}: per chunk 1 forward with hooks, 1 backward to the layer outputs."""
     batch = inputs.shape[0]
-    squared = {n: torch.zeros(batch, dtype=target.dtype, device=target.device) for n in target.names}
-    with guest(target):  # hooks remove their hooks; autograd.grad leaves .grad alone
+    squared = {n: torch.zeros(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
+    with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
         for start in range(0, batch, chunk):
             rows = slice(start, min(start + chunk, batch))
-            calls, grads = hooks.loss_gradients(target, loss_fn, inputs[rows], targets[rows])
+            calls, grads = hooks.loss_gradients(trainable, loss_fn, inputs[rows], targets[rows])
             tied = tied_names(calls)
             summed: dict[str, torch.Tensor] = {}  # tied parameters: (B, *shape), summed over their layers
             for layer, seen in group_calls(calls, grads).values():
@@ -116,20 +116,20 @@ def _ghost_squared_norms(target: Target, loss_fn: LossFn, inputs: torch.Tensor, 
     return squared
 
 
-def _materialised_squared_norms(target: Target, strategy: str, loss_fn: LossFn, inputs: torch.Tensor,
+def _materialised_squared_norms(trainable: Trainable, strategy: str, loss_fn: LossFn, inputs: torch.Tensor,
                                 targets: torch.Tensor, chunk_size: int | None) -> dict[str, torch.Tensor]:
     """{name: (B,) squared norms} from :func:`pergrad_viz.per_sample_grads`, one chunk of samples at a time."""
     batch = inputs.shape[0]
     if chunk_size is None:
-        p = target.num_params
-        per_sample = result_bytes(1, p, target.dtype) + working_bytes(strategy, 1, 1, p, target.dtype)
-        chunk = max(1, min(batch, default_budget(target.device) // per_sample))
+        p = trainable.num_params
+        per_sample = result_bytes(1, p, trainable.dtype) + working_bytes(strategy, 1, 1, p, trainable.dtype)
+        chunk = max(1, min(batch, default_budget(trainable.device) // per_sample))
     else:
         chunk = min(chunk_size, batch)
-    squared = {n: torch.empty(batch, dtype=target.dtype, device=target.device) for n in target.names}
+    squared = {n: torch.empty(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
     for start in range(0, batch, chunk):
         rows = slice(start, min(start + chunk, batch))
-        grads = api.per_sample_grads(target.model, loss_fn, inputs[rows], targets[rows], strategy=strategy)
+        grads = api.per_sample_grads(trainable.model, loss_fn, inputs[rows], targets[rows], strategy=strategy)
         for name, g in grads.items():
             squared[name][rows] = g.flatten(1).square().sum(1)
     return squared

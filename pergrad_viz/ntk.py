@@ -30,7 +30,7 @@ from .memory import check_budget, result_bytes
 from .norms import Seen, dense_grads, ghost_rule, group_calls, stack_calls, tied_names
 from .rules import ghost_rule_for
 from .strategies import hooks
-from .target import Target, guest
+from .trainable import Trainable, restoring_modes
 
 MODES: tuple[str, ...] = ("full", "trace")
 
@@ -90,9 +90,9 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = 
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: 'full' (N1, N2, Y, Y) or 'trace' (N1, N2)")
-    target, strategy, _n1, chunk = api._prepare(model, x1, None, "auto", chunk_size)
+    trainable, strategy, _n1, chunk = api._prepare(model, x1, None, "auto", chunk_size)
     if x2 is not None:
-        api._check_inputs(target, x2, None)
+        api._check_inputs(trainable, x2, None)
         if x2.shape[1:] != x1.shape[1:] or x2.dtype != x1.dtype:
             raise ValueError(
                 f"x1 and x2 must hold samples of the same kind: x1 is {tuple(x1.shape)} {x1.dtype}, x2 is "
@@ -100,16 +100,16 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = 
                 f"and dtype {x1.dtype}, or x2=None for K(x1, x1)"
             )
     full = mode == "full"
-    with guest(target):
+    with restoring_modes(trainable):
         y_count = api.output_size(model, x1)
     n2 = x1.shape[0] if x2 is None else x2.shape[0]
     check_budget(what=f"an empirical NTK of {x1.shape[0]} x {n2} samples" + (f" x {y_count}^2 outputs" if full else ""),
-                 result=result_bytes(x1.shape[0] * n2, 1, target.dtype, y_count * y_count if full else 1),
-                 working=0, max_bytes=max_bytes, allocate_result=True, device=target.device, batch=x1.shape[0],
+                 result=result_bytes(x1.shape[0] * n2, 1, trainable.dtype, y_count * y_count if full else 1),
+                 working=0, max_bytes=max_bytes, allocate_result=True, device=trainable.device, batch=x1.shape[0],
                  chunk=chunk)
-    if strategy == "hooks" and (x2 is None or api.resolve_strategy("auto", target, x2) == "hooks"):
+    if strategy == "hooks" and (x2 is None or api.resolve_strategy("auto", trainable, x2) == "hooks"):
         try:
-            return _ghost_ntk(target, x1, x2, full, chunk)
+            return _ghost_ntk(trainable, x1, x2, full, chunk)
         except hooks.PlanMismatchError:
             pass  # data-dependent layer calls: each sample alone
     return _jacobian_ntk(model, x1, x2, full, chunk_size)
@@ -130,18 +130,18 @@ def _jacobian_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, f
     return _symmetrise(kernel, full) if x2 is None else kernel
 
 
-def _ghost_ntk(target: Target, x1: torch.Tensor, x2: torch.Tensor | None, full: bool, chunk: int) -> torch.Tensor:
+def _ghost_ntk(trainable: Trainable, x1: torch.Tensor, x2: torch.Tensor | None, full: bool, chunk: int) -> torch.Tensor:
     rows1 = [slice(s, min(s + chunk, x1.shape[0])) for s in range(0, x1.shape[0], chunk)]
     rows2 = rows1 if x2 is None else [slice(s, min(s + chunk, x2.shape[0])) for s in range(0, x2.shape[0], chunk)]
-    with guest(target):
-        f1 = [_features(target, x1[r], full) for r in rows1]
-        f2 = f1 if x2 is None else [_features(target, x2[r], full) for r in rows2]
+    with restoring_modes(trainable):
+        f1 = [_features(trainable, x1[r], full) for r in rows1]
+        f2 = f1 if x2 is None else [_features(trainable, x2[r], full) for r in rows2]
     y_count = f1[0].outputs
     for f in f1 + f2:
         _check_outputs(y_count, f.outputs)
     n2 = x1.shape[0] if x2 is None else x2.shape[0]
     shape = (x1.shape[0], n2, y_count, y_count) if full else (x1.shape[0], n2)
-    kernel = torch.zeros(shape, dtype=target.dtype, device=target.device)
+    kernel = torch.zeros(shape, dtype=trainable.dtype, device=trainable.device)
     for b1, (r1, a) in enumerate(zip(rows1, f1, strict=True)):
         for b2, (r2, b) in enumerate(zip(rows2, f2, strict=True)):
             if x2 is None and b2 < b1:  # K(x, x) is symmetric: reuse the block above the diagonal
@@ -154,9 +154,9 @@ def _ghost_ntk(target: Target, x1: torch.Tensor, x2: torch.Tensor | None, full: 
     return _symmetrise(kernel, full) if x2 is None else kernel
 
 
-def _features(target: Target, inputs: torch.Tensor, full: bool) -> _Features:
+def _features(trainable: Trainable, inputs: torch.Tensor, full: bool) -> _Features:
     """1 forward with hooks and 1 backward batched over the Y outputs; per layer ghost pieces or a Jacobian."""
-    calls, grads, y_count = hooks.output_gradients(target, inputs)  # each (Y, N, ...)
+    calls, grads, y_count = hooks.output_gradients(trainable, inputs)  # each (Y, N, ...)
     features = _Features(y_count)
     tied = tied_names(calls)
     for layer, seen in group_calls(calls, grads).values():

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .rules import call_rule_for, rule_for
-from .target import Target
+from .trainable import Trainable
 
 SHARED = None  # the batch dimension of a tensor that holds no samples
 
@@ -129,10 +129,10 @@ class _ParameterUses(TorchFunctionMode):
         return result
 
 
-def _run(target: Target, inputs: torch.Tensor, watch: dict[int, str] | None) -> tuple[_Record, object, dict]:
+def _run(trainable: Trainable, inputs: torch.Tensor, watch: dict[int, str] | None) -> tuple[_Record, object, dict]:
     record = _Record()
     stack: list[str] = []
-    names = {id(m): n for n, m in target.modules}
+    names = {id(m): n for n, m in trainable.modules}
     mode = None if watch is None else _ParameterUses(watch, stack)
 
     def enter(module, args, kwargs):
@@ -149,17 +149,17 @@ def _run(target: Target, inputs: torch.Tensor, watch: dict[int, str] | None) -> 
         record.calls.setdefault(name, []).append((ins, outs))
 
     handles = []
-    for _, module in target.modules:
+    for _, module in trainable.modules:
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
     uses: dict = {}
     try:
         with torch.enable_grad():  # the same code paths as the real capture (no inference fast paths)
             if mode is None:
-                output = target.model(inputs)
+                output = trainable.model(inputs)
             else:
                 with mode:
-                    output = target.model(inputs)
+                    output = trainable.model(inputs)
                 uses = mode.uses
     finally:
         for h in handles:
@@ -194,14 +194,14 @@ def _describe(leaf: str, name: str, module: nn.Module) -> str:
 
 
 class _Probe:
-    def __init__(self, target: Target, inputs: torch.Tensor):
-        self.target = target
-        self.modules = dict(target.modules)
+    def __init__(self, trainable: Trainable, inputs: torch.Tensor):
+        self.trainable = trainable
+        self.modules = dict(trainable.modules)
         pair, self.verified = _pick_pair(inputs)
-        watch = {id(p): n for n, p in zip(target.names, target.params, strict=True)}
-        self.alone_a, _, _ = _run(target, pair[:1], None)
-        self.alone_b, _, _ = _run(target, pair[1:], None)
-        self.pair, _, self.uses = _run(target, pair, watch)
+        watch = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
+        self.alone_a, _, _ = _run(trainable, pair[:1], None)
+        self.alone_b, _, _ = _run(trainable, pair[1:], None)
+        self.pair, _, self.uses = _run(trainable, pair, watch)
         self.interaction: str | None = None
         self.specs: dict[str, list[CallSpec] | str] = {}
 
@@ -269,12 +269,12 @@ def _common_prefix(stacks: list[tuple[str, ...]]) -> tuple[str, ...]:
     return prefix
 
 
-def _assign(target: Target, probe: _Probe) -> tuple[dict[str, dict[str, str]], str | None]:
+def _assign(trainable: Trainable, probe: _Probe) -> tuple[dict[str, dict[str, str]], str | None]:
     """Which module handles each trainable parameter: {module name: {local name: full name}}, or a problem."""
-    modules = dict(target.modules)
-    params = dict(zip(target.names, target.params, strict=True))
+    modules = dict(trainable.modules)
+    params = dict(zip(trainable.names, trainable.params, strict=True))
     owners: dict[int, list[str]] = {}
-    for mname, m in target.modules:
+    for mname, m in trainable.modules:
         for p in m._parameters.values():
             if p is not None:
                 owners.setdefault(id(p), []).append(mname)
@@ -292,7 +292,7 @@ def _assign(target: Target, probe: _Probe) -> tuple[dict[str, dict[str, str]], s
                     "gradient cannot be split by sample there")
         return None
 
-    for full in target.names:
+    for full in trainable.names:
         p = params[full]
         uses = probe.uses.get(full)
         if not uses:  # never used by the forward: its gradient is zero
@@ -346,14 +346,14 @@ def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> st
     return "fallback"
 
 
-def _make_plan(target: Target, inputs: torch.Tensor) -> Plan:
-    probe = _Probe(target, inputs)
-    for name, _m in target.modules:  # every module's tensors are compared: samples interacting anywhere are found
+def _make_plan(trainable: Trainable, inputs: torch.Tensor) -> Plan:
+    probe = _Probe(trainable, inputs)
+    for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
         probe.spec(name)
-    handlers, hooks_problem = _assign(target, probe)  # handlers keep the samples apart (checked there)
+    handlers, hooks_problem = _assign(trainable, probe)  # handlers keep the samples apart (checked there)
     layers: dict[str, LayerPlan] = {}
     if hooks_problem is None:
-        for name, module in target.modules:
+        for name, module in trainable.modules:
             if name in handlers:
                 specs = probe.spec(name)
                 layers[name] = LayerPlan(name, _kind(module, handlers[name], specs), handlers[name], specs)
@@ -369,27 +369,27 @@ def _make_plan(target: Target, inputs: torch.Tensor) -> Plan:
 _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakKeyDictionary()
 
 
-def _key(target: Target, inputs: torch.Tensor) -> tuple:
+def _key(trainable: Trainable, inputs: torch.Tensor) -> tuple:
     return (
         tuple(inputs.shape[1:]), inputs.dtype, inputs.device,
-        tuple((n, id(m), type(m), m.training, m.__dict__.get("forward"), _user_hooks(m)) for n, m in target.modules),
-        tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad) for n, p in target.model.named_parameters()),
+        tuple((n, id(m), type(m), m.training, m.__dict__.get("forward"), _user_hooks(m)) for n, m in trainable.modules),
+        tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad) for n, p in trainable.model.named_parameters()),
     )
 
 
-def plan_for(target: Target, inputs: torch.Tensor) -> Plan:
-    """The :class:`Plan` for ``target`` called on inputs like ``inputs`` (B, ...), from the cache or a probe.
+def plan_for(trainable: Trainable, inputs: torch.Tensor) -> Plan:
+    """The :class:`Plan` for ``trainable`` called on inputs like ``inputs`` (B, ...), from the cache or a probe.
 
     A plan found on a batch whose samples were all equal is not cached once a call has different samples.
     """
-    if "probe.plan" in target.cache:
-        return target.cache["probe.plan"]
-    key = _key(target, inputs)
-    cached = _PLANS.get(target.model)
+    if "probe.plan" in trainable.cache:
+        return trainable.cache["probe.plan"]
+    key = _key(trainable, inputs)
+    cached = _PLANS.get(trainable.model)
     if cached is not None and cached[0] == key and (cached[1].verified or inputs.shape[0] == 1):
         plan = cached[1]
     else:
-        plan = _make_plan(target, inputs)
-        _PLANS[target.model] = (key, plan)
-    target.cache["probe.plan"] = plan
+        plan = _make_plan(trainable, inputs)
+        _PLANS[trainable.model] = (key, plan)
+    trainable.cache["probe.plan"] = plan
     return plan

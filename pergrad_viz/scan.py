@@ -49,7 +49,7 @@ from .losses import LossFn, check_loss
 from .scan_compute import GRAD_QUANTITIES, batch_quantities
 from .scan_store import ScanMismatchError
 from .sketch import GradientSketch, layer_blocks
-from .target import Target, check_modes, guest
+from .trainable import Trainable, check_modes, restoring_modes
 
 __all__ = ["QUANTITIES", "Scan", "ScanMismatchError", "load_scan", "scan"]
 
@@ -175,10 +175,11 @@ def _check_dataset(dataset: object) -> int:
     return n
 
 
-def _new_manifest(model: nn.Module, target: Target, loss_fn: LossFn, dataset: object, n: int, quantities: list[str],
-                  proj_dim: int | None, seed: int, chunk_size: int, sketch: GradientSketch | None) -> dict:
-    blocks = layer_blocks(target)
-    dtype = np.dtype(str(target.dtype).removeprefix("torch."))
+def _new_manifest(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: object, n: int,
+                  quantities: list[str], proj_dim: int | None, seed: int, chunk_size: int,
+                  sketch: GradientSketch | None) -> dict:
+    blocks = layer_blocks(trainable)
+    dtype = np.dtype(str(trainable.dtype).removeprefix("torch."))
     widths = {"layer_norms": (len(blocks),), "projection": (proj_dim,)}
     arrays = {q: {"file": f"{q}.npy", "shape": [n, *widths.get(q, ())], "dtype": dtype.str} for q in quantities}
     return {
@@ -187,7 +188,7 @@ def _new_manifest(model: nn.Module, target: Target, loss_fn: LossFn, dataset: ob
         "settings": {
             "quantities": quantities,
             "loss": store.loss_description(loss_fn),
-            "dtype": str(target.dtype),
+            "dtype": str(trainable.dtype),
             "chunk_size": chunk_size,
             "proj_dim": proj_dim,
             "seed": seed if sketch is not None else None,  # only the projection is random
@@ -275,11 +276,11 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
     if out is None:
         raise ValueError("out= is required: the directory the scan writes to")
     out = Path(out)
-    target = Target.of(model)
-    check_modes(target)
-    sketch = GradientSketch(target, proj_dim, seed) if proj_dim is not None else None
+    trainable = Trainable.of(model)
+    check_modes(trainable)
+    sketch = GradientSketch(trainable, proj_dim, seed) if proj_dim is not None else None
     rank, world = _world()
-    new = _new_manifest(model, target, loss_fn, dataset, n, wanted, proj_dim, seed, chunk_size, sketch)
+    new = _new_manifest(model, trainable, loss_fn, dataset, n, wanted, proj_dim, seed, chunk_size, sketch)
 
     # Rank 0 prepares the directory; every rank learns the outcome (an error is raised everywhere).
     core = {k: new[k] for k in store.MUST_MATCH}
@@ -310,7 +311,7 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
     mine = pending[rank::world]
     batches = [list(range(s, min(s + batch_size, (c + 1) * chunk_size, n)))
                for c in mine for s in range(c * chunk_size, min((c + 1) * chunk_size, n), batch_size)]
-    seconds, rows = _run(model, target, loss_fn, dataset, out, manifest, wanted, sketch, batches, chunk_size,
+    seconds, rows = _run(model, trainable, loss_fn, dataset, out, manifest, wanted, sketch, batches, chunk_size,
                          num_workers, progress and rank == 0, rank, world)
 
     if world > 1:
@@ -318,7 +319,7 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
     stats = _gather((seconds, rows), world)
     if rank == 0:
         now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        run = {"started": now, "world_size": world, "batch_size": batch_size, "device": str(target.device),
+        run = {"started": now, "world_size": world, "batch_size": batch_size, "device": str(trainable.device),
                "threads": torch.get_num_threads(),
                "examples": sum(r for _, r in stats), "seconds": round(max(s for s, _ in stats), 4)}
         run["examples_per_s"] = round(run["examples"] / run["seconds"], 1) if run["seconds"] > 0 else None
@@ -329,7 +330,7 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
     return load_scan(out)
 
 
-def _run(model: nn.Module, target: Target, loss_fn: LossFn, dataset: object, out: Path, manifest: dict,
+def _run(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: object, out: Path, manifest: dict,
          wanted: list[str], sketch: GradientSketch | None, batches: list[list[int]], chunk_size: int,
          num_workers: int, progress: bool, rank: int, world: int) -> tuple[float, int]:
     """This process's share: compute ``batches``, write rows, mark chunks done. Returns (seconds, rows)."""
@@ -338,9 +339,9 @@ def _run(model: nn.Module, target: Target, loss_fn: LossFn, dataset: object, out
     if not batches:
         return 0.0, 0
     arrays = store.open_arrays(out, manifest["arrays"])
-    blocks = layer_blocks(target)
+    blocks = layer_blocks(trainable)
     want = set(wanted)
-    device, dtype = target.device, target.dtype
+    device, dtype = trainable.device, trainable.dtype
     loader = data_loader(dataset, batches, num_workers, pin_memory=device.type == "cuda")
     total = sum(len(b) for b in batches)
     n = next(iter(manifest["arrays"].values()))["shape"][0]
@@ -375,7 +376,7 @@ def _run(model: nn.Module, target: Target, loss_fn: LossFn, dataset: object, out
                 x = x.to(dtype)
             y = y.to(device, non_blocking=True) if isinstance(y, torch.Tensor) else torch.as_tensor(y, device=device)
             if use_hooks is None:
-                use_hooks = not want & GRAD_QUANTITIES or _hooks_ok(target, x)
+                use_hooks = not want & GRAD_QUANTITIES or _hooks_ok(trainable, x)
             res = batch_quantities(model, loss_fn, x, y, want, blocks, sketch, use_hooks)
             lo, hi = indices[0], indices[-1] + 1
             for q in wanted:
@@ -424,6 +425,6 @@ def _only(batch: list) -> object:
     return batch[0]
 
 
-def _hooks_ok(target: Target, x: torch.Tensor) -> bool:
-    with guest(target):
-        return resolve_strategy("auto", target, x) == "hooks"
+def _hooks_ok(trainable: Trainable, x: torch.Tensor) -> bool:
+    with restoring_modes(trainable):
+        return resolve_strategy("auto", trainable, x) == "hooks"

@@ -26,7 +26,7 @@ from .norms import _layer_squared_norms, dense_grads, ghost_kind, group_calls, s
 from .norms import per_sample_grad_norms as _grad_norms
 from .sketch import Block, GradientSketch
 from .strategies import hooks
-from .target import Target, guest
+from .trainable import Trainable, restoring_modes
 
 GRAD_QUANTITIES = frozenset({"grad_norm", "layer_norms", "projection"})
 
@@ -85,10 +85,10 @@ def batch_quantities(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
 
 def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, want: set[str],
                  blocks: list[Block], sketch: GradientSketch | None) -> dict[str, torch.Tensor]:
-    target = Target.of(model)
+    trainable = Trainable.of(model)
     batch = x.shape[0]
-    with guest(target):
-        output, calls = hooks.capture(target, x)
+    with restoring_modes(trainable):
+        output, calls = hooks.capture(trainable, x)
         if tied_names(calls):
             raise _NeedsMaterialising
         losses = per_sample_losses(loss_fn, output, y)  # (B,)
@@ -96,12 +96,12 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
         grads = torch.autograd.grad(losses.sum(), tensors, allow_unused=True) if tensors else ()
         per_call = hooks._regroup(calls, where, grads, batched=False)
     res = _outputs(want, output, losses, y)
-    kw = {"dtype": target.dtype, "device": target.device}
-    squared = {n: torch.zeros(batch, **kw) for n in target.names}
+    kw = {"dtype": trainable.dtype, "device": trainable.device}
+    squared = {n: torch.zeros(batch, **kw) for n in trainable.names}
     dense: dict[str, torch.Tensor] = {}  # full name -> (B, *shape), only where a sketch needs it
     sketched: dict[int, torch.Tensor] = {}  # block index -> (B, k_b)
     want_sketch = sketch is not None and "projection" in want
-    names = {id(m): n for n, m in target.modules}
+    names = {id(m): n for n, m in trainable.modules}
     for layer, seen in group_calls(calls, per_call).values():
         local = layer.local
         kind = ghost_kind(layer)

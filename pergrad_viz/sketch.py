@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .target import Target
+from .trainable import Trainable
 
 __all__ = ["Block", "BlockSketch", "GradientSketch", "layer_blocks"]
 
@@ -83,13 +83,13 @@ class Block:
         return self.module or "(model)"
 
 
-def layer_blocks(model: nn.Module | Target) -> list[Block]:
+def layer_blocks(model: nn.Module | Trainable) -> list[Block]:
     """The model's blocks: per module that owns trainable parameters (first owner of a shared one)."""
-    target = model if isinstance(model, Target) else Target.of(model)
-    full = {id(p): n for n, p in zip(target.names, target.params, strict=True)}
+    trainable = model if isinstance(model, Trainable) else Trainable.of(model)
+    full = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
     taken: set[int] = set()
     blocks = []
-    for mname, module in target.modules:
+    for mname, module in trainable.modules:
         own = [(ln, p) for ln, p in module.named_parameters(recurse=False) if id(p) in full and id(p) not in taken]
         if not own:
             continue
@@ -236,21 +236,21 @@ class GradientSketch:
             ``(R (P_b, k_b),)`` for dense ones, ``()`` for exact ones.
     """
 
-    def __init__(self, model: nn.Module | Target, proj_dim: int, seed: int = 0):
-        target = model if isinstance(model, Target) else Target.of(model)
+    def __init__(self, model: nn.Module | Trainable, proj_dim: int, seed: int = 0):
+        trainable = model if isinstance(model, Trainable) else Trainable.of(model)
         if isinstance(proj_dim, bool) or not isinstance(proj_dim, int):
             raise TypeError(f"proj_dim must be an int, got {type(proj_dim).__name__}")
         self.proj_dim = proj_dim
         self.seed = seed
-        self.param_order = list(target.names)  # rows of dense_matrix(), columns of a flat (B, P)
-        self.dtype, self.device = target.dtype, target.device
-        self.blocks = allocate(layer_blocks(target), proj_dim)
+        self.param_order = list(trainable.names)  # rows of dense_matrix(), columns of a flat (B, P)
+        self.dtype, self.device = trainable.dtype, trainable.device
+        self.blocks = allocate(layer_blocks(trainable), proj_dim)
         self.offsets = [0]
         for bs in self.blocks:
             self.offsets.append(self.offsets[-1] + bs.dim)
         self.offsets.pop()
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        kw = {"dtype": target.dtype, "device": target.device}
+        kw = {"dtype": trainable.dtype, "device": trainable.device}
 
         def gauss(rows: int, cols: int) -> torch.Tensor:
             r = torch.randn(rows, cols, generator=gen, dtype=torch.float64) / math.sqrt(cols)

@@ -14,7 +14,7 @@ from torch.nn.utils import parametrizations
 
 import pergrad_viz as pv
 from pergrad_viz.strategies import hooks
-from pergrad_viz.target import Target
+from pergrad_viz.trainable import Trainable
 
 ALL = (*pv.STRATEGIES, "auto")
 RTOL, ATOL = 1e-10, 1e-12
@@ -60,7 +60,7 @@ def test_a_forward_hook_that_changes_a_layer_output(strategy):
     try:
         assert agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)
         if strategy == "hooks":
-            assert hooks.describe(Target.of(model), x)["0"] == "fallback"
+            assert hooks.describe(Trainable.of(model), x)["0"] == "fallback"
     finally:
         handle.remove()
 
@@ -211,4 +211,4 @@ def test_a_sequence_first_lstm_with_its_state_by_keyword(strategy):
     x, y = torch.randn(2, 2, 3, dtype=torch.float64), torch.tensor([0, 1])  # T == B
     assert agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)
     if strategy == "hooks":
-        assert hooks.describe(Target.of(model), x) == {"lstm": "call", "head": "rule"}
+        assert hooks.describe(Trainable.of(model), x) == {"lstm": "call", "head": "rule"}

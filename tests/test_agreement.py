@@ -14,7 +14,7 @@ import pergrad_viz as pv
 from pergrad_viz import models
 from pergrad_viz.strategies import MODULES
 from pergrad_viz.strategies.torch_func import VmapError
-from pergrad_viz.target import Target
+from pergrad_viz.trainable import Trainable
 
 ALL = (*pv.STRATEGIES, "auto")
 # vmap falls back to a slow path for a few ops (Bilinear, kl_div, sparse): a warning, not a failure
@@ -497,7 +497,7 @@ AUTO_EXPECTED = [("mlp", "hooks"), ("small-cnn", "hooks"), ("embedding", "hooks"
     for q in ("grads", "jacobian") for n, e in AUTO_EXPECTED])
 def test_auto_resolves_and_dispatches(quantity, name, expected, monkeypatch):
     model, x, y, loss, b_j = build(name)
-    assert pv.resolve_strategy("auto", Target.of(model)) == expected
+    assert pv.resolve_strategy("auto", Trainable.of(model)) == expected
     called = []
     for s, module in MODULES.items():
         original = getattr(module, quantity)
@@ -516,12 +516,12 @@ def test_a_custom_parameterised_module_goes_through_the_per_layer_fallback():
     model = nn.Sequential(nn.Linear(4, 5), Scale(5), nn.Linear(5, 2)).double()
     x, y = torch.randn(4, 4, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
     assert pv.resolve_strategy("auto", model, x) == "hooks"
-    assert MODULES["hooks"].describe(Target.of(model), x) == {"0": "rule", "1": "fallback", "2": "rule"}
+    assert MODULES["hooks"].describe(Trainable.of(model), x) == {"0": "rule", "1": "fallback", "2": "rule"}
     loss = nn.CrossEntropyLoss()
     assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy="hooks"), ref_grads(model, loss, x, y),
                       RTOL, ATOL)
     model[1].requires_grad_(False)  # frozen: nothing for hooks to compute there
-    assert MODULES["hooks"].describe(Target.of(model), x) == {"0": "rule", "2": "rule"}
+    assert MODULES["hooks"].describe(Trainable.of(model), x) == {"0": "rule", "2": "rule"}
     assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy="hooks"), ref_grads(model, loss, x, y),
                       RTOL, ATOL)
 
@@ -533,7 +533,7 @@ def test_subclass_overriding_forward_has_no_rule():
 
     model = nn.Sequential(DoubledLinear(3, 2)).double()
     x, y = torch.randn(3, 3, dtype=torch.float64), torch.tensor([0, 1, 1])
-    assert MODULES["hooks"].describe(Target.of(model), x) == {"0": "fallback"}
+    assert MODULES["hooks"].describe(Trainable.of(model), x) == {"0": "fallback"}
     loss = nn.CrossEntropyLoss()
     assert_dict_close(pv.per_sample_grads(model, loss, x, y), ref_grads(model, loss, x, y), RTOL, ATOL)
 
@@ -690,5 +690,5 @@ def test_layer_without_the_batch_first(strategy):
     loss = nn.CrossEntropyLoss()
     if strategy == "auto":
         assert pv.resolve_strategy("auto", model, x) == "hooks"
-        assert MODULES["hooks"].describe(Target.of(model), x) == {"fc": "fallback"}
+        assert MODULES["hooks"].describe(Trainable.of(model), x) == {"fc": "fallback"}
     assert_both_agree_with_the_loop(model, loss, x, y, strategy)

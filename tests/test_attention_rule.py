@@ -15,7 +15,7 @@ import pergrad_viz as pv
 from pergrad_viz.rules import call_rule_for
 from pergrad_viz.rules.attention import multihead_attention, recompute
 from pergrad_viz.strategies import hooks
-from pergrad_viz.target import Target
+from pergrad_viz.trainable import Trainable
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 DT = torch.float64
@@ -228,7 +228,7 @@ def test_transformer_end_to_end(causal: bool) -> None:
     model = Encoder(causal).to(DT).eval()
     x = torch.randn(5, 6, 8, dtype=DT)
     y = torch.randint(0, 3, (5,))
-    assert hooks.describe(Target.of(model), x)["layer.self_attn"] == "call"
+    assert hooks.describe(Trainable.of(model), x)["layer.self_attn"] == "call"
     got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
     want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
     assert list(got) == list(want)

@@ -13,7 +13,7 @@ from torch import nn
 import pergrad_viz as pv
 from pergrad_viz import api
 from pergrad_viz.strategies import hooks
-from pergrad_viz.target import Target
+from pergrad_viz.trainable import Trainable
 
 ALL = (*pv.STRATEGIES, "auto")
 QUANTITIES = ("grads", "jacobian")
@@ -159,7 +159,7 @@ def test_hooks_on_a_layer_without_a_rule_uses_the_per_layer_fallback(quantity, l
     model.add_module("head", nn.Linear(6, 3))
     model.double()
     x, y = data()
-    assert hooks.describe(Target.of(model), x) == {"body.0": "rule", "body.1": "fallback", "head": "rule"}
+    assert hooks.describe(Trainable.of(model), x) == {"body.0": "rule", "body.1": "fallback", "head": "rule"}
     before = snapshot(model)
     got = run(quantity, model, x, y, strategy="hooks")
     assert_state_unchanged(model, before)

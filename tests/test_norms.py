@@ -308,7 +308,7 @@ def test_float32_within_float32_tolerance():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-# Validation and the model-guest rule ------------------------------------------------------------------
+# Validation and the model-restoring_modes rule ------------------------------------------------------------------
 
 
 def test_invalid_arguments_name_the_fix():

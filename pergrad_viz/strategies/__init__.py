@@ -1,7 +1,7 @@
 """One module per strategy, each with the same two functions.
 
-``grads(target, loss_fn, inputs, targets, out)`` writes the per-sample gradients of a batch (B, ...)
-into ``out[name]`` of shape (B, *param.shape); ``jacobian(target, inputs, out)`` writes the per-sample
+``grads(trainable, loss_fn, inputs, targets, out)`` writes the per-sample gradients of a batch (B, ...)
+into ``out[name]`` of shape (B, *param.shape); ``jacobian(trainable, inputs, out)`` writes the per-sample
 output Jacobians into ``out[name]`` of shape (B, Y, *param.shape). ``out`` holds every trainable
 parameter's name; the caller (``pergrad_viz.api``) validates, allocates, chunks and guards the model.
 """

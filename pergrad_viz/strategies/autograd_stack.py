@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..losses import LossFn, per_sample_losses
-from ..target import Target
+from ..trainable import Trainable
 from ._common import flat_outputs, write
 
 SLOW_BASELINE = True  # a baseline: skipped by the benchmarks above their size limit
@@ -22,22 +22,22 @@ def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int
     return 0
 
 
-def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
           out: dict[str, torch.Tensor]) -> None:
     """1 forward, B backward passes through the batch graph; writes (B, *param.shape) into ``out``."""
-    losses = per_sample_losses(loss_fn, target.model(inputs), targets)  # (B,)
+    losses = per_sample_losses(loss_fn, trainable.model(inputs), targets)  # (B,)
     batch = losses.shape[0]
     for i in range(batch):
-        g = torch.autograd.grad(losses[i], target.params, retain_graph=i < batch - 1, allow_unused=True)
-        write(out, target.names, g, i)
+        g = torch.autograd.grad(losses[i], trainable.params, retain_graph=i < batch - 1, allow_unused=True)
+        write(out, trainable.names, g, i)
 
 
-def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """1 forward, B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
-    outputs = flat_outputs(target.model(inputs))  # (B, Y)
+    outputs = flat_outputs(trainable.model(inputs))  # (B, Y)
     batch, y_count = outputs.shape
     for i in range(batch):
         for j in range(y_count):
             last = i == batch - 1 and j == y_count - 1
-            g = torch.autograd.grad(outputs[i, j], target.params, retain_graph=not last, allow_unused=True)
-            write(out, target.names, g, (i, j))
+            g = torch.autograd.grad(outputs[i, j], trainable.params, retain_graph=not last, allow_unused=True)
+            write(out, trainable.names, g, (i, j))

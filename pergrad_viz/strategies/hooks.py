@@ -27,7 +27,7 @@ from ..losses import LossFn, summed_per_sample_loss
 from ..probe import SHARED, CallSpec, LayerPlan, Plan, plan_for
 from ..rules import call_rule_for, rule_for, supported_types
 from ..rules.fallback import per_sample_vjp
-from ..target import Target
+from ..trainable import Trainable
 from ._common import flat_outputs
 
 SLOW_BASELINE = False  # timed at every size by the benchmarks
@@ -98,25 +98,25 @@ class Call:
         return tuple(t._version for t in self.tensors()) != self.versions
 
 
-def _layers(target: Target, plan: Plan) -> dict[str, Layer]:
-    modules = dict(target.modules)
+def _layers(trainable: Trainable, plan: Plan) -> dict[str, Layer]:
+    modules = dict(trainable.modules)
     return {name: Layer(modules[name], lp) for name, lp in plan.layers.items()}
 
 
-def _problem(target: Target, inputs: torch.Tensor) -> str | None:
-    plan = plan_for(target, inputs)
+def _problem(trainable: Trainable, inputs: torch.Tensor) -> str | None:
+    plan = plan_for(trainable, inputs)
     if plan.interaction is not None:
         return f"the samples interact: {plan.interaction}"
     return plan.hooks_problem
 
 
-def check_supported(target: Target, inputs: torch.Tensor | None = None) -> None:
+def check_supported(trainable: Trainable, inputs: torch.Tensor | None = None) -> None:
     """Raise :class:`UnsupportedModelError` when the hooks strategy cannot give the per-sample definition for
-    ``target`` on inputs like ``inputs`` (B, ...); without inputs nothing is probed (every layer is covered by
+    ``trainable`` on inputs like ``inputs`` (B, ...); without inputs nothing is probed (every layer is covered by
     a rule or the per-layer fallback)."""
     if inputs is None:
         return
-    problem = _problem(target, inputs)
+    problem = _problem(trainable, inputs)
     if problem is not None:
         raise UnsupportedModelError(
             f"the hooks strategy cannot be used here: {problem}. Use strategy='torch_func' (or 'auto', which "
@@ -124,9 +124,9 @@ def check_supported(target: Target, inputs: torch.Tensor | None = None) -> None:
         )
 
 
-def describe(target: Target, inputs: torch.Tensor) -> dict[str, str]:
+def describe(trainable: Trainable, inputs: torch.Tensor) -> dict[str, str]:
     """{layer name: 'rule' | 'call' | 'fallback'}: how each layer's per-sample gradients are computed."""
-    plan = plan_for(target, inputs)
+    plan = plan_for(trainable, inputs)
     return {name: lp.kind for name, lp in plan.layers.items()}
 
 
@@ -154,7 +154,7 @@ def _check_call(layer: Layer, name: str, index: int, ins: list[torch.Tensor], ou
     return spec
 
 
-def _forward(target: Target, inputs: torch.Tensor, layers: dict[str, Layer], copy: bool
+def _forward(trainable: Trainable, inputs: torch.Tensor, layers: dict[str, Layer], copy: bool
              ) -> tuple[torch.Tensor, list[Call]]:
     calls: list[Call] = []
     counts: Counter[str] = Counter()
@@ -190,7 +190,7 @@ def _forward(target: Target, inputs: torch.Tensor, layers: dict[str, Layer], cop
 
     handles = [layer.module.register_forward_hook(hook, with_kwargs=True) for layer in layers.values()]
     try:
-        output = target.model(inputs)
+        output = trainable.model(inputs)
     finally:
         for h in handles:
             h.remove()
@@ -200,18 +200,18 @@ def _forward(target: Target, inputs: torch.Tensor, layers: dict[str, Layer], cop
     return output, calls
 
 
-def capture(target: Target, inputs: torch.Tensor) -> tuple[torch.Tensor, list[Call]]:
+def capture(trainable: Trainable, inputs: torch.Tensor) -> tuple[torch.Tensor, list[Call]]:
     """One forward pass of ``inputs`` (B, ...) with every layer's calls captured (and checked against the plan)."""
-    plan = plan_for(target, inputs)
+    plan = plan_for(trainable, inputs)
     if plan.interaction is not None or plan.hooks_problem is not None:
-        check_supported(target, inputs)
-    layers = target.cache.get("hooks.layers")
+        check_supported(trainable, inputs)
+    layers = trainable.cache.get("hooks.layers")
     if layers is None:
-        layers = target.cache["hooks.layers"] = _layers(target, plan)
-    output, calls = _forward(target, inputs, layers, copy=plan.copy_captures)
+        layers = trainable.cache["hooks.layers"] = _layers(trainable, plan)
+    output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
     if not plan.copy_captures and any(c.modified_in_place() for c in calls):  # ReLU(inplace=True), `out += x`
         plan.copy_captures = True  # known from now on for this model and input signature: one forward pass
-        output, calls = _forward(target, inputs, layers, copy=True)
+        output, calls = _forward(trainable, inputs, layers, copy=True)
     return output, calls
 
 
@@ -235,13 +235,13 @@ def _regroup(calls: list[Call], where: list[tuple[int, int]], grads: tuple, batc
     return per_call
 
 
-def loss_gradients(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor
+def loss_gradients(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor
                    ) -> tuple[list[Call], list[list]]:
     """1 forward with hooks, 1 backward of the summed per-sample losses to the layer outputs only.
 
     Returns (calls, grads): per call, per output tensor, a (1, *output.shape) gradient or None.
     """
-    output, calls = capture(target, inputs)
+    output, calls = capture(trainable, inputs)
     tensors, where = _grad_targets(calls)
     if not tensors:
         return calls, [[None] * len(c.outputs) for c in calls]
@@ -250,12 +250,12 @@ def loss_gradients(target: Target, loss_fn: LossFn, inputs: torch.Tensor, target
     return calls, _regroup(calls, where, grads, batched=False)
 
 
-def output_gradients(target: Target, inputs: torch.Tensor) -> tuple[list[Call], list[list], int]:
+def output_gradients(trainable: Trainable, inputs: torch.Tensor) -> tuple[list[Call], list[list], int]:
     """1 forward with hooks, 1 backward batched over the Y one-hot output vectors to the layer outputs.
 
     Returns (calls, grads, Y): per call, per output tensor, a (Y, *output.shape) gradient or None.
     """
-    output, calls = capture(target, inputs)
+    output, calls = capture(trainable, inputs)
     outputs = flat_outputs(output)  # (B, Y)
     batch, y_count = outputs.shape
     tensors, where = _grad_targets(calls)
@@ -300,7 +300,7 @@ def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
     per_sample_vjp(layer.module, call.inputs, call.spec.in_dims, full, call.spec.out_dims, out)
 
 
-def apply_rules(target: Target, calls: list[Call], grads: list[list], out: dict[str, torch.Tensor]) -> None:
+def apply_rules(trainable: Trainable, calls: list[Call], grads: list[list], out: dict[str, torch.Tensor]) -> None:
     """``out[name]`` is (N, B, *param.shape) here; sums over repeated calls of a shared layer, and over
     modules that share (tie) a parameter."""
     uses = Counter(fn for c in calls for fn in c.layer.local.values())
@@ -319,22 +319,22 @@ def apply_rules(target: Target, calls: list[Call], grads: list[list], out: dict[
             else:
                 out[fn].copy_(tmp[ln])
                 written.add(fn)
-    for name in target.names:
+    for name in trainable.names:
         if name not in written:  # a parameter the forward pass never used
             out[name].zero_()
 
 
-def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
           out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward (to the layer outputs only), then the rules; writes (B, *param.shape)."""
-    calls, g = loss_gradients(target, loss_fn, inputs, targets)
-    apply_rules(target, calls, g, {n: t.unsqueeze(0) for n, t in out.items()})
+    calls, g = loss_gradients(trainable, loss_fn, inputs, targets)
+    apply_rules(trainable, calls, g, {n: t.unsqueeze(0) for n, t in out.items()})
 
 
-def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward batched over the Y outputs, then the rules; writes (B, Y, *param.shape)."""
-    calls, g, _ = output_gradients(target, inputs)
-    apply_rules(target, calls, g, {n: t.transpose(0, 1) for n, t in out.items()})
+    calls, g, _ = output_gradients(trainable, inputs)
+    apply_rules(trainable, calls, g, {n: t.transpose(0, 1) for n, t in out.items()})
 
 
 def supported_layers() -> tuple[str, ...]:

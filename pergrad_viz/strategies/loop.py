@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..losses import LossFn, scalar_loss
-from ..target import Target
+from ..trainable import Trainable
 from ._common import write
 
 SLOW_BASELINE = True  # a baseline: skipped by the benchmarks above their size limit
@@ -21,19 +21,19 @@ def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int
     return 0
 
 
-def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
           out: dict[str, torch.Tensor]) -> None:
     """B forward and B backward passes of one sample each; writes (B, *param.shape) into ``out``."""
     for i in range(inputs.shape[0]):
-        loss = scalar_loss(loss_fn(target.model(inputs[i:i + 1]), targets[i:i + 1]))
-        write(out, target.names, torch.autograd.grad(loss, target.params, allow_unused=True), i)
+        loss = scalar_loss(loss_fn(trainable.model(inputs[i:i + 1]), targets[i:i + 1]))
+        write(out, trainable.names, torch.autograd.grad(loss, trainable.params, allow_unused=True), i)
 
 
-def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """B forward and B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
     for i in range(inputs.shape[0]):
-        output = target.model(inputs[i:i + 1]).reshape(-1)
+        output = trainable.model(inputs[i:i + 1]).reshape(-1)
         y_count = output.numel()
         for j in range(y_count):
-            g = torch.autograd.grad(output[j], target.params, retain_graph=j < y_count - 1, allow_unused=True)
-            write(out, target.names, g, (i, j))
+            g = torch.autograd.grad(output[j], trainable.params, retain_graph=j < y_count - 1, allow_unused=True)
+            write(out, trainable.names, g, (i, j))

@@ -20,7 +20,7 @@ from torch.func import functional_call, grad, jacrev, vmap
 
 from ..errors import UnsupportedModelError
 from ..losses import LossFn, scalar_loss
-from ..target import Target
+from ..trainable import Trainable
 
 SLOW_BASELINE = False  # vectorised: timed at every size by the benchmarks
 BATCHED_FORWARD = False  # each sample alone: right even where samples would interact in a batch
@@ -35,12 +35,12 @@ class VmapError(UnsupportedModelError):
     """``torch.func.vmap`` cannot run the model (an operation without a batching rule)."""
 
 
-def _trainable(target: Target) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in zip(target.names, target.params, strict=True)}
+def _trainable(trainable: Trainable) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in zip(trainable.names, trainable.params, strict=True)}
 
 
 @contextlib.contextmanager
-def _vmap_limits(target: Target, one_sample: Callable[[], object]) -> Iterator[None]:
+def _vmap_limits(trainable: Trainable, one_sample: Callable[[], object]) -> Iterator[None]:
     """Turn an error raised inside ``vmap`` into :class:`VmapError` naming the innermost layer that was running,
     if the same computation for one sample without ``vmap`` (``one_sample()``) works: a limit of ``vmap``, not an
     error of the model or the loss (which is raised unchanged)."""
@@ -54,7 +54,7 @@ def _vmap_limits(target: Target, one_sample: Callable[[], object]) -> Iterator[N
             running.pop()
 
     handles = []
-    for _, m in target.modules:
+    for _, m in trainable.modules:
         handles.append(m.register_forward_pre_hook(enter))
         handles.append(m.register_forward_hook(leave))
     try:
@@ -69,7 +69,7 @@ def _vmap_limits(target: Target, one_sample: Callable[[], object]) -> Iterator[N
         except Exception:
             raise e from None  # the model or the loss fails without vmap too: their own error
         if failing is not None:
-            names = {id(m): n for n, m in target.modules}
+            names = {id(m): n for n, m in trainable.modules}
             where = f"in layer '{names[id(failing)] or 'model'}' ({type(failing).__name__})"
         else:
             where = "in the backward pass"
@@ -83,31 +83,31 @@ def _vmap_limits(target: Target, one_sample: Callable[[], object]) -> Iterator[N
             h.remove()
 
 
-def grads(target: Target, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
           out: dict[str, torch.Tensor]) -> None:
     """Writes (B, *param.shape) into ``out`` with ``vmap(grad(loss of one sample))``."""
-    frozen = target.frozen_state()
+    frozen = trainable.frozen_state()
 
     def loss_of_one(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        output = functional_call(target.model, {**params, **frozen}, (x.unsqueeze(0),))
+        output = functional_call(trainable.model, {**params, **frozen}, (x.unsqueeze(0),))
         return scalar_loss(loss_fn(output, y.unsqueeze(0)))
 
-    params = _trainable(target)
-    with _vmap_limits(target, lambda: grad(loss_of_one)(params, inputs[0], targets[0])):
+    params = _trainable(trainable)
+    with _vmap_limits(trainable, lambda: grad(loss_of_one)(params, inputs[0], targets[0])):
         result = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets)
-    for name in target.names:
+    for name in trainable.names:
         out[name].copy_(result[name])
 
 
-def jacobian(target: Target, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """Writes (B, Y, *param.shape) into ``out`` with ``vmap(jacrev(outputs of one sample))``."""
-    frozen = target.frozen_state()
+    frozen = trainable.frozen_state()
 
     def outputs_of_one(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return functional_call(target.model, {**params, **frozen}, (x.unsqueeze(0),)).reshape(-1)
+        return functional_call(trainable.model, {**params, **frozen}, (x.unsqueeze(0),)).reshape(-1)
 
-    params = _trainable(target)
-    with _vmap_limits(target, lambda: jacrev(outputs_of_one)(params, inputs[0])):
+    params = _trainable(trainable)
+    with _vmap_limits(trainable, lambda: jacrev(outputs_of_one)(params, inputs[0])):
         result = vmap(jacrev(outputs_of_one), in_dims=(None, 0))(params, inputs)
-    for name in target.names:
+    for name in trainable.names:
         out[name].copy_(result[name])

@@ -17,7 +17,7 @@ _RANDOM_IN_TRAINING = (*_DROPOUT, nn.RReLU)  # draw random numbers on every forw
 
 
 @dataclass(frozen=True)
-class Target:
+class Trainable:
     """A model and its trainable parameters, in ``named_parameters()`` order."""
 
     model: nn.Module
@@ -27,7 +27,7 @@ class Target:
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # scratch space for one call
 
     @classmethod
-    def of(cls, model: nn.Module) -> Target:
+    def of(cls, model: nn.Module) -> Trainable:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -69,13 +69,13 @@ class Target:
         return state
 
 
-def check_modes(model: nn.Module | Target) -> None:
+def check_modes(model: nn.Module | Trainable) -> None:
     """Refuse layers whose per-sample gradients are undefined or random in the model's current mode.
 
     BatchNorm that uses batch statistics mixes the samples of a batch, so "the gradient of sample i"
     depends on the other samples; Dropout in training mode draws different masks in each strategy.
     """
-    for name, m in model.modules if isinstance(model, Target) else model.named_modules():
+    for name, m in model.modules if isinstance(model, Trainable) else model.named_modules():
         label = f"{name or 'model'} ({type(m).__name__})"
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
             raise UnsupportedModelError(
@@ -117,19 +117,19 @@ def check_modes(model: nn.Module | Target) -> None:
             )
 
 
-def hooked_parameter(target: Target) -> str | None:
+def hooked_parameter(trainable: Trainable) -> str | None:
     """The name of a trainable parameter with a gradient hook (``p.register_hook``), if any: ``torch.autograd.grad``
     (the loop) applies such hooks; the batched strategies compute the plain gradient and cannot."""
-    return next((n for n, p in zip(target.names, target.params, strict=True) if p._backward_hooks), None)
+    return next((n for n, p in zip(trainable.names, trainable.params, strict=True) if p._backward_hooks), None)
 
 
 @contextlib.contextmanager
-def guest(model: nn.Module | Target) -> Iterator[None]:
+def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
     """Leave ``model`` as it was found: every module's training flag is restored, even on error.
 
     Strategies never call ``backward()`` (so ``.grad`` is untouched) and remove their own hooks.
     """
-    modules = (m for _, m in model.modules) if isinstance(model, Target) else model.modules()
+    modules = (m for _, m in model.modules) if isinstance(model, Trainable) else model.modules()
     flags = [(m, m.training) for m in modules]
     try:
         yield
