@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import textwrap
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,10 +27,15 @@ from .bench import FORWARD_BACKWARD, MEMORY_FLOOR
 from .strategies import STRATEGIES
 
 __all__ = [
+    "aligned_edges",
     "bar_figure",
+    "clipping_figure",
+    "fit_text",
     "grouped_heatmap",
     "image_grid",
     "norm_histogram",
+    "outer_product_figure",
+    "right_closed_counts",
     "first_layer_images",
     "gradient_heatmap",
     "param_boundaries",
@@ -66,6 +72,35 @@ def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Ax
     return fig, fig.add_subplot()
 
 
+def _fixed_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes, bool]:
+    """``ax``'s figure, or a new figure of ``figsize`` inches without a layout engine (its margins are set with
+    :func:`_place`: a constrained layout would double the time to draw it). The flag: the figure is new."""
+    if ax is not None:
+        return ax.figure, ax, False
+    fig = Figure(figsize=figsize)
+    return fig, fig.add_subplot(), True
+
+
+_CHAR_IN = {"x-small": 0.056, "small": 0.066, "medium": 0.08}  # inches per character, DejaVu Sans (generous)
+
+
+def _text_in(lines: Iterable[str], size: str = "small") -> float:
+    """The width in inches of the longest of ``lines`` (an estimate that errs on the wide side)."""
+    return max((len(line) for text in lines for line in str(text).split("\n")), default=0) * _CHAR_IN[size]
+
+
+def _place(fig: Figure, *, left: float, right: float, bottom: float, top: float, **spacing: float) -> None:
+    """Margins in inches around the subplots (so labels and titles stay inside the figure)."""
+    w, h = fig.get_size_inches()
+    fig.subplots_adjust(left=min(left / w, 0.45), right=max(1 - right / w, 0.55), bottom=min(bottom / h, 0.45),
+                        top=max(1 - top / h, 0.55), **spacing)
+
+
+def _title_in(title: str | None) -> float:
+    """Room above the axes for a (wrapped) medium-size title."""
+    return 0.12 + 0.21 * (title.count("\n") + 1) if title else 0.12
+
+
 def to_png(fig: Figure, *, dpi: float | None = None, close: bool = True) -> bytes:
     """The figure rendered as PNG bytes (e.g. for ``ipywidgets.Image``); with ``close`` its artists are cleared."""
     buf = io.BytesIO()
@@ -96,7 +131,8 @@ def _skip_text(timed: list[int], skipped: list[int], short: str) -> str:
 
 
 def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | None = None,
-                   title: str | None = None, highlight: int | None = None) -> Figure:
+                   title: str | None = None, highlight: int | None = None, width: float = 7.0,
+                   height: float = 4.0) -> Figure:
     """Median time per call against batch size (or hidden width), log-log, one line per method.
 
     Args:
@@ -110,6 +146,7 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
         ax: draw into this axes (default: a new figure).
         title: default: the quantity and the fixed setting.
         highlight: an x value to mark with a dotted vertical line (e.g. the current batch size).
+        width, height: of a new figure, in inches (the legend sits right of the axes, inside the figure).
 
     Returns:
         The figure.
@@ -133,7 +170,8 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
     # methods in order of first appearance, references last
     order = sorted(groups, key=lambda k: (k[0] in REFERENCES, REFERENCES.index(k[0]) if k[0] in REFERENCES else 0))
 
-    fig, ax = _new_axes(ax, (7.0, 4.0))
+    fig, ax, new = _fixed_axes(ax, (width, height))
+    labels = []
     for key in order:
         name, quantity, other_value = key
         rows = sorted(groups[key], key=lambda r: getattr(r, x))
@@ -145,6 +183,7 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
         if len(others) > 1:
             label += f" ({_X_AXES[other][1]}={other_value})"
         label += _skip_text([getattr(r, x) for r in timed], skipped, short)
+        labels.append(label)
         style: dict[str, Any] = (
             {**_REFERENCE_STYLE[name], "linestyle": "--", "linewidth": 1.2} if name in REFERENCES
             else {"color": _color(name), "marker": "o", "linestyle": "-", "linewidth": 1.8}
@@ -176,62 +215,106 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
         what = " & ".join(_QUANTITY_TITLES.get(q, q) for q in quantities)
         fixed = f", {_X_AXES[other][1]}={others[0]}" if len(others) == 1 else ""
         title = f"{what}: time vs {xlabel}{fixed}"
+    right = min(_text_in(labels, "small") + 0.6, width * 0.45)
+    if new:  # wrapped to the axes' width: a title centred over the axes stays inside the figure
+        title = fit_text(title, width - 0.85 - right)
     ax.set_title(title, fontsize="medium")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    if new:
+        _place(fig, left=0.85, right=right, bottom=0.55, top=_title_in(title))
     return fig
 
 
-def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | None = None) -> Figure:
+def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | None = None,
+               pending: Sequence[str] = (), noisy: Collection[str] | None = None, width: float = 6.0) -> Figure:
     """Horizontal bars of the median time of every method at one setting, annotated with the speed-up vs loop.
 
     Args:
         records: the records of one (quantity, batch size, hidden width), e.g.
             ``[r for r in records if r.batch_size == 32]``. Skipped methods get no bar but their note;
-            where ``loop`` was not timed, the annotation is the time relative to forward+backward.
-        ax, title: as in :func:`runtime_figure`.
+            where ``loop`` was not timed, the annotation is the time relative to forward+backward. A thin line
+            spans each bar's interquartile range (median ± IQR/2).
+        ax, title: as in :func:`runtime_figure` (default title: the quantity and the setting).
+        pending: methods still being timed: a row each, reading "timing…", so the chart keeps its size while
+            it fills in.
+        noisy: methods whose measurement was noisy: their annotation says "noisy: rerun" (default: the records
+            whose note says "noisy").
+        width: figure width in inches (a new figure only).
+
+    The annotations sit to the right of the axes, inside the figure (constrained layout makes room).
 
     Raises:
-        ValueError: no records, or records of several settings.
+        ValueError: no records (and nothing pending), or records of several settings.
     """
     records = list(records)
-    if not records:
+    if not records and not pending:
         raise ValueError("no records to plot: pass the records of one setting")
     settings = {(r.quantity, r.batch_size, r.hidden) for r in records}
     if len(settings) > 1:
         raise ValueError(f"bar_figure shows one setting, got {len(settings)}: {sorted(settings)}; filter the "
                          "records first, e.g. [r for r in records if r.batch_size == B and r.hidden == H]")
-    (quantity, batch, hidden), = settings
-    fig, ax = _new_axes(ax, (6.0, 0.45 * len(records) + 1.3))
+    rows = len(records) + len(pending)
+    if noisy is None:
+        noisy = {r.strategy for r in records if "noisy" in (r.note or "").lower()}
+    fig, ax, new = _fixed_axes(ax, (width, 0.3 * rows + 1.05))
     timed = [r.median_s for r in records if r.median_s is not None]
-    left = min(timed) / 3 if timed else 1e-3
+    left = min(timed) / 3 if timed else 1e-4
+    right = max(timed) * 3 if timed else 1.0
+    beside = ax.get_yaxis_transform()  # x in axes fraction, y in data
+    note_chars = max(20, int(fig.get_figwidth() * 0.45 / _CHAR_IN["x-small"]))
+    annotations: list[str] = []
     for k, r in enumerate(records):
         ref = r.strategy in REFERENCES
         if r.median_s is None:
-            ax.text(left * 1.1, k, f"skipped: {r.note.removeprefix('skipped: ')}" if r.note else "skipped",
-                    va="center", fontsize="small", color="0.3", style="italic")
+            note = f"skipped: {r.note.removeprefix('skipped: ')}" if r.note else "skipped"
+            ax.text(0.01, k, textwrap.fill(note, note_chars), transform=beside, va="center", fontsize="x-small",
+                    color="0.3", style="italic")
             continue
         ax.barh(k, r.median_s - left, left=left, color=_REFERENCE_STYLE[r.strategy]["color"] if ref
-                else _color(r.strategy), hatch="//" if ref else None, alpha=0.85 if ref else 1.0)
+                else _color(r.strategy), hatch="//" if ref else None, alpha=0.85 if ref else 1.0, height=0.7)
+        if r.iqr_s:
+            ax.plot([max(left, r.median_s - r.iqr_s / 2), r.median_s + r.iqr_s / 2], [k, k], color="black",
+                    linewidth=1.0, solid_capstyle="butt")
         if r.speedup_vs_loop is not None:
             extra = "loop" if r.strategy == "loop" else f"{r.speedup_vs_loop:.3g}x vs loop"
         elif r.vs_forward_backward is not None and r.strategy != FORWARD_BACKWARD:
-            extra = f"{r.vs_forward_backward:.3g}x fwd+bwd time"
+            extra = f"{r.vs_forward_backward:.3g}x fwd+bwd"
         else:
             extra = ""
-        ax.text(r.median_s * 1.08, k, f"{_fmt_seconds(r.median_s)}" + (f"  ({extra})" if extra else ""),
-                va="center", fontsize="small")
+        warn = r.strategy in noisy
+        label = _fmt_seconds(r.median_s) + (f" ({extra})" if extra else "") + (" ⚠ noisy: rerun" if warn else "")
+        annotations.append(label)
+        ax.text(1.02, k, label, transform=beside, va="center", fontsize="small", color="#c62828" if warn else "black",
+                clip_on=False)
+    for j in range(len(records), rows):
+        ax.text(0.01, j, "timing…", transform=beside, va="center", fontsize="small", color="0.4", style="italic")
     ax.set_xscale("log")
-    ax.set_yticks(range(len(records)), [r.strategy for r in records])
-    ax.set_ylim(len(records) - 0.5, -0.5)
-    right = max(timed) * 12 if timed else 1.0
+    ax.set_yticks(range(rows), [r.strategy for r in records] + list(pending))
+    ax.set_ylim(rows - 0.5, -0.5)
     ax.set_xlim(left, right)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_seconds(v)))
-    ax.set_xlabel("median time per call (log scale)")
-    if title is None:
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("median time per call (log scale; line: IQR)", fontsize="small")
+    if title is None and settings:
+        (quantity, batch, hidden), = settings
         title = f"{_QUANTITY_TITLES.get(quantity, quantity)}, B={batch}, hidden={hidden}"
-    ax.set_title(title, fontsize="medium")
+    names = [r.strategy for r in records] + list(pending)
+    left = _text_in(names, "medium") + 0.2
+    right = _text_in(annotations, "small") + 0.25
+    if title:
+        title = fit_text(title, fig.get_figwidth() - left - right + 2 * min(left, right)) if new else title
+        ax.set_title(title, fontsize="medium")
     ax.grid(True, axis="x", alpha=0.3)
+    if new:
+        _place(fig, left=left, right=right, bottom=0.5, top=_title_in(title))
     return fig
+
+
+def fit_text(text: str, width_in: float, fontsize_pt: float = 10.0) -> str:
+    """``text`` wrapped to lines that fit ``width_in`` inches at ``fontsize_pt`` (about 0.55 em per character),
+    for titles that must stay inside their figure."""
+    chars = max(10, int(width_in * 72 / (0.55 * fontsize_pt)))
+    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
 
 
 # --------------------------------------------------------------------------------------------- heatmaps
@@ -305,25 +388,34 @@ def _layer_widths(sizes: Sequence[int], min_frac: float) -> np.ndarray:
 
 
 def _maxabs_pool(a: np.ndarray, factor: int, axis: int) -> np.ndarray:
-    """Pool ``factor`` consecutive entries along ``axis`` into the one of largest magnitude (sign kept)."""
+    """Pool ``factor`` consecutive entries along ``axis`` into the one of largest magnitude (sign kept).
+
+    Reads ``a`` through views (max and min per block, no padded or absolute-value copy), so pooling a
+    (256, 400k) gradient for display costs two passes over it."""
     if factor <= 1:
         return a
     a = np.moveaxis(a, axis, -1)
     n = a.shape[-1]
-    bins = -(-n // factor)
-    padded = np.zeros((*a.shape[:-1], bins * factor), dtype=a.dtype)
-    padded[..., :n] = a
-    blocks = padded.reshape(*a.shape[:-1], bins, factor)
-    idx = np.abs(blocks).argmax(axis=-1)[..., None]
-    return np.moveaxis(np.take_along_axis(blocks, idx, axis=-1)[..., 0], -1, axis)
+    full = n // factor * factor
+    parts = []
+    if full:
+        blocks = a[..., :full].reshape(*a.shape[:-1], full // factor, factor)
+        parts.append((blocks.max(axis=-1), blocks.min(axis=-1)))
+    if full < n:
+        rest = a[..., full:]
+        parts.append((rest.max(axis=-1, keepdims=True), rest.min(axis=-1, keepdims=True)))
+    hi = np.concatenate([p[0] for p in parts], axis=-1)
+    lo = np.concatenate([p[1] for p in parts], axis=-1)
+    return np.moveaxis(np.where(hi >= -lo, hi, lo), -1, axis)
 
 
 def robust_limit(values: np.ndarray, percentile: float = 99.0, max_samples: int = 2_000_000) -> float:
     """The ``percentile`` of ``|values|`` (on an even subsample past ``max_samples``); falls back to the max,
     then to 1, so that a colour scale ``(-limit, limit)`` is never empty."""
-    flat = np.abs(values.reshape(-1))
+    flat = values.reshape(-1)
     if flat.size > max_samples:
         flat = flat[:: -(-flat.size // max_samples)]
+    flat = np.abs(flat)
     finite = flat[np.isfinite(flat)]
     if finite.size == 0:
         return 1.0
@@ -337,7 +429,8 @@ def gradient_heatmap(grads_flat: Any, boundaries: Boundaries | None = None, *, a
                      title: str | None = "per-sample gradients", ylabel: str = "sample",
                      row_labels: Sequence[str] | None = None, highlight_row: int | None = None,
                      max_cols: int = 2000, max_rows: int = 1000, min_layer_frac: float = 0.05,
-                     percentile: float = 99.0, cmap: str = DIVERGING, colorbar: bool = True) -> Figure:
+                     percentile: float = 99.0, cmap: str = DIVERGING, colorbar: bool = True,
+                     figsize: tuple[float, float] = (9.5, 3.4)) -> Figure:
     """A heatmap of flat gradients, one row per sample (B, P) or per output (Y, P), split by layer.
 
     Colours are diverging and centred at 0: the limits are symmetric, ``±`` the ``percentile`` of
@@ -361,6 +454,7 @@ def gradient_heatmap(grads_flat: Any, boundaries: Boundaries | None = None, *, a
         title, ylabel: text; ``row_labels`` names the rows (e.g. class names of a Jacobian's outputs).
         highlight_row: outline this row (e.g. the sample shown elsewhere).
         max_cols, max_rows: display size budget. percentile: the robust colour limit.
+        figsize: of a new figure, in inches.
 
     Returns:
         The figure. Its axes holds one image per layer (``ax.images``) and the boundary lines.
@@ -374,17 +468,19 @@ def gradient_heatmap(grads_flat: Any, boundaries: Boundaries | None = None, *, a
     rows, p = data.shape
     segs = _segments(boundaries, p)
     limit = robust_limit(data, percentile)
+    largest = 0.0
     row_factor = -(-rows // max_rows)
     widths = _layer_widths([b - a for _, a, b in segs], min_layer_frac)
     edges = np.concatenate([[0.0], np.cumsum(widths)]) * p
     edges[-1] = p
 
-    fig, ax = _new_axes(ax, (9.5, 3.4))
+    fig, ax, new = _fixed_axes(ax, figsize)
     image = None
     for (name, a, b), x0, x1, w in zip(segs, edges[:-1], edges[1:], widths, strict=True):
         size = b - a
         cols = max(1, min(size, int(max_cols * w)))
         block = _maxabs_pool(_maxabs_pool(data[:, a:b], -(-size // cols), axis=1), row_factor, axis=0)
+        largest = max(largest, float(np.nanmax(np.abs(block))))  # pooling keeps each block's largest |value|
         image = ax.imshow(block, cmap=cmap, vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest",
                           extent=(x0, x1, rows, 0))
         image.set_label(name)
@@ -394,27 +490,34 @@ def gradient_heatmap(grads_flat: Any, boundaries: Boundaries | None = None, *, a
     ax.set_ylim(rows, 0)
     centres = (edges[:-1] + edges[1:]) / 2
     crowded = len(segs) > 1 and widths.min() < 0.12
-    ax.set_xticks(centres, [f"{n} ({b - a:,})" if crowded else f"{n}\n{b - a:,}" for n, a, b in segs],
-                  fontsize="small", rotation=25 if crowded else 0, ha="right" if crowded else "center",
+    ticks = [f"{n} ({b - a:,})" if crowded else f"{n}\n{b - a:,}" for n, a, b in segs]
+    ax.set_xticks(centres, ticks, fontsize="small", rotation=25 if crowded else 0, ha="right" if crowded else "center",
                   rotation_mode="anchor")
     ax.tick_params(axis="x", length=0)
     widened = min_layer_frac > 0 and not np.allclose(widths, [(b - a) / p for _, a, b in segs])
     ax.set_xlabel(f"trainable parameters by layer (P = {p:,})"
                   + (f"; layers under {min_layer_frac:.0%} of P widened to stay visible" if widened else ""),
                   fontsize="small")
-    if row_labels is not None and len(row_labels) == rows and rows <= 40:
+    labelled = row_labels is not None and len(row_labels) == rows and rows <= 40
+    if labelled:
         ax.set_yticks(np.arange(rows) + 0.5, list(row_labels), fontsize="small")
     elif rows <= 16:
         ax.set_yticks(np.arange(rows) + 0.5, [str(k) for k in range(rows)], fontsize="small")
     ax.set_ylabel(ylabel)
     if highlight_row is not None and 0 <= highlight_row < rows:
         ax.axhspan(highlight_row, highlight_row + 1, fill=False, edgecolor="black", linewidth=1.2)
+    left = 0.35 + (_text_in(row_labels, "small") if labelled else 0.35)
     if title:
+        if new:
+            title = fit_text(title, fig.get_figwidth() - left - 0.9)
         ax.set_title(title, fontsize="medium")
     if colorbar and image is not None:
-        clipped = float(np.nanmax(np.abs(data))) > limit
-        fig.colorbar(image, ax=ax, extend="both" if clipped else "neither", pad=0.01,
+        clipped = largest > limit
+        fig.colorbar(image, ax=ax, extend="both" if clipped else "neither", pad=0.01, fraction=0.04,
                      label=f"±{limit:.2g} = {percentile:g}th pct of |value|" if clipped else f"±{limit:.2g}")
+    if new:
+        bottom = 0.3 + (0.45 * _text_in(ticks, "small") + 0.1 if crowded else 0.4)
+        _place(fig, left=left, right=0.75 if colorbar else 0.15, bottom=bottom, top=_title_in(title))
     return fig
 
 
@@ -452,8 +555,12 @@ def first_layer_images(weight_grad: Any, *, image: Any = None, titles: Sequence[
     ncols = max(1, min(ncols, panels))
     nrows = -(-panels // ncols)
     # a fixed grid (no constrained layout: it costs more than drawing these untitled, tick-free images)
-    cell, top_in, title_in, bar_in = 1.6, (0.45 if suptitle else 0.1), 0.22, 0.75
-    width, height = cell * ncols + bar_in, (cell + title_in) * nrows + top_in
+    cell, title_in, bar_in = 1.6, 0.22, 0.75
+    width = cell * ncols + bar_in
+    if suptitle:  # wrapped to the figure's width: it must not run off the edges
+        suptitle = fit_text(suptitle, width - 0.2)
+    top_in = 0.2 + 0.22 * (suptitle.count("\n") + 1) if suptitle else 0.1
+    height = (cell + title_in) * nrows + top_in
     fig = Figure(figsize=(width, height))
     fig.subplots_adjust(left=0.08 / width, right=1 - bar_in / width, bottom=0.05 / height, top=1 - top_in / height,
                         wspace=0.08, hspace=title_in / cell + 0.05)
@@ -521,18 +628,169 @@ def image_grid(images: Any, *, titles: Sequence[str] | None = None, ncols: int =
     return fig
 
 
+def aligned_edges(max_value: float, threshold: float, bins: int = 30) -> np.ndarray:
+    """Histogram bin edges from 0 to at least ``max_value`` with ``threshold`` on an edge (about ``bins`` bins):
+    the bin width is ``threshold / k`` for a whole k, so no bin straddles the threshold."""
+    if not (threshold > 0 and math.isfinite(threshold)):
+        raise ValueError(f"threshold must be a positive number, got {threshold!r}")
+    top = max(float(max_value), threshold) * 1.0001
+    k = max(1, round(bins * threshold / top))
+    step = threshold / k
+    return np.arange(0, math.ceil(top / step) + 1) * step
+
+
+def right_closed_counts(values: Any, edges: np.ndarray, rtol: float = 1e-5) -> np.ndarray:
+    """Counts of ``values`` in right-closed bins (edges[j-1], edges[j]] (the first also takes edges[0]); a value
+    within ``rtol`` of an edge counts as on it, so a norm clipped to exactly C (up to rounding) lands in the
+    bin that ends at C, left of a line drawn at C."""
+    v = _to_numpy(values).ravel().astype(np.float64)
+    idx = np.searchsorted(edges, v * (1 - rtol), side="left")
+    idx = np.clip(idx, 1, len(edges) - 1) - 1
+    return np.bincount(idx, minlength=len(edges) - 1)[: len(edges) - 1]
+
+
 def norm_histogram(before: Any, after: Any, max_norm: float, *, bins: int = 40) -> Figure:
-    """Histograms of per-sample gradient norms (B,) before and after clipping to ``max_norm``."""
+    """Histograms of per-sample gradient norms (B,) before and after clipping to ``max_norm``.
+
+    The bins are aligned to C = ``max_norm`` (C is a bin edge) and closed on the right, so norms clipped to
+    exactly C sit in the bin left of the C line."""
     b, a = _to_numpy(before).ravel(), _to_numpy(after).ravel()
     fig = Figure(figsize=(7, 3.2), layout="constrained")
     ax = fig.add_subplot()
-    edges = np.linspace(0.0, max(float(b.max()), float(a.max()), max_norm) * 1.02, bins + 1)
-    ax.hist(b, bins=edges, alpha=0.6, label="before clipping", color="tab:blue")
-    ax.hist(a, bins=edges, alpha=0.6, label="after clipping", color="tab:orange")
+    edges = aligned_edges(max(float(b.max()), float(a.max())), max_norm, bins)
+    widths = np.diff(edges)
+    for values, label, color in ((b, "before clipping", "tab:blue"), (a, "after clipping", "tab:orange")):
+        ax.bar(edges[:-1], right_closed_counts(values, edges), width=widths, align="edge", alpha=0.6, label=label,
+               color=color)
     ax.axvline(max_norm, color="k", linestyle="--", linewidth=1, label=f"max_norm C = {max_norm:g}")
-    ax.set_xlabel("per-sample gradient L2 norm")
+    ax.set_xlim(0, edges[-1])
+    ax.set_xlabel("per-sample gradient L2 norm (bins aligned to C)")
     ax.set_ylabel("samples")
     ax.legend(fontsize="small")
+    return fig
+
+
+def clipping_figure(total: Any, layers: Mapping[str, Any], max_norm: float, *, sums: tuple[float, float] | None = None,
+                    title: str | None = None, bins: int = 30, width: float = 7.5) -> Figure:
+    """The DP-SGD view: per-sample gradient norms and what clipping them to ``max_norm`` does.
+
+    Args:
+        total: (B,) norms of the whole per-sample gradients (what DP-SGD clips).
+        layers: ``{layer: (B,) norms}`` of each layer's part (their squares add up to ``total**2``).
+        max_norm: the clipping threshold C (a bin edge: bins are aligned to it and closed on the right).
+        sums: (||sum of the plain gradients||, ||sum of the clipped gradients||), shown under the title.
+        title: default names B.
+        width: in inches.
+
+    Returns:
+        The figure: the total's histogram on top (samples beyond C in orange: they get clipped), the
+        layers' histograms (outlines) below, on the same x axis; the C line on both.
+    """
+    t = _to_numpy(total).ravel()
+    if t.size == 0:
+        raise ValueError("no norms to plot: pass the (B,) per-sample gradient norms")
+    parts = {name: _to_numpy(v).ravel() for name, v in layers.items()}
+    edges = aligned_edges(float(np.nanmax(t)), max_norm, bins)
+    widths, left = np.diff(edges), edges[:-1]
+    fig = Figure(figsize=(width, 4.3))
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[1.3, 1])
+    counts = right_closed_counts(t, edges)
+    beyond = left >= max_norm * (1 - 1e-9)
+    top.bar(left[~beyond], counts[~beyond], width=widths[~beyond], align="edge", color="tab:blue",
+            label="kept as they are (norm <= C)")
+    top.bar(left[beyond], counts[beyond], width=widths[beyond], align="edge", color="tab:orange",
+            label="scaled down to norm C")
+    clipped = int((t > max_norm * (1 + 1e-5)).sum())
+    for k, (name, values) in enumerate(parts.items()):
+        bottom.stairs(right_closed_counts(values, edges), edges, color=_PALETTE[(k + 4) % len(_PALETTE)],
+                      linewidth=1.6, label=name)
+    for ax in (top, bottom):
+        ax.axvline(max_norm, color="k", linestyle="--", linewidth=1)
+        ax.set_ylabel("samples")
+        ax.grid(True, axis="y", alpha=0.3)
+    top.text(max_norm, 0.97, f" C = {max_norm:.3g}", transform=top.get_xaxis_transform(), va="top",
+             fontsize="small")
+    top.legend(fontsize="small", loc="upper right")
+    bottom.legend(fontsize="small", loc="upper right", title="per layer", title_fontsize="small")
+    bottom.set_xlim(0, edges[-1])
+    bottom.set_xlabel("per-sample gradient L2 norm (bins aligned to C)")
+    line = f"clipped: {clipped} of {t.size} samples ({clipped / t.size:.0%})"
+    if sums is not None:
+        plain, after = sums
+        line += f"; ||sum clipped|| = {after:.3g} vs ||sum plain|| = {plain:.3g}"
+    head = title if title is not None else f"per-sample gradient norms, B={t.size}"
+    text = fit_text(f"{head}\n{line}", width - 0.9)
+    top.set_title(text, fontsize="medium")
+    _place(fig, left=0.7, right=0.2, bottom=0.55, top=_title_in(text), hspace=0.08)
+    return fig
+
+
+def _inches(fig: Figure, x0: float, y0: float, w: float, h: float) -> Axes:
+    """A new axes at (x0, y0) of size (w, h), all in inches from the figure's lower left corner."""
+    fw, fh = fig.get_size_inches()
+    return fig.add_axes((x0 / fw, y0 / fh, w / fw, h / fh))
+
+
+def outer_product_figure(a: Any, g: Any, *, gradient_norm: float | None = None, title: str | None = None,
+                         image_shape: tuple[int, int] = (28, 28), width: float = 9.0) -> Figure:
+    """How the fast rule works for a Linear layer: one sample's input a (the image), the backprop signal g at
+    the layer's output (one bar per unit), and their outer product g a^T, which *is* the sample's gradient of
+    the layer's weight; with ||g a^T|| = ||g|| ||a|| (the ghost-norm identity) shown with its numbers.
+
+    Args:
+        a: (in,) the layer's input for the sample (``in`` = H*W of ``image_shape``).
+        g: (out,) the gradient of the sample's loss with respect to the layer's output.
+        gradient_norm: the norm of the sample's weight gradient as computed elsewhere (e.g. from
+            ``per_sample_grads``): shown next to ||g|| ||a|| to check the identity.
+        title: over the three panels. width: in inches (at least 7).
+    """
+    a_np, g_np = _to_numpy(a).ravel(), _to_numpy(g).ravel()
+    h, w = image_shape
+    if a_np.size != h * w:
+        raise ValueError(f"a has {a_np.size} values, not an image of {h}x{w}: pass image_shape=")
+    if g_np.size == 0:
+        raise ValueError("g is empty: pass the (out,) gradient at the layer's output")
+    outer = np.outer(g_np, a_np)  # (out, in)
+    a_norm, g_norm = float(np.linalg.norm(a_np)), float(np.linalg.norm(g_np))
+    width = max(width, 7.0)
+    head = fit_text(title, width - 0.3) if title else ""
+    top = 0.55 + (0.21 * (head.count("\n") + 1) + 0.05 if head else 0)  # the panels' two-line titles + title
+    bottom = 0.85  # x labels, then the identity
+    height = 2.5 + top + bottom
+    fig = Figure(figsize=(width, height))
+    panel = height - top - bottom
+    ax_a = _inches(fig, 0.15, bottom, panel, panel)
+    ax_g = _inches(fig, 0.15 + panel + 0.6, bottom, 1.8, panel)
+    x_o = 0.15 + panel + 0.6 + 1.8 + 0.75
+    ax_o = _inches(fig, x_o, bottom, width - x_o - 0.95, panel)
+    ax_c = _inches(fig, width - 0.8, bottom, 0.12, panel)
+    ax_a.imshow(a_np.reshape(h, w), cmap="gray", interpolation="nearest")
+    ax_a.set_title(f"the input a_i\n||a_i|| = {a_norm:.5g}", fontsize="small")
+    ax_a.set_xticks([])
+    ax_a.set_yticks([])
+    units = np.arange(g_np.size)
+    line_pt = max(0.5, min(8.0, 0.8 * 1.8 * 72 / g_np.size))  # bars as lines: cheap for 512 units
+    ax_g.vlines(units, 0, g_np, colors=np.where(g_np >= 0, "tab:red", "tab:blue"), linewidth=line_pt)
+    ax_g.axhline(0, color="0.3", linewidth=0.6)
+    ax_g.set_xlim(-0.5, g_np.size - 0.5)
+    span = float(np.abs(g_np).max()) or 1.0
+    ax_g.set_ylim(-1.1 * span, 1.1 * span)
+    ax_g.set_xlabel("hidden unit", fontsize="small")
+    ax_g.set_title(f"the backprop signal g_i\n||g_i|| = {g_norm:.5g}", fontsize="small")
+    ax_g.tick_params(labelsize="x-small")
+    limit = float(np.abs(outer).max()) or 1.0
+    shown = ax_o.imshow(outer, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+    ax_o.set_xlabel("input pixel (0..783)", fontsize="small")
+    ax_o.set_ylabel("hidden unit", fontsize="small")
+    ax_o.tick_params(labelsize="x-small")
+    ax_o.set_title("their outer product g_i a_i^T\n= the sample's gradient of the weight", fontsize="small")
+    fig.colorbar(shown, cax=ax_c).ax.tick_params(labelsize="x-small")
+    check = f" (per_sample_grads: {gradient_norm:.5g})" if gradient_norm is not None else ""
+    identity = (f"||g_i a_i^T|| = ||g_i|| ||a_i|| = {g_norm:.5g} x {a_norm:.5g} = {g_norm * a_norm:.5g}{check}: "
+                "the ghost-norm trick")
+    fig.text(0.15 / width, 0.1 / height, fit_text(identity, width - 0.3), fontsize="medium", va="bottom")
+    if head:
+        fig.suptitle(head, fontsize="medium", y=1 - 0.06 / height, va="top")
     return fig
 
 

@@ -1,13 +1,16 @@
-"""The explorer's callbacks, driven from code as a slider move would (no kernel, no browser; Agg backend).
+"""The explorer's view (pergrad_viz.explorer.view), driven from code as a slider move would (no kernel, no browser;
+Agg backend). The model's own behaviour is tested in test_explorer_model.py.
 
-One small explorer is shared by the tests (batch sizes 1..8, hidden widths 8/16, tiny timing budget); each
-test first puts it in the state it needs with ``Explorer.set`` (which refreshes only if that changes anything:
-the tests are ordered so that most start where the previous one left off).
+One small explorer is shared (batch sizes 1..8, hidden widths 8/16, a tiny timing budget), running its work in
+the control's callback (``background=False``) so that each test sees a finished view; the background worker
+(cancellation, latest setting wins) has tests of its own.
 """
 
 from __future__ import annotations
 
-import re
+import struct
+import threading
+import time
 
 import matplotlib
 
@@ -19,119 +22,120 @@ import pytest  # noqa: E402
 
 import pergrad_viz as pv  # noqa: E402
 from pergrad_viz import bench, widgets  # noqa: E402
+from pergrad_viz.explorer import model as model_module  # noqa: E402
 
-SLOW = ("loop", "autograd_stack", "batched_grad")
+OPTIONS = {"batch_sizes": (1, 2, 4, 8), "hidden_widths": (8, 16), "default_batch": 4, "default_hidden": 8,
+           "sweep_batches": 2, "slow_limit": 16, "dpi": 40, "rounds": 2, "min_rounds": 1, "min_block_s": 1e-4,
+           "tier_budget_s": 0.05, "threads": 1, "noise_threshold": float("inf"), "drift": float("inf")}
 
 
 @pytest.fixture(scope="module")
 def ex():
-    return widgets.explorer(batch_sizes=(1, 2, 4, 8), hidden_widths=(8, 16), default_batch=4, default_hidden=8,
-                            min_run_time=1e-3, sweep_batches=2, slow_limit=16, dpi=30)
+    return widgets.explorer(background=False, **OPTIONS)
 
 
 @pytest.fixture
 def fresh(ex):
-    ex.set(batch=4, hidden=8, quantity="grads", strategies=list(pv.STRATEGIES))
+    ex.set(batch=4, hidden=8, quantity="grads", strategies=list(pv.STRATEGIES), sample=0)
     assert ex.error == ""
     return ex
 
 
-def settings(records) -> set[tuple[str, int, int]]:
-    return {(r.quantity, r.batch_size, r.hidden) for r in records}
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data.startswith(b"\x89PNG")
+    return struct.unpack(">II", data[16:24])
+
+
+def shown(ex) -> dict[str, w.Image]:
+    return {k: i for k, i in ex.images.items() if i.layout.display != "none"}
 
 
 def test_controls(ex):
     assert isinstance(ex, w.VBox)
     assert ex.batch_slider.description == "batch size" and ex.hidden_slider.description == "hidden width"
-    for s in (ex.batch_slider, ex.hidden_slider, ex.sample_slider):
+    for s in (ex.batch_slider, ex.hidden_slider, ex.sample_slider, ex.clip_slider):
         assert s.continuous_update is False
     assert ex.batch_slider.options == (1, 2, 4, 8) and ex.hidden_slider.options == (8, 16)
-    assert ex.sample_slider.description == "sample"
     assert list(ex.strategy_boxes) == list(pv.STRATEGIES)
-    assert all(isinstance(b, w.Checkbox) for b in ex.strategy_boxes.values())
     assert dict(ex.quantity_toggle.options) == {"per-sample gradients": "grads", "output Jacobian": "jacobian"}
+    assert ex.clip_slider.description == "clipping threshold C"
 
 
-def test_default_hidden_width_joins_the_options():
+def test_thin_reexport_and_options():
+    assert widgets.Explorer is pv.widgets.Explorer and callable(pv.widgets.explorer)
     ex = widgets.explorer(hidden_widths=(8, 16, 32), default_hidden=20, compute=False)
     assert ex.hidden_slider.options == (8, 16, 20, 32) and ex.hidden_slider.value == 20
     with pytest.raises(ValueError, match="unknown strategies"):
         widgets.explorer(strategies=("loop", "nope"), compute=False)
 
 
-def images_shown(ex) -> list[w.Image]:
-    found, todo = [], [ex]
-    while todo:
-        widget = todo.pop()
-        if isinstance(widget, w.Image):
-            found.append(widget)
-        todo.extend(getattr(widget, "children", ()))
-    return found
-
-
-def test_renders_png_images_and_table(fresh):
-    shown = images_shown(fresh)
-    assert {id(i) for i in shown} == {id(fresh.runtime_image), id(fresh.bar_image), id(fresh.heatmap_image),
-                                      id(fresh.images_image)}
-    assert all(i.format == "png" and bytes(i.value).startswith(b"\x89PNG") for i in shown)
-    assert "<table" in fresh.table_html.value and "vs loop" in fresh.table_html.value
-    assert fresh.busy.value == ""
+def test_every_panel_drawn_at_the_size_it_is_shown(fresh):
+    images = shown(fresh)
+    assert set(images) == {"heatmap", "images", "rule", "clip", "bars", "runtime"}
+    for name, image in images.items():
+        width, _height = png_size(bytes(image.value))
+        assert image.layout.width == f"{width}px", name  # CSS width = pixel width: never stretched
+        assert image.layout.height == "auto" and image.layout.max_width == "100%"
     assert plt.get_fignums() == []  # nothing registered with pyplot: no figure leaks
 
 
-def test_verification_line_small(fresh):
-    first = fresh.status.splitlines()[0]
-    assert first.startswith("max |difference| between strategies:")
-    diff = float(re.search(r"([0-9.]+e[-+][0-9]+)", fresh.status).group(1))  # as notebook 03 reads it
-    assert diff < 1e-4 and diff == pytest.approx(fresh.max_difference, rel=0.06, abs=1e-12)
-    assert "float32" in first
-    assert "skipped" not in fresh.status  # B=4 <= slow_limit: everything timed
+def test_progress_status_and_table_name_the_setting(fresh):
+    progress = fresh.progress_html.value
+    assert "data-state='done'" in progress
+    assert "done: timed 7 of 7 methods at batch size B=4, hidden width 8" in progress
+    assert fresh.status.startswith("hooks and torch_func agree on the per-sample gradients at batch size B=4")
+    assert fresh.max_difference is not None and fresh.max_difference < 1e-4
+    assert "agree" in fresh.status_html.value
+    assert "<table" in fresh.table_html.value and "batch size B=4, hidden width 8" in fresh.table_html.value
+    assert {(r.quantity, r.batch_size, r.hidden) for r in fresh.records} == {("grads", 4, 8)}
 
 
-def test_sample_slider_redraws_images_only(fresh):
-    drawn, images, records = fresh.figures_drawn, fresh.images_image.value, fresh.records
+def test_sample_slider_redraws_the_sample_panels_only(fresh):
+    before = dict(fresh.drawn)
+    records = fresh.records
     fresh.sample_slider.value = 3
-    assert fresh.images_image.value != images
-    assert fresh.figures_drawn == drawn and fresh.records is records
+    after = fresh.drawn
+    assert {k for k in after if after[k] != before[k]} == {"heatmap", "images", "rule"}
+    assert fresh.view.sample.index == 3 and fresh.records == records
+
+
+def test_clip_slider_redraws_the_dp_view_only(fresh):
+    before = dict(fresh.drawn)
+    fresh.clip_slider.value = 2.0
+    after = fresh.drawn
+    assert {k for k in after if after[k] != before[k]} == {"clip"}
+    assert fresh.view.clipping.max_norm == pytest.approx(2.0)
 
 
 def test_batch_size_change_recomputes(fresh):
-    drawn, chart = fresh.figures_drawn, fresh.runtime_image.value
+    before = dict(fresh.drawn)
     fresh.batch_slider.value = 8
-    assert settings(fresh.records) == {("grads", 8, 8)}
-    assert fresh.figures_drawn == drawn + 1 and fresh.runtime_image.value != chart
-    assert {r.batch_size for r in fresh.scaling_records} == {1, 8}  # the scaling curve
+    assert {(r.quantity, r.batch_size, r.hidden) for r in fresh.records} == {("grads", 8, 8)}
+    assert all(fresh.drawn[k] > before[k] for k in ("heatmap", "bars", "runtime"))
+    assert {r.batch_size for r in fresh.scaling_records} == {1, 8}
     assert fresh.sample_slider.max == 7
     assert "B=8" in fresh.table_html.value
 
 
-def test_skip_note_above_slow_limit(ex):
-    fresh = ex
-    fresh.set(batch=8, hidden=8, quantity="grads", strategies=list(pv.STRATEGIES))  # as the test above left it
-    # B=8: the loop pushes 8 samples through backward passes, the other two 8 x 8 = 64 > slow_limit=16
+def test_skip_note_above_slow_limit(fresh):
+    fresh.set(batch=8)  # the loop: 8 passes; the other two 8 x 8 = 64 > slow_limit=16
     assert {r.strategy for r in fresh.records if r.skipped} == {"autograd_stack", "batched_grad"}
-    note = fresh.status.splitlines()[1]
-    assert note.startswith("skipped as too slow") and all(n in note for n in ("autograd_stack", "batched_grad"))
-    assert "slow_limit=16" in note and "skipped" in fresh.status_html.value
-    assert fresh.status.splitlines()[0].startswith("max |difference|")  # torch_func vs hooks still compared
-
-
-def test_hidden_width_change_recomputes(fresh):
-    drawn = fresh.figures_drawn
-    fresh.hidden_slider.value = 16
-    assert settings(fresh.records) == {("grads", 4, 16)}
-    assert fresh.figures_drawn == drawn + 1
+    assert "skipped as too slow" in fresh.status and "slow_limit=16" in fresh.status
+    assert "skipped as too slow" in fresh.status_html.value
 
 
 def test_quantity_toggle_gives_jacobian_records(fresh):
-    drawn = fresh.figures_drawn
     fresh.quantity_toggle.value = "jacobian"
-    assert settings(fresh.records) == {("jacobian", 4, 8)}
-    assert fresh.figures_drawn == drawn + 1
-    # B x Y = 40 sample-backward passes > slow_limit=16: the slow baselines are skipped, and the explorer says so
-    assert {r.strategy for r in fresh.records if r.skipped} == set(SLOW)
-    assert "skipped" in fresh.status and all(name in fresh.status for name in SLOW)
-    assert fresh.max_difference is not None and fresh.max_difference < 1e-4
+    assert {(r.quantity, r.batch_size, r.hidden) for r in fresh.records} == {("jacobian", 4, 8)}
+    assert "output Jacobian" in fresh.status
+    assert {r.strategy for r in fresh.records if r.skipped} == {"loop", "autograd_stack", "batched_grad"}
+
+
+def test_the_jacobian_heatmap_fits_its_figure(fresh):
+    from test_plots_fit import outside
+
+    fresh.set(quantity="jacobian")
+    assert outside(fresh._heatmap(fresh.view)) == []
 
 
 def test_unchecking_a_strategy_removes_it(fresh):
@@ -142,25 +146,81 @@ def test_unchecking_a_strategy_removes_it(fresh):
 
 
 def test_errors_are_shown_and_the_ui_keeps_working(fresh, monkeypatch):
-    busy_while_computing = []
-
     def too_big(*args, **kwargs):
-        busy_while_computing.append(fresh.busy.value)
         raise pv.MemoryBudgetError("would need about 9.00 GiB; use a smaller batch")
 
-    monkeypatch.setattr(bench, "sweep", too_big)
+    monkeypatch.setattr(fresh.model, "check", too_big)
     fresh.batch_slider.value = 8  # no exception escapes the callback
     assert "MemoryBudgetError" in fresh.error and "smaller batch" in fresh.error
-    assert "MemoryBudgetError" in fresh.error_html.value and fresh.busy.value == ""
-    assert len(busy_while_computing) == 1 and "computing…" in busy_while_computing[0]
+    assert "MemoryBudgetError" in fresh.error_html.value and "data-state='error'" in fresh.progress_html.value
+    assert "previous setting (batch size B=4" in fresh.error_html.value
     monkeypatch.undo()
     fresh.batch_slider.value = 2
     assert fresh.error == "" and fresh.error_html.value == ""
-    assert settings(fresh.records) == {("grads", 2, 8)}
+    assert {(r.batch_size, r.hidden) for r in fresh.records} == {(2, 8)}
 
 
-def test_memory_estimate_refuses_before_allocating(fresh, monkeypatch):
-    monkeypatch.setattr(widgets, "available_bytes", lambda device: 1000)
-    monkeypatch.setattr(bench, "sweep", lambda *a, **k: pytest.fail("sweep ran despite the estimate"))
-    fresh.hidden_slider.value = 16
-    assert "MemoryBudgetError" in fresh.error and "Choose a smaller batch size" in fresh.error
+def test_rerun_times_again(fresh):
+    fresh.set(batch=2)
+    before = fresh.drawn["bars"]
+    fresh.rerun_button.click()
+    assert fresh.view.reused == 0 and fresh.drawn["bars"] > before
+
+
+def test_snapshot_displays_the_figures_as_pictures(fresh, monkeypatch):
+    import IPython.display
+
+    shown_objects = []
+    monkeypatch.setattr(IPython.display, "display", lambda *objs, **kw: shown_objects.extend(objs))
+    fresh.snapshot()
+    images = [o for o in shown_objects if isinstance(o, IPython.display.Image)]
+    assert len(images) == 6 and all(o.width == png_size(o.data)[0] for o in images)
+    assert "batch size B=4, hidden width 8" in shown_objects[0].data
+
+
+# ------------------------------------------------------------------------------------------ the worker
+
+
+def test_work_runs_off_the_callers_thread_and_the_latest_setting_wins(monkeypatch):
+    threads, settings = set(), []
+    real = model_module.ExplorerModel.stages
+
+    def spy(self, setting, check=None):
+        threads.add(threading.current_thread().name)
+        settings.append(setting.batch)
+        yield from real(self, setting, check)
+
+    monkeypatch.setattr(model_module.ExplorerModel, "stages", spy)
+    ex = widgets.explorer(**OPTIONS)
+    start = time.perf_counter()
+    for batch in (1, 2, 8, 1, 2):  # five quick moves: the callback returns at once each time
+        ex.batch_slider.value = batch
+    assert time.perf_counter() - start < 1.0
+    assert ex.wait(120)
+    assert threads == {"pergrad-explorer"}
+    assert ex.view.setting.batch == 2 and ex.view.done and "data-state='done'" in ex.progress_html.value
+    assert settings[-1] == 2 and len(settings) < 6  # stale settings dropped, not queued
+    ex.close()
+
+
+def test_a_new_sample_is_drawn_while_timing_goes_on(monkeypatch):
+    ex = widgets.explorer(compute=False, **OPTIONS)
+    started = threading.Event()
+    real = model_module.ExplorerModel.stages
+
+    def slow(self, setting, check=None):
+        for view in real(self, setting, check):
+            if view.stage == "timing":
+                started.set()
+                for _ in range(40):  # the front end moves the sample slider meanwhile
+                    time.sleep(0.01)
+                    check()
+            yield view
+
+    monkeypatch.setattr(model_module.ExplorerModel, "stages", slow)
+    ex.refresh()
+    assert started.wait(60)
+    ex.sample_slider.value = 2
+    assert ex.wait(120)
+    assert ex.view.done and ex.view.setting.sample == 2 and ex.view.sample.index == 2
+    ex.close()

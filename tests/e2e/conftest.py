@@ -20,13 +20,29 @@ from .helpers import (
     CHROMIUM_ARGS,
     EXPLORER_NOTEBOOK,
     NOTEBOOKS_DIR,
+    RESULTS,
     Server,
     artifact,
     free_port,
     in_ci,
     jupyter_cmd,
+    latency_table,
     server_env,
 )
+
+CULL_IDLE_S = 8  # the README's command uses minutes; the test cannot wait that long
+CULL_INTERVAL_S = 2
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The explorer's measured latencies as one table at the end of the run (also without -s)."""
+    if RESULTS:
+        terminalreporter.write_sep("=", "explorer latency (input -> first new figure / settled view)")
+        terminalreporter.write_line(latency_table(RESULTS))
+        missed = [r for r in RESULTS if not r.met]
+        terminalreporter.write_line(f"{len(RESULTS) - len(missed)} of {len(RESULTS)} changes met their targets"
+                                    + (f"; missed: {', '.join(f'{r.frontend} {r.control} {r.change}' for r in missed)}"
+                                       if missed else ""))
 
 
 def _browser_missing() -> str | None:
@@ -123,6 +139,9 @@ def voila_server(notebook_copy, tmp_path_factory):
         f"--Voila.root_dir={notebook_copy}",
         f"--Voila.connection_dir_root={tmp}",
         "--show_tracebacks=True",
+        # as in the README's command, with short times: a closed page's kernel is culled once idle
+        f"--MappingKernelManager.cull_idle_timeout={CULL_IDLE_S}",
+        f"--MappingKernelManager.cull_interval={CULL_INTERVAL_S}",
     )
     env = server_env(tmp / "state", uuid.uuid4().hex)
     server = Server("voila", cmd, env, notebook_copy, port, artifact("voila-server.log"))

@@ -1,7 +1,9 @@
 """Plumbing for the browser tests: servers on a free port, Chromium, steps that leave evidence.
 
-Nothing here knows about pergrad_viz itself: the tests drive the explorer the way a user does,
-through the page (slider handles, the keyboard) and read back what the page shows.
+The tests drive the explorer the way a user does, through the page (slider handles and the keyboard, clicks) and
+read back what the page shows; the one thing they rely on is the explorer's progress line, an element
+``.pergrad-progress`` whose ``data-state`` is ``busy``, ``done`` or ``error`` and whose ``data-setting`` names the
+setting (``B=64 hidden=20 grads``).
 """
 
 from __future__ import annotations
@@ -40,10 +42,8 @@ CHROMIUM_ARGS = [
 # Timeouts (ms for Playwright, s for the rest). The machine may be small and shared: generous, but bounded.
 SERVER_START_S = 120
 PAGE_LOAD_MS = 120_000
-WIDGETS_MS = 240_000  # first `import torch` + a first sweep in a fresh kernel
-CHANGE_MS = 120_000  # one slider move -> a new plot
-HEAVY_CHANGE_MS = 180_000  # batch size 256 / hidden width 512
-SETTLE_S = 1.5  # the plot is "new" once its image stops changing for this long
+WIDGETS_MS = 180_000  # first `import torch` + the first setting in a fresh kernel
+CHANGE_S = 60  # one input -> the settled view (measured, and compared with the targets, not waited for)
 
 SLIDERS = ("batch size", "hidden width")
 
@@ -238,21 +238,13 @@ def step(page, server: Server, name: str) -> Iterator[None]:
         raise AssertionError(msg) from exc
 
 
-def record_latency(frontend: str, what: str, seconds: float) -> None:
-    line = f"latency {frontend} {what}: {seconds:.2f} s"
-    print(line)
-    LATENCY_LOG.parent.mkdir(parents=True, exist_ok=True)
-    with open(LATENCY_LOG, "a", encoding="utf-8") as f:
-        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\t{frontend}\t{what}\t{seconds:.3f}\n")
-
 
 # ------------------------------------------------------------------------------------------ the explorer
 
 # ipywidgets 8 renders a slider as
 #   div.widget-slider > label.widget-label("batch size") + div.slider-container > div.noUi-target
 #       ... div.noUi-handle[role=slider][tabindex=0][aria-valuenow=<option index>]
-#   + div.widget-readout (the selected option's label; contenteditable, but typing there is not how most
-#     people move a slider)
+#   + div.widget-readout (the selected option's label)
 # noUiSlider's handles take the keyboard, as a user with a keyboard (or a screen reader) moves them: focus the
 # handle, ArrowLeft/Right step one option, Home/End go to the ends; with continuous_update=False the value is
 # sent to the kernel on the resulting "change" event, once per key press.
@@ -273,73 +265,27 @@ def slider_readout(scope, label: str) -> str:
     return slider(scope, label).locator(".widget-readout").first.inner_text().strip()
 
 
-# The plot: <img> elements inside the explorer with an inline image (ipywidgets.Image -> blob: URL,
-# an Output with image/png -> data: URL). Their srcs, in order, identify the current figure(s).
-_PLOT_SRCS_JS = """
+# The figures: <img> elements inside the explorer with an inline image (ipywidgets.Image -> blob: URL), shown.
+_IMAGES_JS = """
 (root) => Array.from(root.querySelectorAll('img'))
-    .filter(img => /^(data:image\\/|blob:)/.test(img.getAttribute('src') || ''))
+    .filter(img => /^(data:image\\/|blob:)/.test(img.getAttribute('src') || '') && img.offsetParent !== null)
     .map(img => ({src: img.getAttribute('src'), ok: img.complete && img.naturalWidth > 0,
-                  w: img.getBoundingClientRect().width}))
+                  natural: img.naturalWidth, shown: img.getBoundingClientRect().width}))
 """
 
 
 def plot_images(scope) -> list[dict]:
-    return scope.evaluate(_PLOT_SRCS_JS)
+    return scope.evaluate(_IMAGES_JS)
 
 
-def plot_key(scope) -> tuple[str, ...]:
-    return tuple(img["src"] for img in plot_images(scope))
-
-
-def wait_for_plot(scope, timeout_ms: int) -> tuple[str, ...]:
-    """Wait until the explorer shows at least one loaded, visible inline image; return the srcs."""
-    scope.page.wait_for_function(
-        f"""(root) => {{
-            const imgs = ({_PLOT_SRCS_JS})(root);
-            return imgs.length > 0 && imgs.every(i => i.ok && i.w > 0);
-        }}""",
-        arg=scope.element_handle(),
-        timeout=timeout_ms,
-        polling=200,
+def progress(scope) -> dict:
+    """The progress line: {"state": busy|done|error, "setting": "B=.. hidden=.. quantity", "text": ...}."""
+    return scope.evaluate(
+        """(root) => {
+            const p = root.querySelector('.pergrad-progress');
+            return p ? {state: p.dataset.state, setting: p.dataset.setting, text: p.textContent} : {};
+        }"""
     )
-    return plot_key(scope)
-
-
-def wait_for_new_plot(scope, old: tuple[str, ...], t0: float, timeout_ms: int) -> tuple[tuple[str, ...], float]:
-    """Wait until the plot differs from `old` and is loaded, then until it stays put for SETTLE_S
-    (an explorer may redraw in stages). Returns (new srcs, seconds from t0 to the last change)."""
-    page = scope.page
-    root = scope.element_handle()
-    page.wait_for_function(
-        f"""([root, old]) => {{
-            const imgs = ({_PLOT_SRCS_JS})(root);
-            const now = imgs.map(i => i.src);
-            return imgs.length > 0 && imgs.every(i => i.ok && i.w > 0)
-                && (now.length !== old.length || now.some((s, k) => s !== old[k]));
-        }}""",
-        arg=[root, list(old)],
-        timeout=timeout_ms,
-        polling=100,
-    )
-    key, t_last = _settle(scope, t0 + timeout_ms / 1000)
-    return key, t_last - t0
-
-
-def _settle(scope, deadline: float) -> tuple[tuple[str, ...], float]:
-    """Poll until the images have not changed for SETTLE_S and nothing says "computing" (an explorer may
-    redraw in stages: chart first, heatmaps later). Returns (srcs, perf_counter() of the last change seen)."""
-    current, t_last = plot_key(scope), time.perf_counter()
-    while True:
-        imgs = plot_images(scope)
-        key = tuple(i["src"] for i in imgs)
-        now = time.perf_counter()
-        if key != current or not all(i["ok"] for i in imgs):
-            current, t_last = key, now
-        elif now - t_last >= SETTLE_S and not is_busy(scope):
-            return current, t_last
-        if now > deadline:
-            raise TimeoutError(f"the explorer did not settle (images still changing or busy): {explorer_text(scope)!r}")
-        time.sleep(0.1)
 
 
 def explorer_text(scope) -> str:
@@ -358,21 +304,6 @@ def explorer_text(scope) -> str:
     )
 
 
-BUSY = re.compile(r"\bcomputing\b", re.IGNORECASE)
-
-
-def is_busy(scope) -> bool:
-    """The explorer says it is computing ("⏳ computing…")."""
-    return BUSY.search(explorer_text(scope)) is not None
-
-
-def shows_setting(scope, label: str, value: str) -> bool:
-    """The explorer's text (outside the sliders) names the setting: "batch size B=64", "batch size 64",
-    "hidden width: 128", as in its status line and table caption."""
-    pattern = rf"{re.escape(label)}\W{{0,3}}(?:[A-Za-z]{{1,2}}\s*=\s*)?{re.escape(value)}(?![\w.])"
-    return re.search(pattern, explorer_text(scope), re.IGNORECASE) is not None
-
-
 def kernel_commands(marker: str) -> list[list[str]]:
     """argv of the running ipykernel processes started under `marker` (Linux /proc; elsewhere: [])."""
     cmds = []
@@ -386,7 +317,121 @@ def kernel_commands(marker: str) -> list[list[str]]:
     return cmds
 
 
-# ------------------------------------------------------------------------------------ the shared checks
+# ------------------------------------------------------------------------------------------ latency
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a change must achieve (seconds from the input): the first new figure, and the settled view."""
+
+    name: str
+    first_s: float
+    settled_s: float
+
+
+DEFAULTS = Target("defaults", 0.5, 2.0)  # B=32 / hidden 20 and settings of that size
+LARGE = Target("B=256/hidden 512", 1.5, 6.0)  # settings with B >= 128 or hidden >= 256
+
+
+def target_for(setting: str) -> Target:
+    """The target class of a ``data-setting`` string such as ``B=256 hidden=512 grads``."""
+    values = dict(part.split("=") for part in setting.split() if "=" in part)
+    large = int(values.get("B", 0)) >= 128 or int(values.get("hidden", 0)) >= 256
+    return LARGE if large else DEFAULTS
+
+
+@dataclass
+class Latency:
+    frontend: str
+    control: str
+    change: str  # e.g. "32 -> 64"
+    setting: str  # the setting it ends on (data-setting)
+    first_s: float | None  # input -> first new figure shown (None: no figure changes, e.g. a cached view)
+    settled_s: float  # input -> the progress line says done for the new setting
+    note: str = ""
+
+    @property
+    def target(self) -> Target:
+        return target_for(self.setting)
+
+    @property
+    def met(self) -> bool:
+        first_ok = self.first_s is None or self.first_s <= self.target.first_s
+        return first_ok and self.settled_s <= self.target.settled_s
+
+
+RESULTS: list[Latency] = []
+
+
+def record(row: Latency) -> Latency:
+    RESULTS.append(row)
+    first = "-" if row.first_s is None else f"{row.first_s:.2f}"
+    line = (f"latency {row.frontend} {row.control} {row.change} [{row.setting}]: first figure {first} s, "
+            f"settled {row.settled_s:.2f} s (target {row.target.first_s:g} / {row.target.settled_s:g} s: "
+            f"{'met' if row.met else 'MISSED'}){' ' + row.note if row.note else ''}")
+    print(line)
+    LATENCY_LOG.parent.mkdir(parents=True, exist_ok=True)
+    with open(LATENCY_LOG, "a", encoding="utf-8") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\t{line}\n")
+    return row
+
+
+def latency_table(rows: list[Latency]) -> str:
+    """The measured latencies as an aligned table (the README's "Explorer latency" section shows one)."""
+    head = ("frontend", "control", "change", "ends on", "first figure", "settled", "target (first / settled)", "")
+    body = []
+    for r in rows:
+        first = "-" if r.first_s is None else f"{r.first_s:.2f} s"
+        body.append((r.frontend, r.control, r.change, r.setting, first, f"{r.settled_s:.2f} s",
+                     f"{r.target.first_s:g} s / {r.target.settled_s:g} s ({r.target.name})",
+                     ("met" if r.met else "MISSED") + (f"; {r.note}" if r.note else "")))
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [head, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# In-page probe, installed right before an input: records (performance.now() ms after the install) when the
+# first <img> of the explorer shows a new, loaded figure, and when the progress line last turned "done".
+_PROBE_JS = """
+(root) => {
+    if (window.__pvProbe) { window.__pvProbe.stop(); }
+    const t0 = performance.now();
+    const before = new Map(Array.from(root.querySelectorAll('img')).map(i => [i, i.getAttribute('src')]));
+    const probe = {first: null, done: null, setting: null, states: []};
+    const check = () => {
+        const now = performance.now() - t0;
+        if (probe.first === null) {
+            for (const img of root.querySelectorAll('img')) {
+                const src = img.getAttribute('src') || '';
+                if (/^blob:|^data:image/.test(src) && before.get(img) !== src && img.complete
+                        && img.naturalWidth > 0 && img.offsetParent !== null) { probe.first = now; break; }
+            }
+        }
+        const p = root.querySelector('.pergrad-progress');
+        if (p) {
+            const key = p.dataset.state + ' ' + p.dataset.setting;
+            if (probe.states[probe.states.length - 1] !== key) probe.states.push(key);
+            if (p.dataset.state === 'done' || p.dataset.state === 'error') {
+                if (probe.done === null || probe.setting !== p.dataset.setting) probe.done = now;
+                probe.setting = p.dataset.setting;
+            } else { probe.done = null; probe.setting = p.dataset.setting; }
+        }
+    };
+    const observer = new MutationObserver(check);
+    observer.observe(root, {subtree: true, childList: true, attributes: true, characterData: true});
+    const timer = setInterval(check, 15);
+    probe.stop = () => { observer.disconnect(); clearInterval(timer); };
+    window.__pvProbe = probe;
+    check();
+    probe.done = null;
+}
+"""
+
+
+def _probe(scope) -> dict:
+    return scope.evaluate("() => { const p = window.__pvProbe; return {first: p.first, done: p.done, "
+                          "setting: p.setting, states: p.states}; }")
 
 
 @dataclass
@@ -405,11 +450,52 @@ def explorer_scope(page):
     return page.locator(".jp-OutputArea-output").filter(has=label).first
 
 
-def settle(ui: Ui, timeout_ms: int) -> tuple[str, ...]:
-    """Wait for a loaded plot that stays the same for SETTLE_S while the explorer is not busy."""
-    deadline = time.perf_counter() + timeout_ms / 1000
-    wait_for_plot(ui.scope, timeout_ms)
-    return _settle(ui.scope, deadline)[0]
+def wait_done(ui: Ui, timeout_s: float = WIDGETS_MS / 1000) -> dict:
+    """Wait until the explorer's progress line says done (or error); returns it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = progress(ui.scope)
+        if state.get("state") in ("done", "error"):
+            return state
+        time.sleep(0.1)
+    raise TimeoutError(f"the explorer did not finish within {timeout_s:.0f} s: {progress(ui.scope)}")
+
+
+def measure(ui: Ui, control: str, change: str, act, expect: str | None = None, timeout_s: float = CHANGE_S,
+            note: str = "") -> Latency:
+    """Install the in-page probe, ``act()`` (one input, as a user gives it), wait for the settled view and record
+    the latencies. ``expect``: the ``data-setting`` the view must end on (else whatever it ends on)."""
+    wait_done(ui)
+    ui.scope.evaluate(_PROBE_JS)
+    act()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        probe = _probe(ui.scope)
+        if probe["done"] is not None and (expect is None or probe["setting"] == expect):
+            time.sleep(0.3)  # a late message (a stale setting's) would show now
+            again = _probe(ui.scope)
+            if again["done"] == probe["done"] and again["setting"] == probe["setting"]:
+                break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{control} {change}: not settled within {timeout_s:.0f} s (states seen: "
+                                 f"{probe['states']}); the explorer reads:\n{explorer_text(ui.scope)[-1500:]}")
+        time.sleep(0.05)
+    state = progress(ui.scope)
+    assert state["state"] == "done", f"{control} {change}: the explorer shows an error: {explorer_text(ui.scope)}"
+    first = None if probe["first"] is None else probe["first"] / 1000
+    return record(Latency(ui.frontend, control, change, probe["setting"], first, probe["done"] / 1000, note))
+
+
+def press(ui: Ui, label: str, key: str, times: int = 1):
+    """An input: focus the slider's handle and press ``key`` (``times`` times, as fast as a user can)."""
+
+    def act():
+        handle = slider_handle(ui.scope, label)
+        handle.focus()
+        for _ in range(times):
+            handle.press(key)
+
+    return act
 
 
 def check_renders(ui: Ui) -> None:
@@ -418,64 +504,19 @@ def check_renders(ui: Ui) -> None:
     with step(ui.page, ui.server, "explorer renders"):
         for label in SLIDERS:
             expect(slider(ui.scope, label), f"slider {label!r}").to_be_visible()
-            expect(slider_handle(ui.scope, label), f"handle of slider {label!r}").to_be_visible()
             readout = slider_readout(ui.scope, label)
-            assert readout.isdigit(), f"slider {label!r} reads {readout!r}, expected a number"
+            assert readout.replace(".", "").isdigit(), f"slider {label!r} reads {readout!r}, expected a number"
         imgs = plot_images(ui.scope)
-        assert imgs, "no plot: no <img> with a data:/blob: source in the explorer"
-        assert all(i["ok"] and i["w"] > 0 for i in imgs), f"a plot image is not loaded or not shown: {imgs}"
+        assert len(imgs) >= 6, f"expected the explorer's six figures, found {len(imgs)}: {imgs}"
+        assert all(i["ok"] for i in imgs), f"a figure is not loaded: {imgs}"
     screenshot(ui.page, f"{ui.frontend}-rendered", ui.scope)
 
 
-def _handle_state(ui: Ui, label: str) -> tuple[int, int]:
-    h = slider_handle(ui.scope, label)
-    return int(float(h.get_attribute("aria-valuenow"))), int(float(h.get_attribute("aria-valuemax")))
-
-
-def move_slider(ui: Ui, label: str, key: str, timeout_ms: int = CHANGE_MS, tag: str = "") -> tuple[str, str, float]:
-    """Press `key` on the slider's handle, as a user would (focus + keyboard), and wait for the new plot.
-
-    Returns (old readout, new readout, seconds from the key press to the settled new plot). Screenshots before
-    and after; on failure a screenshot and the server log path are in the message.
-    """
-    what = f"{label}{'-' + tag if tag else ''}"
-    name = f"{ui.frontend}-{what}"
-    with step(ui.page, ui.server, f"move {label!r} with {key}"):
-        old_value = slider_readout(ui.scope, label)
-        old_plot = settle(ui, timeout_ms)
-        screenshot(ui.page, f"{name}-before", ui.scope)
-        handle = slider_handle(ui.scope, label)
-        handle.focus()
-        t0 = time.perf_counter()
-        handle.press(key)
-        # the readout follows at once on the client ...
-        deadline = time.monotonic() + 10
-        while (new_value := slider_readout(ui.scope, label)) == old_value and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert new_value != old_value, f"pressing {key} on the {label!r} handle left its readout at {old_value}"
-        # ... the plot once the kernel has recomputed it
-        try:
-            _, latency = wait_for_new_plot(ui.scope, old_plot, t0, timeout_ms)
-        except Exception as exc:
-            raise AssertionError(
-                f"no new plot {timeout_ms / 1000:.0f} s after moving {label!r} {old_value} -> {new_value} ({exc}); "
-                f"the explorer reads:\n{explorer_text(ui.scope)[-2000:]}"
-            ) from exc
-    other = " ".join(f"{s} {slider_readout(ui.scope, s)}" for s in SLIDERS if s != label)
-    record_latency(
-        ui.frontend, f"{label} {old_value} -> {new_value} (at {other}){' [' + tag + ']' if tag else ''}", latency
-    )
-    screenshot(ui.page, f"{name}-after", ui.scope)
-    with step(ui.page, ui.server, f"explorer shows {label} {new_value}"):
-        deadline = time.monotonic() + 30
-        while not shows_setting(ui.scope, label, new_value) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert shows_setting(ui.scope, label, new_value), (
-            f"after moving {label!r} to {new_value}, the explorer's text (outside the sliders) does not name "
-            f"{label} {new_value}:\n{explorer_text(ui.scope)}"
-        )
-        assert slider_readout(ui.scope, label) == new_value, "the slider did not keep its new value"
-    return old_value, new_value, latency
+def check_figures_at_natural_size(ui: Ui) -> None:
+    """Every figure is shown at the size it was drawn (not stretched into blur): CSS width = pixel width."""
+    imgs = plot_images(ui.scope)
+    stretched = [i for i in imgs if abs(i["shown"] - i["natural"]) > 1]
+    assert not stretched, f"figures shown at another size than drawn (natural vs shown px): {stretched}"
 
 
 def check_kernel_python(server: Server) -> None:
@@ -489,15 +530,56 @@ def check_kernel_python(server: Server) -> None:
     assert all(Path(c[0]).parent.resolve() == here for c in cmds), f"kernels {cmds} do not run a python of {here}"
 
 
-def check_slider_change(ui: Ui, label: str) -> None:
-    now, top = _handle_state(ui, label)
-    move_slider(ui, label, "ArrowLeft" if now >= top else "ArrowRight")
+def run_latency_script(ui: Ui) -> list[Latency]:
+    """Each control once at the defaults' size (and back: a view reused from the cache), five quick moves, the
+    sample and clipping sliders, then the largest setting (B=256, hidden 512). Returns the rows recorded."""
+    rows = []
+    grads = "grads"
+    with step(ui.page, ui.server, "latency: batch size"):
+        rows.append(measure(ui, "batch size", "32 -> 64", press(ui, "batch size", "ArrowRight"),
+                            f"B=64 hidden=20 {grads}"))
+        rows.append(measure(ui, "batch size", "64 -> 32", press(ui, "batch size", "ArrowLeft"),
+                            f"B=32 hidden=20 {grads}", note="back to a setting seen: timings reused"))
+    with step(ui.page, ui.server, "latency: hidden width"):
+        rows.append(measure(ui, "hidden width", "20 -> 32", press(ui, "hidden width", "ArrowRight"),
+                            f"B=32 hidden=32 {grads}"))
+        rows.append(measure(ui, "hidden width", "32 -> 20", press(ui, "hidden width", "ArrowLeft"),
+                            f"B=32 hidden=20 {grads}", note="back to a setting seen: timings reused"))
+    with step(ui.page, ui.server, "latency: quantity"):
+        toggle = ui.scope.get_by_role("button", name="output Jacobian")
+        rows.append(measure(ui, "quantity", "-> output Jacobian", toggle.click, "B=32 hidden=20 jacobian"))
+        back = ui.scope.get_by_role("button", name="per-sample gradients")
+        rows.append(measure(ui, "quantity", "-> per-sample gradients", back.click, f"B=32 hidden=20 {grads}",
+                            note="timings reused"))
+    with step(ui.page, ui.server, "latency: strategy checkbox"):
+        box = ui.scope.get_by_role("checkbox", name="torch_func")
+        rows.append(measure(ui, "strategy", "untick torch_func", box.click, f"B=32 hidden=20 {grads}",
+                            note="timings reused"))
+        rows.append(measure(ui, "strategy", "tick torch_func", box.click, f"B=32 hidden=20 {grads}",
+                            note="timings reused"))
+    with step(ui.page, ui.server, "latency: sample and clipping sliders"):
+        rows.append(measure(ui, "sample", "0 -> 1", press(ui, "sample", "ArrowRight"), f"B=32 hidden=20 {grads}"))
+        rows.append(measure(ui, "clipping C", "one step up", press(ui, "clipping threshold C", "ArrowRight"),
+                            f"B=32 hidden=20 {grads}"))
+    with step(ui.page, ui.server, "latency: five quick moves"):
+        # 32 -> 16 -> 8 -> 4 -> 8 -> 4 as fast as the keyboard goes: the view must end on B=4, within its target
+        def five():
+            handle = slider_handle(ui.scope, "batch size")
+            handle.focus()
+            for key in ("ArrowLeft", "ArrowLeft", "ArrowLeft", "ArrowRight", "ArrowLeft"):
+                handle.press(key)
 
-
-def check_heavy(ui: Ui) -> None:
-    """Both sliders to their maximum (End key); the second move gives the heaviest setting's latency."""
-    for label in SLIDERS:
-        now, top = _handle_state(ui, label)
-        if now >= top:  # already there: step back first so that End is a change
-            move_slider(ui, label, "ArrowLeft", HEAVY_CHANGE_MS, tag="back")
-        move_slider(ui, label, "End", HEAVY_CHANGE_MS, tag="max")
+        rows.append(measure(ui, "batch size", "five quick moves 32 -> 4", five, f"B=4 hidden=20 {grads}",
+                            note="the last setting wins"))
+        assert slider_readout(ui.scope, "batch size") == "4"
+    with step(ui.page, ui.server, "latency: the largest setting"):
+        rows.append(measure(ui, "batch size", "4 -> 256 (End)", press(ui, "batch size", "End"),
+                            f"B=256 hidden=20 {grads}"))
+        rows.append(measure(ui, "hidden width", "20 -> 512 (End)", press(ui, "hidden width", "End"),
+                            f"B=256 hidden=512 {grads}"))
+        check_figures_at_natural_size(ui)
+        text = explorer_text(ui.scope)
+        assert "batch size B=256, hidden width 512" in text, text[-1500:]
+        assert "skipped as too slow" in text, "the slow baselines' skip note is not shown at B=256"
+    screenshot(ui.page, f"{ui.frontend}-largest", ui.scope)
+    return rows

@@ -1,8 +1,11 @@
-"""The explorer in JupyterLab, as a user meets it: open notebooks/03_explorer.ipynb, Run > Run All Cells,
-see the sliders and the runtime chart, move the sliders with the keyboard, see the chart and the figures follow.
+"""The explorer in JupyterLab, as a user meets it: open notebooks/03_explorer.ipynb (it shows pictures of the
+explorer, never "Error displaying widget"), Run > Run All Cells, then move every control and measure, for each,
+the time from the input to the first new figure and to the settled view (the progress line says done).
 
-Latencies (key press -> settled new plot) are printed and appended to test-artifacts/e2e/latency.txt:
-measurements, not assertions. Screenshots before/after each move land in test-artifacts/e2e/.
+The latencies are printed as a table at the end of the run (and appended to test-artifacts/e2e/latency.txt);
+the targets are in helpers.DEFAULTS / helpers.LARGE. They are measured, and reported met or missed, not asserted:
+on a shared machine a number can miss for reasons that are not the explorer's. What is asserted: each change
+ends on the setting asked for, within a bounded time, and five quick moves end on the last one.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ from .helpers import (
     SLIDERS,
     WIDGETS_MS,
     Ui,
-    check_heavy,
+    check_figures_at_natural_size,
     check_kernel_python,
     check_renders,
-    check_slider_change,
     code_cell_sources,
     explorer_scope,
-    settle,
+    run_latency_script,
+    screenshot,
     step,
+    wait_done,
 )
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +50,6 @@ _CELLS_STATE_JS = """
     return null;
 }
 """
-
 
 _KERNEL_READY_JS = """
 () => {
@@ -73,9 +76,7 @@ def _wait_for_kernel(page) -> None:
 
 
 def _run_all_cells(page) -> None:
-    """Run > Run All Cells, from the menu bar. Every cell is queued at once ("[*]:"; the committed notebook
-    already shows "[1]:".. from its saved outputs); once more if nothing got queued (a click lost while the
-    page was still busy)."""
+    """Run > Run All Cells, from the menu bar; once more if nothing got queued (a click lost while busy)."""
     queued = (
         "() => Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt'))"
         ".some(p => p.textContent.includes('*'))"
@@ -92,7 +93,8 @@ def _run_all_cells(page) -> None:
 
 
 @pytest.fixture(scope="module")
-def lab(browser, lab_server, notebook_copy):
+def opened(browser, lab_server):
+    """The explorer notebook, opened and not yet run: what a newcomer (or GitHub) shows first."""
     context = browser.new_context(viewport={"width": 1400, "height": 1100})
     page = context.new_page()
     page.set_default_timeout(60_000)
@@ -101,26 +103,40 @@ def lab(browser, lab_server, notebook_copy):
             page.goto(f"{lab_server.url}/lab/tree/{EXPLORER_NOTEBOOK}", timeout=PAGE_LOAD_MS)
             page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=PAGE_LOAD_MS)
             _wait_for_kernel(page)
-        with step(page, lab_server, "Run > Run All Cells"):
-            _run_all_cells(page)
-        n_code = len(code_cell_sources(notebook_copy / EXPLORER_NOTEBOOK))
-        ui = Ui(FRONTEND, page, explorer_scope(page), lab_server)
-        with step(page, lab_server, "wait for the cells and the explorer"):
-            state = page.wait_for_function(_CELLS_STATE_JS, arg=n_code, timeout=WIDGETS_MS, polling=250).json_value()
-            if state != "done":
-                errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
-                shown = "\n".join(errors.all_text_contents())[-3000:]
-                raise AssertionError(f"Run All Cells stopped before the end (a cell raised?); stderr shown:\n{shown}")
-            for label in SLIDERS:
-                ui.scope.locator("label.widget-label", has_text=label).first.wait_for(timeout=WIDGETS_MS)
-            settle(ui, WIDGETS_MS)
-        yield ui
+        yield page
     finally:
         context.close()
 
 
+@pytest.fixture(scope="module")
+def lab(opened, lab_server, notebook_copy):
+    page = opened
+    with step(page, lab_server, "the committed notebook before running"):
+        # checked here, before Run All replaces the committed outputs
+        page.locator(".jp-OutputArea-output img").first.wait_for(timeout=30_000)
+        text = page.locator(".jp-NotebookPanel").inner_text()
+        assert "Error displaying widget" not in text and "model not found" not in text, text[:2000]
+        assert page.locator(".jp-OutputArea-output img").count() >= 5, "the explorer's pictures are not shown"
+        screenshot(page, f"{FRONTEND}-before-running")
+    with step(page, lab_server, "Run > Run All Cells"):
+        _run_all_cells(page)
+    n_code = len(code_cell_sources(notebook_copy / EXPLORER_NOTEBOOK))
+    ui = Ui(FRONTEND, page, explorer_scope(page), lab_server)
+    with step(page, lab_server, "wait for the cells and the explorer"):
+        state = page.wait_for_function(_CELLS_STATE_JS, arg=n_code, timeout=WIDGETS_MS, polling=250).json_value()
+        if state != "done":
+            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+            shown = "\n".join(errors.all_text_contents())[-3000:]
+            raise AssertionError(f"Run All Cells stopped before the end (a cell raised?); stderr shown:\n{shown}")
+        for label in SLIDERS:
+            ui.scope.locator("label.widget-label", has_text=label).first.wait_for(timeout=WIDGETS_MS)
+        wait_done(ui)
+    return ui
+
+
 def test_explorer_renders(lab):
     check_renders(lab)
+    check_figures_at_natural_size(lab)
 
 
 def test_kernel_runs_this_python(lab):
@@ -133,13 +149,6 @@ def test_kernel_runs_this_python(lab):
     check_kernel_python(lab.server)
 
 
-def test_batch_size_change_updates_plot(lab):
-    check_slider_change(lab, "batch size")
-
-
-def test_hidden_width_change_updates_plot(lab):
-    check_slider_change(lab, "hidden width")
-
-
-def test_latency_at_the_largest_setting(lab):
-    check_heavy(lab)
+def test_latency_of_every_control(lab):
+    rows = run_latency_script(lab)
+    assert rows and all(r.settled_s > 0 for r in rows)

@@ -1,0 +1,572 @@
+"""The explorer's view: ipywidgets only. Controls become a :class:`~.model.Setting`; the model's
+:class:`~.model.View` s become images and HTML.
+
+>>> import pergrad_viz as pv
+>>> pv.widgets.explorer()          # in a notebook cell: the widget shows itself
+
+The work runs off the kernel's main thread, in one background worker: a control's callback only hands the
+new setting over and returns, so the controls and the kernel stay free. A newer setting makes the worker drop
+the stale one (the latest wins; nothing queues); a new sample or clipping threshold is drawn in between the
+timing's blocks without restarting it. Views arrive progressively (see :meth:`.model.ExplorerModel.stages`):
+the gradients' figures and the verdict first, then the bar chart grows tier by tier, the scaling curve last;
+the progress line says where it is (``data-state="busy"`` / ``"done"`` / ``"error"`` on its element).
+
+Figures are PNG ``ipywidgets.Image`` s drawn at the size they are shown (``dpi`` pixels per inch, the
+image's CSS width equal to its pixel width). The explorer can be driven from code, which is how its tests
+work: ``ex.set(batch=8)`` (or ``ex.batch_slider.value = 8``), then ``ex.wait()`` and read ``ex.view``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import math
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+
+import ipywidgets as w
+from matplotlib.figure import Figure
+
+from .. import bench, plots
+from ..strategies import STRATEGIES
+from .model import QUANTITIES, QUANTITY_NAMES, ExplorerModel, Setting, Stale, View
+
+__all__ = ["Explorer", "explorer"]
+
+QUANTITY_OPTIONS = tuple((QUANTITY_NAMES[q], q) for q in QUANTITIES)
+POWERS_OF_TWO_BATCH = tuple(2**k for k in range(9))  # 1 .. 256
+POWERS_OF_TWO_HIDDEN = tuple(2**k for k in range(3, 10))  # 8 .. 512
+DPI = 96  # CSS pixels per inch: a figure of 8 in shows 768 px wide, drawn at that size
+PANELS = ("heatmap", "images", "rule", "clip", "bars", "runtime")
+BAR_INTERVAL_S = 0.5  # while timing, the bar chart is redrawn at most this often
+
+
+class _Worker:
+    """One daemon thread running the latest submitted job; a newer submission makes ``stale()`` true."""
+
+    def __init__(self, run: Callable[[Setting], None]):
+        self._run = run
+        self._cond = threading.Condition()
+        self._pending: Setting | None = None
+        self._busy = False
+        self._generation = 0
+        self._thread = threading.Thread(target=self._loop, name="pergrad-explorer", daemon=True)
+        self._thread.start()
+
+    def submit(self, setting: Setting) -> None:
+        with self._cond:
+            self._pending = setting
+            self._generation += 1
+            self._cond.notify_all()
+
+    def peek(self) -> Setting | None:
+        with self._cond:
+            return self._pending
+
+    def take(self, setting: Setting) -> bool:
+        """Take ``setting`` off the queue if it is still the pending one (handled in place)."""
+        with self._cond:
+            if self._pending is setting:
+                self._pending = None
+                self._generation += 1
+                return True
+            return False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is pending or running; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._busy or self._pending is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    @property
+    def busy(self) -> bool:
+        with self._cond:
+            return self._busy or self._pending is not None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None:
+                    self._cond.wait()
+                setting, self._pending, self._busy = self._pending, None, True
+            try:
+                self._run(setting)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+def _image(**layout) -> w.Image:
+    return w.Image(format="png", layout=w.Layout(display="none", height="auto", max_width="100%",
+                                                 align_self="flex-start", **layout))
+
+
+class Explorer(w.VBox):
+    """The explorer widget (an ``ipywidgets.VBox``); build it with :func:`explorer`.
+
+    Controls: ``batch_slider``, ``hidden_slider`` (``SelectionSlider`` s), ``quantity_toggle``
+    (``"grads"`` / ``"jacobian"``), ``strategy_boxes`` (``{strategy: Checkbox}``), ``sample_slider`` (the sample
+    of the sample panels), ``clip_slider`` (DP-SGD's threshold C), ``rerun_button`` (time this setting again).
+
+    State for code and tests:
+        model: the :class:`~.model.ExplorerModel`; view: the latest :class:`~.model.View` shown (None before).
+        records, scaling_records: the view's records; status: its verdict line and notes as plain text;
+        max_difference: the verdict's max |difference|; error: the last error's text ("" when the last
+        setting worked); drawn: {panel: times drawn}; busy: work pending or running.
+    """
+
+    def __init__(self, model: ExplorerModel, *, batch_sizes: Sequence[int], hidden_widths: Sequence[int],
+                 strategies: Sequence[str], default: Setting, dpi: float = DPI, background: bool = True,
+                 compute: bool = True):
+        self.model = model
+        self.dpi = dpi
+        self.view: View | None = None
+        self.error = ""
+        self.drawn = dict.fromkeys(PANELS, 0)
+        self._shown: dict[str, object] = {}  # panel -> what it shows (skip redrawing the same)
+        self._suspended = False
+        self._rerun = False  # the next job times again even if the setting is shown already
+        self._bars_drawn = -math.inf  # when the bar chart was last drawn (time.monotonic)
+        self._lock = threading.RLock()  # one job applies its views at a time
+
+        slider = {"continuous_update": False, "style": {"description_width": "initial"},
+                  "layout": w.Layout(width="360px")}
+        self.batch_slider = w.SelectionSlider(options=list(batch_sizes), value=default.batch,
+                                              description="batch size", **slider)
+        self.hidden_slider = w.SelectionSlider(options=list(hidden_widths), value=default.hidden,
+                                               description="hidden width", **slider)
+        self.quantity_toggle = w.ToggleButtons(options=list(QUANTITY_OPTIONS), value=default.quantity,
+                                               style={"button_width": "auto"},
+                                               tooltips=["(B, P): the gradient of each sample's loss",
+                                                         "(B, Y, P): each output of each sample"])
+        self.strategy_boxes = {name: w.Checkbox(value=name in default.strategies, description=name, indent=False,
+                                                layout=w.Layout(width="auto", margin="0 14px 0 0"))
+                               for name in strategies}
+        self.sample_slider = w.IntSlider(value=default.sample, min=0, max=max(default.batch - 1, 0),
+                                         description="sample", **slider)
+        self.clip_slider = w.FloatLogSlider(value=default.clip, base=10, min=-1, max=3, step=0.05,
+                                            description="clipping threshold C", readout_format=".3g", **slider)
+        self.rerun_button = w.Button(description="rerun timings", icon="refresh",
+                                     tooltip="time this setting again (noisy numbers are never kept)",
+                                     layout=w.Layout(width="auto"))
+        self.progress_html = w.HTML("", layout=w.Layout(margin="0 0 0 12px"))
+        self.error_html = w.HTML("")
+        self.status_html = w.HTML("")
+        self.table_html = w.HTML("")
+        self.images = {name: _image() for name in PANELS}
+        super().__init__(layout=w.Layout(width="100%"))
+        self._build()
+
+        for control in (self.batch_slider, self.hidden_slider, self.quantity_toggle, *self.strategy_boxes.values(),
+                        self.sample_slider, self.clip_slider):
+            control.observe(self._on_change, names="value")
+        self.rerun_button.on_click(self._on_rerun)
+        self._worker = _Worker(self._run) if background else None
+        if compute:
+            self.refresh()
+
+    # ------------------------------------------------------------------------------------------ layout
+
+    def _build(self) -> None:
+        img = self.images
+
+        def heading(text: str) -> w.HTML:
+            return w.HTML(f"<h4 style='margin:14px 0 2px 0'>{html.escape(text)}</h4>")
+
+        self.children = [
+            w.HBox([self.batch_slider, self.hidden_slider], layout=w.Layout(flex_flow="row wrap")),
+            w.HBox([self.quantity_toggle, self.progress_html], layout=w.Layout(align_items="center")),
+            w.HBox([w.HTML("<b>strategies:</b>&nbsp;"), *self.strategy_boxes.values()],
+                   layout=w.Layout(flex_flow="row wrap", align_items="center")),
+            self.error_html,
+            self.status_html,
+            heading("Timing: each strategy at this setting, and how it scales with the batch size"),
+            w.HBox([img["bars"], img["runtime"]], layout=w.Layout(flex_flow="row wrap", align_items="flex-start")),
+            w.HBox([self.table_html, self.rerun_button], layout=w.Layout(align_items="flex-start")),
+            heading("The per-sample gradients"),
+            self.sample_slider,
+            img["heatmap"],
+            img["images"],
+            heading("How the fast rule works"),
+            w.HTML("<div style='max-width:900px'>For a Linear layer, one sample's weight gradient is the outer "
+                   "product of the backprop signal g<sub>i</sub> at the layer's output and the layer's input "
+                   "a<sub>i</sub>: one backward pass for the whole batch gives every g<sub>i</sub>, so every "
+                   "per-sample gradient costs one outer product, and its norm is ||g<sub>i</sub>|| "
+                   "||a<sub>i</sub>|| without forming it (the ghost-norm trick).</div>"),
+            img["rule"],
+            heading("The DP-SGD view"),
+            w.HTML("<div style='max-width:900px'>DP-SGD clips each sample's gradient to norm at most C before "
+                   "summing (then adds noise), so that no single example can move the model much.</div>"),
+            self.clip_slider,
+            img["clip"],
+        ]
+
+    # ------------------------------------------------------------------------------------------ controls
+
+    @property
+    def selected(self) -> list[str]:
+        """The ticked strategies, in order."""
+        return [name for name, box in self.strategy_boxes.items() if box.value]
+
+    @property
+    def setting(self) -> Setting:
+        """What the controls say now."""
+        return Setting(batch=self.batch_slider.value, hidden=self.hidden_slider.value,
+                       quantity=self.quantity_toggle.value, strategies=tuple(self.selected),
+                       sample=min(self.sample_slider.value, self.batch_slider.value - 1),
+                       clip=float(self.clip_slider.value))
+
+    def _on_change(self, change: dict) -> None:
+        if self._suspended:
+            return
+        if change["owner"] is self.batch_slider:
+            self._fit_sample_slider()
+        self.refresh()
+
+    def _fit_sample_slider(self) -> None:
+        suspended, self._suspended = self._suspended, True
+        try:
+            self.sample_slider.max = max(self.batch_slider.value - 1, 0)
+        finally:
+            self._suspended = suspended
+
+    def _on_rerun(self, _button) -> None:
+        self.model.forget(self.setting)
+        self._rerun = True
+        self.refresh()
+
+    def set(self, *, batch: int | None = None, hidden: int | None = None, quantity: str | None = None,
+            strategies: Sequence[str] | None = None, sample: int | None = None, clip: float | None = None) -> None:
+        """Change several controls at once, then refresh once (setting them one by one refreshes after each)."""
+        if strategies is not None:
+            unknown = set(strategies) - set(self.strategy_boxes)
+            if unknown:
+                raise ValueError(f"no checkbox for {sorted(unknown)}; the explorer has {list(self.strategy_boxes)}")
+        self._suspended = True
+        try:
+            for control, value in ((self.batch_slider, batch), (self.hidden_slider, hidden),
+                                   (self.quantity_toggle, quantity), (self.clip_slider, clip)):
+                if value is not None:
+                    control.value = value
+            self.sample_slider.max = max(self.batch_slider.value - 1, 0)
+            if sample is not None:
+                self.sample_slider.value = sample
+            if strategies is not None:
+                for name, box in self.strategy_boxes.items():
+                    box.value = name in strategies
+        finally:
+            self._suspended = False
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Work out the current setting: in the background worker (returns at once), or here when the explorer
+        was built with ``background=False``. Errors are shown in the widget (and kept in :attr:`error`)."""
+        setting = self.setting
+        self._progress("busy", setting, f"computing the gradients at {setting.describe()} …")
+        if self._worker is not None:
+            self._worker.submit(setting)
+        else:
+            self._run(setting)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the worker has nothing pending or running (True), or ``timeout`` seconds passed."""
+        return True if self._worker is None else self._worker.wait(timeout)
+
+    @property
+    def busy(self) -> bool:
+        return self._worker is not None and self._worker.busy
+
+    # ------------------------------------------------------------------------------------------ work
+
+    def _run(self, setting: Setting) -> None:
+        """The worker's job: the model's stages for ``setting``, each shown as it comes."""
+        with self._lock:
+            try:
+                current, rerun, self._rerun = self.view, self._rerun, False
+                if (current is not None and current.done and not rerun and current.setting.key == setting.key
+                        and current.setting.strategies == setting.strategies):
+                    self._show(self.model.with_sample(current, sample=setting.sample, clip=setting.clip))
+                    self._progress("done", setting, current.progress)
+                    self.error = ""
+                    self.error_html.value = ""
+                    return
+                for view in self.model.stages(setting, check=self._check):
+                    self._show(self._keep_panels(view))
+                self.error = ""
+                self.error_html.value = ""
+                self._progress("done", self.view.setting, self.view.progress)
+            except Stale:
+                pass  # a newer setting is pending: the worker runs it next
+            except Exception as exc:  # shown, not swallowed: the UI must survive e.g. a MemoryBudgetError
+                self._show_error(setting, exc)
+
+    def _check(self) -> None:
+        """Between steps of the model's work: a new sample or threshold is drawn right here (the timing goes
+        on); any other change abandons this setting."""
+        if self._worker is None:
+            return
+        newer = self._worker.peek()
+        view = self.view
+        if newer is None:
+            return
+        if (view is not None and newer.key == view.setting.key and newer.strategies == view.setting.strategies
+                and self._worker.take(newer)):
+            self._show(self.model.with_sample(view, sample=newer.sample, clip=newer.clip))
+            return
+        raise Stale
+
+    def _stale(self) -> None:
+        """Raise :class:`Stale` when a setting that needs new gradients or timings is waiting (between two
+        figures: drawing the rest of a stale view would only delay the one wanted)."""
+        newer = self._worker.peek() if self._worker is not None else None
+        view = self.view
+        if newer is not None and (view is None or newer.key != view.setting.key
+                                  or newer.strategies != view.setting.strategies):
+            raise Stale
+
+    def _keep_panels(self, view: View) -> View:
+        """A view from the model carries the sample and threshold its setting started with: keep the ones
+        chosen since (drawn by :meth:`_check`)."""
+        shown = self.view
+        if shown is None or shown.setting.key != view.setting.key:
+            return view
+        s = shown.setting
+        if (s.sample, s.clip) == (view.setting.sample, view.setting.clip):
+            return view
+        return dataclasses.replace(view, setting=dataclasses.replace(view.setting, sample=s.sample, clip=s.clip),
+                                   sample=shown.sample, clipping=shown.clipping)
+
+    # ------------------------------------------------------------------------------------------ drawing
+
+    def _show(self, view: View) -> None:
+        """Draw what changed between the shown view and ``view``: each panel names ``view``'s setting."""
+        self.view = view
+        s = view.setting
+        key = s.key
+        self._status(view)
+        self._draw("heatmap", (key, s.sample), lambda: self._heatmap(view))
+        self._draw("images", (key, s.sample), lambda: plots.first_layer_images(
+            view.sample.first_layer, image=view.sample.image, titles=list(view.sample.first_layer_titles),
+            ncols=5 if s.quantity == "grads" else 6, image_title=f"input ({view.sample.label})",
+            suptitle=view.sample.first_layer_title))
+        if self._shown.get("runtime", (None,))[0] != key:
+            self._hide("runtime")  # the old curve belongs to another setting
+        if view.verdict is None:  # the first view of a setting: the heatmap and images first, the rest next
+            self._hide("bars")
+            self.table_html.value = ""
+            self._progress("busy", s, view.progress)
+            return
+        loss_key = (s.batch, s.hidden)  # the fast rule and the DP-SGD view use the loss gradients, either quantity
+        self._draw("rule", (loss_key, s.sample), lambda: plots.outer_product_figure(
+            view.sample.a, view.sample.g, gradient_norm=view.sample.gradient_norm, width=9.0,
+            title=f"sample {view.sample.index} ({view.sample.label}) at {s.describe()}: fc1.weight's per-sample "
+                  "gradient is g_i a_i^T"))
+        c = view.clipping
+        self._draw("clip", (loss_key, s.clip), lambda: plots.clipping_figure(
+            c.total, c.layers, c.max_norm, sums=(c.plain_sum_norm, c.clipped_sum_norm), width=8.0,
+            title=f"per-sample gradient norms at {s.describe()}, C={c.max_norm:.3g}"))
+        noisy = tuple(r.strategy for r in view.records if "noisy" in r.note)  # this setting's (not the curve's)
+        bars = (key, tuple((r.strategy, r.median_s) for r in view.records), view.pending, noisy)
+        if not view.records:
+            self._hide("bars")  # the old chart belongs to another setting; the progress line says what is timed
+        elif view.pending and time.monotonic() - self._bars_drawn < BAR_INTERVAL_S:
+            pass  # the chart grows at most this often (drawing it costs more than a tier of cheap methods)
+        else:
+            self._draw("bars", bars, lambda: plots.bar_figure(
+                view.records, pending=view.pending, noisy=noisy, width=6.2,
+                title=f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}"))
+            self._bars_drawn = time.monotonic()
+        if view.done:
+            self._draw("runtime", (key, tuple((r.strategy, r.batch_size, r.median_s) for r in view.scaling_records)),
+                       lambda: plots.runtime_figure(view.scaling_records, highlight=s.batch, width=6.4, height=3.4,
+                                                    title=f"{QUANTITY_NAMES[s.quantity]}: time vs batch size, "
+                                                          f"hidden width {s.hidden} (now: B={s.batch})"))
+        self.table_html.value = _table_html(view) if view.records else ""
+        self._progress("done" if view.done else "busy", s, view.progress)  # last: "done" once all is drawn
+
+    def _heatmap(self, view: View) -> Figure:
+        s, i = view.setting, view.sample.index
+        title = f"per-sample gradients at {s.describe()}: B={s.batch} x P={view.grads.shape[1]:,} (sample {i} outlined)"
+        if view.sample.jacobian is None:
+            return plots.gradient_heatmap(view.grads, view.boundaries, figsize=(8.6, 3.3), title=title,
+                                          highlight_row=i, max_cols=600)
+        fig = Figure(figsize=(8.6, 6.4))  # margins in inches, no layout engine (it would double the drawing time)
+        top, bottom = fig.subplots(2, 1, height_ratios=[1.2, 1])
+        fig.subplots_adjust(left=1.0 / 8.6, right=1 - 0.9 / 8.6, top=1 - 0.45 / 6.4, bottom=1.1 / 6.4,
+                            hspace=0.75)
+        names = view.sample.first_layer_titles
+        plots.gradient_heatmap(view.grads, view.boundaries, ax=top, title=title, highlight_row=i, max_cols=600)
+        plots.gradient_heatmap(view.sample.jacobian, view.boundaries, ax=bottom, ylabel="output", row_labels=names,
+                               max_cols=600, title=f"output Jacobian of sample {i} ({view.sample.label}): "
+                                                   f"Y={view.sample.jacobian.shape[0]} x P")
+        return fig
+
+    def _draw(self, panel: str, token: object, figure: Callable[[], Figure]) -> None:
+        if self._shown.get(panel) == token:
+            return
+        self._stale()
+        png = plots.to_png(figure(), dpi=self.dpi)
+        image = self.images[panel]
+        image.value = png
+        image.layout.width = f"{int.from_bytes(png[16:20], 'big')}px"  # the PNG's own width (its IHDR)
+        image.layout.display = ""
+        self.drawn[panel] += 1
+        self._shown[panel] = token
+
+    def _hide(self, panel: str) -> None:
+        self.images[panel].layout.display = "none"
+        self._shown.pop(panel, None)
+
+    def _progress(self, state: str, setting: Setting, text: str) -> None:
+        icon = {"busy": "⏳", "done": "✓", "error": "⚠"}[state]
+        color = {"busy": "#a15c00", "done": "#1b7f3b", "error": "#c62828"}[state]
+        self.progress_html.value = (f"<span class='pergrad-progress' data-state='{state}' "
+                                    f"data-setting='B={setting.batch} hidden={setting.hidden} {setting.quantity}' "
+                                    f"style='color:{color}'>{icon} {html.escape(text)}</span>")
+
+    def _status(self, view: View) -> None:
+        v = view.verdict
+        if v is None:
+            lines = [f"<div style='margin:4px 0'>checking that hooks and torch_func agree at "
+                     f"{html.escape(view.setting.describe())} …</div>"]
+        else:
+            verdict = "<b style='color:#1b7f3b'>agree</b>" if v.ok else "<b style='color:#c62828'>DISAGREE</b>"
+            lines = [f"<div style='margin:4px 0'>{verdict} · {html.escape(v.text)}</div>"]
+        for note in view.notes:
+            warn = note.startswith("noisy")
+            style = "color:#c62828;font-weight:bold" if warn else "color:#8a5300"
+            lines.append(f"<div style='{style}'>⚠ {html.escape(note)}</div>")
+        self.status_html.value = "".join(lines)
+
+    def _show_error(self, setting: Setting, exc: Exception) -> None:
+        where = setting.describe()
+        self.error = f"{type(exc).__name__} at {where}: {exc}"
+        message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        shown = self.view.setting.describe() if self.view is not None else "none yet"
+        self.error_html.value = (
+            "<div style='border-left:4px solid #c62828;background:#fdecea;padding:6px 10px;margin:4px 0'>"
+            f"<b>Could not compute {html.escape(QUANTITY_NAMES[setting.quantity])} at {html.escape(where)}.</b><br>"
+            f"<code style='white-space:pre-wrap'>{html.escape(message)}</code><br>"
+            f"The figures below are from the previous setting ({html.escape(shown)}); choose another setting to "
+            "continue.</div>")
+        self._progress("error", setting, f"could not compute {where}")
+
+    # ------------------------------------------------------------------------------------------ for code
+
+    @property
+    def records(self) -> list[bench.Record]:
+        return list(self.view.records) if self.view is not None else []
+
+    @property
+    def scaling_records(self) -> list[bench.Record]:
+        return list(self.view.scaling_records) if self.view is not None else []
+
+    @property
+    def max_difference(self) -> float | None:
+        return self.view.verdict.max_abs_diff if self.view is not None and self.view.verdict else None
+
+    @property
+    def status(self) -> str:
+        if self.view is None:
+            return ""
+        verdict = self.view.verdict.text if self.view.verdict else "checking that hooks and torch_func agree"
+        return "\n".join([verdict, *self.view.notes])
+
+    def snapshot(self, timeout: float | None = 600) -> None:
+        """Display the current figures as plain PNG images (at the size they are shown), with a caption: a
+        picture of the explorer for readers without a kernel (GitHub, a notebook not yet run). Waits for the
+        worker first."""
+        from IPython.display import HTML, Image, display
+
+        self.wait(timeout)
+        where = self.view.setting.describe() if self.view is not None else "-"
+        display(HTML(f"<p><i>A picture of the explorer at {html.escape(where)}, as it looked when this notebook "
+                     "was built. Run the notebook (or this cell) for the live explorer with its sliders.</i></p>"))
+        for panel in ("bars", "runtime", "heatmap", "images", "rule", "clip"):
+            image = self.images[panel]
+            if image.value and image.layout.display != "none":
+                display(Image(data=bytes(image.value), format="png", width=int(image.layout.width[:-2])))
+
+    def close(self) -> None:
+        self._worker = None  # the daemon thread idles; nothing more is submitted
+        super().close()
+
+
+def _table_html(view: View) -> str:
+    """The records of one setting as an HTML table (bench.COLUMNS without the constant first three)."""
+    records = list(view.records)
+    keep = [k for k, c in enumerate(bench.COLUMNS) if c not in ("quantity", "batch", "hidden")]
+    head = "".join(f"<th style='text-align:left;padding:2px 8px'>{html.escape(bench.COLUMNS[k])}</th>" for k in keep)
+    body = []
+    for r, row in zip(records, bench.table_rows(records), strict=True):
+        noisy = "noisy" in r.note
+        style = "color:#c62828" if noisy else ("color:#777" if r.strategy in plots.REFERENCES or r.skipped else "")
+        cells = "".join(f"<td style='padding:2px 8px'>{html.escape(row[k])}</td>" for k in keep)
+        body.append(f"<tr style='{style}'>{cells}</tr>")
+    s = view.setting
+    caption = (f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}: median time per call over interleaved rounds; "
+               "IQR = spread of the rounds; vs loop = speed-up over the loop; ratios against forward+backward "
+               "timed in the same rounds")
+    return (f"<table style='border-collapse:collapse;font-size:12px'><caption style='text-align:left'>"
+            f"{html.escape(caption)}</caption><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
+
+
+def _options(values: Sequence[int], default: int, what: str) -> tuple[int, ...]:
+    options = sorted({int(v) for v in values} | {int(default)})
+    if options[0] < 1:
+        raise ValueError(f"{what} must be positive integers, got {tuple(values)}")
+    return tuple(options)
+
+
+def explorer(*, batch_sizes: Sequence[int] = POWERS_OF_TWO_BATCH, hidden_widths: Sequence[int] = POWERS_OF_TWO_HIDDEN,
+             strategies: Sequence[str] = STRATEGIES, default_batch: int = 32, default_hidden: int = 20,
+             quantity: str = "grads", slow_limit: int = 1024, rounds: int = 5, sweep_batches: int = 3,
+             device: str = "cpu", dpi: float = DPI, threads: int | None = None, background: bool = True,
+             compute: bool = True, **model_options) -> Explorer:
+    """The interactive explorer of the strategies on the tutorial ``MLP(784, hidden, 10)``.
+
+    Args:
+        batch_sizes, hidden_widths: the sliders' options (default powers of two, 1..256 and 8..512).
+        strategies: one checkbox each (names from :data:`pergrad_viz.STRATEGIES`, or ``"auto"``).
+        default_batch, default_hidden: the sliders' start values (added to the options where absent: the
+            tutorial's hidden width 20 sits between 16 and 32).
+        quantity: ``"grads"`` (per-sample gradients, (B, P)) or ``"jacobian"`` (output Jacobians, (B, Y, P)).
+        slow_limit: ``loop``, ``autograd_stack`` and ``batched_grad`` are skipped, with a visible note, where
+            they would push more than this many samples through backward passes per call (the loop: B for
+            gradients, B x 10 for Jacobians; the other two B times that, see ``bench.backward_work``).
+        rounds: interleaved timing rounds per method (fewer, down to 3, for expensive ones).
+        sweep_batches: how many batch sizes (up to the current one) are timed for the scaling curve.
+        device: where to compute. dpi: pixels per inch of the figures (shown at that size).
+        threads: intra-op threads while computing (default: all cores but one).
+        background: work in a background thread (False: in the control's callback, e.g. for tests).
+        compute: start on the default setting now.
+        model_options: more :class:`~.model.ExplorerModel` options (``min_block_s``, ``tier_budget_s`` ...).
+
+    Returns:
+        The :class:`Explorer`; as a cell's last expression it shows itself.
+    """
+    if quantity not in QUANTITIES:
+        raise ValueError(f"quantity must be one of {', '.join(map(repr, QUANTITIES))}, got {quantity!r}")
+    batch_sizes = _options(batch_sizes, default_batch, "batch_sizes")
+    hidden_widths = _options(hidden_widths, default_hidden, "hidden_widths")
+    unknown = [s for s in strategies if s != "auto" and s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown}; valid: 'auto', {', '.join(STRATEGIES)}")
+    if rounds < 1 or sweep_batches < 1:
+        raise ValueError(f"rounds and sweep_batches must be at least 1, got {rounds} and {sweep_batches}")
+    if not (math.isfinite(dpi) and dpi > 0):
+        raise ValueError(f"dpi must be a positive number, got {dpi!r}")
+    model = ExplorerModel(batch_options=batch_sizes, slow_limit=slow_limit, rounds=rounds,
+                          sweep_batches=sweep_batches, device=device, threads=threads, **model_options)
+    default = Setting(batch=default_batch, hidden=default_hidden, quantity=quantity, strategies=tuple(strategies))
+    return Explorer(model, batch_sizes=batch_sizes, hidden_widths=hidden_widths, strategies=tuple(strategies),
+                    default=default, dpi=dpi, background=background, compute=compute)
+

@@ -1,0 +1,191 @@
+"""The explorer's pure model (pergrad_viz.explorer.model): settings in, views out, no ipywidgets, no kernel.
+
+One small model is shared (batch sizes 1..8, hidden widths 8/16, a tiny timing budget); timings themselves are
+never asserted (speed claims live in benchmarks), only their structure, caching and labels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pergrad_viz as pv
+from pergrad_viz import bench, memory, timing
+from pergrad_viz.explorer.model import ExplorerModel, Setting, Stale
+
+SLOW = ("loop", "autograd_stack", "batched_grad")
+# a tiny timing budget; nothing noisy unless a test says so (the machine running the tests may be busy)
+FAST = {"rounds": 2, "min_rounds": 1, "min_block_s": 1e-4, "tier_budget_s": 0.05, "threads": 1,
+        "noise_threshold": float("inf"), "drift": float("inf")}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ExplorerModel(batch_options=(1, 2, 4, 8), slow_limit=16, sweep_batches=2, **FAST)
+
+
+def test_the_model_needs_no_widgets():
+    code = "import sys, pergrad_viz.explorer.model; assert 'ipywidgets' not in sys.modules, 'imported ipywidgets'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_stages_in_order_and_every_part_belongs_to_the_setting(model):
+    setting = Setting(batch=4, hidden=8)
+    views = list(model.stages(setting))
+    assert [v.stage for v in views[:2]] == ["gradients", "gradients"] and views[-1].stage == "done"
+    assert views[0].verdict is None and views[1].verdict is not None  # the heatmap first, then the verdict
+    assert all(v.stage == "timing" for v in views[2:-1])
+    first = views[0]
+    assert first.records == () and set(first.pending) == {*pv.STRATEGIES, bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR}
+    assert first.progress.startswith("timed 0 of 7 methods at batch size B=4, hidden width 8")
+    for v in views:
+        assert v.setting == setting
+        assert v.grads.shape == (4, (784 + 1) * 8 + (8 + 1) * 10)
+        assert {(r.quantity, r.batch_size, r.hidden) for r in v.records} <= {("grads", 4, 8)}
+    done = views[-1]
+    assert done.pending == () and done.progress.startswith("done: timed 7 of 7 methods at batch size B=4")
+    names = [r.strategy for r in done.records]
+    assert sorted(names) == sorted([*pv.STRATEGIES, bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR])
+    assert names[-2:] == [bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR]  # strategies first, fastest first
+    medians = [r.median_s for r in done.records[:-2]]
+    assert medians == sorted(medians)
+    assert {r.batch_size for r in done.scaling_records} == {1, 4}  # the scaling curve, the current batch last
+    assert all(r.median_s > 0 and r.iqr_s >= 0 for r in done.records)
+    loop = next(r for r in done.records if r.strategy == "loop")
+    assert loop.speedup_vs_loop == pytest.approx(1.0)
+    fb = next(r for r in done.records if r.strategy == bench.FORWARD_BACKWARD)
+    assert fb.vs_forward_backward == pytest.approx(1.0)
+    assert all(r.max_abs_diff is not None and r.max_abs_diff < 1e-4 for r in done.records if r.strategy in
+               pv.STRATEGIES)
+
+
+def test_verdict_hooks_vs_torch_func(model):
+    view = model.update(Setting(batch=4, hidden=8))
+    v = view.verdict
+    assert v.ok and v.max_abs_diff <= v.tolerance and v.samples == 4
+    assert v.text.startswith("hooks and torch_func agree on the per-sample gradients at batch size B=4, hidden width 8")
+    expected = pv.per_sample_grads(*bench.setting(4, 8)[:1], *bench.setting(4, 8)[1:], strategy="loop", flat=True)
+    assert torch.allclose(view.grads, expected, atol=1e-5)
+
+
+def test_timings_are_cached_and_reused(model):
+    setting = Setting(batch=2, hidden=8)
+    model.update(setting)
+    again = model.update(setting)
+    assert again.reused == 7 and "7 reused from earlier" in again.progress
+    keys = {(k.quantity, k.batch, k.hidden, k.threads) for k in model.cache}
+    assert ("grads", 2, 8, 1) in keys
+    fewer = model.update(dataclasses.replace(setting, strategies=("hooks", "loop")))
+    assert {r.strategy for r in fewer.records[:2]} == {"hooks", "loop"} and fewer.reused == 4
+
+
+def test_noisy_timings_are_flagged_and_never_cached():
+    m = ExplorerModel(batch_options=(1, 2), sweep_batches=1, **{**FAST, "noise_threshold": -1.0})  # all noisy
+    view = m.update(Setting(batch=2, hidden=8, strategies=("hooks",)))
+    assert set(view.noisy) == {"hooks", bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR}
+    assert all("noisy measurement: rerun" in r.note for r in view.records)
+    assert any(n.startswith("noisy measurement: rerun") for n in view.notes)
+    assert m.cache == {}
+
+
+def test_anchor_drift_between_tiers_flags_the_later_tier(monkeypatch):
+    real = timing.time_interleaved
+    calls = []
+
+    def slower_each_tier(fns, **kw):
+        out = real(fns, **kw)
+        calls.append(1)
+        scale = 3.0 ** (len(calls) - 1)  # the load triples between tiers
+        return {k: dataclasses.replace(t, median_s=t.median_s * scale) for k, t in out.items()}
+
+    monkeypatch.setattr(timing, "time_interleaved", slower_each_tier)
+    m = ExplorerModel(batch_options=(2,), sweep_batches=1, round_budget_s=1e-9, **{**FAST, "drift": 1.5})
+    view = m.update(Setting(batch=2, hidden=8, strategies=("hooks", "loop")))
+    assert len(calls) >= 2
+    later = [r for r in view.records if "the load changed" in r.note]
+    assert later and all(r.strategy != bench.FORWARD_BACKWARD for r in later)
+
+
+def test_slow_baselines_skipped_with_a_note(model):
+    view = model.update(Setting(batch=8, hidden=8))  # loop: 8 passes; the other two 8 x 8 = 64 > 16
+    skipped = [r for r in view.records if r.skipped]
+    assert {r.strategy for r in skipped} == {"autograd_stack", "batched_grad"}
+    assert view.records[-2:] == tuple(skipped)
+    assert "(2 skipped as too slow)" in view.progress
+    note = next(n for n in view.notes if n.startswith("skipped as too slow"))
+    assert "batch size B=8, hidden width 8" in note and "slow_limit=16" in note
+
+
+def test_jacobian_quantity(model):
+    view = model.update(Setting(batch=2, hidden=8, quantity="jacobian"))
+    assert view.verdict.text.startswith("hooks and torch_func agree on the output Jacobian")
+    assert view.sample.jacobian.shape == (10, view.grads.shape[1])
+    assert {r.strategy for r in view.records if r.skipped} == set(SLOW)  # the loop: B x Y = 20 > 16 passes
+    assert {r.quantity for r in view.records} == {"jacobian"}
+
+
+def test_fast_rule_parts_are_the_per_sample_gradient(model):
+    view = model.update(Setting(batch=4, hidden=8, sample=2))
+    s = view.sample
+    assert s.index == 2 and s.a.shape == (784,) and s.g.shape == (8,)
+    block = view.grads[2, : 8 * 784].reshape(8, 784)  # fc1.weight's per-sample gradient of sample 2
+    assert torch.allclose(torch.outer(s.g, s.a), block, atol=1e-6)
+    assert s.gradient_norm == pytest.approx(float(s.g.norm() * s.a.norm()), rel=1e-5)  # the ghost-norm identity
+    assert s.first_layer.shape == (8, 784) and len(s.first_layer_titles) == 8
+    assert "sample 2" in s.first_layer_title and "B=4, hidden 8" in s.first_layer_title
+
+
+def test_clipping_view_matches_dp_sgd(model):
+    view = model.update(Setting(batch=4, hidden=8, clip=1.0))
+    c, g = view.clipping, view.grads
+    assert torch.allclose(c.total, g.norm(dim=1), rtol=1e-5)
+    assert torch.allclose(c.layers["fc1"] ** 2 + c.layers["fc2"] ** 2, c.total**2, rtol=1e-4)
+    clipped, _ = pv.clip_per_sample(g, max_norm=1.0)
+    assert c.clipped_sum_norm == pytest.approx(float(clipped.sum(0).norm()), rel=1e-4)
+    assert c.plain_sum_norm == pytest.approx(float(g.sum(0).norm()), rel=1e-5)
+    assert c.clipped == int((g.norm(dim=1) > 1.0).sum()) and c.fraction_clipped == c.clipped / 4
+
+
+def test_with_sample_and_clip_recompute_nothing_else(model):
+    view = model.update(Setting(batch=4, hidden=8))
+    other = model.with_sample(view, sample=3, clip=0.5)
+    assert other.setting.sample == 3 and other.setting.clip == 0.5
+    assert other.sample.index == 3 and other.clipping.max_norm == 0.5
+    assert other.grads is view.grads and other.records == view.records and other.verdict == view.verdict
+    with pytest.raises(ValueError, match="positive"):
+        model.with_sample(view, clip=0.0)
+
+
+def test_stale_abandons_the_setting(model):
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) > 2:
+            raise Stale
+
+    stages = model.stages(Setting(batch=1, hidden=16), check=check)
+    seen = []
+    with pytest.raises(Stale):
+        for view in stages:
+            seen.append(view.stage)
+    assert seen[0] == "gradients" and "done" not in seen
+
+
+def test_memory_refused_before_allocating(model, monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 10 * 2**20)
+    monkeypatch.setattr(bench, "setting", lambda *a, **k: pytest.fail("built the problem despite the estimate"))
+    with pytest.raises(pv.MemoryBudgetError, match="Choose a smaller batch size"):
+        model.update(Setting(batch=256, hidden=512, quantity="jacobian"))
+
+
+def test_bad_settings_refused(model):
+    with pytest.raises(ValueError, match="quantity"):
+        model.check(Setting(quantity="hessian"))
+    with pytest.raises(ValueError, match="unknown strategies"):
+        model.check(Setting(strategies=("nope",)))
+    assert model.scaling_batches(8) == [1, 8] and model.scaling_batches(1) == [1]
