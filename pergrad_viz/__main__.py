@@ -15,17 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from . import bench, bench_models, peers
+from .cli_args import positive_ints
 from .strategies import STRATEGIES
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _names(valid: Sequence[str], what: str):
@@ -48,15 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--targets", action="store_true",
                    help="measure the project's performance targets (several tables, then one line per target)")
     b.add_argument("--quantity", choices=bench.QUANTITIES, default="grads")
-    b.add_argument("--batch-sizes", type=_ints, default=[2, 32, 128], metavar="B1,B2,...")
-    b.add_argument("--hidden", type=_ints, default=[20], metavar="H1,H2,...", help="hidden widths")
+    b.add_argument("--batch-sizes", type=positive_ints, default=[2, 32, 128], metavar="B1,B2,...")
+    b.add_argument("--hidden", type=positive_ints, default=[20], metavar="H1,H2,...", help="hidden widths")
     b.add_argument("--strategies", type=_names((*STRATEGIES, "auto"), "strategy"), default=list(STRATEGIES),
                    metavar="NAMES", help="comma-separated, or 'all' (default: the five strategies)")
     b.add_argument("--peers", type=_names(peers.PEERS, "peer"), default=[], metavar="NAMES",
                    help="opacus,backpack or 'all' (per-sample gradients only)")
     b.add_argument("--flat", action="store_true", help="ask for one flat (B, P) result")
     b.add_argument("--out-buffer", action="store_true", help="write into a preallocated flat buffer (out=)")
-    b.add_argument("--chunk-sizes", type=_ints, default=[], metavar="C1,C2,...",
+    b.add_argument("--chunk-sizes", type=positive_ints, default=[], metavar="C1,C2,...",
                    help="also time each fast strategy with these chunk_size values")
     b.add_argument("--norms", action="store_true",
                    help="also time per_sample_grad_norms against materialising + .norm (gradients only)")

@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from .cli_args import positive_ints
 from .scan import QUANTITIES
 
 MODELS = ("mlp", "cnn")
@@ -36,16 +37,6 @@ def _quantities(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"unknown quantities {', '.join(bad) or '(none)'}; valid: {', '.join(QUANTITIES)}")
     return names
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -90,7 +81,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     _common(b)
     b.set_defaults(limit=4096, threads=1)
     b.add_argument("--proj-dim", type=int, default=256, metavar="K")
-    b.add_argument("--processes", type=_ints, default=[1, 2], metavar="W1,W2,...",
+    b.add_argument("--processes", type=positive_ints, default=[1, 2], metavar="W1,W2,...",
                    help="also scan with these numbers of processes under torchrun (1 = in this process)")
     b.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
     b.add_argument("--full-data", action="store_true",

@@ -127,6 +127,14 @@ def ghost_rule_for(module: nn.Module) -> GhostRule | None:
     return ghost if ghost is not None and ghost.applies(module) else None
 
 
+def join_positions(acts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ghost rule's calls as one: activations (B, T_k, ...) joined along T (dim 1), gradients (N, B, T_k, ...)
+    along dim 2."""
+    if len(acts) == 1:
+        return acts[0], grads[0]
+    return torch.cat(list(acts), dim=1), torch.cat(list(grads), dim=2)
+
+
 def _lookup(registry: dict, module: nn.Module):
     for base in type(module).__mro__:
         if base in registry:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import register, register_ghost
+from . import join_positions, register, register_ghost
 from .linear import LinearGhost
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -82,7 +82,7 @@ class ConvGhost(LinearGhost):
             n, batch = g.shape[:2]
             acts.append(_columns(module, a).mT)  # (B, L, C_in * k)
             grads.append(g.reshape(n, batch, module.out_channels, -1).mT)  # (N, B, L, C_out)
-        return (acts[0], grads[0]) if len(seen) == 1 else (torch.cat(acts, dim=1), torch.cat(grads, dim=2))
+        return join_positions(acts, grads)
 
     @staticmethod
     def gram_cost(module, tokens, y_count, pairs):

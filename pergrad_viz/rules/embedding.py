@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import register, register_ghost
+from . import join_positions, register, register_ghost
 
 
 @register(nn.Embedding)
@@ -47,7 +47,7 @@ class EmbeddingGhost:
                 g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
             acts.append(idx)
             grads.append(g)
-        return (acts[0], grads[0]) if len(seen) == 1 else (torch.cat(acts, dim=1), torch.cat(grads, dim=2))
+        return join_positions(acts, grads)
 
     @staticmethod
     def squared_norms(module, a, g, local):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import register, register_ghost
+from . import join_positions, register, register_ghost
 
 
 @register(nn.Linear)
@@ -66,7 +66,7 @@ class LinearGhost:
             n, batch = g.shape[:2]
             acts.append(a.reshape(batch, -1, a.shape[-1]))
             grads.append(g.reshape(n, batch, -1, g.shape[-1]))
-        return (acts[0], grads[0]) if len(seen) == 1 else (torch.cat(acts, dim=1), torch.cat(grads, dim=2))
+        return join_positions(acts, grads)
 
     @staticmethod
     def squared_norms(module, a, g, local):
