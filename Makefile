@@ -43,9 +43,13 @@ bench: setup
 		--out-buffer --peers all --norms
 	$(PY) -m pergrad_viz bench --quantity grads --batch-sizes 256 --hidden 20 --strategies torch_func,auto \
 		--chunk-sizes 32,64
-	for m in mlp resnet18 mobilenet transformer lstm; do \
+	for m in mlp transformer lstm; do \
 		$(PY) -m pergrad_viz bench --model $$m --strategies all --peers all --norms || exit 1; done
+	for m in resnet18 mobilenet; do \
+		$(PY) -m pergrad_viz bench --model $$m --strategies all --peers all --norms --slow-limit 512 || exit 1; done
 	$(PY) -m pergrad_viz bench --targets
+	$(PY) -m pergrad_viz scan-bench --model cnn --limit 8192 --rounds 5
+	$(PY) -m pergrad_viz scan-bench --model mlp --limit 32768 --rounds 5
 
 ## Debian's Chromium for the browser tests (never `playwright install`: it downloads)
 browser:
