@@ -166,14 +166,17 @@ def _run_auto(requested: str, resolved: str, run: Callable[[str], Result]) -> Re
     to one that computes each sample alone (``torch_func``, then the loop where ``vmap`` cannot)."""
     if requested != "auto":
         return run(resolved)
-    try:
-        return run(resolved)
-    except hooks.PlanMismatchError:
-        resolved = "torch_func"
-    try:
-        return run(resolved)
-    except torch_func.VmapError:
-        return run("loop")
+    if resolved == "hooks":
+        try:
+            return run("hooks")
+        except hooks.PlanMismatchError:
+            resolved = "torch_func"
+    if resolved == "torch_func":
+        try:
+            return run("torch_func")
+        except (torch_func.VmapError, RuntimeError, NotImplementedError):
+            return run("loop")  # torch.func cannot run this model (vmap or grad): the loop runs what PyTorch runs
+    return run(resolved)
 
 
 def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
@@ -229,7 +232,14 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
 def output_size(model: nn.Module, inputs: torch.Tensor) -> int:
     """Y, the number of output elements per sample, from a forward pass of the first sample (no grad)."""
     with torch.no_grad():
-        return model(inputs[:1]).numel()
+        output = model(inputs[:1])
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(
+            f"per_sample_jacobian differentiates the model's output tensor, but this model returns a "
+            f"{type(output).__name__}: wrap it in a module that returns the one tensor you want, e.g. "
+            "nn.Sequential(model, Select(0)) with a Select module returning output[0]"
+        )
+    return output.numel()
 
 
 def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str = "auto", flat: bool = False,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -64,7 +65,9 @@ def _fast_path_ok(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tensor) 
     """Whether one batched call with reduction='none' is provably the per-sample losses for this call: an
     exact ``torch.nn`` loss type (a subclass may override forward), shapes that need no broadcasting."""
     reduction = getattr(loss_fn, "reduction", None)
-    if reduction not in ("sum", "mean") or output.dim() == 0 or output.shape[0] != targets.shape[0]:
+    if not isinstance(output, torch.Tensor) or reduction not in ("sum", "mean"):
+        return False
+    if output.dim() == 0 or output.shape[0] != targets.shape[0]:
         return False
     if type(loss_fn) in _ELEMENTWISE:
         return output.shape == targets.shape and _weights_fit(loss_fn, output)
@@ -101,11 +104,12 @@ def _check_scalars(losses: torch.Tensor, batch: int) -> torch.Tensor:
     return losses.reshape(batch)
 
 
-def per_sample_losses(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def per_sample_losses(loss_fn: LossFn, output: object, targets: torch.Tensor) -> torch.Tensor:
     """Loss of each sample, shape (B,), differentiable with respect to ``output``.
 
-    ``output`` is (B, *out) from one batched forward, ``targets`` is (B, ...).
-    Element i equals ``loss_fn(output[i:i+1], targets[i:i+1])``.
+    ``output`` is (B, *out) from one batched forward (or a tuple / dict of such tensors, each with the samples
+    first), ``targets`` is (B, ...). Element i equals ``loss_fn(output[i:i+1], targets[i:i+1])`` (every tensor
+    of the output sliced alike).
     """
     if _fast_path_ok(loss_fn, output, targets):
         unreduced = copy.copy(loss_fn)
@@ -113,18 +117,27 @@ def per_sample_losses(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tens
         terms = unreduced(output, targets)
         terms = terms.reshape(terms.shape[0], -1)
         return terms.sum(1) if loss_fn.reduction == "sum" else terms.mean(1)
-    batch = output.shape[0]
+    batch = targets.shape[0]
+    dims = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) else None, output)
     try:
-        losses = torch.func.vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(output, targets)
+        losses = torch.func.vmap(lambda o, t: loss_fn(_sample(o, None), t.unsqueeze(0)), in_dims=(dims, 0))(
+            output, targets)
     except Exception:  # loss functions that vmap cannot batch (data-dependent control flow, .item(), ...)
-        losses = [torch.as_tensor(loss_fn(output[i:i + 1], targets[i:i + 1])) for i in range(batch)]
+        losses = [torch.as_tensor(loss_fn(_sample(output, i), targets[i:i + 1])) for i in range(batch)]
         if any(t.dim() for t in losses):
             return _check_scalars(torch.stack([t.reshape(-1) for t in losses]), batch)
         losses = torch.stack(losses)
     return _check_scalars(losses, batch)
 
 
-def summed_per_sample_loss(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _sample(output: object, i: int | None) -> object:
+    """Sample i of a batched output as a batch of one (``i=None``: one sample under vmap, unsqueezed)."""
+    if i is None:
+        return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, output)
+    return tree_map(lambda t: t[i:i + 1] if isinstance(t, torch.Tensor) else t, output)
+
+
+def summed_per_sample_loss(loss_fn: LossFn, output: object, targets: torch.Tensor) -> torch.Tensor:
     """``per_sample_losses(loss_fn, output, targets).sum()``, a scalar, in one call of ``loss_fn`` where
     the reduction allows: 'sum' is already that sum, and 'mean' over equally sized samples is it / B."""
     if _fast_path_ok(loss_fn, output, targets):

@@ -82,9 +82,10 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     if squared is None:
         try:
             squared = _materialised_squared_norms(trainable, resolved, loss_fn, inputs, targets, chunk_size)
-        except torch_func.VmapError:
-            if strategy != "auto":
+        except (torch_func.VmapError, RuntimeError, NotImplementedError):
+            if strategy != "auto" or resolved != "torch_func":
                 raise
+            # torch.func cannot run this model (vmap or grad): the loop runs what PyTorch runs
             squared = _materialised_squared_norms(trainable, "loop", loss_fn, inputs, targets, chunk_size)
     if per_parameter:
         return {name: s.sqrt() for name, s in squared.items()}

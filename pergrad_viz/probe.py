@@ -360,9 +360,11 @@ def _make_plan(trainable: Trainable, inputs: torch.Tensor) -> Plan:
     root = probe.spec("")
     if isinstance(root, str):
         probe.interaction = probe.interaction or root
-    elif probe.interaction is None and root and root[0].out_dims[:1] != (0,):
-        probe.interaction = (f"the model's output has the samples along dimension {root[0].out_dims[0]}, not 0: a "
-                             "batched output cannot be split into per-sample losses or outputs by its first dimension")
+    elif probe.interaction is None and root and any(d != 0 for d in root[0].out_dims):
+        d = next(d for d in root[0].out_dims if d != 0)
+        where = "no batch dimension" if d is SHARED else f"the samples along dimension {d}"
+        probe.interaction = (f"the model's output has a tensor with {where}, not 0: a batched output cannot be "
+                             "split into per-sample losses or outputs by its first dimension")
     return Plan(layers, probe.interaction, hooks_problem, probe.verified)
 
 

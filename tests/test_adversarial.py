@@ -212,3 +212,54 @@ def test_a_sequence_first_lstm_with_its_state_by_keyword(strategy):
     assert agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)
     if strategy == "hooks":
         assert hooks.describe(Trainable.of(model), x) == {"lstm": "call", "head": "rule"}
+
+
+class TupleOutput(nn.Module):
+    """Returns (logits, auxiliary): the loss reads both (as many real models do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.aux = nn.Linear(4, 3), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x), self.aux(x)
+
+
+def tuple_loss(output, target):
+    return nn.functional.cross_entropy(output[0], target) + output[1].pow(2).sum()
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_a_model_returning_a_tuple(strategy):
+    torch.manual_seed(0)
+    model, (x, y) = TupleOutput().double(), data()
+    assert agree_or_refuse(model, tuple_loss, x, y, strategy, jacobian=False)
+    with pytest.raises(TypeError, match="returns a tuple: wrap it"):
+        pv.per_sample_jacobian(model, x, strategy=strategy)
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing: torch.func cannot run it, so auto must not pick torch_func blindly."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.a, self.b, self.reentrant = nn.Linear(4, 5), nn.Linear(5, 3), reentrant
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant)
+        return self.b(h - h.mean(0) if self.training else h)  # mixes samples in training: auto avoids hooks
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    torch.manual_seed(0)
+    model, (x, y) = Checkpointed(reentrant).double().eval(), data()
+    loss = nn.CrossEntropyLoss()
+    for strategy in ("auto", "hooks", "loop", "autograd_stack"):
+        assert agree_or_refuse(model, loss, x, y, strategy, jacobian=False)
+    model.train()  # samples interact: auto resolves to torch_func, which cannot run a checkpoint: the loop answers
+    assert pv.resolve_strategy("auto", model, x) == "torch_func"
+    assert agree_or_refuse(model, loss, x, y, "auto", jacobian=False)
+    want = torch.stack([g.flatten(1).square().sum(1) for g in ref_grads(model, loss, x, y).values()]).sum(0).sqrt()
+    torch.testing.assert_close(pv.per_sample_grad_norms(model, loss, x, y), want, rtol=RTOL, atol=ATOL)
