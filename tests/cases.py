@@ -135,6 +135,23 @@ def _resnet18() -> nn.Module:
     return model
 
 
+def _vit() -> nn.Module:
+    """A tiny torchvision VisionTransformer: a class token and position embedding held by modules whose forward
+    uses them directly (per-layer fallback), self-attention (closed form), LayerNorm, MLP blocks."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(image_size=16, patch_size=8, num_layers=1, num_heads=2, hidden_dim=8, mlp_dim=16,
+                              num_classes=3)
+    nn.init.normal_(model.heads.head.weight)  # torchvision starts the head at zero: every gradient would be 0
+    nn.init.normal_(model.class_token)
+    return model
+
+
+def _shufflenet() -> nn.Module:
+    """torchvision ShuffleNetV2 x0.5: channel shuffles, depthwise (grouped) convolutions, BatchNorm in eval."""
+    return torchvision.models.shufflenet_v2_x0_5(weights=None, num_classes=3)
+
+
 def _mobilenet() -> nn.Module:
     # depthwise convs, squeeze-excitation (convs on (B, C, 1, 1)), Hardswish, BN, Dropout (eval): P = 1.5M
     return torchvision.models.mobilenet_v3_small(weights=None, num_classes=3)
@@ -346,6 +363,9 @@ CASES: list[Case] = [
     Case("mobilenet_v3_small", _build(_mobilenet, "eval", calibrate=(3, 32, 32)),
          _image_inputs("mobilenet_v3_small", (3, 32, 32)),
          batches=(2,), expensive=True),
+    Case("vit-tiny", _build(_vit, "eval"), _image_inputs("vit-tiny", (3, 16, 16)), batches=(2,), expensive=True),
+    Case("shufflenet_v2", _build(_shufflenet, "eval", calibrate=(3, 32, 32)),
+         _image_inputs("shufflenet_v2", (3, 32, 32)), batches=(2,), expensive=True),
     Case("transformer-eval", _build(TransformerClassifier, "eval"), _image_inputs("transformer-eval", (5, 8)),
          expensive=True),
     Case("transformer-train", _build(TransformerClassifier, "train"), _image_inputs("transformer-train", (5, 8)),
