@@ -7,7 +7,8 @@ class UnsupportedModelError(ValueError):
     """The model (or one of its layers) cannot be handled as asked.
 
     Raised for BatchNorm or Dropout in training mode (per-sample gradients are not defined, or are
-    random), and by the ``hooks`` strategy for a layer with trainable parameters that has no rule.
+    random), by the batched strategies where the samples interact, and by the ``hooks`` strategy where a layer
+    cannot keep the samples apart (see :mod:`pergrad_viz.probe`); the message names the layer and the fix.
     """
 
 

@@ -3,7 +3,7 @@
 Shapes: B samples, P trainable scalars, T positions a layer sees per sample (tokens, or the number of
 times a shared layer is called), ``in`` / ``out`` a Linear layer's features, V x D an Embedding.
 
-With the ``hooks`` strategy (what ``"auto"`` picks when every layer with trainable parameters has a rule)
+With the ``hooks`` strategy (what ``"auto"`` picks unless the probe of the model says it cannot be trusted)
 the norms come from one forward pass that captures each layer's input and one backward pass to the layer
 outputs, then, per layer:
 
@@ -13,12 +13,14 @@ outputs, then, per layer:
   Gram matrices when ``T * T < in * out``, else the layer's own (B, out, in) gradient;
 * ``nn.Embedding``: the rows a sample touches, summed per (sample, token) with ``index_add`` and squared:
   O(B T D) work and memory, never the (B, V, D) gradient (``padding_idx`` rows are zero);
-* every other layer with a rule (convolutions, LayerNorm, GroupNorm, BatchNorm in eval mode), and every
+* ``nn.Conv1d`` / ``nn.Conv2d`` (groups=1): as a Linear from each patch's C_in * k values to C_out at the L
+  output positions (the Gram form when ``L * L`` is the cheaper);
+* every other layer (closed-form rules: norms, recurrent, attention; the per-layer fallback), and every
   layer owning a parameter tied to another layer (e.g. an Embedding and an output Linear sharing one
   weight): that layer's per-sample gradient (B, *param.shape) from its rule, summed over calls and over
   the layers sharing the parameter, then its norm. Still never the whole (B, P).
 
-Other strategies (and ``"auto"`` on models the rules do not cover) materialise the per-sample gradients
+Other strategies (and ``"auto"`` where the probe refuses ``hooks``) materialise the per-sample gradients
 with :func:`pergrad_viz.per_sample_grads` one chunk of samples at a time and take their norms.
 """
 
@@ -65,7 +67,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     Raises:
         ValueError: as :func:`pergrad_viz.per_sample_grads` (mismatched batch sizes, empty batch, unknown
             strategy, no trainable parameters, bad ``chunk_size``); :class:`UnsupportedModelError` for
-            BatchNorm or Dropout in training mode, or ``strategy="hooks"`` on a layer without a rule.
+            BatchNorm or Dropout in training mode, or ``strategy="hooks"`` where it cannot be trusted.
         TypeError: ``per_parameter`` is not a bool.
     """
     if not isinstance(per_parameter, bool):

@@ -14,8 +14,9 @@ strategy's Jacobian) gives the output gradients g (Y, N, ...) of every layer. Th
   owning a parameter tied to another layer: per parameter, the (Y, N, numel) Jacobian from the rules
   (summed over the layers sharing it), contracted over its elements.
 
-Models with a trainable layer that has no rule fall back to :func:`pergrad_viz.per_sample_jacobian`
-``(flat=True)`` (N, Y, P) and ``einsum('iyp,jzp->ijyz')``.
+Layers without a closed-form rule contribute their Jacobians from the per-layer fallback. Models where the
+probe refuses ``hooks`` fall back to :func:`pergrad_viz.per_sample_jacobian` ``(flat=True)`` (N, Y, P) and
+``einsum('iyp,jzp->ijyz')``.
 """
 
 from __future__ import annotations
