@@ -34,8 +34,7 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: torch.
     Raises ValueError for an unknown name; :class:`UnsupportedModelError` when ``hooks``, ``autograd_stack`` or
     ``batched_grad`` (one batched forward pass) would not give the per-sample definition for these inputs.
     """
-    if strategy != "auto" and strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
+    _check_strategy_name(strategy)
     trainable = model if isinstance(model, Trainable) else Trainable.of(model)
     if inputs is not None:
         check_modes(trainable)  # before the probe runs the model
@@ -58,8 +57,7 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: torch.
     if strategy == "hooks":
         hooks.check_supported(trainable, inputs)
     elif MODULES[strategy].BATCHED_FORWARD and inputs is not None:
-        with restoring_modes(trainable):
-            interaction = plan_for(trainable, inputs).interaction
+        interaction = plan_for(trainable, inputs).interaction
         if interaction is not None:
             raise UnsupportedModelError(
                 f"the {strategy} strategy runs the model once on the whole batch, but the samples interact: "
@@ -67,6 +65,11 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: torch.
                 "'torch_func' (or 'auto', which picks torch_func)."
             )
     return strategy
+
+
+def _check_strategy_name(strategy: str) -> None:
+    if strategy != "auto" and strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
 
 
 def _check_inputs(trainable: Trainable, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
@@ -151,14 +154,11 @@ def _prepare(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor | Non
              chunk_size: int | None, loss_fn: object = None) -> tuple[Trainable, str, int, int]:
     if loss_fn is not None:
         check_loss(loss_fn)
-    if strategy != "auto" and strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
+    _check_strategy_name(strategy)  # before anything is checked or run
     trainable = Trainable.of(model)
     _check_inputs(trainable, inputs, targets)
     chunk = _check_chunk(chunk_size, inputs.shape[0])
-    with restoring_modes(trainable):
-        resolved = resolve_strategy(strategy, trainable, inputs)
-    return trainable, resolved, inputs.shape[0], chunk
+    return trainable, resolve_strategy(strategy, trainable, inputs), inputs.shape[0], chunk
 
 
 def _run_auto(requested: str, resolved: str, run: Callable[[str], Result]) -> Result:

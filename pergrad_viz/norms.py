@@ -36,7 +36,7 @@ from . import api
 from .losses import LossFn
 from .memory import default_budget, result_bytes, working_bytes
 from .rules import GhostRule, ghost_rule_for
-from .strategies import hooks, torch_func
+from .strategies import hooks
 from .trainable import Trainable, restoring_modes
 
 
@@ -82,13 +82,9 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
                 raise
             resolved = "torch_func"  # data-dependent layer calls: each sample alone
     if squared is None:
-        try:
-            squared = _materialised_squared_norms(trainable, resolved, loss_fn, inputs, targets, chunk_size)
-        except (torch_func.VmapError, RuntimeError, NotImplementedError):
-            if strategy != "auto" or resolved != "torch_func":
-                raise
-            # torch.func cannot run this model (vmap or grad): the loop runs what PyTorch runs
-            squared = _materialised_squared_norms(trainable, "loop", loss_fn, inputs, targets, chunk_size)
+        # Under auto, per_sample_grads(strategy="auto") hands over from torch_func to the loop where it must.
+        squared = _materialised_squared_norms(trainable, resolved, "auto" if strategy == "auto" else resolved,
+                                              loss_fn, inputs, targets, chunk_size)
     if per_parameter:
         return {name: s.sqrt() for name, s in squared.items()}
     return torch.stack(list(squared.values())).sum(0).sqrt()
@@ -108,7 +104,7 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: torch.Te
             for layer, seen in group_calls(calls, grads).values():
                 local = layer.local
                 if tied.isdisjoint(local.values()):
-                    for local_name, sq in _layer_squared_norms(layer, seen).items():
+                    for local_name, sq in layer_squared_norms(layer, seen).items():
                         squared[local[local_name]][rows] = sq
                     continue
                 for local_name, g in dense_grads(layer, seen).items():
@@ -119,13 +115,15 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: torch.Te
     return squared
 
 
-def _materialised_squared_norms(trainable: Trainable, strategy: str, loss_fn: LossFn, inputs: torch.Tensor,
-                                targets: torch.Tensor, chunk_size: int | None) -> dict[str, torch.Tensor]:
-    """{name: (B,) squared norms} from :func:`pergrad_viz.per_sample_grads`, one chunk of samples at a time."""
+def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn,
+                                inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int | None
+                                ) -> dict[str, torch.Tensor]:
+    """{name: (B,) squared norms} from :func:`pergrad_viz.per_sample_grads` with ``strategy``, one chunk of samples
+    at a time (chunks sized for ``resolved``, the strategy it runs)."""
     batch = inputs.shape[0]
     if chunk_size is None:
         p = trainable.num_params
-        per_sample = result_bytes(1, p, trainable.dtype) + working_bytes(strategy, 1, 1, p, trainable.dtype)
+        per_sample = result_bytes(1, p, trainable.dtype) + working_bytes(resolved, 1, 1, p, trainable.dtype)
         chunk = max(1, min(batch, default_budget(trainable.device) // per_sample))
     else:
         chunk = min(chunk_size, batch)
@@ -198,7 +196,7 @@ def dense_grads(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
     return total
 
 
-def _layer_squared_norms(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
+def layer_squared_norms(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
     """{local name: (B,) squared per-sample gradient norm} of one layer; ``seen`` has N = 1."""
     ghost = ghost_rule(layer)
     if ghost is None:  # convolutions, norms, recurrent, fallback: this one layer's (B, *param.shape) gradient

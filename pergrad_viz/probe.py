@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .rules import call_rule_for, rule_for
-from .trainable import Trainable
+from .trainable import Trainable, restoring_modes
 
 SHARED = None  # the batch dimension of a tensor that holds no samples
 
@@ -94,7 +94,13 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.allclose(a, b, rtol=rtol, atol=atol * scale, equal_nan=True))
 
 
-def _tensors(obj: object) -> list[torch.Tensor]:
+def tensors_of(obj: object) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a tensor, or nested tuples / lists / dicts of them and other values), in
+    ``torch.utils._pytree`` order; the common cases without the pytree machinery (it costs per call)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if type(obj) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in obj):
+        return list(obj)
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -122,14 +128,14 @@ class _ParameterUses(TorchFunctionMode):
         result = func(*args, **kwargs)
         if self.paused:
             return result
-        hits = [self.watched[id(t)] for t in _tensors((args, kwargs)) if id(t) in self.watched]
-        if hits and _tensors(result):
+        hits = [self.watched[id(t)] for t in tensors_of((args, kwargs)) if id(t) in self.watched]
+        if hits and tensors_of(result):
             for name in hits:
                 self.uses.setdefault(name, []).append((tuple(self.stack), getattr(func, "__name__", str(func))))
         return result
 
 
-def _run(trainable: Trainable, inputs: torch.Tensor, watch: dict[int, str] | None) -> tuple[_Record, object, dict]:
+def _run(trainable: Trainable, inputs: torch.Tensor, watch: dict[int, str] | None) -> tuple[_Record, dict]:
     record = _Record()
     stack: list[str] = []
     names = {id(m): n for n, m in trainable.modules}
@@ -142,8 +148,8 @@ def _run(trainable: Trainable, inputs: torch.Tensor, watch: dict[int, str] | Non
         name = stack.pop() if stack else names[id(module)]
         if mode is not None:
             mode.paused = True
-        ins = [t.detach().clone() for t in _tensors((args, kwargs))]
-        outs = [t.detach().clone() for t in _tensors(output)]
+        ins = [t.detach().clone() for t in tensors_of((args, kwargs))]
+        outs = [t.detach().clone() for t in tensors_of(output)]
         if mode is not None:
             mode.paused = False
         record.calls.setdefault(name, []).append((ins, outs))
@@ -156,15 +162,15 @@ def _run(trainable: Trainable, inputs: torch.Tensor, watch: dict[int, str] | Non
     try:
         with torch.enable_grad():  # the same code paths as the real capture (no inference fast paths)
             if mode is None:
-                output = trainable.model(inputs)
+                trainable.model(inputs)
             else:
                 with mode:
-                    output = trainable.model(inputs)
+                    trainable.model(inputs)
                 uses = mode.uses
     finally:
         for h in handles:
             h.remove()
-    return record, output, uses
+    return record, uses
 
 
 def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | str:
@@ -199,9 +205,9 @@ class _Probe:
         self.modules = dict(trainable.modules)
         pair, self.verified = _pick_pair(inputs)
         watch = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
-        self.alone_a, _, _ = _run(trainable, pair[:1], None)
-        self.alone_b, _, _ = _run(trainable, pair[1:], None)
-        self.pair, _, self.uses = _run(trainable, pair, watch)
+        self.alone_a, _ = _run(trainable, pair[:1], None)
+        self.alone_b, _ = _run(trainable, pair[1:], None)
+        self.pair, self.uses = _run(trainable, pair, watch)
         self.interaction: str | None = None
         self.specs: dict[str, list[CallSpec] | str] = {}
 
@@ -347,7 +353,8 @@ def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> st
 
 
 def _make_plan(trainable: Trainable, inputs: torch.Tensor) -> Plan:
-    probe = _Probe(trainable, inputs)
+    with restoring_modes(trainable):  # the probe runs the model: its modes are left as they were, even on error
+        probe = _Probe(trainable, inputs)
     for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
         probe.spec(name)
     handlers, hooks_problem = _assign(trainable, probe)  # handlers keep the samples apart (checked there)

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import api
 from .losses import LossFn, per_sample_losses
-from .norms import _layer_squared_norms, dense_grads, ghost_kind, group_calls, stack_calls, tied_names
+from .norms import dense_grads, ghost_kind, group_calls, layer_squared_norms, stack_calls, tied_names
 from .norms import per_sample_grad_norms as _grad_norms
 from .sketch import Block, GradientSketch
 from .strategies import hooks
@@ -92,9 +92,7 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
         if tied_names(calls):
             raise _NeedsMaterialising
         losses = per_sample_losses(loss_fn, output, y)  # (B,)
-        tensors, where = hooks._grad_targets(calls)
-        grads = torch.autograd.grad(losses.sum(), tensors, allow_unused=True) if tensors else ()
-        per_call = hooks._regroup(calls, where, grads, batched=False)
+        per_call = hooks.backward_to_layers(calls, losses.sum())
     res = _outputs(want, output, losses, y)
     kw = {"dtype": trainable.dtype, "device": trainable.device}
     squared = {n: torch.zeros(batch, **kw) for n in trainable.names}
@@ -109,7 +107,7 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
         linear_sketch = (index is not None and kind == "linear" and sketch.blocks[index].kind == "kronecker"
                          and set(sketch.blocks[index].block.params) == set(local.values()))
         if kind is not None:
-            for ln, sq in _layer_squared_norms(layer, seen).items():
+            for ln, sq in layer_squared_norms(layer, seen).items():
                 squared[local[ln]] = sq
         if linear_sketch:
             a, g = stack_calls("linear", layer, seen)  # (B, T, in), (1, B, T, out)

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ..errors import UnsupportedModelError
 from ..losses import LossFn, summed_per_sample_loss
-from ..probe import SHARED, CallSpec, LayerPlan, Plan, plan_for
-from ..rules import call_rule_for, rule_for, supported_types
+from ..probe import SHARED, CallSpec, LayerPlan, Plan, plan_for, tensors_of
+from ..rules import call_rule_for, rule_for
 from ..rules.fallback import per_sample_vjp
 from ..trainable import Trainable
 from ._common import flat_outputs
@@ -38,7 +38,6 @@ def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int
     """Rules write into the result; a temporary of one parameter's per-sample size (a convolution's einsum, the
     per-layer fallback's vmap result, a tied parameter's second layer) at most."""
     return chunk * outputs * largest_param * itemsize
-
 
 
 class PlanMismatchError(UnsupportedModelError):
@@ -63,16 +62,6 @@ class Layer:
     @property
     def rule(self):
         return rule_for(self.module) if self.kind == "rule" else None
-
-
-def tensors_of(obj: object) -> list[torch.Tensor]:
-    """The tensors in ``obj`` (a tensor, or nested tuples / lists / dicts of them and other values), in
-    ``torch.utils._pytree`` order; the common cases without the pytree machinery (it costs per call)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if type(obj) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in obj):
-        return list(obj)
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
 @dataclass
@@ -215,6 +204,16 @@ def capture(trainable: Trainable, inputs: torch.Tensor) -> tuple[torch.Tensor, l
     return output, calls
 
 
+def backward_to_layers(calls: list[Call], total: torch.Tensor) -> list[list]:
+    """The gradients of the scalar ``total`` with respect to every captured layer output (1 backward pass, to the
+    layer outputs only): per call, per output tensor, a (1, *output.shape) gradient or None."""
+    tensors, where = _grad_targets(calls)
+    if not tensors:
+        return [[None] * len(c.outputs) for c in calls]
+    grads = torch.autograd.grad(total, tensors, allow_unused=True)
+    return _regroup(calls, where, grads, batched=False)
+
+
 def _grad_targets(calls: list[Call]) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
     """The output tensors that carry gradients, and (call index, leaf index) for each."""
     tensors, where = [], []
@@ -242,12 +241,9 @@ def loss_gradients(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, 
     Returns (calls, grads): per call, per output tensor, a (1, *output.shape) gradient or None.
     """
     output, calls = capture(trainable, inputs)
-    tensors, where = _grad_targets(calls)
-    if not tensors:
+    if not any(t.requires_grad for c in calls for t in c.outputs):  # no layer with trainable parameters reached
         return calls, [[None] * len(c.outputs) for c in calls]
-    total = summed_per_sample_loss(loss_fn, output, targets)
-    grads = torch.autograd.grad(total, tensors, allow_unused=True)
-    return calls, _regroup(calls, where, grads, batched=False)
+    return calls, backward_to_layers(calls, summed_per_sample_loss(loss_fn, output, targets))
 
 
 def output_gradients(trainable: Trainable, inputs: torch.Tensor) -> tuple[list[Call], list[list], int]:
@@ -336,8 +332,4 @@ def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Te
     calls, g, _ = output_gradients(trainable, inputs)
     apply_rules(trainable, calls, g, {n: t.transpose(0, 1) for n, t in out.items()})
 
-
-def supported_layers() -> tuple[str, ...]:
-    """Layer types with a closed-form rule (every other layer goes through the per-layer fallback)."""
-    return supported_types()
 

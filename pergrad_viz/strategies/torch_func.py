@@ -11,8 +11,7 @@ that work.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,11 +38,27 @@ def _trainable(trainable: Trainable) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in zip(trainable.names, trainable.params, strict=True)}
 
 
-@contextlib.contextmanager
-def _vmap_limits(trainable: Trainable, one_sample: Callable[[], object]) -> Iterator[None]:
-    """Turn an error raised inside ``vmap`` into :class:`VmapError` naming the innermost layer that was running,
-    if the same computation for one sample without ``vmap`` (``one_sample()``) works: a limit of ``vmap``, not an
-    error of the model or the loss (which is raised unchanged)."""
+def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Callable[[], object]) -> dict:
+    """``batched()`` (a ``vmap``); an error raised inside it becomes :class:`VmapError` naming the innermost layer
+    that was running, if the same computation for one sample without ``vmap`` (``one_sample()``) works: a limit of
+    ``vmap``, not an error of the model or the loss (which is raised unchanged). Hooks to name the layer are only
+    registered after a failure, for one more failing run: the call that works pays nothing."""
+    try:
+        return batched()
+    except (RuntimeError, NotImplementedError) as e:
+        try:
+            one_sample()
+        except Exception:
+            raise e from None  # the model or the loss fails without vmap too: their own error
+        raise VmapError(
+            f"torch.func.vmap failed {_failing_layer(trainable, batched)} ({str(e).splitlines()[0][:200]}), although "
+            "one sample alone works: PyTorch's vmap has no batching rule for something there. Use strategy='hooks' "
+            "(or 'auto', which picks a strategy that works) or 'loop'."
+        ) from e
+
+
+def _failing_layer(trainable: Trainable, batched: Callable[[], dict]) -> str:
+    """Where ``batched()`` fails: "in layer 'name' (Type)", the innermost module running, or "in the backward pass"."""
     running: list[nn.Module] = []
 
     def enter(module: nn.Module, args: tuple) -> None:
@@ -58,29 +73,16 @@ def _vmap_limits(trainable: Trainable, one_sample: Callable[[], object]) -> Iter
         handles.append(m.register_forward_pre_hook(enter))
         handles.append(m.register_forward_hook(leave))
     try:
-        yield
-    except (RuntimeError, NotImplementedError) as e:
-        failing = running[-1] if running else None
-        for h in handles:
-            h.remove()
-        handles = []
-        try:
-            one_sample()
-        except Exception:
-            raise e from None  # the model or the loss fails without vmap too: their own error
-        if failing is not None:
-            names = {id(m): n for n, m in trainable.modules}
-            where = f"in layer '{names[id(failing)] or 'model'}' ({type(failing).__name__})"
-        else:
-            where = "in the backward pass"
-        raise VmapError(
-            f"torch.func.vmap failed {where} ({str(e).splitlines()[0][:200]}), although one sample alone works: "
-            "PyTorch's vmap has no batching rule for something there. Use strategy='hooks' (or 'auto', which picks "
-            "a strategy that works) or 'loop'."
-        ) from e
+        batched()
+    except (RuntimeError, NotImplementedError):
+        pass
     finally:
         for h in handles:
             h.remove()
+    if not running:
+        return "in the backward pass"
+    names = {id(m): n for n, m in trainable.modules}
+    return f"in layer '{names[id(running[-1])] or 'model'}' ({type(running[-1]).__name__})"
 
 
 def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
@@ -93,8 +95,8 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: 
         return scalar_loss(loss_fn(output, y.unsqueeze(0)))
 
     params = _trainable(trainable)
-    with _vmap_limits(trainable, lambda: grad(loss_of_one)(params, inputs[0], targets[0])):
-        result = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets)
+    result = _vmapped(trainable, lambda: vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets),
+                      lambda: grad(loss_of_one)(params, inputs[0], targets[0]))
     for name in trainable.names:
         out[name].copy_(result[name])
 
@@ -107,7 +109,7 @@ def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Te
         return functional_call(trainable.model, {**params, **frozen}, (x.unsqueeze(0),)).reshape(-1)
 
     params = _trainable(trainable)
-    with _vmap_limits(trainable, lambda: jacrev(outputs_of_one)(params, inputs[0])):
-        result = vmap(jacrev(outputs_of_one), in_dims=(None, 0))(params, inputs)
+    result = _vmapped(trainable, lambda: vmap(jacrev(outputs_of_one), in_dims=(None, 0))(params, inputs),
+                      lambda: jacrev(outputs_of_one)(params, inputs[0]))
     for name in trainable.names:
         out[name].copy_(result[name])
