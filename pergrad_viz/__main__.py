@@ -80,7 +80,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.targets:
         from . import bench_targets
 
-        print(bench_targets.report(min_run_time=args.min_run_time, progress=not args.no_progress))
+        print(bench_targets.report(min_run_time=args.min_run_time))
         return 0
     if args.model is not None:
         return _run_model_bench(args)
