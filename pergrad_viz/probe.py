@@ -65,6 +65,7 @@ class LayerPlan:
     kind: str
     local: dict[str, str]
     calls: list[CallSpec] = field(default_factory=list)
+    capture_checked: bool = False  # a call rule's capturing forward was found equal to the layer's own
 
 
 @dataclass
@@ -92,6 +93,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     rtol, atol = _tolerance(a.dtype)
     scale = max(float(a.abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0, 1.0)
     return bool(torch.allclose(a, b, rtol=rtol, atol=atol * scale, equal_nan=True))
+
+
+def outputs_close(a: object, b: object) -> bool:
+    """Whether two outputs of a layer hold the same tensors, equal up to rounding (tolerance by dtype)."""
+    ta, tb = tensors_of(a), tensors_of(b)
+    return len(ta) == len(tb) and all(_close(x.detach(), y.detach()) for x, y in zip(ta, tb, strict=True))
 
 
 def tensors_of(obj: object) -> list[torch.Tensor]:
@@ -381,7 +388,8 @@ _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakK
 def _key(trainable: Trainable, inputs: torch.Tensor) -> tuple:
     return (
         tuple(inputs.shape[1:]), inputs.dtype, inputs.device,
-        tuple((n, id(m), type(m), m.training, m.__dict__.get("forward"), _user_hooks(m)) for n, m in trainable.modules),
+        tuple((n, id(m), type(m), type(m).forward, m.training, m.__dict__.get("forward"), _user_hooks(m))
+              for n, m in trainable.modules),
         tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad) for n, p in trainable.model.named_parameters()),
     )
 

@@ -92,6 +92,7 @@ def snapshot(model: nn.Module) -> dict:
         "buffers": {n: None if b is None else b.clone() for n, b in model.named_buffers()},
         "training": {n: m.training for n, m in model.named_modules()},
         "hooks": hook_state(model),
+        "attributes": {n: sorted(vars(m)) for n, m in model.named_modules()},  # e.g. no instance forward left
     }
 
 
@@ -115,6 +116,7 @@ def assert_state_unchanged(model: nn.Module, before: dict) -> None:
         assert torch.equal(b, after["buffers"][n]), f"buffer {n} changed"
     assert after["training"] == before["training"], "training flags changed"
     assert after["hooks"] == before["hooks"], "hooks changed"
+    assert after["attributes"] == before["attributes"], "module attributes added or removed"
 
 
 class TiedNet(nn.Module):

@@ -65,6 +65,36 @@ def test_a_forward_hook_that_changes_a_layer_output(strategy):
         handle.remove()
 
 
+def _doubled_linear(self, x):
+    return 2 * nn.functional.linear(x, self.weight, self.bias)
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_a_forward_of_the_instance_s_own(strategy):
+    """``layer.forward = ...`` on one Linear: its rule (y = x W^T + b) does not hold, that layer takes the fallback;
+    the attribute is the user's and stays."""
+    model = mlp()
+    own = _doubled_linear.__get__(model[0])
+    model[0].forward = own
+    x, y = data()
+    assert agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)
+    if strategy == "hooks":
+        assert hooks.describe(Trainable.of(model), x)["0"] == "fallback"
+    assert model[0].forward is own
+
+
+def test_a_forward_patched_onto_the_class(monkeypatch):
+    """``nn.Linear.forward = ...`` after import (some adapters do this): no Linear keeps its rule, even for a model
+    whose plan was made before the patch."""
+    model = mlp()
+    x, y = data()
+    assert hooks.describe(Trainable.of(model), x) == {"0": "rule", "2": "rule"}
+    monkeypatch.setattr(nn.Linear, "forward", _doubled_linear)
+    assert hooks.describe(Trainable.of(model), x) == {"0": "fallback", "2": "fallback"}
+    for strategy in ("hooks", "auto"):
+        assert agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)
+
+
 @pytest.mark.parametrize("strategy", ALL)
 def test_a_gradient_hook_on_a_parameter(strategy):
     """The loop's torch.autograd.grad applies p.register_hook; only the loop can, so the others refuse."""

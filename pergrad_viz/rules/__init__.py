@@ -25,25 +25,48 @@ Two kinds, each registered by its own decorator:
   does not reach the loss;
 * ``out``: as above.
 
+A call rule may also register ``capture=``, a forward of its own for the layer (same outputs, up to rounding),
+used instead of the layer's while the ``hooks`` strategy captures a call::
+
+    capture(module, args, kwargs) -> (output, Captured) | None
+
+It keeps tensors from inside the layer (e.g. MultiheadAttention's q / k / v projections) whose gradients the
+one backward pass to the layer outputs then gives too, so that the rule need not replay the layer. The rule is
+then called as ``call_rule(module, inputs, grad_outputs, out, captured, captured_grads)`` (``captured`` None
+where the capture returned None: the rule raises NotImplementedError and the layer takes the per-layer
+fallback), with ``captured_grads`` one (N, *internal.shape) gradient or None per ``captured.internals``.
+
 ``@register_ghost(*types)`` for layers whose per-sample weight gradient is a sum over the T positions they saw of
 outer products (``nn.Linear``: g_t a_t^T; ``nn.Embedding``: g_t in row idx_t): a class of static methods that give
 per-sample gradient norms and NTK terms from Gram matrices, never the per-sample gradient itself (see
 :class:`GhostRule`).
 
-Rules are small pure functions: no state, no hooks of their own. Layers that own trainable parameters but
+Rules are small pure functions: no state, no hooks of their own.
+A rule is used only for a module whose forward is its registered type's own (not a subclass's, not an instance
+attribute, not a forward patched onto the class after import). Layers that own trainable parameters but
 have no rule go through the per-layer fallback (``pergrad_viz.rules.fallback``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], None]
-CallRule = Callable[[nn.Module, tuple, list, dict[str, torch.Tensor]], None]
+CallRule = Callable[..., None]
+
+
+@dataclass
+class Captured:
+    """What a layer's own capturing forward kept of one call: ``internals``, tensors inside the layer
+    (graph-connected) whose gradients its call rule needs, and ``state``, anything else it needs (detached)."""
+
+    internals: list[torch.Tensor]
+    state: object = None
 
 
 
@@ -90,21 +113,23 @@ def register(*module_types: type[nn.Module]) -> Callable[[Rule], Rule]:
 
     def deco(rule: Rule) -> Rule:
         for t in module_types:
-            _RULES[t] = rule
+            _register(_RULES, t, rule)
         return rule
 
     return deco
 
 
-def register_call(*module_types: type[nn.Module], supports: Callable[[nn.Module], bool] | None = None
-                  ) -> Callable[[CallRule], CallRule]:
+def register_call(*module_types: type[nn.Module], supports: Callable[[nn.Module], bool] | None = None,
+                  capture: Callable | None = None) -> Callable[[CallRule], CallRule]:
     """Decorator: use the decorated call rule (several inputs / outputs) for these module types; ``supports(module)``
-    says whether it covers that layer's configuration (else the layer goes through the per-layer fallback)."""
+    says whether it covers that layer's configuration (else the layer goes through the per-layer fallback);
+    ``capture``: the layer's forward as the rule needs it run (see the module docstring)."""
 
     def deco(rule: CallRule) -> CallRule:
         rule.supports = supports or (lambda module: True)
+        rule.capture = capture
         for t in module_types:
-            _CALL_RULES[t] = rule
+            _register(_CALL_RULES, t, rule)
         return rule
 
     return deco
@@ -115,7 +140,7 @@ def register_ghost(*module_types: type[nn.Module]) -> Callable[[type], type]:
 
     def deco(cls: type) -> type:
         for t in module_types:
-            _GHOST_RULES[t] = cls
+            _register(_GHOST_RULES, t, cls)
         return cls
 
     return deco
@@ -135,10 +160,22 @@ def join_positions(acts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) 
     return torch.cat(list(acts), dim=1), torch.cat(list(grads), dim=2)
 
 
+# The forward each registered type had when its rule was registered: a rule knows that forward only.
+_FORWARDS: dict[type[nn.Module], Callable] = {}
+
+
+def _register(registry: dict, module_type: type[nn.Module], entry: object) -> None:
+    registry[module_type] = entry
+    _FORWARDS.setdefault(module_type, module_type.forward)
+
+
 def _lookup(registry: dict, module: nn.Module):
+    """The entry for ``module``'s type or its nearest registered base, if ``module`` runs that type's forward."""
+    if "forward" in module.__dict__:  # an instance's own forward (module.forward = ...): no rule knows it
+        return None
     for base in type(module).__mro__:
         if base in registry:
-            return registry[base] if type(module).forward is base.forward else None
+            return registry[base] if type(module).forward is _FORWARDS[base] else None
     return None
 
 
@@ -152,6 +189,12 @@ def call_rule_for(module: nn.Module) -> CallRule | None:
     layer's configuration)."""
     rule = _lookup(_CALL_RULES, module)
     return rule if rule is not None and rule.supports(module) else None
+
+
+def capture_for(module: nn.Module) -> Callable | None:
+    """The capturing forward of ``module``'s call rule (see the module docstring), or None."""
+    rule = call_rule_for(module)
+    return None if rule is None else rule.capture
 
 
 def supported_types() -> tuple[str, ...]:

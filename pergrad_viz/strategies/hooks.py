@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_map
 
 from ..errors import UnsupportedModelError
 from ..losses import LossFn, summed_per_sample_loss
-from ..probe import SHARED, CallSpec, LayerPlan, Plan, plan_for, tensors_of
-from ..rules import call_rule_for, rule_for
+from ..probe import SHARED, CallSpec, LayerPlan, Plan, outputs_close, plan_for, tensors_of
+from ..rules import Captured, call_rule_for, capture_for, rule_for
 from ..rules.fallback import per_sample_vjp
 from ..trainable import Trainable
 from ._common import flat_outputs
@@ -74,6 +74,12 @@ class Call:
     outputs: list[torch.Tensor]
     spec: CallSpec
     versions: tuple[int, ...] = ()
+    captured: Captured | None = None  # what the layer's capturing forward kept (see pergrad_viz.rules)
+
+    @property
+    def internals(self) -> list[torch.Tensor]:
+        """Tensors inside the layer whose gradients its call rule needs (graph-connected), after the outputs."""
+        return [] if self.captured is None else self.captured.internals
 
     @property
     def activation(self) -> torch.Tensor:
@@ -143,12 +149,40 @@ def _check_call(layer: Layer, name: str, index: int, ins: list[torch.Tensor], ou
     return spec
 
 
+def _capturing_forward(layer: Layer, pending: list[Captured | None]):
+    """The layer's forward as its call rule needs it run (``capture_for``); each call leaves what it kept (or None)
+    in ``pending`` for the forward hook. Once per plan, its outputs are checked against the layer's own forward;
+    if they differ, the layer takes the per-layer fallback from then on."""
+    module = layer.module
+    capture = capture_for(module)
+    own = type(module).forward
+
+    def forward(*args, **kwargs):
+        result = capture(module, args, kwargs) if layer.kind == "call" else None
+        if result is not None and not layer.plan.capture_checked:
+            with torch.no_grad():
+                want = own(module, *args, **kwargs)
+            if outputs_close(result[0], want):
+                layer.plan.capture_checked = True
+            else:
+                layer.plan.kind = "fallback"
+                result = None
+        if result is None:
+            pending.append(None)
+            return own(module, *args, **kwargs)
+        pending.append(result[1])
+        return result[0]
+
+    return forward
+
+
 def _forward(trainable: Trainable, inputs: torch.Tensor, layers: dict[str, Layer], copy: bool
              ) -> tuple[torch.Tensor, list[Call]]:
     calls: list[Call] = []
     counts: Counter[str] = Counter()
     batch = inputs.shape[0]
     names = {id(layer.module): name for name, layer in layers.items()}
+    pending: dict[int, list[Captured | None]] = {}  # per capturing layer, what its forward kept, until its hook
 
     def detach(t):
         if not isinstance(t, torch.Tensor):
@@ -168,7 +202,8 @@ def _forward(trainable: Trainable, inputs: torch.Tensor, layers: dict[str, Layer
         else:
             saved = tree_map(detach, (args, kwargs))
             saved_ins = tensors_of(saved)
-        call = Call(layer, saved, saved_ins, outputs, spec)
+        captured = pending[id(module)].pop() if id(module) in pending else None
+        call = Call(layer, saved, saved_ins, outputs, spec, captured=captured)
         call.versions = tuple(t._version for t in call.tensors())
         calls.append(call)
         # Hand later layers a copy, so that in-place ops downstream cannot change what was captured.
@@ -177,10 +212,18 @@ def _forward(trainable: Trainable, inputs: torch.Tensor, layers: dict[str, Layer
         return output.clone() if isinstance(output, torch.Tensor) else tree_map(
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, output)
 
+    # Layers whose call rule runs a forward of its own: an instance attribute for the duration of this pass.
+    patched = [layer for layer in layers.values()
+               if layer.kind == "call" and capture_for(layer.module) is not None]
     handles = [layer.module.register_forward_hook(hook, with_kwargs=True) for layer in layers.values()]
     try:
+        for layer in patched:
+            pending[id(layer.module)] = []
+            layer.module.forward = _capturing_forward(layer, pending[id(layer.module)])
         output = trainable.model(inputs)
     finally:
+        for layer in patched:
+            layer.module.__dict__.pop("forward", None)
         for h in handles:
             h.remove()
     for name, layer in layers.items():
@@ -209,16 +252,16 @@ def backward_to_layers(calls: list[Call], total: torch.Tensor) -> list[list]:
     layer outputs only): per call, per output tensor, a (1, *output.shape) gradient or None."""
     tensors, where = _grad_targets(calls)
     if not tensors:
-        return [[None] * len(c.outputs) for c in calls]
+        return _regroup(calls, [], (), batched=False)
     grads = torch.autograd.grad(total, tensors, allow_unused=True)
     return _regroup(calls, where, grads, batched=False)
 
 
 def _grad_targets(calls: list[Call]) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
-    """The output tensors that carry gradients, and (call index, leaf index) for each."""
+    """The output tensors (then the captured internals) that carry gradients, and (call index, index) for each."""
     tensors, where = [], []
     for i, call in enumerate(calls):
-        for k, t in enumerate(call.outputs):
+        for k, t in enumerate(call.outputs + call.internals):
             if t.requires_grad:
                 tensors.append(t)
                 where.append((i, k))
@@ -226,8 +269,9 @@ def _grad_targets(calls: list[Call]) -> tuple[list[torch.Tensor], list[tuple[int
 
 
 def _regroup(calls: list[Call], where: list[tuple[int, int]], grads: tuple, batched: bool) -> list[list]:
-    """Per call, per output leaf: (N, *leaf.shape) gradients (None where the leaf gets none)."""
-    per_call: list[list] = [[None] * len(c.outputs) for c in calls]
+    """Per call, per output leaf (then per captured internal): (N, *leaf.shape) gradients (None where the leaf gets
+    none)."""
+    per_call: list[list] = [[None] * (len(c.outputs) + len(c.internals)) for c in calls]
     for (i, k), g in zip(where, grads, strict=True):
         if g is not None:
             per_call[i][k] = g if batched else g.unsqueeze(0)
@@ -242,7 +286,7 @@ def loss_gradients(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, 
     """
     output, calls = capture(trainable, inputs)
     if not any(t.requires_grad for c in calls for t in c.outputs):  # no layer with trainable parameters reached
-        return calls, [[None] * len(c.outputs) for c in calls]
+        return calls, _regroup(calls, [], (), batched=False)
     return calls, backward_to_layers(calls, summed_per_sample_loss(loss_fn, output, targets))
 
 
@@ -256,7 +300,7 @@ def output_gradients(trainable: Trainable, inputs: torch.Tensor) -> tuple[list[C
     batch, y_count = outputs.shape
     tensors, where = _grad_targets(calls)
     if not tensors:
-        return calls, [[None] * len(c.outputs) for c in calls], y_count
+        return calls, _regroup(calls, [], (), batched=True), y_count
     one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
     try:
         grads = torch.autograd.grad(outputs, tensors, grad_outputs=one_hot, is_grads_batched=True,
@@ -277,6 +321,7 @@ def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
         for t in out.values():
             t.zero_()
         return
+    grads, captured_grads = grads[:len(call.outputs)], grads[len(call.outputs):]
     if layer.kind == "rule":
         layer.rule(layer.module, call.activation, grads[0], out)
         return
@@ -288,8 +333,12 @@ def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
             bound = inspect.signature(layer.module.forward).bind(*args, **kwargs)
             bound.apply_defaults()
             args = tuple(bound.arguments.values())
+        rule = call_rule_for(layer.module)
         try:
-            call_rule_for(layer.module)(layer.module, args, full, out)
+            if rule.capture is None:
+                rule(layer.module, args, full, out)
+            else:
+                rule(layer.module, args, full, out, call.captured, captured_grads)
             return
         except NotImplementedError:  # a configuration the closed form does not cover: this layer's fallback
             pass
