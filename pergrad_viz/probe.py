@@ -65,7 +65,7 @@ class LayerPlan:
     kind: str
     local: dict[str, str]
     calls: list[CallSpec] = field(default_factory=list)
-    capture_checked: bool = False  # a call rule's capturing forward was found equal to the layer's own
+    captures_checked: set = field(default_factory=set)  # kinds of call whose capturing forward equals the layer's
 
 
 @dataclass

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import Captured, register_call
+from .linear import token_outer_sum
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -139,15 +140,6 @@ def capture_attention(module: nn.MultiheadAttention, args: tuple, kwargs: dict
     return (out, weights), Captured(internals, _State(merged.detach(), packed, source))
 
 
-def _outer_sum(g: torch.Tensor, a: torch.Tensor, dest: torch.Tensor) -> None:
-    """dest[n, b] = sum_t outer(g[n, b, t], a[b, t]): g (N, B, T, out), a (B, T, in), dest (N, B, out, in)."""
-    if dest[0, 0].is_contiguous():  # straight into the result, no temporary of its size
-        for r in range(g.shape[0]):
-            torch.bmm(g[r].transpose(1, 2), a, out=dest[r])
-    else:
-        dest.copy_(torch.matmul(g.transpose(-1, -2), a))
-
-
 @register_call(nn.MultiheadAttention, supports=_supports, capture=capture_attention)
 def multihead_attention(module: nn.Module, inputs: tuple, grad_outputs: list, out: dict[str, torch.Tensor],
                         captured: Captured | None = None, captured_grads: list | None = None) -> None:
@@ -168,7 +160,7 @@ def multihead_attention(module: nn.Module, inputs: tuple, grad_outputs: list, ou
         elif not module.batch_first:
             g = g.transpose(1, 2)  # (N, B, L, E)
         if "out_proj.weight" in out:
-            _outer_sum(g, state.merged, out["out_proj.weight"])
+            token_outer_sum(g, state.merged, out["out_proj.weight"])
         if "out_proj.bias" in out:
             torch.sum(g, dim=2, out=out["out_proj.bias"])
         grads = [t.new_zeros(n, *t.shape) if d is None else d
@@ -183,7 +175,7 @@ def _in_projection(module: nn.Module, state: _State, query: torch.Tensor, key: t
     if state.packed:  # one (N, B, L, 3E) gradient, one matmul
         (d_qkv,) = grads
         if w_in is not None:
-            _outer_sum(d_qkv, query, w_in)
+            token_outer_sum(d_qkv, query, w_in)
         if b_in is not None:
             torch.sum(d_qkv, dim=2, out=b_in)
         return
@@ -200,6 +192,6 @@ def _in_projection(module: nn.Module, state: _State, query: torch.Tensor, key: t
         rows = slice(j * embed, (j + 1) * embed)
         w = out.get(name) if w_in is None else w_in[:, :, rows]
         if w is not None:
-            _outer_sum(d, tokens, w)
+            token_outer_sum(d, tokens, w)
         if b_in is not None:
             torch.sum(d, dim=2, out=b_in[:, :, rows])

@@ -21,14 +21,22 @@ def linear(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tenso
     a = activation.reshape(batch, -1, activation.shape[-1])  # (B, T, in)
     g = grad_output.reshape(n, batch, -1, grad_output.shape[-1])  # (N, B, T, out)
     if "weight" in out:
-        weight = out["weight"]  # (N, B, out, in)
-        if weight[0, 0].is_contiguous():  # straight into the result, no temporary of its size
-            for r in range(n):
-                torch.bmm(g[r].mT, a, out=weight[r])
-        else:
-            weight.copy_(torch.matmul(g.transpose(-1, -2), a))
+        token_outer_sum(g, a, out["weight"])
     if "bias" in out:
         torch.sum(g, dim=2, out=out["bias"])
+
+
+def token_outer_sum(g: torch.Tensor, a: torch.Tensor, dest: torch.Tensor) -> None:
+    """dest[n, b] = sum_t outer(g[n, b, t], a[b, t]): g (N, B, T, out), a (B, T, in), dest (N, B, out, in).
+
+    One batched matmul per row n, straight into ``dest`` where its rows are contiguous (a dict result); into a
+    temporary, then copied, where they are strided views of a flat (B, P) result: bmm writing strided output
+    itself is slower than both together."""
+    for r in range(g.shape[0]):
+        if dest[r].is_contiguous():
+            torch.bmm(g[r].mT, a, out=dest[r])
+        else:
+            dest[r].copy_(torch.bmm(g[r].mT, a))
 
 
 # Per-sample blocks of at least this many elements are written by a batched matmul, which writes large

@@ -14,6 +14,7 @@ trainable parameter. Every call checks the shapes it captured against that plan.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import Counter
 from dataclasses import dataclass
@@ -149,21 +150,33 @@ def _check_call(layer: Layer, name: str, index: int, ins: list[torch.Tensor], ou
     return spec
 
 
+def _call_signature(args: tuple, kwargs: dict) -> tuple:
+    """What selects a layer's code path: each argument's kind (a tensor's dtype and rank, None, a flag's value)."""
+
+    def kind(v: object) -> object:
+        if isinstance(v, torch.Tensor):
+            return (v.dtype, v.dim())
+        return v if isinstance(v, (bool, int, float, str, type(None))) else type(v)
+
+    return tuple(map(kind, args)), tuple((k, kind(v)) for k, v in sorted(kwargs.items()))
+
+
 def _capturing_forward(layer: Layer, pending: list[Captured | None]):
     """The layer's forward as its call rule needs it run (``capture_for``); each call leaves what it kept (or None)
-    in ``pending`` for the forward hook. Once per plan, its outputs are checked against the layer's own forward;
-    if they differ, the layer takes the per-layer fallback from then on."""
+    in ``pending`` for the forward hook. Once per plan and kind of call (masks, flags), its outputs are checked
+    against the layer's own forward; if they differ, the layer takes the per-layer fallback from then on."""
     module = layer.module
     capture = capture_for(module)
     own = type(module).forward
 
     def forward(*args, **kwargs):
         result = capture(module, args, kwargs) if layer.kind == "call" else None
-        if result is not None and not layer.plan.capture_checked:
+        signature = _call_signature(args, kwargs) if result is not None else None
+        if result is not None and signature not in layer.plan.captures_checked:
             with torch.no_grad():
                 want = own(module, *args, **kwargs)
             if outputs_close(result[0], want):
-                layer.plan.capture_checked = True
+                layer.plan.captures_checked.add(signature)
             else:
                 layer.plan.kind = "fallback"
                 result = None
@@ -313,6 +326,12 @@ def output_gradients(trainable: Trainable, inputs: torch.Tensor) -> tuple[list[C
     return calls, _regroup(calls, where, grads, batched=True), y_count
 
 
+@functools.cache
+def _signature(module_type: type[nn.Module]) -> inspect.Signature:
+    """The signature of a layer type's forward, self first (a "call" layer runs its type's forward)."""
+    return inspect.signature(module_type.forward)
+
+
 def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
     """One call's per-sample gradients of its layer's parameters into ``out`` {local name: (N, B, *shape)}."""
     layer = call.layer
@@ -330,9 +349,9 @@ def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
     if layer.kind == "call":
         args, kwargs = call.inputs
         if kwargs:  # e.g. lstm(x, hx=h): the rule takes every argument in the order of forward's signature
-            bound = inspect.signature(layer.module.forward).bind(*args, **kwargs)
+            bound = _signature(type(layer.module)).bind(layer.module, *args, **kwargs)
             bound.apply_defaults()
-            args = tuple(bound.arguments.values())
+            args = tuple(bound.arguments.values())[1:]
         rule = call_rule_for(layer.module)
         try:
             if rule.capture is None:
