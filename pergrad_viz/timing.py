@@ -2,7 +2,9 @@
 
 Timing one method after another on a shared machine compares methods under different loads: a burst of
 other work during one method's turn makes it look slow, and its rank flips. Here every round times each
-method once (a *block* of a few calls), in a rotating order, and the statistics come from the rounds::
+method once (a *block* of a few calls), in an order that rotates and, every other round, runs backwards (so no
+method always follows the same one, whose memory churn it would inherit), and the statistics come from the
+rounds::
 
     >>> from pergrad_viz.timing import time_interleaved
     >>> t = time_interleaved({"a": f, "b": g}, rounds=7)       # {name: Timing}
@@ -138,8 +140,10 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], *, rounds: int = 5
     numbers = {name: _block_number(known[name], min_block_s, max_number) for name in names}
     samples: dict[str, list[float]] = {name: earlier[name][:rounds] for name in names}
     for r in range(rounds):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]
+        order = [names[(r + k) % len(names)] for k in range(len(names))]
+        if r % 2:
+            order.reverse()
+        for name in order:
             if r < len(earlier[name]):
                 continue
             fn, number = fns[name], numbers[name]

@@ -36,14 +36,15 @@ def test_summarize_median_iqr_and_noise():
         timing.summarize([])
 
 
-def test_rounds_interleave_and_rotate():
+def test_rounds_interleave_rotate_and_reverse():
     clock = FakeClock()
     fns = {n: clock.method(n, 0.01) for n in "abc"}
     out = timing.time_interleaved(fns, rounds=3, min_block_s=0.0, clock=clock, warmup=True)
     assert list(out) == ["a", "b", "c"]
     warm, timed = clock.calls[:3], clock.calls[3:]
     assert warm == ["a", "b", "c"]
-    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # round r starts at method r mod 3
+    # round r starts at method r mod 3, and odd rounds run backwards: every method follows two different ones
+    assert timed == ["a", "b", "c", "a", "c", "b", "c", "a", "b"]
     for t in out.values():
         assert t.median_s == pytest.approx(0.01) and t.samples == pytest.approx((0.01,) * 3) and not t.noisy
 
@@ -71,7 +72,7 @@ def test_prior_samples_count_as_first_rounds():
     clock = FakeClock()
     out = timing.time_interleaved({"a": clock.method("a", 0.01), "b": clock.method("b", 0.5)}, rounds=3,
                                   min_block_s=0.0, clock=clock, estimates={"a": 0.01}, prior={"b": [0.5]})
-    assert clock.calls == ["a", "b", "a", "a", "b"]  # round 0: only a; b sits it out (its warm-up counted)
+    assert clock.calls == ["a", "a", "b", "a", "b"]  # round 0: only a; b sits it out (its warm-up counted)
     assert out["b"].samples == pytest.approx((0.5, 0.5, 0.5)) and len(out["a"].samples) == 3
 
 
