@@ -246,6 +246,10 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
                 continue
         timed[m.label] = (m.fn, size, {"max_abs_diff": diff, "note": m.note})
         rows.append(m.label)
+    # The checked results are let go before the timing: held, they swung the timing of large results (ResNet-18's
+    # 1.33 GiB) by 40-70% (IQR) through the allocator and page faults.
+    references.clear()
+    result = reference = None
     # All methods and both reference rows in interleaved rounds: a stall of the machine hits them alike.
     bar.set_postfix_str(f"B={batch}: {len(timed)} methods, {rounds} interleaved rounds")
     timings = time_interleaved({label: fn for label, (fn, _, _) in timed.items()}, rounds=rounds,
