@@ -80,7 +80,7 @@ def _settings(min_run_time: float) -> dict[str, list[Record]]:
         if name == "resnet18":
             # torch_func against the same vmap written by hand, the two alone in their rounds: between the loop's
             # and the other methods' 1.33 GiB results, these 2-second calls swing by 30% (IQR) in the table above.
-            tables["resnet18 torch_func vs hand vmap B=32"] = bench.compare(
+            tables["resnet18 vmaps alone B=32"] = bench.compare(
                 model, loss, x, y, strategies=["torch_func"], flat=True, extras=[hand], slow_limit=10**9, **kw)
             # The same model and batch again: into a preallocated buffer, and fresh.
             nbytes = next(r.result_bytes for r in records if r.strategy == MEMORY_FLOOR)
@@ -105,7 +105,7 @@ GOALS = [
     Goal("lstm grads B=32", "loop / auto", _over("loop", "auto"), 3, True),
     Goal("resnet18 grads B=32", "loop / auto", _over("loop", "auto"), 1.5, True),
     Goal("resnet18 grads B=32", "hand vmap / auto", _over("hand vmap", "auto"), 1.2, True),
-    Goal("resnet18 torch_func vs hand vmap B=32", "torch_func / hand vmap", _over("torch_func", "hand vmap"), 1.1,
+    Goal("resnet18 vmaps alone B=32", "torch_func / hand vmap", _over("torch_func", "hand vmap"), 1.1,
          False),
     Goal("resnet18 grads B=32 out=", "auto (out=) / (forward+backward + memory floor)",
          _over("auto", FORWARD_BACKWARD, MEMORY_FLOOR), 2, False),
