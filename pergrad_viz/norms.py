@@ -173,7 +173,8 @@ def ghost_kind(layer: hooks.Layer) -> str | None:
 def stack_calls(kind: str | None, layer: hooks.Layer, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
     """All calls of a ghost-rule layer as one call on T positions (a shared layer's calls add up): for a Linear
     a is (B, T, in) and g (N, B, T, out); for an Embedding a is the (B, T) indices and g (N, B, T, D)."""
-    return ghost_rule_for(layer.module).stack(layer.module, [(call.activation, gs[0]) for call, gs in seen])
+    seen_first = [(call.activation, call.rule_grad(gs[0])) for call, gs in seen]  # the samples first
+    return ghost_rule_for(layer.module).stack(layer.module, seen_first)
 
 
 def _empty_like_params(layer: hooks.Layer, n: int, batch: int, like: torch.Tensor) -> dict[str, torch.Tensor]:

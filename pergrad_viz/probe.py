@@ -34,7 +34,7 @@ from torch.nn.modules import module as module_mod
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .rules import call_rule_for, rule_for
+from .rules import call_rule_for, rule_for, rule_takes_batch_dim
 from .trainable import Trainable, restoring_modes
 
 SHARED = None  # the batch dimension of a tensor that holds no samples
@@ -348,8 +348,8 @@ def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> st
         return "fallback"
     own = all("." not in ln for ln in local)  # the module's own parameters (a call rule may also cover children's)
     if own and rule_for(module) is not None and all(
-            len(s.in_dims) >= 1 and s.in_dims[0] == 0 and all(d is SHARED for d in s.in_dims[1:])
-            and s.out_dims == (0,) for s in specs):
+            len(s.in_dims) >= 1 and rule_takes_batch_dim(module, s.in_dims[0], len(s.in_rest[0]) + 1)
+            and all(d is SHARED for d in s.in_dims[1:]) and s.out_dims == (s.in_dims[0],) for s in specs):
         return "rule"
     if call_rule_for(module) is not None:
         batch_dim = 0 if getattr(module, "batch_first", False) else 1  # (B, T, in) or (T, B, in)

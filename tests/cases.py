@@ -170,6 +170,24 @@ class TransformerClassifier(nn.Module):
         return self.head(self.encoder(x).mean(1))
 
 
+class SequenceFirstTransformer(nn.Module):
+    """PyTorch's default layout: tokens (B, T) -> Embedding on (T, B) -> nn.TransformerEncoder (batch_first=False,
+    a key padding mask from token 0) -> mean over T -> Linear head. Every Embedding, Linear and LayerNorm sees the
+    samples on dimension 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(9, 8, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):  # (B, T)
+        pad = tokens == 0
+        pad[:, 0] = False  # no sample without a key
+        return self.head(self.encoder(self.embed(tokens.t()), src_key_padding_mask=pad).mean(0))
+
+
 class RNNClassifier(nn.Module):
     """LSTM / GRU (2 layers, batch_first) on (B, T, 3) and a Linear head on one of its readouts."""
 
@@ -370,6 +388,8 @@ CASES: list[Case] = [
          expensive=True),
     Case("transformer-train", _build(TransformerClassifier, "train"), _image_inputs("transformer-train", (5, 8)),
          loss_fns={"ce-sum": lambda: nn.CrossEntropyLoss(reduction="sum")}, expensive=True),
+    Case("transformer-sequence-first", _build(SequenceFirstTransformer, "eval"),
+         _token_inputs("transformer-sequence-first", 5, 9), expensive=True),
     _rnn("lstm-out-last", nn.LSTM, "last"),
     _rnn("gru-h_n-last-layer", nn.GRU, "h_n"),
     _rnn("lstm-h_n-last-layer", nn.LSTM, "h_n"),
@@ -399,7 +419,7 @@ CASES: list[Case] = [
     Case("batchnorm2d-train", _build(_bn_net, "train"), _image_inputs("batchnorm2d-train", (2, 4, 4)),
          expect="refuse"),
     # adversarial --------------------------------------------------------------------------------------
-    # the samples along dimension 1 of a layer (T == B): the probe finds it, the per-layer fallback handles it
+    # the samples along dimension 1 of a layer (T == B): the probe finds it, the Linear rule takes them moved first
     Case("sequence-first-linear-B2-T2", _build(SequenceFirstLinear), _image_inputs("sequence-first", (2, 3)),
          expect="hooks", batches=(2,)),
     # first a batch of 1 (where (1, T) is batch-first), then 3 on the same model: no stale per-model cache

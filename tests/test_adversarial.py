@@ -293,3 +293,37 @@ def test_activation_checkpointing(reentrant):
     assert agree_or_refuse(model, loss, x, y, "auto", jacobian=False)
     want = torch.stack([g.flatten(1).square().sum(1) for g in ref_grads(model, loss, x, y).values()]).sum(0).sqrt()
     torch.testing.assert_close(pv.per_sample_grad_norms(model, loss, x, y), want, rtol=RTOL, atol=ATOL)
+
+
+class SamplesAlongTheLength(nn.Module):
+    """A Conv1d (kernel 1) on (T, C, B): the samples along the length of the convolution. Its rule is not
+    position-wise (it needs the samples first), so that layer takes the per-layer fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 5, kernel_size=1)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):  # (B, T, 4)
+        h = self.conv(x.permute(1, 2, 0))  # (T, 5, B)
+        return self.head(torch.tanh(h).permute(2, 0, 1).mean(1))
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_position_wise_rules_take_the_samples_on_any_leading_dimension(strategy):
+    """Sequence-first tensors (PyTorch's default for transformers): Embedding, Linear and LayerNorm keep their rules
+    with the samples on dimension 1; a layer whose rule is not position-wise (a convolution) does not."""
+    from cases import SequenceFirstTransformer
+
+    torch.manual_seed(0)
+    model = SequenceFirstTransformer().double().eval()
+    x = torch.randint(1, 9, (4, 5))
+    y = torch.arange(4) % 3
+    kinds = hooks.describe(Trainable.of(model), x)
+    assert set(kinds.values()) == {"rule", "call"}, kinds
+    assert agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)
+    model = SamplesAlongTheLength().double()
+    x, y = torch.randn(3, 2, 4, dtype=torch.float64), torch.tensor([0, 2, 1])
+    if strategy == "hooks":
+        assert hooks.describe(Trainable.of(model), x) == {"conv": "fallback", "head": "rule"}
+    assert agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)

@@ -683,12 +683,13 @@ class TimeFirstNet(nn.Module):
 
 @pytest.mark.parametrize("strategy", ALL)
 def test_layer_without_the_batch_first(strategy):
-    """T == B: a check of the first dimension alone would take T for the batch. The probe runs two batch sizes, finds
-    the samples along dimension 1 of the layer's input, and the per-layer fallback handles it."""
+    """T == B: a check of the first dimension alone would take T for the batch. The probe runs two batch sizes and
+    finds the samples along dimension 1 of the layer's input; a Linear acts alike on every position, so its rule
+    takes them moved to the front."""
     torch.manual_seed(0)
     model, x, y = TimeFirstNet().double(), torch.randn(3, 3, 4, dtype=torch.float64), torch.tensor([0, 1, 2])
     loss = nn.CrossEntropyLoss()
     if strategy == "auto":
         assert pv.resolve_strategy("auto", model, x) == "hooks"
-        assert MODULES["hooks"].describe(Trainable.of(model), x) == {"fc": "fallback"}
+        assert MODULES["hooks"].describe(Trainable.of(model), x) == {"fc": "rule"}
     assert_both_agree_with_the_loop(model, loss, x, y, strategy)

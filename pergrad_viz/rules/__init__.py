@@ -13,6 +13,12 @@ Two kinds, each registered by its own decorator:
 * ``out``: ``{local parameter name: Tensor (N, B, *param.shape)}`` for the trainable parameters only;
   the rule overwrites them (they may be strided views into the caller's result).
 
+``@register(*types, features=f)`` marks a *position-wise* layer: it acts alike on every position of its input's
+leading dimensions, and its parameters only on the last ``f(module)`` ones (``nn.Linear``: 1, ``nn.LayerNorm``:
+``len(normalized_shape)``, ``nn.Embedding``: 0). Its input may then hold the samples on any leading dimension
+(e.g. a Linear on sequence-first (T, B, d) tokens, PyTorch's default layout for transformers): the rule is given
+``activation`` and ``grad_output`` with the samples moved to the front, which for such a layer is the same call.
+
 ``@register_call(*types)`` for layers with several inputs or outputs (e.g. ``nn.LSTM`` returning
 ``(output, (h_n, c_n))``)::
 
@@ -108,10 +114,14 @@ _CALL_RULES: dict[type[nn.Module], CallRule] = {}
 _GHOST_RULES: dict[type[nn.Module], type] = {}
 
 
-def register(*module_types: type[nn.Module]) -> Callable[[Rule], Rule]:
-    """Decorator: use the decorated rule for these module types (and subclasses that keep their forward)."""
+def register(*module_types: type[nn.Module], features: Callable[[nn.Module], int] | None = None
+             ) -> Callable[[Rule], Rule]:
+    """Decorator: use the decorated rule for these module types (and subclasses that keep their forward);
+    ``features``: for a position-wise layer, how many trailing input dimensions its parameters act on (see the
+    module docstring); without it the samples must be on the input's first dimension."""
 
     def deco(rule: Rule) -> Rule:
+        rule.features = features
         for t in module_types:
             _register(_RULES, t, rule)
         return rule
@@ -182,6 +192,16 @@ def _lookup(registry: dict, module: nn.Module):
 def rule_for(module: nn.Module) -> Rule | None:
     """The single-tensor rule for ``module``, or None. A subclass that overrides ``forward`` gets no rule."""
     return _lookup(_RULES, module)
+
+
+def rule_takes_batch_dim(module: nn.Module, dim: int | None, ndim: int) -> bool:
+    """Whether ``module``'s single-tensor rule holds for an input of ``ndim`` dimensions with the samples on
+    dimension ``dim`` (moved to the front for the rule): dimension 0 always; for a position-wise layer, any
+    dimension before the ones its parameters act on."""
+    rule = rule_for(module)
+    if rule is None or dim is None:
+        return False
+    return dim == 0 or (rule.features is not None and dim < ndim - rule.features(module))
 
 
 def call_rule_for(module: nn.Module) -> CallRule | None:

@@ -8,7 +8,7 @@ from torch import nn
 from . import join_positions, register, register_ghost
 
 
-@register(nn.Embedding)
+@register(nn.Embedding, features=lambda module: 0)
 def embedding(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
               out: dict[str, torch.Tensor]) -> None:
     if "weight" not in out:

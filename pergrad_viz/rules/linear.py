@@ -8,7 +8,7 @@ from torch import nn
 from . import join_positions, register, register_ghost
 
 
-@register(nn.Linear)
+@register(nn.Linear, features=lambda module: 1)
 def linear(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
            out: dict[str, torch.Tensor]) -> None:
     n, batch = grad_output.shape[:2]

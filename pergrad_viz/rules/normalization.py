@@ -22,7 +22,7 @@ def _affine(xhat: torch.Tensor, grad_output: torch.Tensor, positions: int, out: 
         out["bias"].copy_(g.sum(2).view(n, batch, *shape))
 
 
-@register(nn.LayerNorm)
+@register(nn.LayerNorm, features=lambda module: len(module.normalized_shape))
 def layer_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
                out: dict[str, torch.Tensor]) -> None:
     shape = torch.Size(module.normalized_shape)

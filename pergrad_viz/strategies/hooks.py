@@ -84,8 +84,15 @@ class Call:
 
     @property
     def activation(self) -> torch.Tensor:
-        """The first tensor argument (B, ...): what a single-tensor rule sees."""
-        return self.input_tensors[0]
+        """The first tensor argument with the samples first (B, ...): what a single-tensor rule sees (a
+        position-wise layer may hold them on another dimension, see ``pergrad_viz.rules``)."""
+        a, dim = self.input_tensors[0], self.spec.in_dims[0]
+        return a if not dim else a.movedim(dim, 0)
+
+    def rule_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The output's gradient (N, *output.shape) with the samples first, (N, B, ...): a single-tensor rule's."""
+        dim = self.spec.out_dims[0]
+        return grad if not dim else grad.movedim(dim + 1, 1)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.input_tensors + self.outputs
@@ -342,7 +349,7 @@ def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
         return
     grads, captured_grads = grads[:len(call.outputs)], grads[len(call.outputs):]
     if layer.kind == "rule":
-        layer.rule(layer.module, call.activation, grads[0], out)
+        layer.rule(layer.module, call.activation, call.rule_grad(grads[0]), out)
         return
     full = [torch.zeros(n, *o.shape, dtype=o.dtype, device=o.device) if g is None else g
             for g, o in zip(grads, call.outputs, strict=True)]
