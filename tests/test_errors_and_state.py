@@ -152,7 +152,8 @@ class Custom(nn.Module):
 
 
 @pytest.mark.parametrize("quantity", QUANTITIES)
-@pytest.mark.parametrize(("layer", "type_name"), [(nn.RMSNorm(6), "RMSNorm"), (Custom(), "Custom")])
+@pytest.mark.parametrize(("layer", "type_name"), [(nn.utils.parametrizations.weight_norm(nn.Linear(6, 6)), "Linear"),
+                                                 (Custom(), "Custom")])
 def test_hooks_on_a_layer_without_a_rule_uses_the_per_layer_fallback(quantity, layer, type_name):
     model = nn.Sequential()
     model.add_module("body", nn.Sequential(nn.Linear(4, 6), layer))

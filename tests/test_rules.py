@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from pergrad_viz.rules import call_rule_for, rule_for
 from pergrad_viz.rules.conv import conv, conv_transpose
-from pergrad_viz.rules.normalization import instance_norm
+from pergrad_viz.rules.normalization import instance_norm, rms_norm
 from pergrad_viz.rules.recurrent import recurrent
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
@@ -211,6 +211,16 @@ def test_recurrent(name, n):
     assert set(out) == set(want) and len(want) > 0
     for k in want:
         torch.testing.assert_close(out[k], want[k], **TOL, msg=k)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize(("shape", "eps"), [((6,), None), ((4, 6), 1e-3)], ids=["last dim, default eps", "two dims"])
+def test_rms_norm(shape, eps, n):
+    torch.manual_seed(0)
+    layer = nn.RMSNorm(shape, eps=eps, dtype=DT)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+    check_single(layer, rms_norm, torch.randn(B, 5, *shape, dtype=DT), n)
 
 
 def test_recurrent_refuses_what_it_does_not_cover():

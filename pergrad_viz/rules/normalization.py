@@ -1,5 +1,6 @@
-"""nn.LayerNorm, nn.GroupNorm, InstanceNorm (affine) and BatchNorm in eval mode (running statistics): the affine
-weight's gradient is the output gradient times the normalised input, summed over the positions it scales."""
+"""nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, InstanceNorm (affine) and BatchNorm in eval mode (running statistics):
+the affine weight's gradient is the output gradient times the normalised input, summed over the positions it
+scales."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ def layer_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.T
                out: dict[str, torch.Tensor]) -> None:
     shape = torch.Size(module.normalized_shape)
     xhat = F.layer_norm(activation, shape, eps=module.eps)
+    positions = activation[0].numel() // shape.numel()
+    _affine(xhat, grad_output, positions, out, shape)
+
+
+@register(nn.RMSNorm, features=lambda module: len(module.normalized_shape))
+def rms_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
+             out: dict[str, torch.Tensor]) -> None:
+    shape = torch.Size(module.normalized_shape)
+    xhat = F.rms_norm(activation, shape, eps=module.eps)
     positions = activation[0].numel() // shape.numel()
     _affine(xhat, grad_output, positions, out, shape)
 
