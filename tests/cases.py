@@ -188,6 +188,26 @@ class SequenceFirstTransformer(nn.Module):
         return self.head(self.encoder(self.embed(tokens.t()), src_key_padding_mask=pad).mean(0))
 
 
+class PackedRNN(nn.Module):
+    """Tokens (B, T) with padding 0 -> Embedding -> pack_padded_sequence -> 2-layer LSTM / bidirectional GRU ->
+    pad_packed_sequence -> sum over T -> Linear head. The packed data (tokens of all samples, (sum of lengths, d))
+    has no batch dimension."""
+
+    def __init__(self, cell: type[nn.RNNBase], bidirectional: bool):
+        super().__init__()
+        self.embed = nn.Embedding(9, 4, padding_idx=0)
+        self.rnn = cell(4, 5, num_layers=2, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(5 * (2 if bidirectional else 1), 3)
+
+    def forward(self, tokens):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        lengths = (tokens != 0).sum(1).clamp_min(1).cpu()
+        packed = pack_padded_sequence(self.embed(tokens), lengths, batch_first=True, enforce_sorted=False)
+        out, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=tokens.shape[1])
+        return self.head(out.sum(1))
+
+
 class RNNClassifier(nn.Module):
     """LSTM / GRU (2 layers, batch_first) on (B, T, 3) and a Linear head on one of its readouts."""
 
@@ -427,6 +447,11 @@ CASES: list[Case] = [
          _token_inputs("positional-embedding-B1-then-B3", 5, 9), expect="torch_func", batches=(1, 3)),
     _rnn("gru-head-on-full-h_n-B2-layers2", nn.GRU, "h_n_all", expect="hooks", batches=(2,)),
     _rnn("lstm-head-on-full-h_n-B1-then-B2", nn.LSTM, "h_n_all", expect="hooks", batches=(1, 2)),
+    # an RNN on a PackedSequence: the packed tokens of all samples share one dimension
+    Case("lstm-packed-sequence", _build(lambda: PackedRNN(nn.LSTM, False)), _token_inputs("lstm-packed", 5, 9),
+         expect="torch_func"),
+    Case("gru-bidirectional-packed-sequence", _build(lambda: PackedRNN(nn.GRU, True)),
+         _token_inputs("gru-packed", 5, 9), expect="torch_func"),
     Case("batch-centering", _build(BatchCentering), _image_inputs("batch-centering", (4,)), expect="torch_func"),
     Case("rows-after-reshape", _build(RowsNet), _image_inputs("rows-after-reshape", (3, 4)), expect="torch_func"),
     # losses: resolve_strategy does not see them, the per-sample losses must still be the loop's

@@ -4,9 +4,9 @@ The model is called as a pure function of its trainable parameters; frozen param
 passed along unchanged. Each sample is given to the model as a batch of one (``x.unsqueeze(0)``), so
 the model and the loss see exactly what the loop gives them: samples cannot interact here.
 
-Where PyTorch's ``vmap`` has no batching rule for an operation inside the model (e.g. ``nn.GRU``, or
-``nn.LSTM`` in float64, in some PyTorch versions), :class:`VmapError` names the layer and the strategies
-that work.
+Where ``torch.func`` cannot run the model (an operation without a batching rule, e.g. ``nn.GRU`` or ``nn.LSTM`` in
+float64 in some PyTorch versions; data-dependent shapes such as an RNN on a ``PackedSequence``; an
+``autograd.Function`` without ``setup_context``), :class:`VmapError` names the layer and the strategies that work.
 """
 
 from __future__ import annotations
@@ -31,29 +31,34 @@ def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int
 
 
 class VmapError(UnsupportedModelError):
-    """``torch.func.vmap`` cannot run the model (an operation without a batching rule)."""
+    """``torch.func`` cannot run the model (see the module docstring), although the model alone runs."""
 
 
 def _trainable(trainable: Trainable) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in zip(trainable.names, trainable.params, strict=True)}
 
 
-def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Callable[[], object]) -> dict:
-    """``batched()`` (a ``vmap``); an error raised inside it becomes :class:`VmapError` naming the innermost layer
-    that was running, if the same computation for one sample without ``vmap`` (``one_sample()``) works: a limit of
-    ``vmap``, not an error of the model or the loss (which is raised unchanged). Hooks to name the layer are only
-    registered after a failure, for one more failing run: the call that works pays nothing."""
+def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Callable[[dict], object]) -> dict:
+    """``batched()`` (``vmap`` of ``grad`` or ``jacrev``); an error raised inside it becomes :class:`VmapError` naming
+    the innermost layer that was running, if the same computation for one sample without any transform
+    (``one_sample(state)``, a plain forward and loss on copies of the frozen parameters and buffers, so that nothing
+    of the model changes) works: a limit of ``torch.func``, not an error of the model or the loss (which is raised
+    unchanged). Hooks to name the layer are only registered after a failure, for one more failing run: the call
+    that works pays nothing."""
     try:
         return batched()
     except (RuntimeError, NotImplementedError) as e:
         try:
-            one_sample()
+            with torch.no_grad():
+                one_sample({name: t.clone() for name, t in trainable.frozen_state().items()})
         except Exception:
-            raise e from None  # the model or the loss fails without vmap too: their own error
+            raise e from None  # the model or the loss fails without torch.func too: their own error
         raise VmapError(
-            f"torch.func.vmap failed {_failing_layer(trainable, batched)} ({str(e).splitlines()[0][:200]}), although "
-            "one sample alone works: PyTorch's vmap has no batching rule for something there. Use strategy='hooks' "
-            "(or 'auto', which picks a strategy that works) or 'loop'."
+            f"torch.func (vmap of grad / jacrev) failed {_failing_layer(trainable, batched)} "
+            f"({str(e).splitlines()[0][:200]}), although one sample alone runs: torch.func cannot run something "
+            "there (an operation without a batching rule, data-dependent shapes such as a PackedSequence, an "
+            "autograd.Function without setup_context). Use strategy='auto' (which picks a strategy that works "
+            "here) or 'loop'; 'hooks' where the model keeps the samples apart."
         ) from e
 
 
@@ -90,13 +95,14 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: 
     """Writes (B, *param.shape) into ``out`` with ``vmap(grad(loss of one sample))``."""
     frozen = trainable.frozen_state()
 
-    def loss_of_one(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        output = functional_call(trainable.model, {**params, **frozen}, (x.unsqueeze(0),))
+    def loss_of_one(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, state: dict = frozen
+                    ) -> torch.Tensor:
+        output = functional_call(trainable.model, {**params, **state}, (x.unsqueeze(0),))
         return scalar_loss(loss_fn(output, y.unsqueeze(0)))
 
     params = _trainable(trainable)
     result = _vmapped(trainable, lambda: vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets),
-                      lambda: grad(loss_of_one)(params, inputs[0], targets[0]))
+                      lambda state: loss_of_one(params, inputs[0], targets[0], state))
     for name in trainable.names:
         out[name].copy_(result[name])
 
@@ -105,11 +111,11 @@ def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Te
     """Writes (B, Y, *param.shape) into ``out`` with ``vmap(jacrev(outputs of one sample))``."""
     frozen = trainable.frozen_state()
 
-    def outputs_of_one(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return functional_call(trainable.model, {**params, **frozen}, (x.unsqueeze(0),)).reshape(-1)
+    def outputs_of_one(params: dict[str, torch.Tensor], x: torch.Tensor, state: dict = frozen) -> torch.Tensor:
+        return functional_call(trainable.model, {**params, **state}, (x.unsqueeze(0),)).reshape(-1)
 
     params = _trainable(trainable)
     result = _vmapped(trainable, lambda: vmap(jacrev(outputs_of_one), in_dims=(None, 0))(params, inputs),
-                      lambda: jacrev(outputs_of_one)(params, inputs[0]))
+                      lambda state: outputs_of_one(params, inputs[0], state))
     for name in trainable.names:
         out[name].copy_(result[name])
