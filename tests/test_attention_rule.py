@@ -245,3 +245,26 @@ def test_a_capture_unlike_the_layer_is_caught(monkeypatch) -> None:
     want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
     for p_name, w in want.items():
         torch.testing.assert_close(got[p_name], w, **TOL, msg=lambda m, p_name=p_name: f"{p_name}: {m}")
+
+
+class FailsAfterAttention(Encoder):
+    """Raises on its second forward, after the attention ran (the probe's runs pass)."""
+
+    calls = 0
+
+    def forward(self, x):
+        out = super().forward(x)
+        FailsAfterAttention.calls += 1
+        if FailsAfterAttention.calls > 3:  # the probe runs the model three times
+            raise RuntimeError("boom after the attention")
+        return out
+
+
+def test_a_failing_forward_leaves_no_capturing_forward_behind() -> None:
+    torch.manual_seed(0)
+    model = FailsAfterAttention().to(DT).eval()
+    x = torch.randn(5, 6, 8, dtype=DT)
+    y = torch.randint(0, 3, (5,))
+    with pytest.raises(RuntimeError, match="boom after the attention"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+    assert all("forward" not in vars(m) for m in model.modules())
