@@ -10,6 +10,10 @@ over B x Y: each vector selects output j of *every* sample at once, since sample
 What the rules may assume is measured, not assumed (``pergrad_viz.probe``): samples that do not interact,
 where each layer's tensors hold the samples, and which layer's forward contains every use of each
 trainable parameter. Every call checks the shapes it captured against that plan.
+
+A layer whose call rule has a capturing forward (``nn.MultiheadAttention``: its q / k / v projections) runs that
+forward during the pass instead of its own, set as an instance attribute for the pass and removed after it, also
+on error; the backward pass then gives the gradients of the tensors it kept as well.
 """
 
 from __future__ import annotations
@@ -180,8 +184,7 @@ def _capturing_forward(layer: Layer, pending: list[Captured | None]):
         result = capture(module, args, kwargs) if layer.kind == "call" else None
         signature = _call_signature(args, kwargs) if result is not None else None
         if result is not None and signature not in layer.plan.captures_checked:
-            with torch.no_grad():
-                want = own(module, *args, **kwargs)
+            want = own(module, *args, **kwargs)  # with grad, as in this pass (no_grad may take a fast path)
             if outputs_close(result[0], want):
                 layer.plan.captures_checked.add(signature)
             else:
