@@ -75,7 +75,6 @@ class Captured:
     state: object = None
 
 
-
 class GhostRule(Protocol):
     """Norms and kernels of a layer with per-sample weight gradient sum_t outer(g_t, a_t), from Gram matrices.
 
