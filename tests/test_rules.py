@@ -262,3 +262,18 @@ def test_conv_ghost_norms_equal_the_dense_rule(kw, gram, monkeypatch):
     for name, t in out.items():
         torch.testing.assert_close(got[name], t[0].flatten(1).square().sum(1), rtol=1e-10, atol=1e-12)
     assert ghost_rule_for(nn.Conv2d(4, 4, 3, groups=2)) is None  # grouped: the dense rule
+
+
+@pytest.mark.parametrize("block", ["small", "large"])
+def test_token_outer_sum_into_a_flat_result(block, monkeypatch):
+    """Strided blocks of a flat (N, B, P) result are written through a temporary when small, straight when large."""
+    from pergrad_viz.rules import linear
+
+    if block == "large":
+        monkeypatch.setattr(linear, "SMALL_BLOCK_BYTES", 0)
+    g, a = torch.randn(2, B, 5, 4, dtype=DT), torch.randn(B, 5, 3, dtype=DT)
+    flat = torch.full((2, B, 20), float("nan"), dtype=DT)
+    dest = flat[:, :, 4:16].view(2, B, 4, 3)
+    linear.token_outer_sum(g, a, dest)
+    torch.testing.assert_close(dest, torch.einsum("nbto,bti->nboi", g, a), **TOL)
+    assert flat[:, :, :4].isnan().all() and flat[:, :, 16:].isnan().all()
