@@ -185,3 +185,15 @@ class FlatRows(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         return self.fc(x.reshape(b * t, d)).reshape(b, t, 3).mean(1)
+
+
+def empty_out(module: nn.Module, n: int, batch: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """NaN-filled (N, B, *param.shape) views into one flat (N, B, P) result, as the hooks strategy passes them to
+    a rule (trainable parameters only)."""
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    flat = torch.full((n, batch, sum(p.numel() for _, p in named)), float("nan"), dtype=dtype)
+    out, start = {}, 0
+    for name, p in named:
+        out[name] = flat[:, :, start:start + p.numel()].view(n, batch, *p.shape)
+        start += p.numel()
+    return out

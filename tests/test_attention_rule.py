@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ref_grads
+from helpers import empty_out, ref_grads
 from torch import nn
 
 import pergrad_viz as pv
@@ -98,17 +98,6 @@ def setup(name: str, gen: torch.Generator):
     return module, (query, key, value), kw
 
 
-def empty_out(module: nn.Module, n: int) -> dict[str, torch.Tensor]:
-    """NaN-filled (N, B, *param.shape) views into one flat (N, B, P) result, as the hooks strategy passes them."""
-    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-    flat = torch.full((n, B, sum(p.numel() for _, p in named)), float("nan"), dtype=DT)
-    out, start = {}, 0
-    for name, p in named:
-        out[name] = flat[:, :, start:start + p.numel()].view(n, B, *p.shape)
-        start += p.numel()
-    return out
-
-
 def sample(t: torch.Tensor, b: int, dim: int) -> torch.Tensor:
     return t.narrow(dim, b, 1)
 
@@ -171,7 +160,7 @@ def test_attention_rule(name: str, n: int, given: bool) -> None:
 
     grads = [torch.randn(n, *t.shape, generator=gen, dtype=DT) for t in outputs]
     inner = captured_gradients(outputs, captured.internals, grads)
-    out = empty_out(module, n)
+    out = empty_out(module, n, B)
     inputs = args if given else bind(module, args, kwargs)
     multihead_attention(module, inputs, grads, out, captured, inner)
     want = reference(module, args, kwargs, grads)

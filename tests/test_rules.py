@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import empty_out
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_leaves
 
 from pergrad_viz.rules import call_rule_for, rule_for
 from pergrad_viz.rules.conv import conv, conv_transpose
-from pergrad_viz.rules.normalization import instance_norm, rms_norm
+from pergrad_viz.rules.normalization import instance_norm, layer_norm
 from pergrad_viz.rules.recurrent import recurrent
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
@@ -34,23 +35,12 @@ def reference(module: nn.Module, call, args: list, arg_dims: list, grads: list, 
     return vmap(per_sample, in_dims=(None, None, [0] * len(grads)))(params, list(args), list(grads))
 
 
-def empty_out(module: nn.Module, n: int) -> dict[str, torch.Tensor]:
-    """NaN-filled (N, B, *param.shape) views into one flat (N, B, P) result, as the hooks strategy passes them."""
-    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-    flat = torch.full((n, B, sum(p.numel() for _, p in named)), float("nan"), dtype=DT)
-    out, start = {}, 0
-    for name, p in named:
-        out[name] = flat[:, :, start:start + p.numel()].view(n, B, *p.shape)
-        start += p.numel()
-    return out
-
-
 def check_single(module: nn.Module, rule, x: torch.Tensor, n: int, **kwargs) -> None:
     """A single-tensor rule on input x (B, ...) against the reference, with N random output gradients."""
     assert rule_for(module) is rule
     y = module(x, **kwargs)
     g = torch.randn(n, *y.shape, dtype=DT)
-    out = empty_out(module, n)
+    out = empty_out(module, n, B)
     rule(module, x, g, out)
     want = reference(module, lambda p, xb: [functional_call(module, p, (xb,), kwargs)], [x], [0], [g], [0])
     assert set(out) == set(want)
@@ -144,7 +134,7 @@ def test_instance_norm(name, n):
             layer.running_var.uniform_(0.5, 2.0)
     x = torch.randn(B, *shape, dtype=DT) * 2 + 1
     g = torch.randn(n, B, *shape, dtype=DT)
-    out = empty_out(layer, n)
+    out = empty_out(layer, n, B)
     assert rule_for(layer) is instance_norm
     instance_norm(layer, x, g, out)
 
@@ -198,7 +188,7 @@ def test_recurrent(name, n):
     leaves = tree_leaves(layer(x, hx))
     grads = [torch.randn(n, *leaf.shape, dtype=DT) if w else None for leaf, w in zip(leaves, which, strict=True)]
 
-    out = empty_out(layer, n)
+    out = empty_out(layer, n, B)
     assert call_rule_for(layer) is recurrent
     recurrent(layer, (x, hx) if with_hx else (x,), grads, out)
 
@@ -220,20 +210,20 @@ def test_rms_norm(shape, eps, n):
     layer = nn.RMSNorm(shape, eps=eps, dtype=DT)
     with torch.no_grad():
         layer.weight.uniform_(0.5, 1.5)
-    check_single(layer, rms_norm, torch.randn(B, 5, *shape, dtype=DT), n)
+    check_single(layer, layer_norm, torch.randn(B, 5, *shape, dtype=DT), n)
 
 
 def test_recurrent_refuses_what_it_does_not_cover():
     x = torch.randn(B, T, 3)
     lstm = nn.LSTM(3, 4, proj_size=2, batch_first=True)
     with pytest.raises(NotImplementedError, match="proj_size"):
-        recurrent(lstm, (x,), [torch.ones(1, B, T, 2), None, None], empty_out(lstm, 1))
+        recurrent(lstm, (x,), [torch.ones(1, B, T, 2), None, None], empty_out(lstm, 1, B))
     gru = nn.GRU(3, 4, batch_first=True)
     packed = nn.utils.rnn.pack_padded_sequence(x, [5, 4, 2], batch_first=True)
     with pytest.raises(NotImplementedError, match="PackedSequence"):
-        recurrent(gru, (packed,), [None, None], empty_out(gru, 1))
+        recurrent(gru, (packed,), [None, None], empty_out(gru, 1, B))
     with pytest.raises(NotImplementedError, match="unbatched"):
-        recurrent(gru, (x[0],), [None, None], empty_out(gru, 1))
+        recurrent(gru, (x[0],), [None, None], empty_out(gru, 1, B))
 
 
 @pytest.mark.parametrize("kw", [

@@ -23,20 +23,13 @@ def _affine(xhat: torch.Tensor, grad_output: torch.Tensor, positions: int, out: 
         out["bias"].copy_(g.sum(2).view(n, batch, *shape))
 
 
-@register(nn.LayerNorm, features=lambda module: len(module.normalized_shape))
+@register(nn.LayerNorm, nn.RMSNorm, features=lambda module: len(module.normalized_shape))
 def layer_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
                out: dict[str, torch.Tensor]) -> None:
+    """LayerNorm and RMSNorm: the input normalised over the last dimensions, then scaled (and shifted)."""
     shape = torch.Size(module.normalized_shape)
-    xhat = F.layer_norm(activation, shape, eps=module.eps)
-    positions = activation[0].numel() // shape.numel()
-    _affine(xhat, grad_output, positions, out, shape)
-
-
-@register(nn.RMSNorm, features=lambda module: len(module.normalized_shape))
-def rms_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
-             out: dict[str, torch.Tensor]) -> None:
-    shape = torch.Size(module.normalized_shape)
-    xhat = F.rms_norm(activation, shape, eps=module.eps)
+    normalise = F.rms_norm if isinstance(module, nn.RMSNorm) else F.layer_norm
+    xhat = normalise(activation, shape, eps=module.eps)
     positions = activation[0].numel() // shape.numel()
     _affine(xhat, grad_output, positions, out, shape)
 
