@@ -172,12 +172,12 @@ def _call_signature(args: tuple, kwargs: dict) -> tuple:
     return tuple(map(kind, args)), tuple((k, kind(v)) for k, v in sorted(kwargs.items()))
 
 
-def _capturing_forward(layer: Layer, pending: list[Captured | None]):
-    """The layer's forward as its call rule needs it run (``capture_for``); each call leaves what it kept (or None)
-    in ``pending`` for the forward hook. Once per plan and kind of call (masks, flags), its outputs are checked
-    against the layer's own forward; if they differ, the layer takes the per-layer fallback from then on."""
+def _capturing_forward(layer: Layer, capture, pending: list[Captured | None]):
+    """The layer's forward as its call rule needs it run (``capture``, from ``capture_for``); each call leaves what
+    it kept (or None) in ``pending`` for the forward hook. Once per plan and kind of call (masks, flags), its
+    outputs are checked against the layer's own forward; if they differ, the layer takes the per-layer fallback
+    from then on."""
     module = layer.module
-    capture = capture_for(module)
     own = type(module).forward
 
     def forward(*args, **kwargs):
@@ -236,16 +236,16 @@ def _forward(trainable: Trainable, inputs: torch.Tensor, layers: dict[str, Layer
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, output)
 
     # Layers whose call rule runs a forward of its own: an instance attribute for the duration of this pass.
-    patched = [layer for layer in layers.values()
-               if layer.kind == "call" and capture_for(layer.module) is not None]
+    captures = {name: capture_for(layer.module) for name, layer in layers.items() if layer.kind == "call"}
+    patched = [(layers[name], capture) for name, capture in captures.items() if capture is not None]
     handles = [layer.module.register_forward_hook(hook, with_kwargs=True) for layer in layers.values()]
     try:
-        for layer in patched:
+        for layer, capture in patched:
             pending[id(layer.module)] = []
-            layer.module.forward = _capturing_forward(layer, pending[id(layer.module)])
+            layer.module.forward = _capturing_forward(layer, capture, pending[id(layer.module)])
         output = trainable.model(inputs)
     finally:
-        for layer in patched:
+        for layer, _ in patched:
             layer.module.__dict__.pop("forward", None)
         for h in handles:
             h.remove()
