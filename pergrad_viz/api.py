@@ -11,12 +11,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .errors import UnsupportedModelError
+from .certify import CheckFailedError, check_grads, check_jacobian
+from .errors import UndefinedPerSampleError, UnsupportedModelError
 from .losses import LossFn, check_loss
 from .memory import check_budget, result_bytes, working_bytes
 from .probe import plan_for
 from .strategies import MODULES, STRATEGIES, hooks, torch_func
-from .trainable import Trainable, check_modes, hooked_parameter, restoring_modes
+from .trainable import Trainable, check_modes, hooked_parameter, normal_tensor, restoring_modes
 
 Result = dict[str, torch.Tensor] | torch.Tensor
 
@@ -48,10 +49,20 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: torch.
                 f"of torch.autograd.grad) applies but the {strategy} strategy cannot. Use strategy='loop' (or 'auto', "
                 "which picks it), or remove the hook."
             )
+    scripted = next((n for n, m in trainable.modules if isinstance(m, torch.jit.ScriptModule)), None)
+    if scripted is not None and strategy != "loop":
+        if strategy == "auto":
+            return "loop"
+        raise UnsupportedModelError(
+            f"layer '{scripted or 'model'}' is a TorchScript module (torch.jit.script / trace): its calls cannot be "
+            f"hooked nor run under torch.func, which the {strategy} strategy needs. Use strategy='loop' (or 'auto', "
+            "which picks it), or pass the module as it was before scripting.")
     if strategy == "auto":
         try:
             hooks.check_supported(trainable, inputs)
             return "hooks"
+        except UndefinedPerSampleError:
+            raise
         except UnsupportedModelError:
             return "torch_func"
     if strategy == "hooks":
@@ -132,17 +143,17 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
          flat: bool, out: torch.Tensor | None) -> Result:
     lead = (batch,) if outputs is None else (batch, outputs)
     kw = {"dtype": trainable.dtype, "device": trainable.device}
-    if flat:
-        result = torch.empty(*lead, trainable.num_params, **kw) if out is None else out
-        views, offset = {}, 0
-        for name, shape in trainable.shapes.items():
-            n = shape.numel()
-            views[name] = result[..., offset:offset + n].view(*lead, *shape)
-            offset += n
-    else:
-        result = {name: torch.empty(*lead, *shape, **kw) for name, shape in trainable.shapes.items()}
-        views = result
-    with restoring_modes(trainable):
+    with restoring_modes(trainable):  # also: the result is a normal tensor under the caller's inference_mode
+        if flat:
+            result = torch.empty(*lead, trainable.num_params, **kw) if out is None else out
+            views, offset = {}, 0
+            for name, shape in trainable.shapes.items():
+                n = shape.numel()
+                views[name] = result[..., offset:offset + n].view(*lead, *shape)
+                offset += n
+        else:
+            result = {name: torch.empty(*lead, *shape, **kw) for name, shape in trainable.shapes.items()}
+            views = result
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)
             rows = views if chunk == batch else {n: v[start:stop] for n, v in views.items()}
@@ -161,27 +172,53 @@ def _prepare(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor | Non
     return trainable, resolve_strategy(strategy, trainable, inputs), inputs.shape[0], chunk
 
 
-def _run_auto(requested: str, resolved: str, run: Callable[[str], Result]) -> Result:
-    """Run ``resolved``; under ``auto``, a fast path that finds it cannot be trusted for this call hands over
-    to one that computes each sample alone (``torch_func``, then the loop where ``vmap`` cannot)."""
+def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: torch.Tensor,
+              run: Callable[[str], Result], check: Callable[[Result, str], None] | None) -> Result:
+    """Run ``resolved`` and, where it ran the model once on the whole batch, ``check`` its result (the per-call check,
+    ``pergrad_viz.certify``; None: not asked for). Under ``auto``, a fast path that finds it cannot be trusted for this
+    call hands over to one that computes each sample alone (``torch_func``, then the loop where ``vmap`` cannot), and
+    a failed check is remembered in the plan (later calls go straight to ``torch_func``); any other error is the
+    user's."""
+
+    def checked(strategy: str) -> Result:
+        result = run(strategy)
+        if check is not None and MODULES[strategy].BATCHED_FORWARD:
+            with restoring_modes(trainable):
+                check(result, strategy)
+        return result
+
     if requested != "auto":
-        return run(resolved)
+        return checked(resolved)
     if resolved == "hooks":
         try:
-            return run("hooks")
+            return checked("hooks")
+        except CheckFailedError as e:
+            plan_for(trainable, inputs).interaction = f"a per-call check failed ({str(e).split(' (')[0]})"
+            resolved = "torch_func"
         except hooks.PlanMismatchError:
             resolved = "torch_func"
     if resolved == "torch_func":
         try:
             return run("torch_func")
-        except (torch_func.VmapError, RuntimeError, NotImplementedError):
+        except torch_func.VmapError:
             return run("loop")  # torch.func cannot run this model (vmap or grad): the loop runs what PyTorch runs
     return run(resolved)
 
 
+def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Tensor]:
+    """{name: (B, [Y,] *param.shape)} views of a dict or flat result (``lead``: 1 for gradients, 2 for Jacobians)."""
+    if isinstance(result, dict):
+        return result
+    views, offset = {}, 0
+    for name, shape in trainable.shapes.items():
+        views[name] = result[..., offset:offset + shape.numel()].view(*result.shape[:lead], *shape)
+        offset += shape.numel()
+    return views
+
+
 def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
                      strategy: str = "auto", flat: bool = False, chunk_size: int | None = None,
-                     max_bytes: int | None = None, out: torch.Tensor | None = None) -> Result:
+                     max_bytes: int | None = None, out: torch.Tensor | None = None, verify: bool = True) -> Result:
     """The gradient of each sample's loss with respect to every trainable parameter.
 
     The per-sample gradient of sample i is the gradient of
@@ -199,6 +236,9 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
         max_bytes: memory budget (default: half of the memory available on the device).
         out: with ``flat=True``, a preallocated (B, P) tensor to write into (same dtype and device as
             the parameters); it is returned.
+        verify: after a strategy that runs the model once on the whole batch, compare one randomly drawn sample's
+            row with that sample computed alone (one small forward and backward; see ``pergrad_viz.certify``).
+            ``False`` skips it: only for models you know keep their samples apart.
 
     Returns:
         ``{name: Tensor (B, *param.shape)}`` in ``named_parameters()`` order, or (B, P) if ``flat``.
@@ -210,6 +250,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
             allocating a result over ``max_bytes``.
     """
     requested = strategy
+    inputs, targets = normal_tensor(inputs), normal_tensor(targets)
     trainable, strategy, batch, chunk = _prepare(model, inputs, targets, strategy, chunk_size, loss_fn)
     if out is not None:
         _check_out(out, (batch, trainable.num_params), trainable, flat)
@@ -226,7 +267,11 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
         else:
             module.grads(trainable, loss_fn, inputs[rows], targets[rows], views)
 
-    return _run_auto(requested, strategy, lambda s: _run(trainable, s, run_chunk, batch, chunk, None, flat, out))
+    def check(result: Result, used: str) -> None:
+        check_grads(trainable, loss_fn, inputs, targets, _rows(result, trainable, 1), used)
+
+    return _run_auto(requested, strategy, trainable, inputs,
+                     lambda s: _run(trainable, s, run_chunk, batch, chunk, None, flat, out), check if verify else None)
 
 
 def output_size(model: nn.Module, inputs: torch.Tensor) -> int:
@@ -244,7 +289,7 @@ def output_size(model: nn.Module, inputs: torch.Tensor) -> int:
 
 def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str = "auto", flat: bool = False,
                         chunk_size: int | None = None, max_bytes: int | None = None,
-                        out: torch.Tensor | None = None) -> Result:
+                        out: torch.Tensor | None = None, verify: bool = True) -> Result:
     """Every output element of each sample with respect to every trainable parameter.
 
     Args are as in :func:`per_sample_grads` (no loss, no targets); ``out`` is a (B, Y, P) buffer.
@@ -254,6 +299,7 @@ def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str
         elements per sample (an output (B, *out) is flattened).
     """
     requested = strategy
+    inputs = normal_tensor(inputs)
     trainable, strategy, batch, chunk = _prepare(model, inputs, None, strategy, chunk_size)
     with restoring_modes(trainable):
         y_count = output_size(model, inputs)
@@ -268,4 +314,10 @@ def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str
     def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
         module.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs[rows], views)
 
-    return _run_auto(requested, strategy, lambda s: _run(trainable, s, run_chunk, batch, chunk, y_count, flat, out))
+    def check(result: Result, used: str) -> None:
+        check_jacobian(trainable, inputs, _rows(result, trainable, 2), used)
+
+    def run(s: str) -> Result:
+        return _run(trainable, s, run_chunk, batch, chunk, y_count, flat, out)
+
+    return _run_auto(requested, strategy, trainable, inputs, run, check if verify else None)

@@ -12,6 +12,11 @@ class UnsupportedModelError(ValueError):
     """
 
 
+class UndefinedPerSampleError(UnsupportedModelError):
+    """Per-sample gradients are not defined for the model as it is now, whatever the strategy: its forward draws
+    random numbers, mixes the samples through batch statistics, or writes its buffers (``auto`` refuses too)."""
+
+
 class MemoryBudgetError(MemoryError):
     """The result (and the working memory a strategy needs) would not fit the memory budget.
 

@@ -34,6 +34,7 @@ from torch.nn.modules import module as module_mod
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .errors import UndefinedPerSampleError
 from .rules import call_rule_for, rule_for, rule_takes_batch_dim
 from .trainable import Trainable, restoring_modes
 
@@ -85,14 +86,21 @@ def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return 1e-3, 1e-5
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """Equal up to rounding: relative to each element and, for the absolute part, to ``scale`` (the magnitude of
+    each feature over the probe's runs; default: of ``a`` and ``b`` here), floored at 1% of the largest magnitude in
+    the tensor: a small difference next to one very large feature is not hidden by that feature's size."""
     if a.shape != b.shape:
         return False
     if not a.is_floating_point() and not a.is_complex():
         return bool(torch.equal(a, b))
+    if a.numel() == 0:
+        return True
     rtol, atol = _tolerance(a.dtype)
-    scale = max(float(a.abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0, 1.0)
-    return bool(torch.allclose(a, b, rtol=rtol, atol=atol * scale, equal_nan=True))
+    size = torch.maximum(a.abs(), b.abs()) if scale is None else scale
+    floor = max(float(size.max()) * 1e-2, 1.0) if size.numel() else 1.0
+    ok = (a - b).abs() <= rtol * b.abs() + atol * size.clamp(min=floor)
+    return bool((ok | (a.isnan() & b.isnan())).all())
 
 
 def outputs_close(a: object, b: object) -> bool:
@@ -212,9 +220,14 @@ class _Probe:
         self.modules = dict(trainable.modules)
         pair, self.verified = _pick_pair(inputs)
         watch = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
-        self.alone_a, _ = _run(trainable, pair[:1], None)
-        self.alone_b, _ = _run(trainable, pair[1:], None)
-        self.pair, self.uses = _run(trainable, pair, watch)
+        device = trainable.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG untouched
+            self.alone_a, _ = _run(trainable, pair[:1], None)
+            again, _ = _run(trainable, pair[:1], None)
+            self.alone_b, _ = _run(trainable, pair[1:], None)
+            self.pair, self.uses = _run(trainable, pair, watch)
+            self.swapped, _ = _run(trainable, pair.flip(0), None)  # a reordering by the data shows in one order
+        self.random = _first_difference(self.alone_a, again)
         self.interaction: str | None = None
         self.specs: dict[str, list[CallSpec] | str] = {}
 
@@ -224,16 +237,17 @@ class _Probe:
             return self.specs[name]
         module = self.modules[name]
         pair = self.pair.calls.get(name, [])
+        swapped = self.swapped.calls.get(name, [])
         alone = [self.alone_a.calls.get(name, []), self.alone_b.calls.get(name, [])]
         result: list[CallSpec] | str
-        if len(alone[0]) != len(pair) or len(alone[1]) != len(pair):
+        if len(alone[0]) != len(pair) or len(alone[1]) != len(pair) or len(swapped) != len(pair):
             result = (f"layer '{name or 'model'}' ({type(module).__name__}) is called {len(alone[0])} time(s) for one "
                       f"sample but {len(pair)} time(s) for two: its calls depend on the batch")
             self.interaction = self.interaction or result
         else:
             result = []
             for k, (ins, outs) in enumerate(pair):
-                spec = self._call_spec(name, module, ins, outs, [a[k] for a in alone])
+                spec = self._call_spec(name, module, (ins, outs), swapped[k], [a[k] for a in alone])
                 if isinstance(spec, str):
                     result = spec
                     break
@@ -241,35 +255,59 @@ class _Probe:
         self.specs[name] = result
         return result
 
-    def _call_spec(self, name, module, ins, outs, alone) -> CallSpec | str:
+    def _call_spec(self, name, module, pair, swapped, alone) -> CallSpec | str:
         dims: list[list[int | None]] = [[], []]
         rests: list[list[tuple[int, ...]]] = [[], []]
-        for side, (leaves, what) in enumerate(((ins, "an input"), (outs, "an output"))):
+        for side, what in enumerate(("an input", "an output")):
+            leaves, swapped_leaves = pair[side], swapped[side]
             alone_leaves = [a[side] for a in alone]
-            if any(len(a) != len(leaves) for a in alone_leaves):
+            if any(len(a) != len(leaves) for a in (*alone_leaves, swapped_leaves)):
                 return f"{_describe(what, name, module)} changes structure with the batch size"
             for k, leaf in enumerate(leaves):
                 single = [a[k] for a in alone_leaves]
                 dim = _batch_dim(single[0].shape, leaf.shape)
-                if dim == "bad" or single[1].shape != single[0].shape:
+                if dim == "bad" or single[1].shape != single[0].shape or swapped_leaves[k].shape != leaf.shape:
                     return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample and "
                             f"{tuple(leaf.shape)} for two: the samples are not along one dimension of it (e.g. "
                             "(B*T, ...) rows after a reshape)")
                 if dim is SHARED:
-                    if not (_close(leaf, single[0]) and _close(leaf, single[1])):
+                    if not all(_close(t, single[0]) for t in (leaf, single[1], swapped_leaves[k])):
                         self.interaction = self.interaction or (
                             f"{_describe(what, name, module)} has no batch dimension but its values depend on the "
                             "samples (e.g. a mean over the batch)")
                     rests[side].append(tuple(leaf.shape))
                 else:
+                    scale = _feature_scale(single)
                     for row in (0, 1):
-                        if not _close(leaf.narrow(dim, row, 1), single[row]):
+                        if not (_close(leaf.narrow(dim, row, 1), single[row], scale)
+                                and _close(swapped_leaves[k].narrow(dim, 1 - row, 1), single[row], scale)):
                             self.interaction = self.interaction or (
                                 f"{_describe(what, name, module)} differs for a sample inside a batch and alone: "
                                 "the samples interact (e.g. statistics over the batch)")
                     rests[side].append(tuple(s for d, s in enumerate(leaf.shape) if d != dim))
                 dims[side].append(dim)
         return CallSpec(tuple(dims[0]), tuple(rests[0]), tuple(dims[1]), tuple(rests[1]))
+
+
+def _feature_scale(single: list[torch.Tensor]) -> torch.Tensor | None:
+    """The magnitude of each feature over the samples run alone (elementwise), for :func:`_close`."""
+    if not single[0].is_floating_point() or single[0].shape != single[1].shape:
+        return None
+    return torch.maximum(single[0].abs(), single[1].abs())
+
+
+def _first_difference(first: _Record, second: _Record) -> str | None:
+    """The first module (in the order calls finish: innermost first) that, given the same inputs in two runs of the
+    same sample, gave different outputs: a forward that draws random numbers."""
+
+    def same(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
+        return len(xs) == len(ys) and all(_close(a, b) for a, b in zip(xs, ys, strict=True))
+
+    for name, calls in first.calls.items():
+        for (ins, outs), (ins2, outs2) in zip(calls, second.calls.get(name, []), strict=False):
+            if same(ins, ins2) and not same(outs, outs2):
+                return name
+    return None
 
 
 def _common_prefix(stacks: list[tuple[str, ...]]) -> tuple[str, ...]:
@@ -362,9 +400,19 @@ def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> st
 def _make_plan(trainable: Trainable, inputs: torch.Tensor) -> Plan:
     with restoring_modes(trainable):  # the probe runs the model: its modes are left as they were, even on error
         probe = _Probe(trainable, inputs)
+    if probe.random is not None:
+        module = dict(trainable.modules)[probe.random]
+        raise UndefinedPerSampleError(
+            f"{_describe('the forward', probe.random, module)} gives different outputs for the same sample in two "
+            "runs: it draws random numbers (dropout written as F.dropout(..., training=True), stochastic depth, "
+            "noise), so per-sample gradients would be random and not comparable. Call model.eval() (or turn the "
+            "randomness off) before computing per-sample gradients.")
     for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
         probe.spec(name)
     handlers, hooks_problem = _assign(trainable, probe)  # handlers keep the samples apart (checked there)
+    if module_mod._global_forward_pre_hooks and hooks_problem is None:
+        hooks_problem = ("a global forward pre-hook (register_module_forward_pre_hook) changes what every layer sees, "
+                         "and a layer's replay on the per-layer fallback would apply it a second time")
     layers: dict[str, LayerPlan] = {}
     if hooks_problem is None:
         for name, module in trainable.modules:

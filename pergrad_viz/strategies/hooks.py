@@ -206,6 +206,7 @@ def _forward(trainable: Trainable, inputs: torch.Tensor, layers: dict[str, Layer
     batch = inputs.shape[0]
     names = {id(layer.module): name for name, layer in layers.items()}
     pending: dict[int, list[Captured | None]] = {}  # per capturing layer, what its forward kept, until its hook
+    before_hooks: dict[int, list[tuple]] = {}  # per layer with forward pre-hooks: its calls' arguments before them
 
     def detach(t):
         if not isinstance(t, torch.Tensor):
@@ -215,8 +216,10 @@ def _forward(trainable: Trainable, inputs: torch.Tensor, layers: dict[str, Layer
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
         name = names[id(module)]
         layer = layers[name]
+        if id(module) in before_hooks:  # the call's arguments as given, before the layer's own pre-hooks changed them
+            args, kwargs = before_hooks[id(module)].pop()
         ins = tensors_of(args) if not kwargs else tensors_of((args, kwargs))
-        outputs = tensors_of(output)
+        handed, outputs = _handed_downstream(output, copy)
         spec = _check_call(layer, name, counts[name], ins, outputs, batch)
         counts[name] += 1
         if not kwargs and len(ins) == len(args):  # the common case: tensors only, positional
@@ -229,16 +232,19 @@ def _forward(trainable: Trainable, inputs: torch.Tensor, layers: dict[str, Layer
         call = Call(layer, saved, saved_ins, outputs, spec, captured=captured)
         call.versions = tuple(t._version for t in call.tensors())
         calls.append(call)
-        # Hand later layers a copy, so that in-place ops downstream cannot change what was captured.
-        if not copy:
-            return None
-        return output.clone() if isinstance(output, torch.Tensor) else tree_map(
-            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, output)
+        return handed
+
+    def remember_arguments(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        before_hooks[id(module)].append((args, kwargs))
 
     # Layers whose call rule runs a forward of its own: an instance attribute for the duration of this pass.
     captures = {name: capture_for(layer.module) for name, layer in layers.items() if layer.kind == "call"}
     patched = [(layers[name], capture) for name, capture in captures.items() if capture is not None]
     handles = [layer.module.register_forward_hook(hook, with_kwargs=True) for layer in layers.values()]
+    for layer in layers.values():
+        if layer.module._forward_pre_hooks:  # the per-layer fallback replays the call, pre-hooks included
+            before_hooks[id(layer.module)] = []
+            handles.append(layer.module.register_forward_pre_hook(remember_arguments, with_kwargs=True, prepend=True))
     try:
         for layer, capture in patched:
             pending[id(layer.module)] = []
@@ -253,6 +259,32 @@ def _forward(trainable: Trainable, inputs: torch.Tensor, layers: dict[str, Layer
         if 0 < counts[name] < len(layer.plan.calls):
             raise _mismatch(layer, name, f"is called {counts[name]} time(s), not {len(layer.plan.calls)},")
     return output, calls
+
+
+def _handed_downstream(output: object, copy: bool) -> tuple[object, list[torch.Tensor]]:
+    """What the layer hands downstream instead of ``output``, and the tensors whose gradients are its call's output
+    gradients: for each output tensor that requires grad, a new alias of it (``copy``: the alias, then a clone of it
+    for downstream, so that in-place operations downstream cannot change it). The gradient at the alias holds only
+    what flows back from downstream, never a path inside the layer from one of its outputs to another (an LSTMCell's
+    ``h = o * tanh(c)``, a layer returning ``(z, tanh(z))``), which the layer's own backward counts once more."""
+    if isinstance(output, torch.Tensor):
+        if not output.requires_grad:
+            return (output.clone() if copy else output), [output]
+        alias = output.view_as(output)
+        return (alias.clone() if copy else alias), [alias]
+    aliases: list[torch.Tensor] = []
+
+    def hand(t: object) -> object:
+        if not isinstance(t, torch.Tensor):
+            return t
+        alias = t.view_as(t) if t.requires_grad else t
+        aliases.append(alias)
+        return alias.clone() if copy else alias
+
+    handed = tree_map(hand, output)
+    if len(aliases) != len(tensors_of(output)):  # a container pytree cannot rebuild: leave the output as it is
+        return None, tensors_of(output)
+    return handed, aliases
 
 
 def capture(trainable: Trainable, inputs: torch.Tensor) -> tuple[torch.Tensor, list[Call]]:
@@ -342,6 +374,7 @@ def _signature(module_type: type[nn.Module]) -> inspect.Signature:
     return inspect.signature(module_type.forward)
 
 
+@torch.no_grad()  # numbers only: a replayed layer's other parameters must not put the result on the graph
 def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
     """One call's per-sample gradients of its layer's parameters into ``out`` {local name: (N, B, *shape)}."""
     layer = call.layer

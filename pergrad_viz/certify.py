@@ -1,0 +1,90 @@
+"""The per-call check: one randomly chosen sample, computed alone by the definition, against its row of a result.
+
+A strategy that runs the model once on the whole batch (``hooks``, ``autograd_stack``, ``batched_grad``) relies on
+what the probe measured (``pergrad_viz.probe``): that the samples do not interact and where each layer holds them.
+No probe of a few samples can prove that for every batch: rows reordered inside ``forward`` in a way a pair does not
+show, a coupling through a batch statistic that only some inputs trigger, code that depends on the batch size, a
+coupling only in a custom backward, a plan gone stale after the model changed. So every such call ends with this
+check: sample i, drawn uniformly from the batch with a private random generator (the caller's RNG is untouched), runs
+alone (``loss_fn(model(inputs[i:i+1]), targets[i:i+1])``, one small forward and backward) and its gradient is
+compared with row i of the result; for a Jacobian, a random combination ``u^T J_i`` of its rows (one backward).
+
+What it catches: any wrong row it draws, so a fault that touches a fraction f of the rows with probability f per
+call (1 for faults that touch every row: batch-size dependent code, a stale plan, a coupling through the batch; at
+least 1/B for a single misplaced row), and with probability 1 - (1 - f)^k over k calls. Differences below the
+tolerance (relative 1e-6 in float64, 1e-3 in float32, per parameter tensor) pass.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+
+import torch
+
+from .errors import UnsupportedModelError
+from .losses import LossFn, scalar_loss
+from .trainable import Trainable
+
+_DRAW = random.Random(int.from_bytes(os.urandom(8), "little"))  # private: the caller's random state is not touched
+
+
+class CheckFailedError(UnsupportedModelError):
+    """A batched strategy's row differs from that sample computed alone (see the module docstring)."""
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    if dtype == torch.float64:
+        return 1e-6
+    if dtype in (torch.float16, torch.bfloat16):
+        return 5e-2
+    return 1e-3
+
+
+def draw(batch: int) -> int:
+    """A sample index in [0, batch), uniformly, from the check's own generator."""
+    return _DRAW.randrange(batch)
+
+
+def _compare(trainable: Trainable, want: tuple[torch.Tensor | None, ...], got: Mapping[str, torch.Tensor],
+             sample: int, strategy: str, what: str) -> None:
+    rtol = _tolerance(trainable.dtype)
+    wants = [torch.zeros_like(p) if w is None else w for w, p in zip(want, trainable.params, strict=True)]
+    total = float(torch.sqrt(sum(w.double().square().sum() for w in wants)))
+    for name, w in zip(trainable.names, wants, strict=True):
+        g = got[name]
+        diff = float((g.double() - w.double()).norm())
+        size = max(float(w.double().norm()), float(g.double().norm()), 1e-3 * total)
+        if diff > rtol * size and diff > 0:
+            raise CheckFailedError(
+                f"the per-call check found that sample {sample}'s {what} from the {strategy} strategy differs from "
+                f"sample {sample} computed alone (parameter '{name}': relative difference "
+                f"{diff / max(size, 1e-300):.1e}): this model's forward does not keep the samples apart in a way "
+                "the probe of a few samples could see "
+                "(rows reordered inside forward, a batch statistic, code that depends on the batch size, a coupling "
+                "in a custom backward, or a model changed since its plan was made). Use strategy='auto' (which then "
+                "computes each sample alone) or 'torch_func' / 'loop'."
+            )
+
+
+def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+                rows: Mapping[str, torch.Tensor], strategy: str) -> None:
+    """Raise :class:`CheckFailedError` unless row i of ``rows`` {name: (B, *param.shape)} is sample i's gradient."""
+    i = draw(inputs.shape[0])
+    loss = scalar_loss(loss_fn(trainable.model(inputs[i:i + 1]), targets[i:i + 1]))
+    want = torch.autograd.grad(loss, trainable.params, allow_unused=True)
+    _compare(trainable, want, {n: t[i] for n, t in rows.items()}, i, strategy, "gradient")
+
+
+def check_jacobian(trainable: Trainable, inputs: torch.Tensor, rows: Mapping[str, torch.Tensor],
+                   strategy: str) -> None:
+    """Raise :class:`CheckFailedError` unless ``u^T`` row i of ``rows`` {name: (B, Y, *param.shape)} is ``u^T J_i``
+    for a random u (Y,)."""
+    i = draw(inputs.shape[0])
+    output = trainable.model(inputs[i:i + 1]).reshape(-1)
+    gen = torch.Generator(device=output.device).manual_seed(_DRAW.getrandbits(62))
+    u = torch.randn(output.numel(), generator=gen, dtype=output.dtype, device=output.device)
+    want = torch.autograd.grad(output @ u, trainable.params, allow_unused=True)
+    got = {n: torch.tensordot(u, t[i], dims=1) for n, t in rows.items()}
+    _compare(trainable, want, got, i, strategy, "Jacobian (a random combination of its rows)")
