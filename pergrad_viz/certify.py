@@ -88,3 +88,57 @@ def check_jacobian(trainable: Trainable, inputs: torch.Tensor, rows: Mapping[str
     want = torch.autograd.grad(output @ u, trainable.params, allow_unused=True)
     got = {n: torch.tensordot(u, t[i], dims=1) for n, t in rows.items()}
     _compare(trainable, want, got, i, strategy, "Jacobian (a random combination of its rows)")
+
+
+def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+                squared: Mapping[str, torch.Tensor], strategy: str) -> None:
+    """Raise :class:`CheckFailedError` unless entry i of ``squared`` {name: (B,)} is the squared norm of sample i's
+    gradient, per parameter."""
+    i = draw(inputs.shape[0])
+    loss = scalar_loss(loss_fn(trainable.model(inputs[i:i + 1]), targets[i:i + 1]))
+    grads = torch.autograd.grad(loss, trainable.params, allow_unused=True)
+    want = {n: 0.0 if g is None else float(g.double().square().sum()) for n, g in zip(trainable.names, grads,
+                                                                                       strict=True)}
+    rtol = _tolerance(trainable.dtype)
+    total = sum(want.values()) ** 0.5
+    for name, w in want.items():
+        got = float(squared[name][i]) ** 0.5
+        diff = abs(got - w ** 0.5)
+        if diff > rtol * max(got, w ** 0.5, 1e-3 * total) and diff > 0:
+            raise CheckFailedError(
+                f"the per-call check found that sample {i}'s gradient norm from the {strategy} strategy differs from "
+                f"sample {i} computed alone (parameter '{name}': {got:.6g} instead of {w ** 0.5:.6g}): this model's "
+                "forward does not keep the samples apart in a way the probe of a few samples could see. Use "
+                "strategy='auto' (which then computes each sample alone) or 'torch_func' / 'loop'."
+            )
+
+
+def _jacobian_alone(trainable: Trainable, x: torch.Tensor) -> torch.Tensor:
+    """(Y, P): one sample's Jacobian by the definition, one backward per output."""
+    output = trainable.model(x).reshape(-1)
+    rows = []
+    for j in range(output.numel()):
+        grads = torch.autograd.grad(output[j], trainable.params, retain_graph=True, allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                               for g, p in zip(grads, trainable.params, strict=True)]))
+    return torch.stack(rows)
+
+
+def check_ntk(trainable: Trainable, x1: torch.Tensor, x2: torch.Tensor | None, kernel: torch.Tensor,
+              full: bool) -> None:
+    """Raise :class:`CheckFailedError` unless the block K[i, j] of ``kernel`` ((N1, N2, Y, Y) if ``full``, else
+    (N1, N2)) for one random pair equals ``J_i J_j^T`` (or its trace) from the two samples computed alone."""
+    i = draw(x1.shape[0])
+    other = x1 if x2 is None else x2
+    j = draw(other.shape[0])
+    j1, j2 = _jacobian_alone(trainable, x1[i:i + 1]), _jacobian_alone(trainable, other[j:j + 1])
+    want = j1 @ j2.T if full else (j1 * j2).sum()
+    got = kernel[i, j]
+    diff = float((got.double() - want.double()).norm())
+    scale = float(j1.double().norm() * j2.double().norm())
+    if diff > _tolerance(trainable.dtype) * max(scale, 1e-300) and diff > 0:
+        raise CheckFailedError(
+            f"the per-call check found that the kernel entry K[{i}, {j}] differs from J_{i} J_{j}^T computed from the "
+            f"two samples alone (difference {diff:.2e} against a scale of {scale:.2e}): the model's forward does not "
+            "keep the samples apart in a way the probe could see."
+        )

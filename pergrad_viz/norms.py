@@ -33,16 +33,18 @@ import torch
 from torch import nn
 
 from . import api
+from .certify import CheckFailedError, check_norms
 from .losses import LossFn
 from .memory import default_budget, result_bytes, working_bytes
+from .probe import plan_for
 from .rules import GhostRule, ghost_rule_for
 from .strategies import hooks
-from .trainable import Trainable, restoring_modes
+from .trainable import Trainable, normal_tensor, restoring_modes
 
 
 def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
                           strategy: str = "auto", per_parameter: bool = False,
-                          chunk_size: int | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+                          chunk_size: int | None = None, verify: bool = True) -> torch.Tensor | dict[str, torch.Tensor]:
     """The L2 norm of each sample's gradient, over all trainable parameters (or per parameter).
 
     The gradient of sample i is the one :func:`pergrad_viz.per_sample_grads` returns: the gradient of
@@ -59,6 +61,8 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
         strategy: ``"auto"`` or one of :data:`pergrad_viz.STRATEGIES`.
         per_parameter: return ``{name: (B,)}`` norms per trainable parameter instead of the total (B,).
         chunk_size: process at most this many samples at a time.
+        verify: check one randomly drawn sample's norms against that sample computed alone, as
+            :func:`pergrad_viz.per_sample_grads` does (``pergrad_viz.certify``); ``False`` skips it.
 
     Returns:
         (B,) norms in the parameters' dtype, or ``{name: Tensor (B,)}`` in ``named_parameters()`` order
@@ -72,19 +76,25 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     """
     if not isinstance(per_parameter, bool):
         raise TypeError(f"per_parameter must be True or False, got {per_parameter!r}")
+    inputs, targets = normal_tensor(inputs), normal_tensor(targets)
     trainable, resolved, batch, chunk = api._prepare(model, inputs, targets, strategy, chunk_size, loss_fn)
     squared = None
     if resolved == "hooks":
         try:
             squared = _ghost_squared_norms(trainable, loss_fn, inputs, targets, chunk)
-        except hooks.PlanMismatchError:
+            if verify:
+                with restoring_modes(trainable):
+                    check_norms(trainable, loss_fn, inputs, targets, squared, "hooks")
+        except (hooks.PlanMismatchError, CheckFailedError) as e:
             if strategy != "auto":
                 raise
-            resolved = "torch_func"  # data-dependent layer calls: each sample alone
+            if isinstance(e, CheckFailedError):
+                plan_for(trainable, inputs).interaction = f"a per-call check failed ({str(e).split(' (')[0]})"
+            squared, resolved = None, "torch_func"  # each sample alone
     if squared is None:
         # Under auto, per_sample_grads(strategy="auto") hands over from torch_func to the loop where it must.
         squared = _materialised_squared_norms(trainable, resolved, "auto" if strategy == "auto" else resolved,
-                                              loss_fn, inputs, targets, chunk_size)
+                                              loss_fn, inputs, targets, chunk_size, verify)
     if per_parameter:
         return {name: s.sqrt() for name, s in squared.items()}
     return torch.stack(list(squared.values())).sum(0).sqrt()
@@ -116,8 +126,8 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: torch.Te
 
 
 def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn,
-                                inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int | None
-                                ) -> dict[str, torch.Tensor]:
+                                inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int | None,
+                                verify: bool = True) -> dict[str, torch.Tensor]:
     """{name: (B,) squared norms} from :func:`pergrad_viz.per_sample_grads` with ``strategy``, one chunk of samples
     at a time (chunks sized for ``resolved``, the strategy it runs)."""
     batch = inputs.shape[0]
@@ -130,7 +140,8 @@ def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: s
     squared = {n: torch.empty(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
     for start in range(0, batch, chunk):
         rows = slice(start, min(start + chunk, batch))
-        grads = api.per_sample_grads(trainable.model, loss_fn, inputs[rows], targets[rows], strategy=strategy)
+        grads = api.per_sample_grads(trainable.model, loss_fn, inputs[rows], targets[rows], strategy=strategy,
+                                     verify=verify)
         for name, g in grads.items():
             squared[name][rows] = g.flatten(1).square().sum(1)
     return squared

@@ -27,11 +27,12 @@ import torch
 from torch import nn
 
 from . import api
+from .certify import CheckFailedError, check_ntk
 from .memory import check_budget, result_bytes
 from .norms import Seen, dense_grads, ghost_rule, group_calls, stack_calls, tied_names
 from .rules import ghost_rule_for
 from .strategies import hooks
-from .trainable import Trainable, restoring_modes
+from .trainable import Trainable, normal_tensor, restoring_modes
 
 MODES: tuple[str, ...] = ("full", "trace")
 
@@ -67,7 +68,7 @@ def _add_dense(dense: dict[str, torch.Tensor], local: dict[str, str], grads: dic
 
 
 def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *, mode: str = "full",
-                  chunk_size: int | None = None, max_bytes: int | None = None) -> torch.Tensor:
+                  chunk_size: int | None = None, max_bytes: int | None = None, verify: bool = True) -> torch.Tensor:
     """The empirical NTK ``K[i, j] = J(x1_i) J(x2_j)^T`` over all trainable parameters.
 
     Args:
@@ -79,6 +80,9 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = 
         chunk_size: at most this many samples per forward/backward pass and per block of K.
         max_bytes: memory budget for the kernel (default: half of the memory available on the device);
             :class:`~pergrad_viz.MemoryBudgetError` is raised before computing when K alone exceeds it.
+        verify: check one random entry K[i, j] against the two samples' Jacobians computed alone
+            (``pergrad_viz.certify``; on a mismatch K is computed from per-sample Jacobians instead); ``False``
+            skips it.
 
     Returns:
         (N1, N2, Y, Y) for ``"full"`` (``K[i, j, y, z] = sum_p J(x1_i)[y, p] J(x2_j)[z, p]``), or (N1, N2)
@@ -89,6 +93,7 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = 
             and everything :func:`pergrad_viz.per_sample_jacobian` refuses (empty batch, wrong device or
             dtype, no trainable parameters, bad ``chunk_size``, BatchNorm / Dropout in training mode).
     """
+    x1, x2 = normal_tensor(x1), normal_tensor(x2)
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: 'full' (N1, N2, Y, Y) or 'trace' (N1, N2)")
     trainable, strategy, _n1, chunk = api._prepare(model, x1, None, "auto", chunk_size)
@@ -110,22 +115,26 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = 
                  chunk=chunk)
     if strategy == "hooks" and (x2 is None or api.resolve_strategy("auto", trainable, x2) == "hooks"):
         try:
-            return _ghost_ntk(trainable, x1, x2, full, chunk)
-        except hooks.PlanMismatchError:
-            pass  # data-dependent layer calls: each sample alone
-    return _jacobian_ntk(model, x1, x2, full, chunk_size)
+            kernel = _ghost_ntk(trainable, x1, x2, full, chunk)
+            if verify:
+                with restoring_modes(trainable):
+                    check_ntk(trainable, x1, x2, kernel, full)
+            return kernel
+        except (hooks.PlanMismatchError, CheckFailedError):
+            pass  # data-dependent layer calls, or a coupling the probe did not see: each sample alone
+    return _jacobian_ntk(model, x1, x2, full, chunk_size, verify)
 
 
 def _jacobian_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, full: bool,
-                  chunk_size: int | None) -> torch.Tensor:
+                  chunk_size: int | None, verify: bool) -> torch.Tensor:
     """The fallback: materialise (N, Y, P) Jacobians with :func:`pergrad_viz.per_sample_jacobian` and contract.
 
     Always with ``torch_func``: what ``"auto"`` picks for layers without rules, and what works where a layer
     sees its input as (N*T, ...) rows.
     """
-    j1 = api.per_sample_jacobian(model, x1, strategy="auto", flat=True, chunk_size=chunk_size)
+    j1 = api.per_sample_jacobian(model, x1, strategy="auto", flat=True, chunk_size=chunk_size, verify=verify)
     j2 = j1 if x2 is None else api.per_sample_jacobian(model, x2, strategy="auto", flat=True,
-                                                       chunk_size=chunk_size)
+                                                       chunk_size=chunk_size, verify=verify)
     _check_outputs(j1.shape[1], j2.shape[1])
     kernel = torch.einsum("iyp,jzp->ijyz" if full else "iyp,jyp->ij", j1, j2)
     return _symmetrise(kernel, full) if x2 is None else kernel

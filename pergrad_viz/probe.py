@@ -7,20 +7,25 @@ needs more: it must know, for each layer that owns trainable parameters, along w
 the layer's inputs and outputs holds the samples, and which layer's forward contains every use of each
 parameter. Nothing of this is assumed; it is measured on a probe:
 
-* sample a alone, sample b alone (two *different* samples of the call when there are any), and the pair
-  (a, b) as a batch of two, each a forward pass with every module hooked;
+* sample a alone (twice: outputs that differ for the same inputs are a random forward, refused), sample b alone
+  (two *different* samples of the call when there are any), and the pair as a batch of two in both orders, (a, b)
+  and (b, a) (a reordering of the rows by their data shows in one of them), each a forward pass with every module
+  hooked, under a forked RNG (the caller's random state is untouched);
 * a tensor's *batch dimension* is the one dimension whose size is 1 alone and 2 in the pair (all others
   equal); a tensor with no such dimension is *shared* (e.g. a positional embedding of ``arange(T)``); a
   tensor that changes any other way (e.g. (B*T, d) rows) is not per-sample;
-* rows of the pair are compared with the runs alone (values), and shared tensors must not change with
-  the samples (a batch mean has the shape of a shared tensor but not its values);
+* rows of the pair are compared with the runs alone (values, with a tolerance per feature: a small difference next
+  to one very large feature is seen), and shared tensors must not change with the samples (a batch mean has the
+  shape of a shared tensor but not its values);
 * a ``TorchFunctionMode`` notes the stack of running modules at every use of a trainable parameter.
 
 Two batch sizes mean that no coincidence of sizes (T == B, layers == B) can pass for a batch dimension.
-The result, a :class:`Plan`, is cached per model and keyed by everything that can change it: the input's
-shape past the batch, dtype and device, every module (identity, type, training flag) and every parameter
+The result, a :class:`Plan`, is cached per model and keyed by what can change it structurally: the input's
+shape past the batch, dtype and device, every module (identity, type, forward, hooks, and its plain attributes:
+the training flag, ``self.task``, any bool / number / string a forward may branch on) and every parameter
 (identity, shape, dtype, ``requires_grad``). Each real call re-checks the shapes it captured against the
-plan, which is cheap.
+plan, which is cheap; what no structural key can see (values that switch a branch, a reordering or coupling a
+pair does not show) is left to the per-call check (``pergrad_viz.certify``).
 """
 
 from __future__ import annotations
@@ -98,8 +103,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) 
         return True
     rtol, atol = _tolerance(a.dtype)
     size = torch.maximum(a.abs(), b.abs()) if scale is None else scale
-    floor = max(float(size.max()) * 1e-2, 1.0) if size.numel() else 1.0
-    ok = (a - b).abs() <= rtol * b.abs() + atol * size.clamp(min=floor)
+    size = size.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # infinities (a -inf attention mask) compare equal
+    floor = max(float(size.max()) * 1e-2, 1.0)
+    ok = (a == b) | ((a - b).abs() <= rtol * b.abs() + atol * size.clamp(min=floor))
     return bool((ok | (a.isnan() & b.isnan())).all())
 
 
@@ -433,10 +439,25 @@ def _make_plan(trainable: Trainable, inputs: torch.Tensor) -> Plan:
 _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakKeyDictionary()
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_attributes(module: nn.Module) -> tuple:
+    """The module's attributes that are plain values (bools, numbers, strings, None, tuples / lists of them): what a
+    forward may branch on (``self.task``, ``self.center``), so a plan made with other values does not describe it."""
+    items = []
+    for k, v in module.__dict__.items():
+        if isinstance(v, _PLAIN):
+            items.append((k, v))
+        elif isinstance(v, (tuple, list)) and all(isinstance(e, _PLAIN) for e in v):
+            items.append((k, tuple(v)))
+    return tuple(items)
+
+
 def _key(trainable: Trainable, inputs: torch.Tensor) -> tuple:
     return (
         tuple(inputs.shape[1:]), inputs.dtype, inputs.device,
-        tuple((n, id(m), type(m), type(m).forward, m.training, m.__dict__.get("forward"), _user_hooks(m))
+        tuple((n, id(m), type(m), type(m).forward, m.__dict__.get("forward"), _user_hooks(m), _plain_attributes(m))
               for n, m in trainable.modules),
         tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad) for n, p in trainable.model.named_parameters()),
     )

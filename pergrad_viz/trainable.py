@@ -144,6 +144,7 @@ def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
     """
     named = list(model.modules) if isinstance(model, Trainable) else list(model.named_modules())
     flags = [(m, m.training) for _, m in named]
+    named = [(n, m) for n, m in named if not isinstance(m, torch.jit.ScriptModule)]  # TorchScript keeps its own
     slots = [(m, dict(m._parameters), dict(m._buffers)) for _, m in named]
     buffers = {}  # id -> (name, tensor, version, copy)
     for name, m in named:

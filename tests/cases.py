@@ -4,7 +4,8 @@
 strategy either gives exactly the loop's numbers or raises ``pv.UnsupportedModelError``; ``"auto"`` always
 gives the loop's numbers (unless the case's ``expect`` is ``"refuse"``).
 
-``expect`` is what ``pv.resolve_strategy("auto", model, x)`` should give:
+``expect`` is what ``pv.resolve_strategy("auto", model, x)`` should give (before any per-sample computation: a
+per-call check that fails later sends ``auto`` to ``torch_func`` from then on), for every batch or one per batch:
 
 * ``"hooks"``: every real architecture (rules, plus a per-layer fallback for layers without a closed-form
   rule: MultiheadAttention, Bilinear, RNNs, custom parameters, ...), and models whose only trap is the loss
@@ -38,9 +39,20 @@ class Case:
     make_inputs: Callable[[int], Inputs]  # batch -> (x, y)
     loss_fns: dict[str, Callable[[], Callable]] = field(default_factory=lambda: {"ce": nn.CrossEntropyLoss})
     jacobian: bool = True  # also check per-sample Jacobians (Y <= 6)
-    expect: str = "hooks"  # "hooks" | "torch_func" | "refuse"
+    expect: str | tuple[str, ...] = "hooks"  # "hooks" | "torch_func" | "refuse", or one per batch
     batches: tuple[int, ...] = (3,)  # run in this order on ONE model instance
     expensive: bool = False  # skip the slow baseline strategies (loop, autograd_stack, batched_grad)
+    before_call: Callable[[nn.Module, int], None] | None = None  # puts the model in its state for call k
+
+    def expects(self, k: int) -> str:
+        """What ``resolve_strategy("auto")`` should give on call k (before any per-sample computation)."""
+        return self.expect if isinstance(self.expect, str) else self.expect[k]
+
+    def prepare(self, model: nn.Module, k: int) -> nn.Module:
+        """``model`` in its state for call k."""
+        if self.before_call is not None:
+            self.before_call(model, k)
+        return model
 
     def __repr__(self) -> str:
         return f"Case({self.name})"

@@ -6,7 +6,8 @@ layer *alone*, run on sample b's inputs (a batch of one), with sample b's output
 ``vmap`` over the samples of ``vjp(functional_call(layer, params, sample))``, and ``vmap`` over the N
 gradient rows (N = Y for Jacobians) of the vjp function. The rest of the model stays on its rules.
 
-Where PyTorch cannot ``vmap`` the layer (e.g. LSTM in float64), a loop over the samples of this one layer.
+Where PyTorch cannot ``vmap`` the layer (e.g. LSTM in float64, an ``autograd.Function`` without ``setup_context``),
+a loop over the samples of this one layer with plain autograd.
 Shapes: B samples; ``out[name]`` is (N, B, *param.shape).
 """
 
@@ -64,13 +65,21 @@ def per_sample_vjp(module: nn.Module, inputs: tuple[tuple, dict], in_dims: tuple
 
 
 def _loop(layer, params, tensors, in_dims, cotangents, cot_dims, out) -> None:
+    """One sample (and one row) at a time with plain autograd: also what ``torch.func`` cannot run at all (an
+    ``autograd.Function`` written without ``setup_context``)."""
     n = next(iter(out.values())).shape[0]
     batch = next(iter(out.values())).shape[1]
-    for b in range(batch):
-        xs = [x if d is None else x.narrow(d, b, 1) for x, d in zip(tensors, in_dims, strict=True)]
-        _, pullback = vjp(lambda p, xs=xs: layer(p, xs), params)
-        for row in range(n):
-            cots = tuple(c.narrow(d, b, 1)[row] for c, d in zip(cotangents, cot_dims, strict=True))
-            grads = pullback(cots)[0]
-            for name, t in out.items():
-                t[row, b].copy_(grads[name])
+    with torch.enable_grad():
+        for b in range(batch):
+            xs = [x if d is None else x.narrow(d, b, 1) for x, d in zip(tensors, in_dims, strict=True)]
+            leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+            outputs = layer(leaves, xs)
+            for row in range(n):
+                cots = tuple(c.narrow(d, b, 1)[row] for c, d in zip(cotangents, cot_dims, strict=True))
+                grads = torch.autograd.grad(outputs, list(leaves.values()), cots, retain_graph=row < n - 1,
+                                            allow_unused=True)
+                for (name, t), g in zip(out.items(), grads, strict=True):
+                    if g is None:
+                        t[row, b].zero_()
+                    else:
+                        t[row, b].copy_(g)

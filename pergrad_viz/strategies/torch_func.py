@@ -48,6 +48,8 @@ def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Call
     try:
         return batched()
     except (RuntimeError, NotImplementedError) as e:
+        if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
+            raise  # out of memory is not a limit of torch.func: the user's to see (chunk_size= bounds it)
         try:
             with torch.no_grad():
                 one_sample({name: t.clone() for name, t in trainable.frozen_state().items()})

@@ -1,0 +1,276 @@
+"""The per-call check (pergrad_viz.certify) and the guarantees around it: what it catches and how often, that it can
+be turned off, that it leaves the caller's random state alone; the caller's grad mode; forwards that write buffers or
+draw random numbers; hooks the user registered. References are the plain loops of tests/helpers.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from cases_forward import SWAP_ROWS
+from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, ref_jacobian, snapshot
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz import certify
+from pergrad_viz import rules
+
+DT = torch.float64
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+
+
+def _data(batch: int = 6):
+    g = torch.Generator().manual_seed(batch)
+    return torch.randn(batch, 4, generator=g, dtype=DT), torch.randint(0, 3, (batch,), generator=g)
+
+
+def _close(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-9, msg=name)
+
+
+@pytest.fixture
+def seeded_check(monkeypatch):
+    """The check's draws from a known seed: which sample it checks is reproducible."""
+    monkeypatch.setattr(certify, "_DRAW", random.Random(1234))
+
+
+def test_swap_a_pair_never_shows_is_caught_with_probability_two_thirds_per_call(seeded_check):
+    """Rows 1 and 2 swapped before a layer (B=3): only a check that draws row 1 or 2 sees it."""
+    model = SWAP_ROWS.make_model()
+    x, y = SWAP_ROWS.make_inputs(3)
+    loss = nn.CrossEntropyLoss()
+    caught = 0
+    for _ in range(30):
+        try:
+            pv.per_sample_grads(model, loss, x, y, strategy="hooks")
+        except certify.CheckFailedError as err:
+            caught += 1
+            assert "strategy='auto'" in str(err)
+    assert 12 <= caught <= 28, f"caught in {caught} of 30 calls, expected about 20"
+
+
+def test_auto_hands_over_for_good_once_the_check_fails(seeded_check):
+    model = SWAP_ROWS.make_model()
+    x, y = SWAP_ROWS.make_inputs(3)
+    want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
+    wrong_before_caught = 0
+    for _ in range(12):
+        got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+        if pv.resolve_strategy("auto", model, x) == "torch_func":  # the check failed once: remembered
+            _close(got, want)
+        else:
+            wrong_before_caught += 1
+    assert pv.resolve_strategy("auto", model, x) == "torch_func"
+    assert wrong_before_caught <= 6
+    with pytest.raises(pv.UnsupportedModelError, match="per-call check"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+
+
+def test_a_wrong_rule_is_caught_and_auto_gives_the_loop(monkeypatch):
+    """A rule that is wrong for every sample (as a stale or wrong plan would be): hooks refuses, auto is right."""
+    linear = rules.rule_for(nn.Linear(2, 2))
+
+    def wrong(module, activation, grad_output, out):
+        linear(module, activation, grad_output, out)
+        for t in out.values():
+            t.mul_(1.01)
+
+    monkeypatch.setitem(rules._RULES, nn.Linear, wrong)
+    model = _mlp()
+    x, y = _data()
+    with pytest.raises(certify.CheckFailedError):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+    with pytest.raises(certify.CheckFailedError):
+        pv.per_sample_jacobian(model, x, strategy="hooks")
+    _close(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y), ref_grads(model, nn.CrossEntropyLoss(), x, y))
+    model = _mlp()  # a fresh plan: the check of the Jacobian hands over too
+    _close(pv.per_sample_jacobian(model, x), ref_jacobian(model, x))
+    model = _mlp()
+    norms = pv.per_sample_grad_norms(model, nn.CrossEntropyLoss(), x, y)
+    ref = ref_grads(model, nn.CrossEntropyLoss(), x, y)
+    want = torch.stack([t.reshape(6, -1).square().sum(1) for t in ref.values()]).sum(0).sqrt()
+    torch.testing.assert_close(norms, want, rtol=1e-6, atol=1e-9)
+
+
+def test_verify_false_skips_the_check(monkeypatch):
+    calls = []
+    real = certify.check_grads
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pv.api, "check_grads", counting)
+    model = _mlp()
+    x, y = _data()
+    a = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, verify=False)
+    assert calls == []
+    b = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    assert calls == [1]
+    _close(a, b)
+    pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="torch_func")  # each sample alone: no check
+    assert calls == [1]
+
+
+def test_the_check_and_the_probe_leave_the_callers_random_state_alone():
+    model = _mlp()
+    x, y = _data()
+    torch.manual_seed(7)
+    state, py_state = torch.get_rng_state(), random.getstate()
+    pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    pv.per_sample_jacobian(model, x)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert random.getstate() == py_state
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("strategy", [*pv.STRATEGIES, "auto"])
+def test_the_callers_grad_mode_does_not_change_the_result(mode, strategy):
+    model = _mlp()
+    x, y = _data()
+    want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
+    want_jac = ref_jacobian(model, x)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with context():
+        xs, ys = x.clone(), y.clone()  # inference tensors under inference_mode
+        grads = pv.per_sample_grads(model, nn.CrossEntropyLoss(), xs, ys, strategy=strategy)
+        jac = pv.per_sample_jacobian(model, xs, strategy=strategy)
+        norms = pv.per_sample_grad_norms(model, nn.CrossEntropyLoss(), xs, ys, strategy=strategy)
+        ntk = pv.empirical_ntk(model, xs) if strategy == "auto" else None
+    _close(grads, want)
+    _close(jac, want_jac)
+    torch.testing.assert_close(norms, torch.stack([t.reshape(6, -1).square().sum(1) for t in want.values()])
+                               .sum(0).sqrt(), rtol=1e-6, atol=1e-9)
+    if ntk is not None:
+        flat = torch.cat([t.reshape(6, 3, -1) for t in want_jac.values()], dim=-1)
+        torch.testing.assert_close(ntk, torch.einsum("iyp,jzp->ijyz", flat, flat), rtol=1e-6, atol=1e-9)
+
+
+class PowerIteration(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 5).to(DT))
+        self.head = nn.Linear(5, 3).to(DT)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)))
+
+
+@pytest.mark.parametrize("strategy", [*pv.STRATEGIES, "auto"])
+def test_a_forward_that_writes_buffers_is_refused_and_the_buffers_restored(strategy):
+    model = PowerIteration().train()
+    x, y = _data()
+    before = snapshot(model)
+    with pytest.raises(pv.UnsupportedModelError, match="writes the buffer|buffer"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    assert_state_unchanged(model, before)
+    assert_no_hooks(model)
+    model.eval()  # no power iteration: fine
+    _close(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy),
+           ref_grads(model, nn.CrossEntropyLoss(), x, y))
+
+
+class FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 5).to(DT)
+        self.head = nn.Linear(5, 3).to(DT)
+
+    def forward(self, x):
+        return self.head(nn.functional.dropout(torch.tanh(self.fc(x)), 0.5, training=self.training))
+
+
+@pytest.mark.parametrize("make", [FunctionalDropout, lambda: nn.Sequential(
+    nn.Linear(4, 5), __import__("torchvision").ops.StochasticDepth(0.5, "row"), nn.Linear(5, 3)).to(DT)])
+def test_a_random_forward_is_refused_naming_the_module(make):
+    model = make().train()
+    x, y = _data()
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    with pytest.raises(pv.UnsupportedModelError, match="different outputs for the same sample"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    assert torch.equal(torch.get_rng_state(), state)
+    model.eval()
+    _close(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y), ref_grads(model, nn.CrossEntropyLoss(), x, y))
+
+
+def test_a_global_forward_pre_hook_is_applied_once():
+    model = _mlp()
+    x, y = _data()
+    handle = nn.modules.module.register_module_forward_pre_hook(
+        lambda m, args: (args[0] * 1.5,) if isinstance(m, nn.Linear) else None)
+    try:
+        want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
+        for strategy in ("auto", "torch_func", "loop"):
+            _close(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy), want)
+    finally:
+        handle.remove()
+
+
+class OldStyle(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class OldStyleLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=DT))
+
+    def forward(self, x):
+        return OldStyle.apply(x, self.w)
+
+
+def test_an_old_style_autograd_function_in_a_layer_of_its_own():
+    torch.manual_seed(0)
+    model = nn.Sequential(OldStyleLayer(), nn.Tanh(), nn.Linear(4, 3).to(DT))
+    x, y = _data()
+    want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
+    for strategy in ("auto", "hooks", "loop"):
+        _close(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy), want)
+
+
+def test_torchscript_goes_to_the_loop_under_auto_and_is_refused_clearly_elsewhere():
+    model = torch.jit.script(_mlp())
+    x, y = _data()
+    want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
+    _close(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y), want)
+    with pytest.raises(pv.UnsupportedModelError, match="TorchScript.*strategy='loop'"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+
+
+def test_a_lazy_module_before_its_first_forward_names_the_fix():
+    model = nn.Sequential(nn.LazyLinear(3)).to(DT)
+    x, y = _data()
+    with pytest.raises(ValueError, match="run one forward pass first"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+
+
+def test_out_of_memory_under_torch_func_reaches_the_user(monkeypatch):
+    """Only 'torch.func cannot run this model' hands over to the loop; running out of memory does not."""
+    from pergrad_viz.strategies import torch_func
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(torch_func, "vmap", lambda *a, **k: no_memory)
+    model = SWAP_ROWS.make_model()
+    x, y = _data()
+    with pytest.raises(torch.OutOfMemoryError):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="torch_func")
