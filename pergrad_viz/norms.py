@@ -121,7 +121,7 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: torch.Te
                     name = local[local_name]
                     summed[name] = g[0] if name not in summed else summed[name] + g[0]
             for name, g in summed.items():
-                squared[name][rows] = g.flatten(1).square().sum(1)
+                squared[name][rows] = row_squared_norms(g)
     return squared
 
 
@@ -143,11 +143,18 @@ def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: s
         grads = api.per_sample_grads(trainable.model, loss_fn, inputs[rows], targets[rows], strategy=strategy,
                                      verify=verify)
         for name, g in grads.items():
-            squared[name][rows] = g.flatten(1).square().sum(1)
+            squared[name][rows] = row_squared_norms(g)
     return squared
 
 
 # Pieces shared with pergrad_viz.ntk ------------------------------------------------------------------
+
+
+def row_squared_norms(g: torch.Tensor) -> torch.Tensor:
+    """(B,) squared L2 norms of the rows of a (B, *shape) per-sample gradient; ``shape`` may be () (a 0-dim
+    parameter such as a learnable temperature gives (B,), where ``flatten(1)`` would fail)."""
+    return g.reshape(g.shape[0], -1).square().sum(1)
+
 
 # What one layer's calls saw: per call, the call and its output gradients (each (N, *output.shape) or None).
 Seen = list[tuple[hooks.Call, list]]
@@ -212,6 +219,6 @@ def layer_squared_norms(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tenso
     """{local name: (B,) squared per-sample gradient norm} of one layer; ``seen`` has N = 1."""
     ghost = ghost_rule(layer)
     if ghost is None:  # convolutions, norms, recurrent, fallback: this one layer's (B, *param.shape) gradient
-        return {ln: t[0].flatten(1).square().sum(1) for ln, t in dense_grads(layer, seen).items()}
+        return {ln: row_squared_norms(t[0]) for ln, t in dense_grads(layer, seen).items()}
     a, g = stack_calls(ghost.kind, layer, seen)
     return ghost.squared_norms(layer.module, a, g[0], layer.local)

@@ -63,7 +63,7 @@ def _add_dense(dense: dict[str, torch.Tensor], local: dict[str, str], grads: dic
     """Add one layer's {local name: (Y, N, *shape)} Jacobians to {full name: (Y, N, numel)}; tied parameters
     add up."""
     for local_name, g in grads.items():
-        name, flat = local[local_name], g.flatten(2)
+        name, flat = local[local_name], g.reshape(*g.shape[:2], -1)  # 0-dim parameters too
         dense[name] = flat if name not in dense else dense[name] + flat
 
 

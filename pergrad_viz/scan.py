@@ -26,7 +26,9 @@ batches that never straddle a chunk, writes its rows into the shared memory-mapp
 disjoint), flushes them and then marks the chunk done (finished chunks are synced together, at most every
 :data:`SYNC_SECONDS`). A killed run loses the chunk in flight and those finished since its last sync; a
 rerun with the same ``out`` skips finished chunks (whatever the number of processes then). A rerun with
-another model, dataset or settings is refused (:class:`ScanMismatchError`). Rank 0 creates the directory
+another model, dataset, loss or settings is refused (:class:`ScanMismatchError`; what is compared:
+:func:`pergrad_viz.scan_store.model_fingerprint`, :func:`~pergrad_viz.scan_store.dataset_fingerprint`,
+:func:`~pergrad_viz.scan_store.loss_description`). Rank 0 creates the directory
 and writes the manifest (after a barrier at the end). Because every chunk is computed in the same batches
 whatever the number of processes, results with 1 and W processes agree (bit for bit on one machine).
 """
@@ -35,8 +37,9 @@ from __future__ import annotations
 
 import datetime
 import math
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -55,9 +58,6 @@ __all__ = ["QUANTITIES", "Scan", "ScanMismatchError", "load_scan", "scan"]
 
 QUANTITIES: tuple[str, ...] = ("loss", "grad_norm", "layer_norms", "el2n", "projection")
 """Valid names for ``scan(quantities=...)``, in the order they are stored."""
-
-CHUNK_HOOK: Callable[[int], None] | None = None
-"""Called with the chunk index after each chunk is marked done (tests use it to interrupt a scan)."""
 
 SYNC_SECONDS = 2.0
 """Finished chunks are flushed to disk and marked done together, at most this often (and at the end): the
@@ -145,6 +145,30 @@ def _check_quantities(quantities: Sequence[str] | str, proj_dim: int | None) -> 
     elif "projection" in wanted:
         raise ValueError("quantity 'projection' needs proj_dim: pass proj_dim=K (e.g. 256 columns per example)")
     return [q for q in QUANTITIES if q in wanted]
+
+
+def error_report(exc: BaseException) -> dict:
+    """What rank 0 tells the other processes about its failure: plain strings, which always pickle (an exception
+    or its class may not, e.g. one defined inside a function)."""
+    kind = type(exc)
+    return {"module": kind.__module__, "qualname": kind.__qualname__, "message": str(exc)}
+
+
+def rebuild_error(report: dict) -> Exception:
+    """The exception the other processes raise for rank 0's ``report``: the same type with the same message where
+    the type can be found and built from a message alone, else a RuntimeError naming it."""
+    kind = sys.modules.get(report["module"])
+    for part in report["qualname"].split("."):
+        kind = getattr(kind, part, None)
+    name = f"{report['module']}.{report['qualname']}"
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            error = kind(report["message"])
+        except Exception:  # a constructor that wants other arguments
+            error = None
+        if isinstance(error, kind) and str(error) == report["message"]:
+            return error
+    return RuntimeError(f"rank 0 failed to prepare the scan with {name}: {report['message']}")
 
 
 def _positive(name: str, value: object) -> int:
@@ -285,7 +309,8 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
     # Rank 0 prepares the directory; every rank learns the outcome (an error is raised everywhere).
     core = {k: new[k] for k in store.MUST_MATCH}
     peers = _gather(core, world)
-    status: tuple[str | None, type | None, list[int]]
+    error: Exception | None = None
+    status: tuple[dict | None, list[int]] = (None, [])
     if rank == 0:
         try:
             bad = [r for r, c in enumerate(peers) if c != core]
@@ -293,16 +318,16 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
                 raise ValueError(f"process(es) {bad} see a different model, dataset or settings than rank 0: give "
                                  "every process the same model weights, dataset and arguments")
             manifest, done = _prepare(out, new)
-            status = (None, None, sorted(done))
+            status = (None, sorted(done))
         except Exception as exc:
             if world == 1:
                 raise
-            status = (str(exc), type(exc), [])
-    else:
-        status = (None, None, [])
-    message, kind, done_list = _broadcast(status, world)
-    if message is not None:
-        raise (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(message)
+            error, status = exc, (error_report(exc), [])
+    report, done_list = _broadcast(status, world)
+    if error is not None:
+        raise error  # rank 0: the original exception, with its traceback
+    if report is not None:
+        raise rebuild_error(report)
     if rank != 0:
         manifest = store.read_manifest(out)
 
@@ -364,9 +389,6 @@ def _run(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: objec
         if rank == 0:
             _refresh(out, manifest)
         last_sync = time.perf_counter()
-        for c in finished:
-            if CHUNK_HOOK is not None:
-                CHUNK_HOOK(c)
 
     try:
         for indices, item in zip(batches, loader, strict=True):

@@ -22,7 +22,15 @@ from torch import nn
 
 from . import api
 from .losses import LossFn, per_sample_losses
-from .norms import dense_grads, ghost_kind, group_calls, layer_squared_norms, stack_calls, tied_names
+from .norms import (
+    dense_grads,
+    ghost_kind,
+    group_calls,
+    layer_squared_norms,
+    row_squared_norms,
+    stack_calls,
+    tied_names,
+)
 from .norms import per_sample_grad_norms as _grad_norms
 from .sketch import Block, GradientSketch
 from .strategies import hooks
@@ -116,7 +124,7 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
             for ln, t in dense_grads(layer, seen).items():  # (1, B, *shape)
                 dense[local[ln]] = t[0]
                 if kind is None:
-                    squared[local[ln]] = t[0].flatten(1).square().sum(1)
+                    squared[local[ln]] = row_squared_norms(t[0])
     res.update(_from_squared(want, squared, blocks))
     if want_sketch:
         for i, bs in enumerate(sketch.blocks):
@@ -139,7 +147,7 @@ def _materialised_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: t
             res.update(_outputs(want, output, per_sample_losses(loss_fn, output, y), y))
     if sketch is not None and "projection" in want:
         grads = api.per_sample_grads(model, loss_fn, x, y)  # {name: (B, *shape)}: this batch only
-        squared = {n: g.flatten(1).square().sum(1) for n, g in grads.items()}
+        squared = {n: row_squared_norms(g) for n, g in grads.items()}
         res["projection"] = sketch.project_grads(grads)
     else:
         norms = _grad_norms(model, loss_fn, x, y, per_parameter=True)

@@ -14,10 +14,12 @@ process never leaves half a manifest.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import os
+import types
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -44,13 +46,23 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def model_fingerprint(model: nn.Module) -> dict:
-    """{"class", "sha256"} of the model's class, trainable flags and every parameter and buffer value."""
+    """{"class", "sha256"} of what decides the model's results: its class; every submodule's name, class and
+    training flag; every parameter's ``requires_grad``; every parameter and buffer value (non-persistent buffers
+    too, which ``state_dict()`` leaves out). Not covered: plain Python attributes of modules (e.g. a custom
+    layer's ``self.scale = 2.0``) and the code of ``forward`` (the class's name stands for it)."""
     h = hashlib.sha256(f"{type(model).__module__}.{type(model).__qualname__}".encode())
+    for name, m in model.named_modules():
+        h.update(f"module {name}:{type(m).__module__}.{type(m).__qualname__}:{m.training}".encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{p.requires_grad}".encode())
     for name, t in model.state_dict().items():
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         h.update(_tensor_bytes(t))
+    persistent = set(model.state_dict())
+    for name, b in model.named_buffers():
+        if name not in persistent:  # a non-persistent buffer (e.g. a mask or rotary table computed at init)
+            h.update(f"buffer {name}:{tuple(b.shape)}:{b.dtype}".encode())
+            h.update(_tensor_bytes(b))
     return {"class": type(model).__qualname__, "sha256": h.hexdigest()}
 
 
@@ -74,15 +86,85 @@ def dataset_fingerprint(dataset: object, n: int, samples: int = 16) -> dict:
     return {"class": type(dataset).__qualname__, "length": n, "sha256": h.hexdigest()}
 
 
-def loss_description(loss_fn: object) -> str:
-    """A stable text for the loss: its type and its plain settings (``reduction``, ``label_smoothing``, ...)."""
+_SIMPLE = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _const_bytes(value: object) -> bytes:
+    """Bytes for a constant of a code object, the same in every process (frozensets sorted: their iteration
+    order follows string hashing, which is randomised per process)."""
+    if isinstance(value, types.CodeType):
+        return _code_bytes(value)
+    if isinstance(value, (frozenset, set)):
+        return b"{" + b",".join(sorted(_const_bytes(v) for v in value)) + b"}"
+    if isinstance(value, tuple):
+        return b"(" + b",".join(_const_bytes(v) for v in value) + b")"
+    return repr(value).encode()
+
+
+def _code_bytes(code: types.CodeType) -> bytes:
+    """A code object's bytecode, constants (nested code objects too) and the global / attribute names it uses."""
+    return b"|".join([code.co_code, _const_bytes(code.co_consts), repr(code.co_names).encode()])
+
+
+def _value_bytes(value: object, depth: int) -> bytes:
+    """A closure cell's or default argument's value: simple values, tensors and arrays by value, callables by
+    :func:`_describe_callable`, anything else by its type only."""
+    if isinstance(value, (*_SIMPLE, torch.Tensor, np.ndarray)):
+        return _item_bytes(value)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (*_SIMPLE, torch.Tensor, np.ndarray)) for v in value):
+        return _item_bytes(value)
+    if callable(value) and depth < 3:
+        return _describe_callable(value, depth + 1).encode()
+    return f"<{type(value).__module__}.{type(value).__qualname__}>".encode()
+
+
+def _function_description(fn: types.FunctionType, depth: int) -> str:
+    h = hashlib.sha256(_code_bytes(fn.__code__))
+    for value in (*(fn.__defaults__ or ()), *sorted((fn.__kwdefaults__ or {}).items())):
+        h.update(b"default:" + _value_bytes(value, depth))
+    for cell in fn.__closure__ or ():
+        try:
+            h.update(b"cell:" + _value_bytes(cell.cell_contents, depth))
+        except ValueError:  # an empty cell (a name assigned after the function was made)
+            h.update(b"cell:<empty>")
+    return f"{fn.__module__}.{fn.__qualname__}[code {h.hexdigest()[:16]}]"
+
+
+def _describe_callable(loss_fn: object, depth: int = 0) -> str:
     if isinstance(loss_fn, nn.Module):
         plain = {k: v for k, v in sorted(vars(loss_fn).items())
-                 if not k.startswith("_") and k != "training" and isinstance(v, (int, float, str, bool, type(None)))}
-        tensors = {k: hashlib.sha256(_item_bytes(v)).hexdigest()[:12] for k, v in sorted(loss_fn._buffers.items())
-                   if v is not None}
+                 if not k.startswith("_") and k != "training" and isinstance(v, _SIMPLE)}
+        tensors = {k: hashlib.sha256(_item_bytes(v)).hexdigest()[:12]
+                   for k, v in sorted([*loss_fn._buffers.items(), *loss_fn._parameters.items()]) if v is not None}
         return f"{type(loss_fn).__qualname__}({plain}, {tensors})"
-    return f"{getattr(loss_fn, '__module__', '?')}.{getattr(loss_fn, '__qualname__', type(loss_fn).__qualname__)}"
+    if isinstance(loss_fn, functools.partial):
+        args = hashlib.sha256(b"".join(_value_bytes(v, depth) for v in loss_fn.args)
+                              + b"".join(k.encode() + _value_bytes(v, depth)
+                                         for k, v in sorted(loss_fn.keywords.items()))).hexdigest()[:12]
+        return f"partial({_describe_callable(loss_fn.func, depth + 1)}, args {args})"
+    if isinstance(loss_fn, types.FunctionType):
+        return _function_description(loss_fn, depth)
+    if isinstance(loss_fn, types.MethodType):
+        return f"{_describe_callable(loss_fn.__func__, depth + 1)} of {_describe_callable(loss_fn.__self__, depth + 1)}"
+    name = getattr(loss_fn, "__qualname__", None)
+    if name is not None:  # a builtin function, or a class used as a callable
+        return f"{getattr(loss_fn, '__module__', '?')}.{name}"
+    state = {k: _value_bytes(v, depth).decode(errors="replace")[:80] for k, v in sorted(vars(loss_fn).items())
+             if not k.startswith("_")} if hasattr(loss_fn, "__dict__") else {}
+    return f"{type(loss_fn).__module__}.{type(loss_fn).__qualname__}({state})"
+
+
+def loss_description(loss_fn: object) -> str:
+    """A stable text for the loss, the same in every process, so that a rerun with another loss is refused.
+
+    Covered: for an ``nn.Module`` loss its type, plain settings (``reduction``, ``label_smoothing``,
+    ``ignore_index``, ...) and tensor buffers (``weight``, ``pos_weight``); for a plain function or lambda its
+    module and name plus a hash of its bytecode, constants, the global and attribute names it uses, its default
+    arguments and the values in its closure (numbers, strings, tensors, arrays, nested callables; other objects by
+    type); for ``functools.partial`` the function and its arguments; for a bound method the function and its
+    object. Not covered: the values of globals a function reads (``lambda o, t: F.cross_entropy(o, t, weight=W)``
+    with a module-level ``W`` changed in place) and the code of a custom loss class's ``forward``."""
+    return _describe_callable(loss_fn)
 
 
 def chunk_count(n: int, chunk_size: int) -> int:

@@ -299,7 +299,7 @@ class GradientSketch:
             if block.linear[2]:
                 w = torch.cat([w, grads[block.params[1]].unsqueeze(-1)], dim=-1)  # (B, out, in + 1)
             return (r_out.mT @ w @ r_in).flatten(1)
-        flat = torch.cat([grads[n].flatten(1) for n in block.params], dim=1)  # (B, P_b)
+        flat = torch.cat([grads[n].reshape(grads[n].shape[0], -1) for n in block.params], dim=1)  # (B, P_b); 0-dim too
         return flat if bs.kind == "exact" else flat @ self.matrices[index][0]
 
     def project_grads(self, grads: Mapping[str, torch.Tensor] | torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""pv.per_sample_grad_norms: equal to the norms of the materialised per-sample gradients, for every layer
-type the rules cover (ghost norms, Gram matrices, per-layer fallbacks) and for models they do not cover."""
+"""pv.per_sample_grad_norms: equal, per sample, to the norms of the per-sample gradients of the plain loop in
+tests/helpers.py (ref_grads, independent of pergrad_viz), for every layer type the rules cover (ghost norms, Gram
+matrices, per-layer fallbacks), for models they do not cover, and for every strategy in chunks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from helpers import (
     TokenNet,
     assert_no_hooks,
     assert_state_unchanged,
+    flatten_ref,
+    ref_grads,
     snapshot,
 )
 from torch import nn
@@ -109,6 +112,32 @@ class Unused(nn.Module):
         return self.fc(x)
 
 
+class BatchCentred(nn.Module):
+    """Adds its hidden layer's batch mean: the samples of a batch interact, so ``auto`` leaves the hooks path and
+    computes each sample alone (torch_func); alone, a sample's mean is itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        return self.head(h + h.mean(0, keepdim=True))
+
+
+class ScaledLogits(nn.Module):
+    """A learnable 0-dim temperature multiplying the logits, as CLIP's ``logit_scale``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+        self.logit_scale = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.logit_scale.exp()
+
+
 def case(name: str) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
     """(model in float64, loss_fn, inputs, targets) for a named case; B = 5."""
     g = torch.Generator().manual_seed(0)
@@ -147,18 +176,23 @@ def case(name: str) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
     if name == "flat_rows":
         return FlatRows().double(), mse, torch.randn(5, 3, 4, generator=g, dtype=torch.float64), \
             torch.randn(5, 3, generator=g, dtype=torch.float64)
+    if name == "interacting":
+        return BatchCentred().double(), ce, torch.randn(5, 5, generator=g, dtype=torch.float64), classes
+    if name == "scalar":
+        return ScaledLogits().double(), ce, torch.randn(5, 5, generator=g, dtype=torch.float64), classes
     raise AssertionError(name)
 
 
 SUPPORTED = ["mlp", "bias_free", "cnn", "conv1d_bn", "inplace_relu", "tokens", "tied", "layer_norm",
-             "shared", "shared_embedding", "frozen", "unused"]
+             "shared", "shared_embedding", "frozen", "unused", "scalar"]
+MATERIALISING = [s for s in pv.STRATEGIES if s != "hooks"]
 
 
 def reference(model: nn.Module, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    """(total (B,), {name: (B,)}) from the materialised per-sample gradients of the loop (the definition)."""
-    flat = pv.per_sample_grads(model, loss_fn, x, y, strategy="loop", flat=True)
-    per = pv.per_sample_grads(model, loss_fn, x, y, strategy="loop")
-    return torch.linalg.norm(flat, dim=1), {n: torch.linalg.norm(g.flatten(1), dim=1) for n, g in per.items()}
+    """(total (B,), {name: (B,)}) from the per-sample gradients of helpers.ref_grads (the definition, a plain loop)."""
+    ref = ref_grads(model, loss_fn, x, y)
+    per = {n: torch.linalg.norm(g.reshape(g.shape[0], -1), dim=1) for n, g in ref.items()}
+    return torch.linalg.norm(flatten_ref(ref, 1), dim=1), per
 
 
 def assert_norms(model, loss_fn, x, y, **kw) -> None:
@@ -240,8 +274,8 @@ def test_shared_linear_uses_the_calls_cross_terms():
     # Calls of a shared layer add up before the norm: sum of the per-call norms would be wrong.
     model, loss_fn, x, y = case("shared")
     got = pv.per_sample_grad_norms(model, loss_fn, x, y, per_parameter=True)["fc.weight"]
-    want = torch.linalg.norm(pv.per_sample_grads(model, loss_fn, x, y, strategy="loop")["fc.weight"].flatten(1), dim=1)
-    torch.testing.assert_close(got, want, **TOL)
+    _total, want = reference(model, loss_fn, x, y)
+    torch.testing.assert_close(got, want["fc.weight"], **TOL)
 
 
 def test_frozen_parameters_are_left_out():
@@ -265,6 +299,50 @@ def test_every_strategy_gives_the_same_norms(strategy):
     model, loss_fn, x, y = case("cnn")
     want, _ = reference(model, loss_fn, x, y)
     torch.testing.assert_close(pv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy), want, **TOL)
+
+
+@pytest.mark.parametrize("name", ["mlp", "tokens", "tied", "unsupported", "scalar"])
+@pytest.mark.parametrize("strategy", MATERIALISING)
+def test_materialising_strategies_in_chunks(strategy, name):
+    """B = 5 in chunks of 2 (the last one short): every chunk's rows are computed, per sample and per parameter."""
+    model, loss_fn, x, y = case(name)
+    assert_norms(model, loss_fn, x, y, strategy=strategy, chunk_size=2)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2, 3])
+@pytest.mark.parametrize("name", ["interacting", "flat_rows"])
+def test_auto_off_the_fast_path_in_chunks(name, chunk_size, monkeypatch):
+    """Models the hooks strategy cannot take (the samples interact; a layer on (B*T, ...) rows): ``auto``
+    materialises each chunk's gradients, each sample alone, and every chunk counts."""
+    model, loss_fn, x, y = case(name)
+    sizes = []
+    real = api.per_sample_grads
+
+    def spy(model_, loss_fn_, inputs, targets, **kw):
+        sizes.append(inputs.shape[0])
+        return real(model_, loss_fn_, inputs, targets, **kw)
+
+    monkeypatch.setattr(api, "per_sample_grads", spy)
+    assert_norms(model, loss_fn, x, y, chunk_size=chunk_size)
+    if chunk_size is not None:  # twice (total, then per parameter), chunk by chunk
+        assert sizes == 2 * [min(chunk_size, 5 - s) for s in range(0, 5, chunk_size)]
+    if name == "interacting":  # one batched forward pass would not be the per-sample definition
+        with pytest.raises(pv.UnsupportedModelError, match="samples interact"):
+            pv.per_sample_grad_norms(model, loss_fn, x, y, strategy="batched_grad")
+
+
+def test_zero_dim_parameter():
+    """A learnable scalar (CLIP's logit_scale): its per-sample gradient is (B,), its norm the absolute value."""
+    model, loss_fn, x, y = case("scalar")
+    ref = ref_grads(model, loss_fn, x, y)
+    assert ref["logit_scale"].shape == (5,) and (ref["logit_scale"] != 0).all()
+    for strategy in ["auto", *pv.STRATEGIES]:
+        grads = pv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
+        torch.testing.assert_close(grads["logit_scale"], ref["logit_scale"], **TOL)
+        torch.testing.assert_close(pv.per_sample_grads(model, loss_fn, x, y, strategy=strategy, flat=True),
+                                   flatten_ref(ref, 1), **TOL)
+        per = pv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy, per_parameter=True, chunk_size=2)
+        torch.testing.assert_close(per["logit_scale"], ref["logit_scale"].abs(), **TOL)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 2])
@@ -302,7 +380,7 @@ def test_float32_within_float32_tolerance():
     model = MLP(30, 20, 5)
     x = torch.randn(8, 30, generator=torch.Generator().manual_seed(3))
     y = torch.arange(8) % 5
-    want = torch.linalg.norm(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, flat=True), dim=1)
+    want, _ = reference(model, nn.CrossEntropyLoss(), x, y)
     got = pv.per_sample_grad_norms(model, nn.CrossEntropyLoss(), x, y)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,6 @@
-"""pv.empirical_ntk: equal to J J^T from the materialised per-sample Jacobians (pv.per_sample_jacobian), on
-models the layer rules cover (without materialising) and on a model that forces the fallback."""
+"""pv.empirical_ntk: equal to J J^T from the per-sample Jacobians of the plain double loop in tests/helpers.py
+(ref_jacobian, independent of pergrad_viz), on models the layer rules cover (without materialising) and on models
+that force the fallbacks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from helpers import (
     TokenNet,
     assert_no_hooks,
     assert_state_unchanged,
+    flatten_ref,
+    ref_jacobian,
     snapshot,
 )
 from torch import nn
@@ -40,6 +43,18 @@ class Branchy(nn.Module):
         return self.head(h)
 
 
+class ScaledLogits(nn.Module):
+    """A learnable 0-dim temperature multiplying the outputs, as CLIP's ``logit_scale``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.logit_scale = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.logit_scale.exp()
+
+
 def case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """(model in float64, x1 (5, ...), x2 (3, ...))."""
     torch.manual_seed(0)
@@ -65,13 +80,15 @@ def case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
         return FlatRows().double(), randn(5, 2, 4), randn(3, 2, 4)
     if name == "fallback":
         return nn.Sequential(nn.Linear(5, 4), Scale(4), nn.Tanh(), nn.Linear(4, 3)).double(), randn(5, 5), randn(3, 5)
+    if name == "scalar":
+        return ScaledLogits().double(), randn(5, 4), randn(3, 4)
     raise AssertionError(name)
 
 
 def reference(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, mode: str) -> torch.Tensor:
-    """J1 J2^T from the loop's (N, Y, P) Jacobians."""
-    j1 = pv.per_sample_jacobian(model, x1, strategy="loop", flat=True)
-    j2 = j1 if x2 is None else pv.per_sample_jacobian(model, x2, strategy="loop", flat=True)
+    """J1 J2^T from the (N, Y, P) Jacobians of helpers.ref_jacobian (a plain double loop of autograd.grad)."""
+    j1 = flatten_ref(ref_jacobian(model, x1), 2)
+    j2 = j1 if x2 is None else flatten_ref(ref_jacobian(model, x2), 2)
     return torch.einsum("iyp,jzp->ijyz" if mode == "full" else "iyp,jyp->ij", j1, j2)
 
 
@@ -82,7 +99,7 @@ def refuse_jacobian(*args, **kwargs):
 @pytest.mark.parametrize("chunk_size", [None, 2])
 @pytest.mark.parametrize("use_x2", [False, True], ids=["x2_none", "x2_given"])
 @pytest.mark.parametrize("mode", ntk.MODES)
-@pytest.mark.parametrize("name", ["mlp", "cnn", "tokens", "shared", "tied"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "tokens", "shared", "tied", "scalar"])
 def test_ntk_equals_jacobian_products(name, mode, use_x2, chunk_size, monkeypatch):
     model, x1, x2 = case(name)
     x2 = x2 if use_x2 else None

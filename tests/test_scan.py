@@ -1,5 +1,6 @@
-"""Whole-dataset scans (pergrad_viz.scan): values against independent references, sketches against an explicit
-dense projection, resuming, refusals, one process vs two under torchrun."""
+"""Whole-dataset scans (pergrad_viz.scan): values per example against references computed here, independently of
+pergrad_viz (per-sample losses and gradients by a plain loop, helpers.ref_grads), sketches against an explicit
+dense projection, resuming, refusals (fingerprints of the model and the loss), one process vs two under torchrun."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz import datasets
+from pergrad_viz import scan_store as store
 from pergrad_viz.cli_scan import load_model
 from pergrad_viz.models import MLP, SmallCNN
 from pergrad_viz.scan_bench import format_table, throughput, torchrun_command
@@ -36,6 +39,18 @@ def _data(n: int = 48, seed: int = 0, flat: bool = False) -> torch.utils.data.Te
 def _model(kind: type = SmallCNN, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return kind().eval()
+
+
+def _reference(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """(losses (N,), {name: (N, *shape)}) by the definition: each example alone, a plain loop."""
+    losses = torch.stack([loss_fn(model(x[i:i + 1]), y[i:i + 1]).detach() for i in range(x.shape[0])])
+    return losses, ref_grads(model, loss_fn, x, y)
+
+
+def _layer_norms(ref: dict[str, torch.Tensor], modules: list[str]) -> torch.Tensor:
+    """(N, L): per module, the norm of the gradients of the parameters it holds directly."""
+    return torch.stack([torch.cat([ref[n].reshape(ref[n].shape[0], -1) for n in ref if n.rpartition(".")[0] == m],
+                                  1).norm(dim=1) for m in modules], 1)
 
 
 def _explicit_projection(sk: GradientSketch, names: list[str], shapes: dict[str, torch.Size]) -> torch.Tensor:
@@ -74,16 +89,14 @@ def test_scan_values_match_references(tmp_path, kind):
     res = pv.scan(model, loss_fn, ds, quantities=ALL, proj_dim=24, batch_size=16, chunk_size=32, out=tmp_path / "s",
                   progress=False)
     assert list(res) == [*ALL, "projection"]
-    ref = ref_grads(model, loss_fn, x, y)  # the per-sample loop, written independently of pergrad_viz
+    losses, ref = _reference(model, loss_fn, x, y)
     flat = flatten_ref(ref, 1)
-    logits = model(x).detach()
-    torch.testing.assert_close(res["loss"], nn.functional.cross_entropy(logits, y, reduction="none"))
+    torch.testing.assert_close(res["loss"], losses)
     torch.testing.assert_close(res["grad_norm"], flat.norm(dim=1), rtol=1e-5, atol=1e-6)
     modules = [b.module for b in layer_blocks(model)]
     assert res.layers == modules
-    per_layer = torch.stack([torch.cat([ref[n].flatten(1) for n in ref if n.rpartition(".")[0] == m], 1).norm(dim=1)
-                             for m in modules], 1)
-    torch.testing.assert_close(res["layer_norms"], per_layer, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(res["layer_norms"], _layer_norms(ref, modules), rtol=1e-5, atol=1e-6)
+    logits = torch.cat([model(x[i:i + 1]).detach() for i in range(x.shape[0])])
     el2n = (logits.softmax(1) - nn.functional.one_hot(y, 10)).norm(dim=1)
     torch.testing.assert_close(res["el2n"], el2n)
     sk = GradientSketch(model, 24, seed=0)
@@ -98,7 +111,7 @@ class _Tokens(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(12, 6)
+        self.emb = nn.Embedding(12, 6, padding_idx=0)
         self.mix = nn.Linear(6, 5)
         self.norm = nn.GroupNorm(1, 5)
         self.head = nn.Linear(5, 3, bias=False)
@@ -124,30 +137,53 @@ class _Tied(nn.Module):
         return self.fc(torch.relu(self.emb(idx).mean(1)))
 
 
-@pytest.mark.parametrize("kind", [_Tokens, _Tied])
+class _ScaledTokens(nn.Module):
+    """Embedding -> mean -> Linear, times a learnable 0-dim temperature (as CLIP's logit_scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 4, padding_idx=1)
+        self.fc = nn.Linear(4, 3)
+        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, idx):
+        return self.fc(torch.tanh(self.emb(idx).mean(1))) * self.logit_scale.exp()
+
+
+@pytest.mark.parametrize("kind", [_Tokens, _Tied, _ScaledTokens])
 @pytest.mark.parametrize("proj_dim", [9, 30])
-def test_projection_equals_dense_projection_of_materialised_grads(tmp_path, kind, proj_dim):
+def test_token_models_match_references(tmp_path, kind, proj_dim):
+    """Models with an nn.Embedding (padding, tokens repeated within a sample), tied weights, a 0-dim parameter:
+    every quantity per example against the plain loop, the projection against the explicit dense matrix."""
     torch.manual_seed(1)
     model = kind()
     vocab = model.emb.num_embeddings
     idx, y = torch.randint(0, vocab, (20, 5)), torch.randint(0, 3, (20,))
+    idx[3] = 2  # one token five times
+    idx[4, :3] = model.emb.padding_idx if model.emb.padding_idx is not None else 0
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
-    res = pv.scan(model, loss_fn, torch.utils.data.TensorDataset(idx, y), quantities=("grad_norm",),
-                  proj_dim=proj_dim, seed=3, batch_size=8, out=tmp_path / "s", progress=False)
+    res = pv.scan(model, loss_fn, torch.utils.data.TensorDataset(idx, y),
+                  quantities=("loss", "grad_norm", "layer_norms"), proj_dim=proj_dim, seed=3, batch_size=8,
+                  out=tmp_path / "s", progress=False)
     sk = GradientSketch(model, proj_dim, seed=3)
     assert sum(b.dim for b in sk.blocks) == proj_dim
     assert {b.kind for b in sk.blocks} >= ({"kronecker", "dense"} if kind is _Tokens else {"dense"})
-    flat = pv.per_sample_grads(model, loss_fn, idx, y, flat=True)  # (B, P)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    losses, ref = _reference(model, loss_fn, idx, y)
+    flat = flatten_ref(ref, 1)  # (N, P), trainable parameters in named_parameters() order
+    assert flat.norm(dim=1).min() > 0
+    names = list(ref)
     shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+    torch.testing.assert_close(res["loss"], losses)
+    torch.testing.assert_close(res["grad_norm"], flat.norm(dim=1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(res["layer_norms"], _layer_norms(ref, [b.module for b in layer_blocks(model)]),
+                               rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(res["projection"], flat @ _explicit_projection(sk, names, shapes), rtol=1e-4,
                                atol=1e-5)
-    torch.testing.assert_close(res["grad_norm"], flat.norm(dim=1), rtol=1e-5, atol=1e-6)
 
 
 def test_sketch_dot_products_estimate_gradient_dot_products():
     model, (x, y) = _model(MLP), _data(64, flat=True).tensors
-    flat = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, flat=True)
+    flat = flatten_ref(ref_grads(model, nn.CrossEntropyLoss(), x, y), 1)
     true = flat @ flat.T
     estimates = [GradientSketch(model, 2048, seed=s).project_grads(flat) for s in range(3)]
     for s in estimates:
@@ -181,12 +217,15 @@ def test_interrupted_scan_resumes_to_the_same_result(tmp_path, monkeypatch):
     class Interrupted(Exception):
         pass
 
-    def stop_after_two(chunk: int) -> None:
+    mark_done = store.mark_done
+
+    def stop_after_two(out, chunk: int) -> None:
+        mark_done(out, chunk)
         seen.append(chunk)
         if len(seen) == 2:
             raise Interrupted("simulated interruption")
 
-    monkeypatch.setattr(scan_mod, "CHUNK_HOOK", stop_after_two)
+    monkeypatch.setattr(store, "mark_done", stop_after_two)
     monkeypatch.setattr(scan_mod, "SYNC_SECONDS", 0.0)  # mark every chunk as soon as it is finished
     with pytest.raises(Interrupted):
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "s", **kw)
@@ -196,7 +235,7 @@ def test_interrupted_scan_resumes_to_the_same_result(tmp_path, monkeypatch):
     assert torch.isnan(part["loss"][32:]).all() and not torch.isnan(part["loss"][:32]).any()
 
     seen.clear()
-    monkeypatch.setattr(scan_mod, "CHUNK_HOOK", seen.append)
+    monkeypatch.setattr(store, "mark_done", lambda out, chunk: mark_done(out, chunk) or seen.append(chunk))
     got = pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "s", **kw)
     assert seen == [2, 3, 4]  # only the missing chunks were computed
     for q in want:
@@ -246,6 +285,108 @@ def test_rerun_with_other_model_data_or_settings_is_refused(tmp_path):
         pv.scan(model, nn.CrossEntropyLoss(reduction="sum"), ds, quantities=("loss",), batch_size=10, out=out,
                 progress=False)
     assert (out / "loss.npy").read_bytes() == before  # nothing was written
+
+
+class _Masked(nn.Module):
+    """A Linear whose output is multiplied by a non-persistent buffer (not in state_dict), and a Dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(784, 10)
+        self.drop = nn.Dropout(0.0)
+        self.register_buffer("mask", torch.ones(10), persistent=False)
+
+    def forward(self, x):
+        return self.drop(self.fc(x)) * self.mask
+
+
+def _ce(output, target):
+    return nn.functional.cross_entropy(output, target)
+
+
+def _scaled_ce(scale: float):
+    return lambda output, target: scale * nn.functional.cross_entropy(output, target)
+
+
+def test_fingerprint_covers_buffers_modes_and_the_loss(tmp_path):
+    """What changes the results changes the fingerprint: a rerun after such a change is refused (nothing
+    written), a rerun with the same settings continues."""
+    torch.manual_seed(0)
+    model, ds = _Masked().eval(), _data(20, flat=True)
+    loss = lambda output, target: nn.functional.cross_entropy(output, target)  # noqa: E731
+    out = tmp_path / "s"
+    kw = {"quantities": ("loss", "grad_norm"), "batch_size": 10, "out": out, "progress": False}
+    first = {q: t.clone() for q, t in pv.scan(model, loss, ds, **kw).items()}
+    before = (out / "loss.npy").read_bytes()
+
+    def refused(m, loss_fn, field):
+        with pytest.raises(scan_mod.ScanMismatchError, match=f"holds a different scan.*{field}"):
+            pv.scan(m, loss_fn, ds, **kw)
+        assert (out / "loss.npy").read_bytes() == before
+
+    model.mask[3] = 0.0  # a non-persistent buffer
+    refused(model, loss, r"fingerprint\.model\.sha256")
+    model.mask[3] = 1.0
+    model.drop.train()  # one module's training flag (p=0: the values would even agree)
+    refused(model, loss, r"fingerprint\.model\.sha256")
+    model.drop.eval()
+    other = lambda output, target: nn.functional.multi_margin_loss(output, target)  # noqa: E731
+    refused(model, other, r"settings\.loss")  # two lambdas, one name
+    refused(model, _scaled_ce(2.0), r"settings\.loss")
+    refused(model, _ce, r"settings\.loss")
+    again = pv.scan(model, lambda output, target: nn.functional.cross_entropy(output, target), ds, **kw)
+    for q in first:
+        assert torch.equal(again[q], first[q]), q
+    assert len(again.manifest["runs"]) == 2  # the same settings: the directory was continued, not refused
+    assert store.loss_description(_scaled_ce(2.0)) == store.loss_description(_scaled_ce(2.0))
+    assert store.loss_description(_scaled_ce(2.0)) != store.loss_description(_scaled_ce(3.0))
+    assert store.loss_description(nn.CrossEntropyLoss(weight=torch.ones(10))) != \
+        store.loss_description(nn.CrossEntropyLoss(weight=torch.full((10,), 2.0)))
+
+
+def test_loss_description_is_the_same_in_another_process():
+    """Processes of one scan compare their manifests: the description may not depend on the process (string
+    hashing is randomised per process, e.g. the order of a frozenset constant)."""
+    code = ("import functools, torch; from torch import nn; from pergrad_viz import scan_store as s; "
+            "f = lambda o, t: nn.functional.cross_entropy(o, t) if 'a' in {'a', 'b', 'c', 'd'} else 0; "
+            "print(s.loss_description(f)); "
+            "print(s.loss_description(functools.partial(nn.functional.cross_entropy, label_smoothing=0.1)))")
+    outs = {subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(outs) == 1 and "[code " in outs.pop()
+
+
+def test_rank_zero_errors_reach_every_process(tmp_path, monkeypatch):
+    """Under torch.distributed rank 0 prepares the directory: it re-raises its own exception (traceback kept),
+    the other ranks raise the same type and message, or a RuntimeError naming it when the type cannot be
+    rebuilt from a message."""
+    model, ds = _model(MLP), _data(8, flat=True)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    sent = []
+    monkeypatch.setattr(scan_mod, "_world", lambda: (0, 2))
+    monkeypatch.setattr(scan_mod, "_gather", lambda obj, world: [obj] * world)
+    monkeypatch.setattr(scan_mod, "_broadcast", lambda obj, world: sent.append(obj) or obj)
+    with pytest.raises(FileExistsError, match="not empty") as info:
+        pv.scan(model, nn.CrossEntropyLoss(), ds, out=foreign, progress=False)
+    assert "_prepare" in {frame.name for frame in traceback.extract_tb(info.tb)}
+    report = sent[0][0]
+    assert report["qualname"] == "FileExistsError"
+
+    monkeypatch.setattr(scan_mod, "_world", lambda: (1, 2))  # rank 1 hears of rank 0's failure
+    monkeypatch.setattr(scan_mod, "_broadcast", lambda obj, world: (report, []))
+    with pytest.raises(FileExistsError, match="not empty"):
+        pv.scan(model, nn.CrossEntropyLoss(), ds, out=foreign, progress=False)
+
+    class NeedsTwo(Exception):
+        def __init__(self, path, why):
+            super().__init__(f"{path}: {why}")
+
+    rebuilt = scan_mod.rebuild_error(scan_mod.error_report(NeedsTwo("d", "broken")))
+    assert type(rebuilt) is RuntimeError and "NeedsTwo" in str(rebuilt) and "d: broken" in str(rebuilt)
+    rebuilt = scan_mod.rebuild_error(scan_mod.error_report(scan_mod.ScanMismatchError("other model")))
+    assert type(rebuilt) is scan_mod.ScanMismatchError and str(rebuilt) == "other model"
 
 
 def test_bad_inputs_get_clear_errors(tmp_path):
