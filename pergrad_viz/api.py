@@ -17,7 +17,7 @@ from .losses import LossFn, check_loss
 from .memory import check_budget, result_bytes, working_bytes
 from .probe import plan_for
 from .strategies import MODULES, STRATEGIES, hooks, torch_func
-from .trainable import Trainable, check_modes, hooked_parameter, normal_tensor, restoring_modes
+from .trainable import Trainable, check_modes, computing_gradients, hooked_parameter, normal_tensor, restoring_modes
 
 Result = dict[str, torch.Tensor] | torch.Tensor
 
@@ -216,6 +216,7 @@ def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Te
     return views
 
 
+@computing_gradients
 def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
                      strategy: str = "auto", flat: bool = False, chunk_size: int | None = None,
                      max_bytes: int | None = None, out: torch.Tensor | None = None, verify: bool = True) -> Result:
@@ -287,6 +288,7 @@ def output_size(model: nn.Module, inputs: torch.Tensor) -> int:
     return output.numel()
 
 
+@computing_gradients
 def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str = "auto", flat: bool = False,
                         chunk_size: int | None = None, max_bytes: int | None = None,
                         out: torch.Tensor | None = None, verify: bool = True) -> Result:

@@ -39,9 +39,10 @@ from .memory import default_budget, result_bytes, working_bytes
 from .probe import plan_for
 from .rules import GhostRule, ghost_rule_for
 from .strategies import hooks
-from .trainable import Trainable, normal_tensor, restoring_modes
+from .trainable import Trainable, computing_gradients, normal_tensor, restoring_modes
 
 
+@computing_gradients
 def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
                           strategy: str = "auto", per_parameter: bool = False,
                           chunk_size: int | None = None, verify: bool = True) -> torch.Tensor | dict[str, torch.Tensor]:

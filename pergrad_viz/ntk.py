@@ -32,7 +32,7 @@ from .memory import check_budget, result_bytes
 from .norms import Seen, dense_grads, ghost_rule, group_calls, stack_calls, tied_names
 from .rules import ghost_rule_for
 from .strategies import hooks
-from .trainable import Trainable, normal_tensor, restoring_modes
+from .trainable import Trainable, computing_gradients, normal_tensor, restoring_modes
 
 MODES: tuple[str, ...] = ("full", "trace")
 
@@ -67,6 +67,7 @@ def _add_dense(dense: dict[str, torch.Tensor], local: dict[str, str], grads: dic
         dense[name] = flat if name not in dense else dense[name] + flat
 
 
+@computing_gradients
 def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *, mode: str = "full",
                   chunk_size: int | None = None, max_bytes: int | None = None, verify: bool = True) -> torch.Tensor:
     """The empirical NTK ``K[i, j] = J(x1_i) J(x2_j)^T`` over all trainable parameters.

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .errors import UndefinedPerSampleError
@@ -156,11 +157,30 @@ class _ParameterUses(TorchFunctionMode):
         return result
 
 
-def _run(trainable: Trainable, inputs: torch.Tensor, watch: dict[int, str] | None) -> tuple[_Record, dict]:
+class _RandomOps(TorchDispatchMode):
+    """Notes the innermost running module at the first operation that draws random numbers (the operations PyTorch
+    tags ``nondeterministic_seeded``: bernoulli, rand, randn, randperm, dropout, ...)."""
+
+    def __init__(self, stack: list[str]):
+        super().__init__()
+        self.stack = stack
+        self.first: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.first is None and torch.Tag.nondeterministic_seeded in func.tags:
+            self.first = self.stack[-1] if self.stack else ""
+        return func(*args, **(kwargs or {}))
+
+
+def _run(trainable: Trainable, inputs: torch.Tensor, watch: dict[int, str] | None,
+         random_ops: bool = False) -> tuple[_Record, dict | str | None]:
+    """One hooked forward of ``inputs``: what every module saw, and the parameter uses (``watch``) or, with
+    ``random_ops``, the module that first drew random numbers."""
     record = _Record()
     stack: list[str] = []
     names = {id(m): n for n, m in trainable.modules}
     mode = None if watch is None else _ParameterUses(watch, stack)
+    randomness = _RandomOps(stack) if random_ops else None
 
     def enter(module, args, kwargs):
         stack.append(names[id(module)])
@@ -182,6 +202,10 @@ def _run(trainable: Trainable, inputs: torch.Tensor, watch: dict[int, str] | Non
     uses: dict = {}
     try:
         with torch.enable_grad():  # the same code paths as the real capture (no inference fast paths)
+            if randomness is not None:
+                with randomness:
+                    trainable.model(inputs)
+                return record, randomness.first
             if mode is None:
                 trainable.model(inputs)
             else:
@@ -228,12 +252,12 @@ class _Probe:
         watch = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
         device = trainable.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG untouched
-            self.alone_a, _ = _run(trainable, pair[:1], None)
+            self.alone_a, drew = _run(trainable, pair[:1], None, random_ops=True)
             again, _ = _run(trainable, pair[:1], None)
             self.alone_b, _ = _run(trainable, pair[1:], None)
             self.pair, self.uses = _run(trainable, pair, watch)
             self.swapped, _ = _run(trainable, pair.flip(0), None)  # a reordering by the data shows in one order
-        self.random = _first_difference(self.alone_a, again)
+        self.random = drew if drew is not None else _first_difference(self.alone_a, again)
         self.interaction: str | None = None
         self.specs: dict[str, list[CallSpec] | str] = {}
 

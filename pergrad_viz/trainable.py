@@ -4,7 +4,8 @@ that leaves the user's model as it was found."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -180,6 +181,18 @@ def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
             "sample would see another model. The buffer was restored. Call model.eval() first, or compute with a copy "
             "of the model whose buffers you do not need to keep."
         )
+
+
+def computing_gradients(fn: Callable) -> Callable:
+    """Decorator for a public entry point: its body runs with gradients recorded and outside inference mode, whatever
+    the caller's mode, so that what it allocates (results, norms) are normal tensors it may write into."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def normal_tensor(t: object) -> object:

@@ -13,8 +13,7 @@ from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, ref_jaco
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz import certify
-from pergrad_viz import rules
+from pergrad_viz import certify, rules
 
 DT = torch.float64
 

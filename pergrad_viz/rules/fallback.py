@@ -78,7 +78,7 @@ def _loop(layer, params, tensors, in_dims, cotangents, cot_dims, out) -> None:
                 cots = tuple(c.narrow(d, b, 1)[row] for c, d in zip(cotangents, cot_dims, strict=True))
                 grads = torch.autograd.grad(outputs, list(leaves.values()), cots, retain_graph=row < n - 1,
                                             allow_unused=True)
-                for (name, t), g in zip(out.items(), grads, strict=True):
+                for t, g in zip(out.values(), grads, strict=True):
                     if g is None:
                         t[row, b].zero_()
                     else:
