@@ -149,12 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _legend(records: Sequence[bench.Record]) -> str:
     """The comment lines printed above a table: what its ratio columns and max |diff| are measured against."""
     reference = next((r.strategy for r in records if r.max_abs_diff is not None), None)
-    lines = ["# vs loop = speed-up over the loop; vs fwd+bwd and vs floor = time / reference time (same rounds); "
-             "result = the result's size"]
+    lines = ["# vs loop = speed-up over the loop; vs fwd+bwd and vs floor = time / reference time (same rounds)"]
     if reference is not None:
         against = "the loop's result (the definition)" if reference == "loop" else f"the {reference} result"
-        lines.append(f"# max |diff| = largest element-wise |difference| from {against}; "
-                     "`python -m pergrad_viz bench --help` explains every column")
+        lines.append(f"# max |diff| = largest element-wise |difference| from {against}; bench --help: every column")
     return "\n".join(lines)
 
 
