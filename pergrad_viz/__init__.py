@@ -16,6 +16,8 @@ from .ntk import empirical_ntk
 from .scan import load_scan, scan
 from .strategies import STRATEGIES
 
+__version__ = "0.1.0"  # the single source: pyproject.toml reads it (dynamic version); CHANGELOG.md
+
 __all__ = [
     "STRATEGIES",
     "MemoryBudgetError",

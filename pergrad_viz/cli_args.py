@@ -1,8 +1,23 @@
-"""Argument types shared by the command-line subcommands (``python -m pergrad_viz bench|scan|scan-bench``)."""
+"""Argument types and the help format shared by the command-line subcommands
+(``python -m pergrad_viz bench|scan|scan-bench``)."""
 
 from __future__ import annotations
 
 import argparse
+import textwrap
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs keep their line breaks (column tables, examples; written within 88 columns);
+    option help is wrapped to the terminal, each option stating its default in its own words."""
+
+    def __init__(self, prog: str, **kwargs) -> None:
+        kwargs.setdefault("max_help_position", 30)
+        super().__init__(prog, **kwargs)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # Never break an option name such as --batch-sizes at its hyphen.
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def positive_ints(text: str) -> list[int]:

@@ -1,17 +1,17 @@
 """``python -m pergrad_viz scan ...`` and ``scan-bench ...``: whole-dataset scans from the command line.
 
-One process::
+One process (without ``--checkpoint``, a seeded untrained model; ``--checkpoint FILE`` loads a state_dict saved
+with ``torch.save(model.state_dict(), FILE)`` of ``pergrad_viz.models.SmallCNN`` or ``MLP(784, hidden, 10)``)::
 
-    python -m pergrad_viz scan --data fashion-mnist --model cnn --checkpoint cnn.pt \\
-        --quantities loss,grad_norm,el2n,projection --proj-dim 256 --out scans/train
+    python -m pergrad_viz scan --data fashion-mnist --model cnn \\
+        --quantities loss,grad_norm,el2n --proj-dim 256 --out scans/train
 
 Several processes (one machine; gloo on CPU, NCCL with --device cuda): the same arguments under torchrun::
 
     torchrun --nproc_per_node 2 -m pergrad_viz scan --data fashion-mnist --model cnn --out scans/train
 
-Several machines: start the same command on every node with torchrun's rendezvous, e.g.
-``torchrun --nnodes 2 --nproc_per_node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id scan1 -m
-pergrad_viz scan ... --out DIR`` where DIR is on a file system every node shares.
+Several machines: start the same command on every node with torchrun's rendezvous, with ``--out`` on a file system
+every node shares.
 """
 
 from __future__ import annotations
@@ -22,12 +22,35 @@ import sys
 
 import torch
 
-from .cli_args import positive_ints
+from .cli_args import HelpFormatter, positive_ints
 from .scan import QUANTITIES
 
 MODELS = ("mlp", "cnn")
 DATA = ("fashion-mnist", "fashion-mnist-sample")
 DEFAULT_QUANTITIES = "loss,grad_norm,layer_norms,el2n"
+
+SCAN_DESCRIPTION = """\
+Scan a dataset: per-example losses, gradient norms (in total and per layer), EL2N scores
+and gradient sketches (projections), written to DIR in dataset order: a manifest.json and
+one .npy file per quantity, read back with pergrad_viz.load_scan(DIR). A rerun into the
+same DIR continues where a killed run stopped; one with another model, dataset or
+settings is refused, naming the differences."""
+
+SCAN_EPILOG = """\
+examples:
+  python -m pergrad_viz scan --data fashion-mnist-sample --model cnn --limit 500 \\
+      --proj-dim 256 --out scans/sample
+  torchrun --nproc_per_node 2 -m pergrad_viz scan --model cnn --out scans/train
+
+Under torchrun, each process takes every W-th pending chunk and writes its rows into the
+shared files (gloo on CPU, NCCL with --device cuda); the result is identical to one
+process's. On several machines, run the same command on each node with torchrun's
+rendezvous (--nnodes 2 --nproc_per_node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400
+--rdzv-id scan1) and --out on a file system every node shares."""
+
+SCAN_BENCH_DESCRIPTION = """\
+A scan's throughput (examples/s) next to a plain forward+backward over the same examples,
+in one process and under torchrun with N processes; medians over interleaved rounds."""
 
 
 def _quantities(text: str) -> list[str]:
@@ -39,53 +62,61 @@ def _quantities(text: str) -> list[str]:
     return names
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, limit: int | None, threads: int | None) -> None:
     p.add_argument("--data", choices=DATA, default="fashion-mnist",
-                   help="fashion-mnist: the full dataset from Debian's dataset-fashion-mnist (`make data`), else the "
-                        "bundled sample with a note; fashion-mnist-sample: always the bundled 1,000 + 1,000 images")
-    p.add_argument("--split", choices=("train", "test"), default="train")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="scan the first N examples only")
-    p.add_argument("--model", choices=MODELS, default="cnn", help="mlp: MLP(784, --hidden, 10); cnn: SmallCNN")
-    p.add_argument("--hidden", type=int, default=20, help="hidden width of --model mlp")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per process (default: unchanged)")
+                   help="fashion-mnist: the full 60,000 + 10,000 images from Debian's dataset-fashion-mnist "
+                        "(make data installs it), else the bundled sample with a note; fashion-mnist-sample: "
+                        "always the bundled 1,000 + 1,000 images (default: fashion-mnist)")
+    p.add_argument("--split", choices=("train", "test"), default="train", help="which split (default: train)")
+    p.add_argument("--limit", type=int, default=limit, metavar="N",
+                   help="the first N examples only (default: " + ("all" if limit is None else f"{limit}") + ")")
+    p.add_argument("--model", choices=MODELS, default="cnn",
+                   help="mlp: MLP(784, --hidden, 10); cnn: pergrad_viz.models.SmallCNN (default: cnn)")
+    p.add_argument("--hidden", type=int, default=20, metavar="H", help="hidden width of --model mlp (default: 20)")
+    p.add_argument("--batch-size", type=int, default=256, metavar="B", help="examples per batch (default: 256)")
+    p.add_argument("--threads", type=int, default=threads, metavar="N",
+                   help="torch.set_num_threads(N) in each process (default: "
+                        + ("torch's own setting" if threads is None else f"{threads}") + ")")
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register ``scan`` and ``scan-bench`` on the ``python -m pergrad_viz`` parser."""
     s = sub.add_parser("scan", help="per-example losses, gradient norms, EL2N, gradient sketches of a dataset to DIR",
-                       description="Scan a dataset: per-example losses, gradient norms (total and per layer), "
-                                   "EL2N scores and gradient sketches, written to DIR in dataset order (resumable).",
-                       epilog=__doc__.split("\n", 1)[1],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(s)
-    s.add_argument("--checkpoint", metavar="FILE", help="a state_dict saved with torch.save (default: a seeded, "
-                                                         "untrained model)")
-    s.add_argument("--model-seed", type=int, default=0, help="torch.manual_seed for the model without --checkpoint")
+                       description=SCAN_DESCRIPTION, epilog=SCAN_EPILOG, formatter_class=HelpFormatter)
+    _common(s, limit=None, threads=None)
+    s.add_argument("--checkpoint", metavar="FILE",
+                   help="a state_dict of the --model saved with torch.save(model.state_dict(), FILE) (default: a "
+                        "seeded, untrained model)")
+    s.add_argument("--model-seed", type=int, default=0, metavar="SEED",
+                   help="torch.manual_seed for the model without --checkpoint (default: 0)")
     s.add_argument("--quantities", type=_quantities, default=_quantities(DEFAULT_QUANTITIES), metavar="Q1,Q2,...",
-                   help=f"some of {', '.join(QUANTITIES)} (default: {DEFAULT_QUANTITIES})")
-    s.add_argument("--proj-dim", type=int, default=None, metavar="K", help="width of the gradient sketch (adds "
-                                                                           "'projection')")
-    s.add_argument("--seed", type=int, default=0, help="seed of the projection")
-    s.add_argument("--chunk-size", type=int, default=None, help="examples per resumable chunk (multiple of "
-                                                                "--batch-size; default 16 batches)")
-    s.add_argument("--out", required=True, metavar="DIR", help="the scan's directory (created, or continued)")
-    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available); under torchrun each "
-                                                  "process takes cuda:LOCAL_RANK")
-    s.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per process")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+                   help=f"comma-separated from {', '.join(QUANTITIES)} (default: {DEFAULT_QUANTITIES})")
+    s.add_argument("--proj-dim", type=int, default=None, metavar="K",
+                   help="also a sketch of each example's gradient, K numbers (adds 'projection'; default: none)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the projection (default: 0)")
+    s.add_argument("--chunk-size", type=int, default=None, metavar="N",
+                   help="examples per resumable chunk, a multiple of --batch-size (default: 16 batches)")
+    s.add_argument("--out", required=True, metavar="DIR", help="the scan's directory, created or continued "
+                                                               "(required)")
+    s.add_argument("--device", default=None, help="cpu or cuda; under torchrun each process takes cuda:LOCAL_RANK "
+                                                  "(default: cuda if available, else cpu)")
+    s.add_argument("--num-workers", type=int, default=0, metavar="N",
+                   help="DataLoader worker processes per process (default: 0, load in the process)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar (default: a bar on stderr)")
     s.set_defaults(run=run_scan)
 
     b = sub.add_parser("scan-bench", help="scan throughput (examples/s) next to a plain forward+backward, 1 vs N "
-                                          "processes")
-    _common(b)
-    b.set_defaults(limit=4096, threads=1)
-    b.add_argument("--proj-dim", type=int, default=256, metavar="K")
+                                          "processes", description=SCAN_BENCH_DESCRIPTION,
+                       formatter_class=HelpFormatter)
+    _common(b, limit=4096, threads=1)
+    b.add_argument("--proj-dim", type=int, default=256, metavar="K",
+                   help="width of the gradient sketch in the projection row (default: 256)")
     b.add_argument("--processes", type=positive_ints, default=[1, 2], metavar="W1,W2,...",
-                   help="also scan with these numbers of processes under torchrun (1 = in this process)")
-    b.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
+                   help="numbers of processes to scan with, under torchrun (1 = in this process; default: 1,2)")
+    b.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians (default: 3)")
     b.add_argument("--full-data", action="store_true",
-                   help="also time one whole-dataset scan (all quantities, proj 256) with the largest --processes")
+                   help="also time one whole-dataset scan (all quantities, proj 256) with the largest --processes "
+                        "(default: off)")
     b.set_defaults(run=run_scan_bench)
 
 

@@ -1,18 +1,18 @@
 """Small real data for the examples: the bundled Fashion-MNIST sample, or MNIST when it is present.
 
-The repository ships the first 1,000 training and first 1,000 test images of Fashion-MNIST under
-``data/FashionMNIST/raw/`` (uncompressed IDX files, built by ``data/make_sample.py``; see
-``data/README.md``). :func:`load_sample` reads them through ``torchvision.datasets.FashionMNIST`` (or
-``torchvision.datasets.MNIST`` for ``dataset="mnist"``, which is not bundled) and returns normalised
-float tensors, ready to feed a model::
+The package ships the first 1,000 training and first 1,000 test images of Fashion-MNIST as package data,
+in ``pergrad_viz/sample/FashionMNIST/raw/`` (uncompressed IDX files, built by
+``python -m pergrad_viz.sample.make_sample``; see ``pergrad_viz/sample/README.md``). :func:`load_sample` reads
+them through ``torchvision.datasets.FashionMNIST`` (or ``torchvision.datasets.MNIST`` for ``dataset="mnist"``,
+which is not bundled) and returns normalised float tensors, ready to feed a model::
 
     X, y = load_sample(256)                   # X: (256, 784) float32, y: (256,) int64
     X, y = load_sample(64, flatten=False)     # X: (64, 1, 28, 28)
 
-The default ``root`` is :data:`DEFAULT_ROOT`, the repository's ``data/`` folder found from this file's
-location, so the call works from ``notebooks/``, from the tests or from any other working directory. A
-relative ``root`` you pass yourself is taken relative to the current working directory, as usual. With a
-non-editable install of the package (``pip install .``) ``data/`` is not installed: pass ``root``.
+The default ``root`` is :data:`DEFAULT_ROOT`, the sample's folder inside the package, found from this file's
+location, so the call works from a checkout or a ``pip install``, from ``notebooks/``, from the tests or from any
+other working directory. A relative ``root`` you pass yourself is taken relative to the current working
+directory, as usual.
 """
 
 from __future__ import annotations
@@ -24,10 +24,17 @@ from pathlib import Path
 
 import torch
 
+from .sample import ROOT as SAMPLE_ROOT
+
 __all__ = ["CLASS_NAMES", "DATASETS", "DEFAULT_ROOT", "MEAN_STD", "clear_cache", "load_sample"]
 
-DEFAULT_ROOT: Path = Path(__file__).resolve().parent.parent / "data"
-"""The repository's ``data/`` folder (holds ``FashionMNIST/raw/``), independent of the working directory."""
+DEFAULT_ROOT: Path = SAMPLE_ROOT
+"""The bundled sample's root, ``pergrad_viz/sample/`` (holds ``FashionMNIST/raw/``), independent of the working
+directory and installed with the package."""
+
+MAKE_SAMPLE = "python -m pergrad_viz.sample.make_sample"
+"""The command that (re)builds a Fashion-MNIST sample from Debian's ``dataset-fashion-mnist``; works from any
+directory wherever the package is installed."""
 
 DATASETS: tuple[str, ...] = ("fashion-mnist", "mnist")
 """Valid values of ``load_sample(dataset=...)``."""
@@ -88,7 +95,7 @@ def _not_found(dataset: str, root: Path, missing: list[Path]) -> FileNotFoundErr
     names = ", ".join(p.name for p in missing) if missing else "the IDX files"
     if dataset == "fashion-mnist":
         fix = (
-            f"rebuild the sample with `python {DEFAULT_ROOT / 'make_sample.py'} --root {root}` "
+            f"rebuild the sample with `{MAKE_SAMPLE} --root {root}` "
             "(reads Debian's dataset-fashion-mnist), pass download=True on a machine with internet, "
             f"or put the uncompressed IDX files under {raw}/"
         )
@@ -143,12 +150,13 @@ def load_sample(
 
     Args:
         n: how many images, taken in file order (the first ``n``; deterministic). The bundled sample
-            holds 1,000 per split; rebuild a bigger one with ``data/make_sample.py --n-train N --n-test N``.
+            holds 1,000 per split; build a bigger one with
+            ``python -m pergrad_viz.sample.make_sample --n-train N --n-test N [--root DIR]``.
         train: the training split (``train-*`` files) if true, else the test split (``t10k-*``).
         dataset: ``"fashion-mnist"`` (bundled) or ``"mnist"`` (used when present under ``ROOT/MNIST/raw/``,
             or fetched with ``download=True``).
         root: the dataset root torchvision reads (``ROOT/FashionMNIST/raw/``, ``ROOT/MNIST/raw/``). Defaults
-            to :data:`DEFAULT_ROOT`, the repository's ``data/`` folder, whatever the working directory.
+            to :data:`DEFAULT_ROOT`, the bundled sample inside the package, whatever the working directory.
         flatten: return ``X`` as ``(n, 784)`` if true, else as ``(n, 1, 28, 28)``.
         download: passed to torchvision: fetch the full dataset into ``root`` when absent (needs internet).
         device: where to put both tensors (default: CPU).
@@ -192,8 +200,7 @@ def load_sample(
         raw = root_path / _TORCHVISION_CLASS[dataset] / "raw"
         if dataset == "fashion-mnist":
             root_opt = "" if root_path == DEFAULT_ROOT else f" --root {root_path}"
-            script = DEFAULT_ROOT / "make_sample.py"
-            fix = f"rebuild a bigger sample with `python {script} {flag} {n}{root_opt}`"
+            fix = f"rebuild a bigger sample with `{MAKE_SAMPLE} {flag} {n}{root_opt}`"
         else:
             fix = f"put the full MNIST IDX files under {raw}/ (or pass download=True with internet access)"
         raise ValueError(

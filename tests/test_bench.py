@@ -149,3 +149,85 @@ def test_interleaved_rows_report_spread_and_noise():
     assert [r.strategy for r in records] == ["hooks", "forward+backward", "memory floor"]
     assert all(r.median_s > 0 and r.iqr_s >= 0 for r in records)
     assert all(("NOISY" in r.note) == (r.iqr_s / r.median_s > 0.25) for r in records)
+
+
+# --- the command line's help -------------------------------------------------------------------------
+
+COLUMNS = ("quantity", "batch", "hidden", "method", "median", "IQR", "vs loop", "vs fwd+bwd", "vs floor", "result",
+           "max |diff|", "note")
+
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def _subparsers():
+    from pergrad_viz.__main__ import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.choices and isinstance(a.choices, dict)]
+    return parser, sub.choices
+
+
+def test_every_option_of_every_subcommand_has_help_and_states_its_default():
+    parser, subcommands = _subparsers()
+    assert set(subcommands) == {"bench", "scan", "scan-bench"}
+    for name, sub in subcommands.items():
+        for action in sub._actions:
+            if action.dest == "help":
+                continue
+            where = f"{name} {'/'.join(action.option_strings)}"
+            assert action.help, f"{where} has no help text"
+            assert "default:" in action.help or "(required)" in action.help, f"{where} does not state its default"
+
+
+@pytest.mark.parametrize("argv", [(), ("bench",), ("scan",), ("scan-bench",)])
+def test_help_is_plain_text(argv, capsys):
+    text = _help(capsys, *argv)
+    for markup in ("``", ":func:", ":data:", ":class:", "::\n", "`"):
+        assert markup not in text, f"raw markup {markup!r} in {' '.join(argv) or 'top-level'} --help"
+    assert "cnn.pt" not in text  # no checkpoint that nothing creates
+
+
+def test_bench_help_explains_every_column_of_the_table(capsys):
+    text = _help(capsys, "bench")
+    epilog = text[text.index("the table, one row per method and setting:"):]
+    for column in COLUMNS:
+        assert re.search(rf"^  {re.escape(column)}\s", epilog, re.M), f"column {column!r} is not explained"
+    assert "between this result and the loop's" in epilog  # what max |diff| is measured against
+    words = " ".join(text.split())  # the option help is wrapped to the terminal's width
+    assert "(default: 2,32,128; 32 with --model)" in words and "(default: float32)" in words
+
+
+def test_top_level_help_names_the_subcommands_and_the_version(capsys):
+    import pergrad_viz
+
+    text = _help(capsys)
+    assert all(f"  {name} " in text for name in ("bench", "scan", "scan-bench"))
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"pergrad-viz {pergrad_viz.__version__}"
+
+
+def test_the_printed_legend_names_the_reference_of_max_diff(capsys):
+    assert main(["bench", "--batch-sizes", "2", "--hidden", "8", "--strategies", "loop,hooks", "--min-run-time",
+                 "0.001", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "# max |diff| = largest element-wise |difference| from the loop's result (the definition)" in out
+    assert main(["bench", "--batch-sizes", "2", "--hidden", "8", "--strategies", "hooks,torch_func",
+                 "--min-run-time", "0.001", "--no-progress"]) == 0
+    assert "from the hooks result" in capsys.readouterr().out
+
+
+def test_a_missing_sample_is_one_clear_error_before_any_progress_bar(monkeypatch, capsys):
+    from pergrad_viz import data
+
+    monkeypatch.setattr(data, "_missing_files", lambda dataset, root: [root / "FashionMNIST" / "raw" / "x"])
+    assert main(["bench", "--batch-sizes", "2", "--hidden", "8", "--min-run-time", "0.001"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: fashion-mnist not found")
+    assert "python -m pergrad_viz.sample.make_sample --root" in captured.err
+    assert "benchmark" not in captured.err and captured.out == ""

@@ -1,4 +1,4 @@
-"""The bundled Fashion-MNIST sample (data/) and its loader, pergrad_viz.data.load_sample."""
+"""The bundled Fashion-MNIST sample (pergrad_viz/sample/) and its loader, pergrad_viz.data.load_sample."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import torch
 from pergrad_viz.data import CLASS_NAMES, DATASETS, DEFAULT_ROOT, MEAN_STD, clear_cache, load_sample
 
 REPO = Path(__file__).resolve().parent.parent
-SAMPLE_RAW = REPO / "data" / "FashionMNIST" / "raw"
-MAKE_SAMPLE = REPO / "data" / "make_sample.py"
+SAMPLE = REPO / "pergrad_viz" / "sample"
+SAMPLE_RAW = SAMPLE / "FashionMNIST" / "raw"
+MAKE_SAMPLE = SAMPLE / "make_sample.py"
 DEBIAN_SOURCE = Path("/usr/share/datasets/fashion-mnist")
 RAW_FILES = (
     "train-images-idx3-ubyte",
@@ -29,8 +30,8 @@ needs_debian = pytest.mark.skipif(
 )
 
 
-def test_default_root_is_the_repository_data_folder():
-    assert DEFAULT_ROOT == REPO / "data"
+def test_default_root_is_the_sample_inside_the_package():
+    assert DEFAULT_ROOT == SAMPLE
     assert all((SAMPLE_RAW / name).is_file() for name in RAW_FILES)
     assert set(DATASETS) == set(CLASS_NAMES) == set(MEAN_STD)
     assert all(len(names) == 10 for names in CLASS_NAMES.values())
@@ -119,7 +120,7 @@ def test_mnist_is_read_when_present_with_its_own_normalisation(tmp_path):
     # Real MNIST is not bundled: stand the Fashion-MNIST sample in for it to exercise the MNIST branch.
     shutil.copytree(SAMPLE_RAW, tmp_path / "MNIST" / "raw")
     X, y = load_sample(100, dataset="mnist", root=tmp_path)
-    X_f, y_f = load_sample(100, root=REPO / "data")
+    X_f, y_f = load_sample(100, root=SAMPLE)
     assert torch.equal(y, y_f)
     (m, s), (m_f, s_f) = MEAN_STD["mnist"], MEAN_STD["fashion-mnist"]
     assert torch.allclose(X * s + m, X_f * s_f + m_f, atol=1e-5)  # same x / 255
@@ -171,12 +172,12 @@ def test_n_larger_than_available(train, split, flag):
         load_sample(1001, train=train)
     message = str(info.value)
     assert f"only 1000 {split} images are available" in message
-    assert f"make_sample.py {flag} 1001" in message
+    assert f"python -m pergrad_viz.sample.make_sample {flag} 1001`" in message
 
 
 def test_n_larger_than_available_under_another_root_names_that_root(tmp_path):
     shutil.copytree(SAMPLE_RAW, tmp_path / "FashionMNIST" / "raw")
-    with pytest.raises(ValueError, match=r"make_sample\.py --n-train 2000 --root "):
+    with pytest.raises(ValueError, match=r"pergrad_viz\.sample\.make_sample --n-train 2000 --root "):
         load_sample(2000, root=tmp_path)
 
 
@@ -195,7 +196,7 @@ def test_fashion_mnist_absent(tmp_path):
         load_sample(10, root=tmp_path)
     message = str(info.value)
     assert "fashion-mnist not found" in message
-    assert f"make_sample.py --root {tmp_path}" in message
+    assert f"python -m pergrad_viz.sample.make_sample --root {tmp_path}`" in message
     assert "download=True" in message
 
 
@@ -207,7 +208,7 @@ def test_one_raw_file_missing_is_named(tmp_path):
         load_sample(10, train=True, root=tmp_path)
 
 
-# --- data/make_sample.py ----------------------------------------------------------------------------
+# --- pergrad_viz/sample/make_sample.py ----------------------------------------------------------------
 
 
 def _run_make_sample(*args: str) -> subprocess.CompletedProcess[str]:
@@ -257,3 +258,15 @@ def test_make_sample_missing_source(tmp_path):
     assert result.returncode == 1
     assert "apt-get install dataset-fashion-mnist" in result.stderr
     assert not (tmp_path / "FashionMNIST").exists()
+
+
+def test_the_command_the_messages_name_runs_from_any_directory(tmp_path):
+    # The errors of load_sample tell users to run `python -m pergrad_viz.sample.make_sample`: it must exist as a
+    # module wherever the package is (a checkout or an install), not as a script in a repository folder.
+    result = subprocess.run(
+        [sys.executable, "-m", "pergrad_viz.sample.make_sample", "--source", str(tmp_path / "nowhere"),
+         "--root", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "apt-get install dataset-fashion-mnist" in result.stderr

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build the small bundled Fashion-MNIST sample in ``data/FashionMNIST/raw/``.
+"""Build the small bundled Fashion-MNIST sample in ``pergrad_viz/sample/FashionMNIST/raw/``.
 
 Reads the gzip-compressed IDX files of Debian's ``dataset-fashion-mnist`` package (by default from
 ``/usr/share/datasets/fashion-mnist/``) and writes the FIRST ``--n-train`` training and FIRST
@@ -13,10 +13,11 @@ torchvision checks that all four exist (the compressed ``.gz`` files are not rea
 asked for. The output depends only on the source files and the counts (no timestamps, no randomness),
 so rerunning the script reproduces the files byte for byte.
 
-Usage (from the repository root)::
+Usage (from any directory; ``python pergrad_viz/sample/make_sample.py`` from a checkout does the same)::
 
-    python data/make_sample.py                       # 1000 + 1000, into data/FashionMNIST/raw/
-    python data/make_sample.py --n-train 5000 --n-test 2000
+    python -m pergrad_viz.sample.make_sample         # 1000 + 1000, into pergrad_viz/sample/FashionMNIST/raw/
+    python -m pergrad_viz.sample.make_sample --n-train 5000 --n-test 2000
+    python -m pergrad_viz.sample.make_sample --root DIR   # into DIR/FashionMNIST/raw/ (then load_sample(root=DIR))
 
 Only the standard library and the IDX header layout are used; no torch or numpy.
 """
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 DEFAULT_SOURCE = Path("/usr/share/datasets/fashion-mnist")
-DEFAULT_ROOT = Path(__file__).resolve().parent  # the repository's data/ folder
+DEFAULT_ROOT = Path(__file__).resolve().parent  # pergrad_viz/sample/, where the bundled sample lives
 FOLDER = "FashionMNIST"  # torchvision.datasets.FashionMNIST.__name__: it reads ROOT/FashionMNIST/raw/
 
 # IDX magic numbers: two zero bytes, the element type (0x08: unsigned byte), the number of dimensions.
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         "--root",
         type=Path,
         default=DEFAULT_ROOT,
-        help="dataset root; the files go to ROOT/FashionMNIST/raw/ (default: this script's folder, data/)",
+        help="dataset root; the files go to ROOT/FashionMNIST/raw/ (default: this script's folder, "
+        "pergrad_viz/sample/, the bundled sample)",
     )
     parser.add_argument("--n-train", type=int, default=1000, help="first N training images (default 1000)")
     parser.add_argument("--n-test", type=int, default=1000, help="first N test images (default 1000)")
