@@ -167,9 +167,22 @@ class _RandomOps(TorchDispatchMode):
         self.first: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.first is None and torch.Tag.nondeterministic_seeded in func.tags:
+        kwargs = kwargs or {}
+        if self.first is None and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
             self.first = self.stack[-1] if self.stack else ""
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of a seeded operation draws: not an attention kernel with ``dropout_p=0`` or a dropout
+    with ``p=0`` / ``train=False`` (those may take random numbers but use none)."""
+    schema = func._schema.arguments
+    values = {a.name: a.default_value for a in schema if a.has_default_value()}
+    values.update({a.name: v for a, v in zip(schema, args, strict=False)})
+    values.update(kwargs)
+    if values.get("dropout_p", None) == 0 or values.get("p", None) == 0 or values.get("train", True) is False:
+        return False
+    return True
 
 
 def _run(trainable: Trainable, inputs: torch.Tensor, watch: dict[int, str] | None,
