@@ -12,6 +12,9 @@ from torch import nn
 from .. import register
 from ..normalization import layer_norm, per_channel, running_normalised
 
+PATHS = ("timm.layers.norm.LayerNorm", "timm.layers.norm.LayerNorm2d", "timm.layers.norm_act.BatchNormAct2d",
+         "timm.layers.layer_scale.LayerScale", "timm.layers.layer_scale.LayerScale2d")
+
 # ------------------------------------------------------------------------------------------------------ LayerNorm
 
 
