@@ -11,6 +11,7 @@ import importlib
 from .api import per_sample_grads, per_sample_jacobian, resolve_strategy
 from .clipping import clip_per_sample, dp_sgd_gradient
 from .errors import MemoryBudgetError, UnsupportedModelError
+from .losses import causal_lm_loss, sequence_classification_loss
 from .norms import per_sample_grad_norms
 from .ntk import empirical_ntk
 from .scan import load_scan, scan
@@ -22,6 +23,7 @@ __all__ = [
     "STRATEGIES",
     "MemoryBudgetError",
     "UnsupportedModelError",
+    "causal_lm_loss",
     "clip_per_sample",
     "dp_sgd_gradient",
     "empirical_ntk",
@@ -31,6 +33,7 @@ __all__ = [
     "per_sample_jacobian",
     "resolve_strategy",
     "scan",
+    "sequence_classification_loss",
 ]
 
 

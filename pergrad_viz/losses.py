@@ -9,9 +9,10 @@ computes, whatever ``loss_fn``'s reduction. For the common ``torch.nn`` losses t
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
@@ -144,3 +145,67 @@ def summed_per_sample_loss(loss_fn: LossFn, output: object, targets: torch.Tenso
         total = loss_fn(output, targets)
         return total * output.shape[0] if loss_fn.reduction == "mean" else total
     return per_sample_losses(loss_fn, output, targets).sum()
+
+
+# ------------------------------------------------------------------------------------- losses of fine-tuned models
+
+IGNORE_INDEX = -100  # Hugging Face's label for a token without a target (padding, the prompt)
+
+
+def logits_of(output: object) -> torch.Tensor:
+    """The logits of a model's output: the tensor itself, ``output.logits`` (a Hugging Face ``ModelOutput``, any
+    object with that attribute) or ``output["logits"]`` (a dict)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError("expected logits: a tensor, or an output with .logits or ['logits'], got "
+                        f"{type(output).__name__}")
+    return logits
+
+
+def causal_lm_loss(output: object, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy of a causal language model, one mean per sample.
+
+    ``output``: logits (B, T, V), or a model output holding them (see :func:`logits_of`); ``labels`` (B, T) token
+    ids, ``-100`` where a position has no target. Position t predicts ``labels[:, t + 1]`` (the shift by one is done
+    here, as in Hugging Face's models, so ``labels`` may be the ``input_ids`` with padding set to -100).
+
+    The loss of sample i is the mean of its own non-ignored tokens' losses (0 for a sample without any). This is the
+    per-sample definition, ``loss(output[i:i+1], labels[i:i+1])``, and it differs from the token mean of a batch that
+    Hugging Face's ``model(..., labels=...)`` returns, which weights each sample by its number of tokens (a sample
+    with more tokens counts more) and so is not a sum of per-sample losses. ``reduction``: "mean" (default: the mean
+    over samples of the per-sample losses), "sum", or "none" ((B,) per-sample losses).
+    """
+    logits = logits_of(output)
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"causal_lm_loss needs logits (B, T, V) and labels (B, T), got {tuple(logits.shape)} and "
+                         f"{tuple(labels.shape)}")
+    shifted = labels[:, 1:]
+    terms = F.cross_entropy(logits[:, :-1].transpose(1, 2), shifted, ignore_index=IGNORE_INDEX,
+                            reduction="none")  # (B, T - 1), 0 where ignored
+    counts = (shifted != IGNORE_INDEX).sum(1).clamp_min(1)
+    return _reduce(terms.sum(1) / counts, reduction)
+
+
+def sequence_classification_loss(output: object, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of class logits (B, C) (or a model output holding them, see :func:`logits_of`) against class
+    indices (B,): one term per sample, so the loss of sample i is its own cross-entropy. ``reduction`` as for
+    :func:`causal_lm_loss`."""
+    logits = logits_of(output)
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"sequence_classification_loss needs logits (B, C) and labels (B,), got "
+                         f"{tuple(logits.shape)} and {tuple(labels.shape)}")
+    return _reduce(F.cross_entropy(logits, labels, reduction="none"), reduction)
+
+
+def _reduce(per_sample: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "mean":
+        return per_sample.mean()
+    if reduction == "sum":
+        return per_sample.sum()
+    if reduction == "none":
+        return per_sample
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")

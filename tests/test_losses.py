@@ -173,3 +173,86 @@ def test_the_users_loss_is_not_modified():
     loss = nn.MSELoss(reduction="sum")
     per_sample_losses(loss, randn(B, 2), randn(B, 2))
     assert loss.reduction == "sum"
+
+
+# ----------------------------------------------------------------------- causal LM and sequence classification
+
+
+def token_loop_lm(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B,): per sample, the mean over t with labels[i, t + 1] != -100 of -log softmax(logits[i, t])[labels[i, t + 1]],
+    written as a plain loop (0 for a sample without any target)."""
+    rows = []
+    for i in range(logits.shape[0]):
+        terms = [-torch.log_softmax(logits[i, t], dim=0)[labels[i, t + 1]]
+                 for t in range(logits.shape[1] - 1) if labels[i, t + 1] != -100]
+        rows.append(torch.stack(terms).mean() if terms else logits.new_zeros(()) * logits[i].sum())
+    return torch.stack(rows)
+
+
+def lm_case():
+    logits = randn(4, 6, 7)
+    labels = torch.randint(0, 7, (4, 6), generator=G)
+    labels[1, 3:] = -100  # padded: half its targets ignored
+    labels[2, 1:] = -100  # no target at all: loss 0
+    labels[3, 0] = -100  # position 0 is never a target (nothing predicts it)
+    return logits, labels
+
+
+def test_causal_lm_loss_is_the_per_sample_token_mean():
+    logits, labels = lm_case()
+    want = token_loop_lm(logits, labels)
+    torch.testing.assert_close(losses.causal_lm_loss(logits, labels, reduction="none"), want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(losses.causal_lm_loss(logits, labels), want.mean(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(losses.causal_lm_loss(logits, labels, reduction="sum"), want.sum(), rtol=1e-12,
+                               atol=1e-14)
+    # the per-sample definition is not the batch's token mean (Hugging Face's model(..., labels=...) loss)
+    token_mean = F.cross_entropy(logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1), ignore_index=-100)
+    assert not torch.allclose(token_mean, want.mean())
+
+
+def test_causal_lm_loss_per_sample_losses_and_gradients_equal_the_token_loop():
+    logits, labels = lm_case()
+    out1 = logits.clone().requires_grad_(True)
+    out2 = logits.clone().requires_grad_(True)
+    got = per_sample_losses(losses.causal_lm_loss, out1, labels)
+    want = token_loop_lm(out2, labels)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    weights = torch.linspace(0.5, 2.0, 4, dtype=torch.float64)
+    (g1,) = torch.autograd.grad((got * weights).sum(), out1)
+    (g2,) = torch.autograd.grad((want * weights).sum(), out2)
+    torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-14)
+    assert g1[2].abs().max() == 0  # the sample without targets has no gradient
+
+
+def test_losses_take_model_outputs_with_logits():
+    from types import SimpleNamespace
+
+    logits, labels = lm_case()
+    want = token_loop_lm(logits, labels).mean()
+    for output in ({"logits": logits, "loss": None}, SimpleNamespace(logits=logits)):
+        torch.testing.assert_close(losses.causal_lm_loss(output, labels), want, rtol=1e-12, atol=1e-14)
+    cls_logits, cls_labels = randn(B, 3), torch.randint(0, 3, (B,), generator=G)
+    got = losses.sequence_classification_loss({"logits": cls_logits}, cls_labels, reduction="none")
+    want = torch.stack([-torch.log_softmax(cls_logits[i], 0)[cls_labels[i]] for i in range(B)])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(per_sample_losses(losses.sequence_classification_loss, cls_logits, cls_labels), want,
+                               rtol=1e-12, atol=1e-14)
+    with pytest.raises(TypeError, match="logits"):
+        losses.causal_lm_loss({"scores": logits}, labels)
+
+
+def test_lm_and_classification_losses_refuse_bad_shapes_and_reductions():
+    logits, labels = lm_case()
+    with pytest.raises(ValueError, match=r"labels \(B, T\)"):
+        losses.causal_lm_loss(logits, labels[:, :-1])
+    with pytest.raises(ValueError, match=r"logits \(B, C\)"):
+        losses.sequence_classification_loss(logits, labels)
+    with pytest.raises(ValueError, match="reduction"):
+        losses.causal_lm_loss(logits, labels, reduction="batchmean")
+
+
+def test_lm_and_classification_losses_are_exported():
+    import pergrad_viz as pv
+
+    assert pv.causal_lm_loss is losses.causal_lm_loss
+    assert pv.sequence_classification_loss is losses.sequence_classification_loss

@@ -267,3 +267,248 @@ def test_token_outer_sum_into_a_flat_result(block, monkeypatch):
     linear.token_outer_sum(g, a, dest)
     torch.testing.assert_close(dest, torch.einsum("nbto,bti->nboi", g, a), **TOL)
     assert flat[:, :, :4].isnan().all() and flat[:, :, 16:].isnan().all()
+
+
+def test_token_outer_sum_in_out_layout():
+    from pergrad_viz.rules import linear
+
+    g, a = torch.randn(2, B, 5, 4, dtype=DT), torch.randn(B, 5, 3, dtype=DT)
+    dest = torch.full((2, B, 3, 4), float("nan"), dtype=DT)
+    linear.token_outer_sum(g, a, dest, in_out=True)
+    torch.testing.assert_close(dest, torch.einsum("nbto,bti->nbio", g, a), **TOL)
+
+
+# ------------------------------------------------------------------------- lazy registration by class path
+
+class LazyScale(nn.Module):
+    """A layer registered below by its class path only: x * weight on the last dimension."""
+
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n, dtype=DT))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class LazyPatched(LazyScale):
+    """Registered by path, but its forward is replaced on the class before its first lookup."""
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class LazyOther(LazyScale):
+    """Registered by path with a ``forward_like`` that its forward does not match."""
+
+    def forward(self, x):
+        return x * self.weight * 2
+
+
+class KeepsForward(LazyScale):
+    pass
+
+
+class OverridesForward(LazyScale):
+    def forward(self, x):
+        return x * self.weight + 1
+
+
+def _scale_forward(self, x):
+    return x * self.weight
+
+
+def _lazy_rule(module, activation, grad_output, out):
+    n, batch = grad_output.shape[:2]
+    d = activation.shape[-1]
+    torch.sum(grad_output.reshape(n, batch, -1, d) * activation.reshape(batch, -1, d), dim=2, out=out["weight"])
+
+
+def test_lazy_registration_by_class_path():
+    from pergrad_viz import rules
+
+    path = f"{__name__}.{{}}"
+    rule = rules.register(*(path.format(c) for c in ("LazyScale", "LazyPatched", "LazyOther")),
+                          features=lambda module: 1, forward_like=_scale_forward)(_lazy_rule)
+    assert path.format("LazyScale") in rules.lazy_paths()
+    LazyPatched.forward = lambda self, x: x * self.weight  # patched onto the class before its first lookup
+    layer = LazyScale()
+    assert rule_for(layer) is rule and path.format("LazyScale") not in rules.lazy_paths()
+    assert "LazyScale" in rules.supported_types()
+    check_single(layer, rule, torch.randn(B, 3, 4, dtype=DT), 3)
+    assert rule_for(KeepsForward()) is rule  # a subclass keeping the forward
+    assert rule_for(OverridesForward()) is None
+    assert rule_for(LazyPatched()) is None
+    assert rule_for(LazyOther()) is None  # a different forward than the rule's copy
+    own = LazyScale.forward
+    try:
+        LazyScale.forward = _scale_forward  # patched after its first lookup: the rule knows the old one only
+        assert rule_for(LazyScale()) is None
+    finally:
+        LazyScale.forward = own
+    assert rule_for(LazyScale()) is rule
+
+
+def test_import_does_not_import_the_integrated_libraries():
+    import subprocess
+    import sys
+
+    code = ("import sys, pergrad_viz, pergrad_viz.rules; "
+            "print(sorted(m for m in ('transformers', 'timm', 'peft') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- transformers and timm layers
+
+def _transformers():
+    pytest.importorskip("transformers", reason="Hugging Face transformers is not installed (pip install transformers)")
+
+
+def _timm():
+    return pytest.importorskip("timm", reason="timm is not installed (pip install timm)")
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("shape", [(4,), (5, 4)], ids=["(B, in)", "(B, T, in)"])
+def test_hf_conv1d(shape, n):
+    _transformers()
+    from transformers.pytorch_utils import Conv1D
+
+    from pergrad_viz.rules import ghost_rule_for
+    from pergrad_viz.rules.integrations.transformers import conv1d
+    from pergrad_viz.rules.linear import LinearInOutGhost
+
+    torch.manual_seed(0)
+    layer = Conv1D(6, 4).to(DT)  # weight (in=4, out=6)
+    with torch.no_grad():
+        layer.bias.normal_()
+    check_single(layer, conv1d, torch.randn(B, *shape, dtype=DT), n)
+    assert ghost_rule_for(layer) is LinearInOutGhost
+    x = torch.randn(B, *shape, dtype=DT)
+    g = torch.randn(1, B, *shape[:-1], 6, dtype=DT)
+    out = empty_out(layer, 1, B)
+    conv1d(layer, x, g, out)
+    a, gs = LinearInOutGhost.stack(layer, [(x, g)])
+    norms = LinearInOutGhost.squared_norms(layer, a, gs[0], set(out))
+    for name, t in out.items():
+        torch.testing.assert_close(norms[name], t[0].flatten(1).square().sum(1), **TOL, msg=name)
+    gram, dense = LinearInOutGhost.gram_cost(layer, 5, 1, 1)
+    assert dense == layer.weight.numel() and gram == 25 * (4 + 6) + 5 * 6
+
+
+RMS_NORMS = {  # class path -> the rule it gets
+    "transformers.models.llama.modeling_llama.LlamaRMSNorm": "llama_rms_norm",
+    "transformers.models.mistral.modeling_mistral.MistralRMSNorm": "llama_rms_norm",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm": "llama_rms_norm",
+    "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm": "olmo_rms_norm",
+    "transformers.models.t5.modeling_t5.T5LayerNorm": "t5_layer_norm",
+}
+
+
+def _class(path: str) -> type:
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("path", list(RMS_NORMS), ids=lambda p: p.rpartition(".")[2])
+def test_hf_rms_norms(path, n):
+    """In float64 these forwards compute the normalisation in float32: the rule repeats that to the last bit."""
+    _transformers()
+    from pergrad_viz.rules.integrations import transformers as hf_rules
+
+    torch.manual_seed(0)
+    layer = _class(path)(6, eps=1e-5).to(DT)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+    check_single(layer, getattr(hf_rules, RMS_NORMS[path]), torch.randn(B, 5, 6, dtype=DT) * 3, n)
+
+
+def test_every_registered_transformers_and_timm_class_resolves():
+    """Each class path the integrations register exists in the installed releases and has the forward its rule was
+    written for (a typo or a changed forward would leave it to the fallback, silently)."""
+    _transformers()
+    _timm()
+    from pergrad_viz.rules.integrations import timm as timm_rules
+    from pergrad_viz.rules.integrations import transformers as hf_rules
+
+    paths = (hf_rules.CONV1D, *hf_rules.LLAMA_RMS_NORMS, *hf_rules.OLMO_RMS_NORMS, *hf_rules.T5_LAYER_NORMS,
+             *timm_rules.PATHS)
+    refused = []
+    for path in paths:
+        cls = _class(path)
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.__dict__.update(_fast_norm=False, inplace=False, training=False, running_mean=0, running_var=0)
+        if rule_for(module) is None:
+            refused.append(path)
+    assert not refused
+
+
+def test_gemma_style_rms_norm_gets_no_rule():
+    _transformers()
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    assert rule_for(GemmaRMSNorm(6)) is None  # (1 + weight), in float32: not registered
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_timm_layer_norms(n):
+    timm = _timm()
+    from timm.layers import LayerNorm, LayerNorm2d
+
+    from pergrad_viz.rules.integrations.timm import layer_norm_2d, timm_layer_norm
+
+    torch.manual_seed(0)
+    for layer, rule, shape in ((LayerNorm(6), timm_layer_norm, (5, 6)), (LayerNorm2d(4), layer_norm_2d, (4, 3, 5))):
+        layer = layer.to(DT)
+        with torch.no_grad():
+            layer.weight.uniform_(0.5, 1.5)
+            layer.bias.normal_()
+        check_single(layer, rule, torch.randn(B, *shape, dtype=DT) * 2 + 1, n)
+        layer._fast_norm = True
+        assert rule_for(layer) is None
+    assert timm.__version__
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("act", ["silu", "relu_inplace", "identity"])
+def test_timm_batch_norm_act_2d_eval(act, n):
+    """The rule needs the gradient before the activation: the activation's vector-Jacobian product, recomputed."""
+    _timm()
+    from timm.layers import BatchNormAct2d
+
+    from pergrad_viz.rules.integrations.timm import batch_norm_act_2d
+
+    torch.manual_seed(0)
+    kwargs = {"silu": dict(act_layer=nn.SiLU), "relu_inplace": dict(act_layer=nn.ReLU, act_kwargs={"inplace": True}),
+              "identity": dict(apply_act=False)}[act]
+    layer = BatchNormAct2d(4, **kwargs).to(DT).eval()
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        layer.bias.normal_()
+        layer.running_mean.normal_()
+        layer.running_var.uniform_(0.5, 2.0)
+    check_single(layer, batch_norm_act_2d, torch.randn(B, 4, 3, 5, dtype=DT), n)
+    assert rule_for(layer.train()) is None  # batch statistics (the api refuses them first)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_timm_layer_scale(n):
+    _timm()
+    from timm.layers import LayerScale, LayerScale2d
+
+    from pergrad_viz.rules.integrations.timm import layer_scale, layer_scale_2d
+
+    torch.manual_seed(0)
+    for layer, rule, shape in ((LayerScale(6, init_values=0.5), layer_scale, (5, 6)),
+                               (LayerScale2d(4, init_values=0.5), layer_scale_2d, (4, 3, 5))):
+        layer = layer.to(DT)
+        with torch.no_grad():
+            layer.gamma.uniform_(0.5, 1.5)
+        check_single(layer, rule, torch.randn(B, *shape, dtype=DT), n)
+        layer.inplace = True
+        assert rule_for(layer) is None  # it overwrites its input, which the rule needs

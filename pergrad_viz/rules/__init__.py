@@ -47,9 +47,18 @@ outer products (``nn.Linear``: g_t a_t^T; ``nn.Embedding``: g_t in row idx_t): a
 per-sample gradient norms and NTK terms from Gram matrices, never the per-sample gradient itself (see
 :class:`GhostRule`).
 
+Each decorator also takes a class path instead of a type, e.g. ``"transformers.pytorch_utils.Conv1D"``
+(``f"{cls.__module__}.{cls.__qualname__}"``): registered lazily, resolved when a module of that class (or a subclass)
+is first looked up, so that this package never imports transformers, timm or peft itself (``integrations/``).
+A lazily registered class gets its rule only if its forward is the one written in its own class body (same module
+and qualified name: not a forward patched onto it), and, where the registration gives ``forward_like=`` (a copy of
+the forward the rule was written for), only if that forward compiles to the same code (so that a library release
+that changes the forward, or a kin class that differs in one line, falls back instead of getting a wrong rule).
+
 Rules are small pure functions: no state, no hooks of their own.
 A rule is used only for a module whose forward is its registered type's own (not a subclass's, not an instance
-attribute, not a forward patched onto the class after import). Layers that own trainable parameters but
+attribute, not a forward patched onto the class after import or, for a lazily registered class, after its first
+lookup); ``supports=`` may narrow it to some configurations of the layer. Layers that own trainable parameters but
 have no rule go through the per-layer fallback (``pergrad_viz.rules.fallback``).
 """
 
@@ -108,28 +117,93 @@ class GhostRule(Protocol):
         """Multiply-adds per pair of samples of the Gram form and of contracting the layer's Jacobians."""
 
 
-_RULES: dict[type[nn.Module], Rule] = {}
-_CALL_RULES: dict[type[nn.Module], CallRule] = {}
-_GHOST_RULES: dict[type[nn.Module], type] = {}
+class _Registry:
+    """Entries by module type, and by class path (``"package.module.Class"``) until a module of that class is
+    looked up (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.types: dict[type[nn.Module], object] = {}
+        self.paths: dict[str, tuple[object, Callable | None]] = {}  # path -> (entry, forward_like)
+        self.refused: set[type] = set()  # lazily registered classes whose forward is not the one the rule knows
+
+    def add(self, target: type[nn.Module] | str, entry: object, forward_like: Callable | None = None) -> None:
+        if isinstance(target, str):
+            self.paths[target] = (entry, forward_like)
+        else:
+            self.types[target] = entry
+            _FORWARDS.setdefault(target, target.forward)
+
+    def resolve(self, cls: type) -> bool:
+        """Whether ``cls`` has an entry (resolving a lazy one on first sight)."""
+        if cls in self.types:
+            return True
+        if not self.paths or cls in self.refused:
+            return False
+        pending = self.paths.pop(class_path(cls), None)
+        if pending is None:
+            return False
+        entry, forward_like = pending
+        if _own_forward(cls, forward_like):
+            self.add(cls, entry)
+            return True
+        self.refused.add(cls)
+        return False
 
 
-def register(*module_types: type[nn.Module], features: Callable[[nn.Module], int] | None = None
+def class_path(cls: type) -> str:
+    """``"package.module.Class"``: how a class is named for lazy registration."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _own_forward(cls: type, forward_like: Callable | None) -> bool:
+    """Whether ``cls.forward`` is the one written in ``cls``'s own body (not inherited, not patched on) and, given
+    ``forward_like``, compiles to the same code."""
+    forward = cls.__dict__.get("forward")
+    code = getattr(forward, "__code__", None)
+    if code is None or forward.__qualname__ != f"{cls.__qualname__}.forward" or forward.__module__ != cls.__module__:
+        return False
+    if forward_like is None:
+        return True
+    like = forward_like.__code__
+    return (code.co_flags & _CODE_FLAGS) == (like.co_flags & _CODE_FLAGS) and all(
+        getattr(code, a) == getattr(like, a) for a in (
+            "co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_posonlyargcount",
+            "co_kwonlyargcount"))
+
+
+# What a code object's flags say about how it runs (the __future__ flags of its module, e.g. annotations, do not).
+_CODE_FLAGS = (1 << 16) - 1
+
+
+_RULES = _Registry()
+_CALL_RULES = _Registry()
+_GHOST_RULES = _Registry()
+
+ModuleType = type[nn.Module] | str  # a type, or a class path registered lazily
+
+
+def register(*module_types: ModuleType, features: Callable[[nn.Module], int] | None = None,
+             supports: Callable[[nn.Module], bool] | None = None, forward_like: Callable | None = None
              ) -> Callable[[Rule], Rule]:
     """Decorator: use the decorated rule for these module types (and subclasses that keep their forward);
     ``features``: for a position-wise layer, how many trailing input dimensions its parameters act on (see the
-    module docstring); without it the samples must be on the input's first dimension."""
+    module docstring); without it the samples must be on the input's first dimension. ``supports(module)``: whether
+    the rule covers that layer's configuration (else the per-layer fallback); ``forward_like``: for class paths,
+    the forward the rule was written for (see the module docstring)."""
 
     def deco(rule: Rule) -> Rule:
         rule.features = features
+        rule.supports = supports or (lambda module: True)
         for t in module_types:
-            _register(_RULES, t, rule)
+            _RULES.add(t, rule, forward_like)
         return rule
 
     return deco
 
 
-def register_call(*module_types: type[nn.Module], supports: Callable[[nn.Module], bool] | None = None,
-                  capture: Callable | None = None) -> Callable[[CallRule], CallRule]:
+def register_call(*module_types: ModuleType, supports: Callable[[nn.Module], bool] | None = None,
+                  capture: Callable | None = None, forward_like: Callable | None = None
+                  ) -> Callable[[CallRule], CallRule]:
     """Decorator: use the decorated call rule (several inputs / outputs) for these module types; ``supports(module)``
     says whether it covers that layer's configuration (else the layer goes through the per-layer fallback);
     ``capture``: the layer's forward as the rule needs it run (see the module docstring)."""
@@ -138,18 +212,18 @@ def register_call(*module_types: type[nn.Module], supports: Callable[[nn.Module]
         rule.supports = supports or (lambda module: True)
         rule.capture = capture
         for t in module_types:
-            _register(_CALL_RULES, t, rule)
+            _CALL_RULES.add(t, rule, forward_like)
         return rule
 
     return deco
 
 
-def register_ghost(*module_types: type[nn.Module]) -> Callable[[type], type]:
+def register_ghost(*module_types: ModuleType, forward_like: Callable | None = None) -> Callable[[type], type]:
     """Class decorator: the :class:`GhostRule` of these module types (used only where their closed-form rule is)."""
 
     def deco(cls: type) -> type:
         for t in module_types:
-            _register(_GHOST_RULES, t, cls)
+            _GHOST_RULES.add(t, cls, forward_like)
         return cls
 
     return deco
@@ -173,24 +247,23 @@ def join_positions(acts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) 
 _FORWARDS: dict[type[nn.Module], Callable] = {}
 
 
-def _register(registry: dict, module_type: type[nn.Module], entry: object) -> None:
-    registry[module_type] = entry
-    _FORWARDS.setdefault(module_type, module_type.forward)
-
-
-def _lookup(registry: dict, module: nn.Module):
+def _lookup(registry: _Registry, module: nn.Module):
     """The entry for ``module``'s type or its nearest registered base, if ``module`` runs that type's forward."""
     if "forward" in module.__dict__:  # an instance's own forward (module.forward = ...): no rule knows it
         return None
     for base in type(module).__mro__:
-        if base in registry:
-            return registry[base] if type(module).forward is _FORWARDS[base] else None
+        if base in registry.refused:
+            return None
+        if registry.resolve(base):
+            return registry.types[base] if type(module).forward is _FORWARDS[base] else None
     return None
 
 
 def rule_for(module: nn.Module) -> Rule | None:
-    """The single-tensor rule for ``module``, or None. A subclass that overrides ``forward`` gets no rule."""
-    return _lookup(_RULES, module)
+    """The single-tensor rule for ``module``, or None (also where it does not support the layer's configuration).
+    A subclass that overrides ``forward`` gets no rule."""
+    rule = _lookup(_RULES, module)
+    return rule if rule is not None and rule.supports(module) else None
 
 
 def rule_takes_batch_dim(module: nn.Module, dim: int | None, ndim: int) -> bool:
@@ -218,7 +291,13 @@ def capture_for(module: nn.Module) -> Callable | None:
 
 def supported_types() -> tuple[str, ...]:
     """Names of the module types that have a closed-form rule."""
-    return tuple(sorted({t.__name__ for t in (*_RULES, *_CALL_RULES)}))
+    return tuple(sorted({t.__name__ for t in (*_RULES.types, *_CALL_RULES.types)}))
+
+
+def lazy_paths() -> tuple[str, ...]:
+    """Class paths registered lazily and not yet resolved (their packages need not be installed)."""
+    return tuple(sorted({*_RULES.paths, *_CALL_RULES.paths, *_GHOST_RULES.paths}))
 
 
 from . import activations, attention, conv, embedding, linear, normalization, recurrent  # noqa: E402,F401  (registers the rules)
+from .integrations import timm, transformers  # noqa: E402,F401  (registers rules by class path, imports neither)

@@ -11,7 +11,7 @@ from torch import nn
 from . import register
 
 
-def _affine(xhat: torch.Tensor, grad_output: torch.Tensor, positions: int, out: dict[str, torch.Tensor],
+def affine_sums(xhat: torch.Tensor, grad_output: torch.Tensor, positions: int, out: dict[str, torch.Tensor],
             shape: torch.Size) -> None:
     """xhat (B, ...) and grad_output (N, B, ...) viewed as (N, B, positions, *shape) summed over positions."""
     n, batch = grad_output.shape[:2]
@@ -31,21 +31,21 @@ def layer_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.T
     normalise = F.rms_norm if isinstance(module, nn.RMSNorm) else F.layer_norm
     xhat = normalise(activation, shape, eps=module.eps)
     positions = activation[0].numel() // shape.numel()
-    _affine(xhat, grad_output, positions, out, shape)
+    affine_sums(xhat, grad_output, positions, out, shape)
 
 
 @register(nn.GroupNorm)
 def group_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
                out: dict[str, torch.Tensor]) -> None:
     xhat = F.group_norm(activation, module.num_groups, eps=module.eps)
-    _per_channel(xhat, grad_output, out)
+    per_channel(xhat, grad_output, out)
 
 
 @register(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 def batch_norm_eval(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
                     out: dict[str, torch.Tensor]) -> None:
     # Only reached in eval mode with running statistics: api refuses batch statistics.
-    _per_channel(_running(activation, module), grad_output, out)
+    per_channel(running_normalised(activation, module), grad_output, out)
 
 
 @register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -56,17 +56,17 @@ def instance_norm(module: nn.Module, activation: torch.Tensor, grad_output: torc
     if module.training or not module.track_running_stats:
         xhat = F.instance_norm(activation, eps=module.eps)  # no running statistics given: none are updated
     else:
-        xhat = _running(activation, module)
-    _per_channel(xhat, grad_output, out)
+        xhat = running_normalised(activation, module)
+    per_channel(xhat, grad_output, out)
 
 
-def _running(activation: torch.Tensor, module: nn.Module) -> torch.Tensor:
+def running_normalised(activation: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """activation (B, C, *spatial) normalised with the module's running statistics (C,)."""
     view = (1, -1) + (1,) * (activation.dim() - 2)
     return (activation - module.running_mean.view(view)) * torch.rsqrt(module.running_var.view(view) + module.eps)
 
 
-def _per_channel(xhat: torch.Tensor, grad_output: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+def per_channel(xhat: torch.Tensor, grad_output: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """Channel-wise affine: xhat (B, C, *spatial), grad_output (N, B, C, *spatial) -> sums per channel."""
     n, batch, channels = grad_output.shape[:3]
     g = grad_output.reshape(n, batch, channels, -1)

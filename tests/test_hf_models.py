@@ -1,0 +1,152 @@
+"""Tiny Hugging Face transformers, peft and timm models, built from configs (nothing downloaded): per-sample gradients
+of strategy="auto" equal the float64 loop per sample, and the layer types with closed-form rules
+(pergrad_viz.rules.integrations) take them instead of the per-layer fallback. Single-tensor inputs (input_ids or
+pixel_values); flat=False (flat=True on some of these is the engine's, tested elsewhere)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from helpers import assert_dict_close, ref_grads
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz.errors import UnsupportedModelError
+from pergrad_viz.strategies.hooks import describe
+from pergrad_viz.trainable import Trainable
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from a hub
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+B = 3
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+# Layer types that have a closed-form rule here: none of them may go to the per-layer fallback.
+RULED = {"Conv1D", "LlamaRMSNorm", "LayerNorm", "LayerNorm2d", "BatchNormAct2d", "LayerScale", "LayerScale2d",
+         "Linear", "Embedding", "Conv2d"}
+
+
+def need(name: str):
+    return pytest.importorskip(name, reason=f"{name} is not installed (pip install {name}): these models need it")
+
+
+class Logits(nn.Module):
+    """A Hugging Face model called with one tensor as ``key`` (input_ids, pixel_values), returning its logits."""
+
+    def __init__(self, model: nn.Module, key: str):
+        super().__init__()
+        self.model = model
+        self.key = key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.key: x}).logits
+
+
+def gpt2() -> nn.Module:
+    t = need("transformers")
+    config = t.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0)
+    model = t.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight  # the tied head
+    return Logits(model, "input_ids")
+
+
+def llama() -> nn.Module:
+    t = need("transformers")
+    config = t.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=100, max_position_embeddings=32)
+    return Logits(t.LlamaForCausalLM(config), "input_ids")
+
+
+def bert() -> nn.Module:
+    t = need("transformers")
+    config = t.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                          vocab_size=100, max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0)
+    return Logits(t.BertForSequenceClassification(config), "input_ids")
+
+
+def hf_vit() -> nn.Module:
+    t = need("transformers")
+    config = t.ViTConfig(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_labels=3)
+    return Logits(t.ViTForImageClassification(config), "pixel_values")
+
+
+def lora(base, targets: list[str], dropout: float = 0.0) -> nn.Module:
+    peft = need("peft")
+    wrapped = base()
+    gpt = "GPT2" in type(wrapped.model).__name__  # GPT-2's Conv1D stores its weight (in, out)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=dropout, fan_in_fan_out=gpt)
+    wrapped.model = peft.get_peft_model(wrapped.model, config)
+    return wrapped
+
+
+def timm_model(name: str, **kwargs) -> nn.Module:
+    return need("timm").create_model(name, pretrained=False, num_classes=3, **kwargs)
+
+
+MODELS = {  # name -> (builder, inputs kind, layer types expected on the per-layer fallback: the engine's patterns)
+    "gpt2": (gpt2, "lm", {"GPT2Model"}),  # wpe(position ids shared by the batch)
+    "bert": (bert, "cls", {"BertEmbeddings"}),  # position and token-type embeddings on shared ids
+    "llama": (llama, "lm", set()),
+    "hf-vit": (hf_vit, "image", {"ViTEmbeddings"}),  # class token and position embeddings
+    "lora-gpt2": (lambda: lora(gpt2, ["c_attn"]), "lm", set()),
+    "lora-llama": (lambda: lora(llama, ["q_proj", "v_proj"]), "lm", set()),
+    "timm-vit": (lambda: timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2), "image",
+                 {"VisionTransformer"}),  # cls_token, pos_embed
+    "deit": (lambda: timm_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2), "image",
+             {"VisionTransformer"}),
+    "convnext": (lambda: timm_model("convnext_atto"), "image", {"ConvNeXtBlock"}),  # the block's own gamma
+    "efficientnet": (lambda: timm_model("efficientnet_b0"), "image", set()),
+}
+
+
+def batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    if kind == "lm":
+        x = torch.randint(0, 100, (B, 8), generator=g)
+        y = x.clone()
+        y[1, 5:] = -100  # a sample with fewer targets: its own token mean
+        return x, y
+    if kind == "cls":
+        return torch.randint(0, 100, (B, 8), generator=g), torch.randint(0, 3, (B,), generator=g)
+    return torch.randn(B, 3, 32, 32, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g)
+
+
+def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, object, set]:
+    make, kind, fallback = MODELS[name]
+    torch.manual_seed(0)
+    model = make().double().eval()
+    x, y = batch(kind)
+    loss = pv.causal_lm_loss if kind == "lm" else nn.CrossEntropyLoss()
+    return model, x, y, loss, fallback
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_per_sample_grads_equal_the_loop(name):
+    model, x, y, loss, fallback = build(name)
+    if name.startswith("lora"):
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert trainable and all("lora_" in n for n in trainable)  # only the adapters
+    assert pv.resolve_strategy("auto", model, x) == "hooks"
+    modules = dict(model.named_modules())
+    kinds = describe(Trainable.of(model), x)
+    on_fallback = {type(modules[n]).__name__ for n, kind in kinds.items() if kind == "fallback"}
+    assert on_fallback == fallback and not on_fallback & RULED
+    got = pv.per_sample_grads(model, loss, x, y, strategy="auto", flat=False)
+    assert_dict_close(got, ref_grads(model, loss, x, y), **TOL)
+
+
+def test_conv1d_ghost_norms_in_gpt2():
+    model, x, y, loss, _ = build("gpt2")
+    want = {n: g.flatten(1).norm(dim=1) for n, g in ref_grads(model, loss, x, y).items()}
+    got = pv.per_sample_grad_norms(model, loss, x, y, per_parameter=True)
+    assert_dict_close(got, want, **TOL)
+
+
+def test_lora_dropout_in_training_is_refused():
+    model = lora(gpt2, ["c_attn"], dropout=0.1).double().train()
+    x, y = batch("lm")
+    with pytest.raises(UnsupportedModelError, match="lora_dropout"):
+        pv.per_sample_grads(model, pv.causal_lm_loss, x, y)
