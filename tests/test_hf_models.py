@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import assert_dict_close, ref_grads
+from helpers import assert_dict_close, flatten_ref, ref_grads
 from torch import nn
 
 import pergrad_viz as pv
@@ -134,8 +134,14 @@ def test_per_sample_grads_equal_the_loop(name):
     kinds = describe(Trainable.of(model), x)
     on_fallback = {type(modules[n]).__name__ for n, kind in kinds.items() if kind == "fallback"}
     assert on_fallback == fallback and not on_fallback & RULED
+    want = ref_grads(model, loss, x, y)
     got = pv.per_sample_grads(model, loss, x, y, strategy="auto", flat=False)
-    assert_dict_close(got, ref_grads(model, loss, x, y), **TOL)
+    assert_dict_close(got, want, **TOL)
+    flat = pv.per_sample_grads(model, loss, x, y, strategy="hooks", flat=True)  # crashed on tied / fallback layers
+    torch.testing.assert_close(flat, flatten_ref(want, 1), **TOL)
+    out = torch.full_like(flat, float("nan"))
+    assert pv.per_sample_grads(model, loss, x, y, flat=True, out=out) is out
+    torch.testing.assert_close(out, flatten_ref(want, 1), **TOL)
 
 
 def test_conv1d_ghost_norms_in_gpt2():
