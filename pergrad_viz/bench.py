@@ -21,6 +21,7 @@ from torch import nn
 
 from . import peers as peer_libs
 from .api import output_size, per_sample_grads, per_sample_jacobian, resolve_strategy
+from .batch import Batch
 from .data import load_sample
 from .memory import result_bytes
 from .models import MLP
@@ -199,7 +200,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     trainable = Trainable.of(model)
     check_modes(trainable)  # before the model runs (BatchNorm in training mode would update its statistics)
     flat = flat or out_buffer
-    outputs = output_size(model, inputs) if quantity == "jacobian" else 1
+    outputs = output_size(trainable, Batch.of(inputs)) if quantity == "jacobian" else 1
     nbytes = result_bytes(batch, trainable.num_params, trainable.dtype, outputs)
     shape = (batch, trainable.num_params) if outputs == 1 else (batch, outputs, trainable.num_params)
     kw = {"dtype": trainable.dtype, "device": trainable.device}
