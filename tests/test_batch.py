@@ -219,3 +219,16 @@ def test_bert_with_an_attention_mask_as_a_tokenizer_gives_it(strategy):
     norms = pv.per_sample_grad_norms(model, loss, {"input_ids": ids, "attention_mask": mask}, y, strategy=strategy)
     torch.testing.assert_close(norms, torch.stack([t.reshape(B, -1).square().sum(1) for t in want.values()])
                                .sum(0).sqrt(), rtol=1e-6, atol=1e-9)
+
+
+def test_the_readme_example_with_several_inputs_runs():
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("Models with several inputs"):]
+    code = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python\n") + 10)]
+    scope = {"torch": torch, "pv": pv}
+    exec(code, scope)  # noqa: S102
+    assert scope["J"].shape[:2] == (8, 3)
+    first = next(iter(scope["grads"].values()))
+    assert first.shape[0] == 8
