@@ -53,6 +53,14 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
                 f"of torch.autograd.grad) applies but the {strategy} strategy cannot. Use strategy='loop' (or 'auto', "
                 "which picks it), or remove the hook."
             )
+    compiled = next((n for n, m in trainable.modules if type(m).__name__ == "OptimizedModule"), None)
+    if compiled is not None and strategy in ("hooks", "autograd_stack", "batched_grad"):
+        raise UnsupportedModelError(
+            f"layer '{compiled or 'model'}' is compiled (torch.compile): the {strategy} strategy cannot see inside it. "
+            f"Pass the module it wraps (model._orig_mod: the same parameters) to use {strategy}, or use "
+            "strategy='auto' (which picks torch_func here), 'torch_func' or 'loop'.")
+    if compiled is not None and strategy == "auto":
+        return "torch_func"
     scripted = next((n for n, m in trainable.modules if isinstance(m, torch.jit.ScriptModule)), None)
     if scripted is not None and strategy != "loop":
         if strategy == "auto":
@@ -75,9 +83,9 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
         interaction = plan_for(trainable, inputs).interaction
         if interaction is not None:
             raise UnsupportedModelError(
-                f"the {strategy} strategy runs the model once on the whole batch, but the samples interact: "
-                f"{interaction}. Per-sample gradients are defined by each sample alone: use strategy='loop' or "
-                "'torch_func' (or 'auto', which picks torch_func)."
+                f"the {strategy} strategy runs the model once on the whole batch, which cannot give each sample's "
+                f"own gradient here: {interaction}. Per-sample gradients are defined by each sample alone: use "
+                "strategy='loop' or 'torch_func' (or 'auto', which picks torch_func)."
             )
     return strategy
 
@@ -210,7 +218,7 @@ def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: Batch
         try:
             return checked("hooks")
         except CheckFailedError as e:
-            plan_for(trainable, inputs).interaction = f"a per-call check failed ({str(e).split(' (')[0]})"
+            plan_for(trainable, inputs).interaction = f"the samples interact: {str(e).split(' (')[0]}"
             resolved = "torch_func"
         except hooks.PlanMismatchError:
             resolved = "torch_func"

@@ -96,7 +96,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
             if strategy != "auto":
                 raise
             if isinstance(e, CheckFailedError):
-                plan_for(trainable, inputs).interaction = f"a per-call check failed ({str(e).split(' (')[0]})"
+                plan_for(trainable, inputs).interaction = f"the samples interact: {str(e).split(' (')[0]}"
             squared, resolved = None, "torch_func"  # each sample alone
     if squared is None:
         # Under auto, per_sample_grads(strategy="auto") hands over from torch_func to the loop where it must.

@@ -308,6 +308,10 @@ class _Probe:
                 single = [a[k] for a in alone_leaves]
                 dim = _batch_dim(single[0].shape, leaf.shape)
                 if dim == "bad" or single[1].shape != single[0].shape or swapped_leaves[k].shape != leaf.shape:
+                    if single[0].dim() < leaf.dim():
+                        return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample "
+                                f"and {tuple(leaf.shape)} for two: it loses a dimension for a batch of one (e.g. "
+                                ".squeeze() without a dimension; use .squeeze(-1) or .flatten(1))")
                     return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample and "
                             f"{tuple(leaf.shape)} for two: the samples are not along one dimension of it (e.g. "
                             "(B*T, ...) rows after a reshape)")

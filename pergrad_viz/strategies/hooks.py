@@ -114,7 +114,7 @@ def _layers(trainable: Trainable, plan: Plan) -> dict[str, Layer]:
 def _problem(trainable: Trainable, inputs: Batch) -> str | None:
     plan = plan_for(trainable, inputs)
     if plan.interaction is not None:
-        return f"the samples interact: {plan.interaction}"
+        return plan.interaction
     return plan.hooks_problem
 
 
