@@ -550,6 +550,7 @@ def gradient_heatmap(grads_flat: Any, boundaries: Boundaries | None = None, *, a
         # a box around the row, and arrow heads outside the axes on both sides: visible however thin the row is
         ax.axhspan(highlight_row, highlight_row + 1, fill=False, edgecolor="black", linewidth=1.4)
         sides = ax.get_yaxis_transform()  # x in axes fraction, y in data
+        ax.tick_params(axis="y", pad=9)  # the row labels clear of the left arrow head
         for x_frac, marker in ((-0.004, ">"), (1.004, "<")):
             ax.plot([x_frac], [highlight_row + 0.5], marker=marker, markersize=7, color="black", transform=sides,
                     clip_on=False, linestyle="none")

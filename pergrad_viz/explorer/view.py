@@ -480,7 +480,8 @@ class Explorer(w.VBox):
         message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         shown = self.view.setting.describe() if self.view is not None else "none yet"
         self.error_html.value = (
-            "<div style='border-left:4px solid #c62828;background:#fdecea;padding:6px 10px;margin:4px 0'>"
+            "<div class='pergrad-error' style='border-left:4px solid #c62828;background:#fdecea;padding:6px 10px;"
+            "margin:4px 0'>"
             f"<b>Could not compute {html.escape(QUANTITY_NAMES[setting.quantity])} at {html.escape(where)}.</b><br>"
             f"<code style='white-space:pre-wrap'>{html.escape(message)}</code><br>"
             f"The figures below are from the previous setting ({html.escape(shown)}); choose another setting to "
