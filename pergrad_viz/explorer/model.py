@@ -256,7 +256,7 @@ class ExplorerModel:
     """
 
     def __init__(self, *, batch_options: Sequence[int] = tuple(2**k for k in range(9)), slow_limit: int = 1024,
-                 rounds: int = 5, min_rounds: int = 3, max_rounds: int = 15, patience_s: float = 1.5,
+                 rounds: int = 5, min_rounds: int = 3, max_rounds: int = 15, patience_s: float = 1.0,
                  tier_budget_s: float = 1.0, round_budget_s: float = 0.05, prior_min_s: float = 0.1,
                  min_block_s: float = timing.MIN_BLOCK_S, noise_threshold: float = 0.15, drift: float = 1.5,
                  sweep_batches: int = 3, device: str = "cpu", dtype: torch.dtype = torch.float32,
