@@ -275,3 +275,20 @@ def test_bad_settings_refused(model):
     with pytest.raises(ValueError, match="unknown strategies"):
         model.check(Setting(strategies=("nope",)))
     assert model.scaling_batches(8) == [1, 8] and model.scaling_batches(1) == [1]
+
+
+def test_the_extra_rounds_share_one_budget_per_setting(monkeypatch):
+    """Once a setting's patience is spent, later tiers get no extra rounds (and say noisy if they are)."""
+    budgets = []
+    real = timing.time_adaptive
+
+    def spy(fns, *, patience, **kw):
+        budgets.append(patience.budget_s)
+        yield from real(fns, patience=patience, **kw)
+
+    monkeypatch.setattr(timing, "time_adaptive", spy)
+    m = ExplorerModel(batch_options=(2,), sweep_batches=1, round_budget_s=1e-9, patience_s=0.3,
+                      **{**FAST, "noise_threshold": -1.0, "max_rounds": 50})  # never settled: spends it all
+    m.update(Setting(batch=2, hidden=8, strategies=("hooks", "loop", "torch_func")))
+    assert len(budgets) >= 3 and budgets[0] == pytest.approx(0.3)
+    assert budgets == sorted(budgets, reverse=True) and budgets[-1] == 0.0

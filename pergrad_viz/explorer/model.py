@@ -239,8 +239,9 @@ class ExplorerModel:
             call (see :func:`pergrad_viz.bench.backward_work`).
         rounds, min_rounds: rounds of a tier's first pass (:func:`pergrad_viz.timing.time_adaptive`): ``rounds``,
             fewer (down to ``min_rounds``) where they would take more than ``tier_budget_s`` seconds.
-        max_rounds, patience_s: while a median is uncertain, more rounds are timed, up to ``max_rounds`` in all and
-            about ``patience_s`` seconds per tier (the first numbers are shown meanwhile, as provisional).
+        max_rounds, patience_s: while a median is uncertain, more rounds are timed, up to ``max_rounds`` per tier
+            and about ``patience_s`` seconds per setting in all (half that for each of the scaling curve's smaller
+            batches); the first numbers are shown meanwhile, as provisional.
         round_budget_s: one round of a tier costs about this much (cheap methods share a tier; a costly one gets
             its own). prior_min_s: a first call at least this long counts as a round.
         min_block_s: a timed block lasts at least this long (many calls of a fast method).
@@ -597,6 +598,7 @@ class ExplorerModel:
             if r.vs_forward_backward is not None:
                 ratios[r.strategy] = r.vs_forward_backward
         auto = "auto = " + resolve_strategy("auto", data.model, data.x) if "auto" in todo else ""
+        patience_left = self.patience_s if rounds is None else self.patience_s / 2  # for the extra rounds, in all
         for tier in tiers:
             fns = {m: calls[m] for m in tier}
             fns.setdefault(ANCHOR, calls[ANCHOR])
@@ -604,11 +606,15 @@ class ExplorerModel:
             first = max(self.min_rounds, min(most, int(self.tier_budget_s / cost)))
             patience = timing.Patience(rounds=first, max_rounds=max(first, self.max_rounds if rounds is None
                                                                     else 2 * first),
-                                       budget_s=self.patience_s if rounds is None else self.patience_s / 2,
-                                       threshold=self.noise_threshold)
+                                       budget_s=max(0.0, patience_left), threshold=self.noise_threshold)
+            extra_since: float | None = None
             for result, final in timing.time_adaptive(fns, patience=patience, estimates=estimates,
                                                       min_block_s=self.min_block_s, check=poll,
                                                       prior={m: prior[m] for m in fns if m in prior}):
+                if not final and extra_since is None:
+                    extra_since = time.perf_counter()
+                elif final and extra_since is not None:
+                    patience_left -= time.perf_counter() - extra_since
                 anchor = result[ANCHOR]
                 drift = final and anchor_ref is not None and timing.drifted(anchor_ref, anchor, self.drift)
                 for m in tier:
