@@ -54,6 +54,7 @@ class Record:
     vs_memory_floor: float | None = None  # this time / time to fill a result-sized tensor
     max_abs_diff: float | None = None  # largest difference from the reference result
     note: str = ""
+    noisy: bool = False  # the timing's spread stayed too large to trust it (the note says how large)
 
     @property
     def skipped(self) -> bool:
@@ -263,7 +264,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
         if t.noisy:
             note = f"NOISY: IQR {t.spread:.0%} of the median, rerun" + (f"; {note}" if note else "")
         records[label] = Record(label, quantity, batch, hidden, t.median_s, t.iqr_s, size,
-                                max_abs_diff=fields.get("max_abs_diff"), note=note)
+                                max_abs_diff=fields.get("max_abs_diff"), note=note, noisy=t.noisy)
     fb, floor = records[FORWARD_BACKWARD], records[MEMORY_FLOOR]
     rows = [records[r] if isinstance(r, str) else r for r in rows]
     loop_time = next((r.median_s for r in rows if r.strategy == "loop" and not r.skipped), None)
@@ -317,7 +318,7 @@ def _strategy_call(quantity, strategy, model, loss_fn, x, y, flat, out, chunk_si
 def _fmt_time(s: float | None) -> str:
     if s is None:
         return "-"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if s >= scale:
             return f"{s / scale:.3g} {unit}"
     return f"{s * 1e9:.3g} ns"
@@ -326,7 +327,7 @@ def _fmt_time(s: float | None) -> str:
 def _fmt_ratio(r: float | None) -> str:
     if r is None:
         return "-"
-    return f"{r:.0f}x" if r >= 100 else f"{r:.3g}x"
+    return f"{r:,.0f}x" if r >= 100 else f"{r:.3g}x"
 
 
 def _fmt_bytes(n: int) -> str:
