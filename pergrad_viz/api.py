@@ -104,10 +104,10 @@ def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model
     if targets is not None:
         target_tensors = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
         if not target_tensors:
-            raise TypeError(
-                f"targets must be a tensor (B, ...) or a tuple / dict of them, got {type(targets).__name__}")
+            raise TypeError(f"targets must be a torch.Tensor of shape (B, ...) or a tuple / dict of them, got "
+                            f"{type(targets).__name__}")
         if target_tensors[0].dim() == 0:
-            raise ValueError("targets is a scalar: pass one target per input sample (B, ...), samples first")
+            raise ValueError("batch sizes differ: targets has a scalar; pass one target per input sample (B, ...)")
         size = target_tensors[0].shape[0]
         sizes = {int(t.shape[0]) if t.dim() else 0 for t in target_tensors}
         if len(sizes) > 1:
@@ -116,22 +116,32 @@ def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model
     batch = inputs if isinstance(inputs, Batch) else Batch.of(inputs, model_kwargs, size).map(normal_tensor)
     tensors = batch.named_leaves()
     if targets is not None and not batch.leaves():
+        if len(tensors) == 1 and tensors[0][1].dim():
+            raise ValueError(
+                f"batch sizes differ: inputs has {tensors[0][1].shape[0]} samples, targets has {size} samples; "
+                "pass one target per input sample (same first dimension)")
         firsts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
         raise ValueError(
             f"batch sizes differ: targets hold {size} samples but no input tensor has {size} as its first dimension "
             f"({firsts}); pass one target per input sample (same first dimension)"
         )
+    if targets is not None and tensors and tensors[0][1].device != target_tensors[0].device:
+        inputs_device = tensors[0][1].device
+        raise ValueError(f"targets are on {target_tensors[0].device} but inputs are on {inputs_device}; move them "
+                         f"with targets.to({str(inputs_device)!r})")
     device = trainable.device
     for name, t in tensors + [("targets", t) for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]:
         if t.device != device:
+            are = "are" if name in ("inputs", "targets") else "is"
             raise ValueError(
-                f"{name} is on {t.device} but the model's parameters are on {device}; move it with "
-                f".to({str(device)!r}) (or the model with model.to({str(t.device)!r}))"
+                f"{name} {are} on {t.device} but the model's parameters are on {device}; move one of them, e.g. "
+                f"{name}.to({str(device)!r}) or model.to({str(t.device)!r})"
             )
     for name, t in tensors:
         if t.is_floating_point() and t.dtype != trainable.dtype and t.dim() and t.shape[0] == batch.size:
+            are = "are" if name == "inputs" else "is"
             raise ValueError(
-                f"{name} is {t.dtype} but the model's parameters are {trainable.dtype}; "
+                f"{name} {are} {t.dtype} but the model's parameters are {trainable.dtype}; "
                 f"cast one of them, e.g. {name}.to({trainable.dtype}) or model.to({t.dtype})"
             )
     return batch

@@ -58,8 +58,8 @@ class Batch:
             args, kwargs = tuple(inputs), {}
         else:
             raise TypeError(
-                f"inputs must be a tensor (model(x)), a tuple or list (model(*inputs)) or a dict (model(**inputs)) of "
-                f"tensors with the samples first, got {type(inputs).__name__}"
+                f"inputs must be a torch.Tensor (model(x)), a tuple or list (model(*inputs)) or a dict "
+                f"(model(**inputs)) of tensors with the samples first, got {type(inputs).__name__}"
             )
         if model_kwargs:
             clash = sorted(set(kwargs) & set(model_kwargs))
@@ -68,14 +68,16 @@ class Batch:
             kwargs.update(model_kwargs)
         first = _first_tensor((args, kwargs))
         if first is None:
-            raise TypeError("inputs hold no tensor: pass the model's input tensors, with the samples first (B, ...)")
+            raise TypeError(
+                f"inputs must be a torch.Tensor of shape (B, ...), or a tuple / dict of tensors, got a "
+                f"{type(inputs).__name__} holding no tensor")
         if size is None:
             if first.dim() == 0:
                 raise ValueError(f"empty batch: the first input tensor is a scalar {tuple(first.shape)}; pass at least "
                                  "one sample (B >= 1) with the samples first")
             size = first.shape[0]
         if size == 0:
-            raise ValueError("empty batch: the inputs have 0 samples; pass at least one sample (B >= 1)")
+            raise ValueError(f"empty batch: inputs has shape {tuple(first.shape)}; pass at least one sample (B >= 1)")
         return cls(args, kwargs, size)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
@@ -90,6 +92,8 @@ class Batch:
 
     def named_leaves(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor with a readable name (``inputs[0]``, ``attention_mask``), for messages."""
+        if len(self.args) == 1 and not self.kwargs and isinstance(self.args[0], torch.Tensor):
+            return [("inputs", self.args[0])]
         named = [(f"inputs[{k}]", t) for k, t in enumerate(self.args) if isinstance(t, torch.Tensor)]
         named += [(k, t) for k, t in self.kwargs.items() if isinstance(t, torch.Tensor)]
         return named

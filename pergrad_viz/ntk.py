@@ -103,7 +103,8 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
         if x2.signature() != x1.signature():
             raise ValueError(
                 "x1 and x2 must hold samples of the same kind (the same shapes past the batch dimension, dtypes and "
-                f"arguments): x1 is {_describe(x1)}, x2 is {_describe(x2)}; or pass x2=None for K(x1, x1)"
+                f"arguments): x1 is {_describe(x1)}, x2 is {_describe(x2)}; pass x2 with shape "
+                f"{_expected(x1)}, or x2=None for K(x1, x1)"
             )
     full = mode == "full"
     with restoring_modes(trainable):
@@ -123,6 +124,10 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
         except (hooks.PlanMismatchError, CheckFailedError):
             pass  # data-dependent layer calls, or a coupling the probe did not see: each sample alone
     return _jacobian_ntk(model, x1, x2, full, chunk_size, verify)
+
+
+def _expected(x: Batch) -> str:
+    return ", ".join(f"(N2, {', '.join(map(str, t.shape[1:]))})" for t in x.leaves())
 
 
 def _describe(x: Batch) -> str:

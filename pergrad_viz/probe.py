@@ -175,13 +175,14 @@ class _RandomOps(TorchDispatchMode):
 
 
 def _draws(func, args: tuple, kwargs: dict) -> bool:
-    """Whether this call of a seeded operation draws: not an attention kernel with ``dropout_p=0`` or a dropout
-    with ``p=0`` / ``train=False`` (those may take random numbers but use none)."""
+    """Whether this call of a seeded operation draws: not an attention kernel with ``dropout_p=0``, a dropout with
+    ``p=0`` / ``train=False`` or RReLU with ``training=False`` (those may take random numbers but use none)."""
     schema = func._schema.arguments
     values = {a.name: a.default_value for a in schema if a.has_default_value()}
     values.update({a.name: v for a, v in zip(schema, args, strict=False)})
     values.update(kwargs)
-    if values.get("dropout_p", None) == 0 or values.get("p", None) == 0 or values.get("train", True) is False:
+    if (values.get("dropout_p", None) == 0 or values.get("p", None) == 0 or values.get("train", True) is False
+            or values.get("training", True) is False):
         return False
     return True
 

@@ -22,6 +22,7 @@ from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz import api, ntk
+from pergrad_viz.batch import Batch
 from pergrad_viz.models import MLP, SmallCNN
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
@@ -124,7 +125,7 @@ def test_fallback_model(name, mode, use_x2, chunk_size, monkeypatch):
     real = api.per_sample_jacobian
 
     def spy(model_, inputs, **kw):
-        calls.append((inputs.shape[0], kw["strategy"]))
+        calls.append((inputs.size if isinstance(inputs, Batch) else inputs.shape[0], kw["strategy"]))
         return real(model_, inputs, **kw)
 
     monkeypatch.setattr(api, "per_sample_jacobian", spy)
