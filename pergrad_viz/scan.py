@@ -39,12 +39,13 @@ import datetime
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from . import scan_store as store
 from .api import resolve_strategy
@@ -190,11 +191,13 @@ def _check_dataset(dataset: object) -> int:
     if n < 1:
         raise ValueError("the dataset is empty (len() == 0): there is nothing to scan")
     item = dataset[0]
+    if isinstance(item, Mapping) and "labels" in item:
+        return n
     if not isinstance(item, (tuple, list)) or len(item) < 2 or item[1] is None:
         got = type(item).__name__ if not isinstance(item, (tuple, list)) else f"a {type(item).__name__} of {len(item)}"
         raise ValueError(
             f"dataset[0] is {got}, not an (input, label) pair: per-sample losses need labels. Make the dataset "
-            "yield (x, y), e.g. torch.utils.data.TensorDataset(inputs, labels)"
+            "yield (x, y), e.g. torch.utils.data.TensorDataset(inputs, labels), or dicts with a 'labels' entry"
         )
     return n
 
@@ -265,7 +268,9 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
         model: the model, on the device to compute on; left as it was (no hooks, same parameters and modes).
             Call ``model.eval()`` first if it has Dropout or BatchNorm (refused in training mode).
         loss_fn: ``loss_fn(output, targets) -> scalar``, e.g. ``nn.CrossEntropyLoss()``.
-        dataset: a map-style dataset yielding ``(x, y, ...)`` items (extra fields are ignored); floating
+        dataset: a map-style dataset yielding ``(x, y, ...)`` items (extra fields are ignored; ``x`` may be a
+            tuple or dict of tensors, as :func:`pergrad_viz.per_sample_grads` takes inputs), or dicts whose
+            ``labels`` entry holds the targets and whose other entries are the model's keyword arguments; floating
             inputs are cast to the model's dtype and moved to its device.
         quantities: some of :data:`QUANTITIES` (a sequence or a comma-separated string); ``projection`` is
             added when ``proj_dim`` is given.
@@ -392,10 +397,8 @@ def _run(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: objec
 
     try:
         for indices, item in zip(batches, loader, strict=True):
-            x, y = item[0], item[1]
-            x = x.to(device, non_blocking=True)
-            if x.is_floating_point() and x.dtype != dtype:
-                x = x.to(dtype)
+            x, y = _inputs_and_labels(item)
+            x = tree_map(lambda t: _to(t, device, dtype), x)
             y = y.to(device, non_blocking=True) if isinstance(y, torch.Tensor) else torch.as_tensor(y, device=device)
             if use_hooks is None:
                 use_hooks = not want & GRAD_QUANTITIES or _hooks_ok(trainable, x)
@@ -412,6 +415,23 @@ def _run(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: objec
         sync()  # finished chunks are kept even when a later one fails
         bar.close()
     return time.perf_counter() - start, total
+
+
+def _inputs_and_labels(item: object) -> tuple[object, object]:
+    """A collated batch as (inputs, labels): ``(x, y, ...)``, or a dict whose ``labels`` are the targets and whose
+    other entries the model's keyword arguments (as a Hugging Face dataset yields them)."""
+    if isinstance(item, Mapping):
+        inputs = {k: v for k, v in item.items() if k != "labels"}
+        return inputs, item["labels"]
+    return item[0], item[1]
+
+
+def _to(t: object, device: torch.device, dtype: torch.dtype) -> object:
+    """A tensor of a batch on ``device``, floating ones in the model's ``dtype``."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.to(device, non_blocking=True)
+    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
 
 def data_loader(dataset: torch.utils.data.Dataset, batches: list[list[int]], num_workers: int = 0,
@@ -447,6 +467,6 @@ def _only(batch: list) -> object:
     return batch[0]
 
 
-def _hooks_ok(trainable: Trainable, x: torch.Tensor) -> bool:
+def _hooks_ok(trainable: Trainable, x: object) -> bool:
     with restoring_modes(trainable):
         return resolve_strategy("auto", trainable, x) == "hooks"

@@ -83,7 +83,7 @@ def batch_quantities(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     ``el2n`` (B,), ``projection`` (B, K), as asked in ``want``."""
     if not want & GRAD_QUANTITIES:
         with torch.no_grad():
-            output = model(x)
+            output = Batch.of(x, size=len(y))(model)
             return _outputs(want, output, per_sample_losses(loss_fn, output, y), y)
     if use_hooks:
         try:
@@ -96,7 +96,7 @@ def batch_quantities(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
 def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, want: set[str],
                  blocks: list[Block], sketch: GradientSketch | None) -> dict[str, torch.Tensor]:
     trainable = Trainable.of(model)
-    batch = x.shape[0]
+    batch = len(y)
     inputs = Batch.of(x, size=batch)
     with restoring_modes(trainable):
         output, calls = hooks.capture(trainable, inputs)
@@ -148,7 +148,7 @@ def _materialised_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: t
     res: dict[str, torch.Tensor] = {}
     if want & {"loss", "el2n"}:
         with torch.no_grad():
-            output = model(x)
+            output = Batch.of(x, size=len(y))(model)
             res.update(_outputs(want, output, per_sample_losses(loss_fn, output, y), y))
     if sketch is not None and "projection" in want:
         grads = api.per_sample_grads(model, loss_fn, x, y)  # {name: (B, *shape)}: this batch only

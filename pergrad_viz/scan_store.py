@@ -73,6 +73,8 @@ def _item_bytes(value: object) -> bytes:
         return f"{value.shape}:{value.dtype}:".encode() + np.ascontiguousarray(value).tobytes()
     if isinstance(value, (tuple, list)):
         return b"(" + b",".join(_item_bytes(v) for v in value) + b")"
+    if isinstance(value, Mapping):
+        return b"{" + b",".join(repr(k).encode() + b":" + _item_bytes(value[k]) for k in sorted(value, key=str)) + b"}"
     return repr(value).encode()
 
 

@@ -232,3 +232,30 @@ def test_the_readme_example_with_several_inputs_runs():
     assert scope["J"].shape[:2] == (8, 3)
     first = next(iter(scope["grads"].values()))
     assert first.shape[0] == 8
+
+
+class _Dicts(torch.utils.data.Dataset):
+    """Items as a Hugging Face dataset yields them: {"ids", "attention_mask", "labels"}."""
+
+    def __init__(self, ids, mask, y):
+        self.ids, self.mask, self.y = ids, mask, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.y[i]}
+
+
+def test_a_scan_of_a_dataset_yielding_dicts_equals_the_loop(tmp_path):
+    model = MaskedEncoder().to(DT)
+    ids, mask, bias, y = _data()
+    loss = nn.CrossEntropyLoss()
+    want = _loop_grads(model, lambda out, i: loss(out, y[i:i + 1]),
+                       lambda i: model(ids[i:i + 1], attention_mask=mask[i:i + 1]))
+    want_norms = torch.stack([t.reshape(B, -1).square().sum(1) for t in want.values()]).sum(0).sqrt()
+    want_losses = torch.stack([loss(model(ids[i:i + 1], attention_mask=mask[i:i + 1]), y[i:i + 1]) for i in range(B)])
+    scan = pv.scan(model, loss, _Dicts(ids, mask, y), quantities=("loss", "grad_norm"), batch_size=2,
+                   out=tmp_path / "scan", progress=False)
+    torch.testing.assert_close(torch.as_tensor(scan["grad_norm"]), want_norms, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(torch.as_tensor(scan["loss"]), want_losses.detach(), rtol=1e-6, atol=1e-9)
