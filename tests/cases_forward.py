@@ -12,6 +12,16 @@ import torch
 from cases import DT, Case, _build, _classes, _floats, _gen, _image_inputs, _token_inputs
 from torch import nn
 
+
+class _FcHead(nn.Module):
+    """``fc`` (4 -> 5) and ``head`` (5 -> 3): what the subclasses' forwards do between them is the point."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.head = nn.Linear(5, 3)
+
+
 # --------------------------------------------------------------------- 1. outputs that depend on each other
 
 
@@ -95,13 +105,8 @@ class SequenceAndLastNet(nn.Module):
 # --------------------------------------------------------------------- 2. rows reordered inside forward
 
 
-class SortByKey(nn.Module):
+class SortByKey(_FcHead):
     """Sorts the batch by a key of the data, runs a layer, then unsorts (as before packing sequences)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 5)
-        self.head = nn.Linear(5, 3)
 
     def forward(self, x):
         order = x.sum(1).argsort()
@@ -135,13 +140,8 @@ def _lengths_inputs(name: str, t: int, vocab: int):
     return make
 
 
-class SwapRowsOneTwo(nn.Module):
+class SwapRowsOneTwo(_FcHead):
     """Swaps rows 1 and 2 of a batch of 3 or more before a layer and back after: a pair never shows it."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 5)
-        self.head = nn.Linear(5, 3)
 
     def forward(self, x):
         idx = torch.arange(x.shape[0])
@@ -153,28 +153,18 @@ class SwapRowsOneTwo(nn.Module):
 # --------------------------------------------------------------------- 3. couplings a pair does not show
 
 
-class BranchOnBatchSize(nn.Module):
+class BranchOnBatchSize(_FcHead):
     """Code that depends on x.shape[0]: a pair of samples and one alone both take the same path, three do not."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 5)
-        self.head = nn.Linear(5, 3)
 
     def forward(self, x):
         h = torch.tanh(self.fc(x))
         return self.head(h * 2 if x.shape[0] > 2 else h)
 
 
-class ShiftWhenLarge(nn.Module):
+class ShiftWhenLarge(_FcHead):
     """A batch statistic that only matters for some inputs: ``torch.where`` on the batch's total activity shifts
     every row by the batch's column sums once that total passes a threshold (samples 0 and 1, the probe's pair,
     stay below it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 5)
-        self.head = nn.Linear(5, 3)
 
     def forward(self, x):
         h = self.fc(x)
@@ -208,23 +198,16 @@ class _MixInBackward(torch.autograd.Function):
         return g + g.mean(0, keepdim=True)
 
 
-class CoupledInBackward(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 5)
-        self.head = nn.Linear(5, 3)
-
+class CoupledInBackward(_FcHead):
     def forward(self, x):
         return self.head(_MixInBackward.apply(torch.tanh(self.fc(x))))
 
 
-class Centring(nn.Module):
+class Centring(_FcHead):
     """Subtracts the batch mean when ``self.center`` is on (a plain attribute a plan made before cannot see)."""
 
     def __init__(self, center: bool):
         super().__init__()
-        self.fc = nn.Linear(4, 5)
-        self.head = nn.Linear(5, 3)
         self.center = center
 
     def forward(self, x):
