@@ -98,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description=BENCH_DESCRIPTION, epilog=BENCH_COLUMNS, formatter_class=HelpFormatter)
     strategies = ", ".join(STRATEGIES)
     b.add_argument("--model", choices=bench_models.MODELS, default=None,
-                   help="per-sample gradients of this architecture (B=32 unless --batch-sizes), with a "
-                        "hand-written vmap row, instead of the MLP sweep (default: the MLP sweep)")
+                   help="per-sample gradients of this architecture (B=32 unless --batch-sizes; B=16 for the "
+                        "Hugging Face, timm and peft models gpt2 ... lora-llama, which need transformers, timm and "
+                        "peft), with a hand-written vmap row, instead of the MLP sweep (default: the MLP sweep)")
     b.add_argument("--targets", action="store_true",
                    help="measure the project's performance goals instead: several tables, then one line per goal "
                         "(a few minutes; default: off)")
@@ -217,7 +218,7 @@ def _run_model_bench(args: argparse.Namespace) -> int:
         print("error: --model benchmarks per-sample gradients: use --quantity grads", file=sys.stderr)
         return 2
     strategies = [*args.strategies, "auto"] if "auto" not in args.strategies else args.strategies
-    batches = args.batch_sizes or [32]
+    batches = args.batch_sizes or [bench_models.BATCH.get(args.model, 32)]
     records = bench.model_sweep(args.model, batches, strategies=strategies, peers=args.peers,
                                 slow_limit=args.slow_limit, min_run_time=args.min_run_time, flat=True,
                                 out_buffer=args.out_buffer, norms=args.norms, device=args.device,

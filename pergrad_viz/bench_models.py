@@ -9,15 +9,34 @@ over 10 classes (so that Opacus' and BackPACK's per-sample gradients are the pla
 * ``transformer``: a 2-layer ``nn.TransformerEncoder`` (d_model 64, 4 heads, feed-forward 128, batch-first, eval)
   on (B, 16, 64) token features, mean over tokens, a Linear head;
 * ``lstm``: a 2-layer batch-first ``nn.LSTM`` (32 -> 64) on (B, 16, 32), a Linear head on the last step.
+
+and the models people fine-tune (:mod:`pergrad_viz.zoo_hf`: hidden size 128, 2 layers, built from configs; they need
+``transformers``, ``timm``, ``peft``), measured at B=16 (:data:`BATCH`), in training mode as when fine-tuning (every
+dropout has p=0 and none has batch statistics, so it is the function of eval mode; Opacus records only in training):
+
+* ``gpt2``, ``llama``, ``lora-llama`` (LoRA on the attention's q and v, only the adapters trainable): causal LMs on
+  (B, 32) token ids (vocabulary 1,000), the labels the ids themselves, with
+  ``causal_lm_loss(reduction='sum')`` (each sample's loss is the mean over its tokens);
+* ``bert`` on (B, 32) token ids, ``hf-vit``, ``timm-vit``, ``convnext`` on (B, 3, 32, 32): cross-entropy over 10
+  classes as above.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-MODELS: tuple[str, ...] = ("mlp", "resnet18", "mobilenet", "transformer", "lstm")
+from . import zoo_hf
+from .losses import causal_lm_loss
+
+FINE_TUNED: tuple[str, ...] = tuple(zoo_hf.BUILDERS)
+MODELS: tuple[str, ...] = ("mlp", "resnet18", "mobilenet", "transformer", "lstm", *FINE_TUNED)
 CLASSES = 10
+BATCH: dict[str, int] = dict.fromkeys(FINE_TUNED, 16)
+"""The batch size ``bench --model NAME`` uses without ``--batch-sizes`` where it is not 32."""
 
 
 class TransformerClassifier(nn.Module):
@@ -48,10 +67,12 @@ class LSTMClassifier(nn.Module):
 
 
 def problem(name: str, batch: int, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-            seed: int = 0) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+            seed: int = 0) -> tuple[nn.Module, Callable, torch.Tensor, torch.Tensor]:
     """The benchmark problem ``name`` at batch size ``batch``: (model, loss_fn, inputs, targets)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+    if name in FINE_TUNED:
+        return _fine_tuned(name, batch, device=device, dtype=dtype, seed=seed)
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     if name == "mlp":
@@ -76,6 +97,23 @@ def problem(name: str, batch: int, *, device: str | torch.device = "cpu", dtype:
         y = torch.randint(0, CLASSES, (batch,), generator=generator)
     model = model.to(device=device, dtype=dtype)
     return model, nn.CrossEntropyLoss(reduction="sum"), x.to(device=device, dtype=dtype), y.to(device)
+
+
+def _fine_tuned(name: str, batch: int, *, device: str | torch.device, dtype: torch.dtype, seed: int
+                ) -> tuple[nn.Module, object, torch.Tensor, torch.Tensor]:
+    """A :mod:`pergrad_viz.zoo_hf` model in training mode with its batch: ids (B, 32) int64 and labels (B, 32) (the ids)
+    for a causal LM, ids (B, 32) or images (B, 3, 32, 32) of ``dtype`` and classes (B,) otherwise."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    model = zoo_hf.BUILDERS[name]().train().to(device=device, dtype=dtype)
+    if name in zoo_hf.TEXT:
+        x = torch.randint(0, zoo_hf.VOCAB, (batch, zoo_hf.TOKENS), generator=generator)
+    else:
+        x = torch.randn(batch, 3, zoo_hf.IMAGE, zoo_hf.IMAGE, generator=generator).to(dtype)
+    if name in zoo_hf.CAUSAL_LM:
+        return model, functools.partial(causal_lm_loss, reduction="sum"), x.to(device), x.clone().to(device)
+    y = torch.randint(0, CLASSES, (batch,), generator=generator)
+    return model, nn.CrossEntropyLoss(reduction="sum"), x.to(device), y.to(device)
 
 
 def hand_written_vmap(model: nn.Module, loss_fn: nn.Module, inputs: torch.Tensor, targets: torch.Tensor

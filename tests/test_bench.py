@@ -231,3 +231,64 @@ def test_a_missing_sample_is_one_clear_error_before_any_progress_bar(monkeypatch
     assert captured.err.startswith("error: fashion-mnist not found")
     assert "python -m pergrad_viz.sample.make_sample --root" in captured.err
     assert "benchmark" not in captured.err and captured.out == ""
+
+
+# ------------------------------------------------------------------------- the models people fine-tune (zoo_hf)
+
+FINE_TUNED_OUTPUT = {"gpt2": (2, 32, 1000), "llama": (2, 32, 1000), "lora-llama": (2, 32, 1000), "bert": (2, 10),
+                     "hf-vit": (2, 10), "timm-vit": (2, 10), "convnext": (2, 10)}
+
+
+def _need_fine_tuning_libraries():
+    for name in ("transformers", "timm", "peft"):
+        pytest.importorskip(name, reason=f"{name} is not installed (pip install -e '.[hf]')")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("name", list(FINE_TUNED_OUTPUT))
+def test_fine_tuned_models_build_and_the_hand_written_vmap_is_the_loop(name):
+    """Each bench model builds from its config (hidden 128, 2 layers), returns logits for one tensor, and the
+    hand-written vmap row it is timed against equals the per-sample loop of tests/helpers.py, per sample."""
+    from helpers import flatten_ref, ref_grads
+
+    from pergrad_viz import bench_models
+
+    _need_fine_tuning_libraries()
+    assert name in bench_models.MODELS and bench_models.BATCH[name] == 16
+    model, loss_fn, x, y = bench_models.problem(name, 2)
+    output = model(x)
+    assert isinstance(output, torch.Tensor) and tuple(output.shape) == FINE_TUNED_OUTPUT[name]
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert all("lora_" in n for n in trainable) == (name == "lora-llama")
+    if name in ("gpt2", "llama", "lora-llama"):  # causal LM: labels are the ids, each sample its own token mean
+        assert torch.equal(x, y) and x.dtype == torch.int64
+    torch.testing.assert_close(bench_models.hand_written_vmap(model, loss_fn, x, y),
+                               flatten_ref(ref_grads(model, loss_fn, x, y), 1), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_cli_bench_of_a_hugging_face_model_prints_the_table(capsys):
+    """`bench --model gpt2`: the loop, auto, the hand-written vmap and the references, each checked against the
+    loop."""
+    _need_fine_tuning_libraries()
+    code = main(["bench", "--model", "gpt2", "--batch-sizes", "2", "--strategies", "loop", "--min-run-time",
+                 "0.01", "--no-progress"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "per-sample gradients (B, P) of gpt2" in out
+    rows = {cells[3]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines()
+                                         if line.startswith("grads"))}
+    assert {"loop", "auto", "hand vmap", "forward+backward", "memory floor"} <= set(rows)
+    assert "auto = hooks" in rows["auto"][-1]
+    assert max(float(rows[m][10]) for m in ("auto", "hand vmap")) < 1e-5
+
+
+def test_a_peer_result_of_another_size_is_not_timed(monkeypatch):
+    """Opacus gives GPT-2's and BERT's position embeddings (shared by the batch) a (1, ...) grad_sample."""
+    def short_peer(name, model, loss_fn, x, y):  # one number short per sample
+        named = list(model.named_parameters())
+        return lambda: {n: torch.zeros(x.shape[0], p.numel() - (n == "fc1.weight")) for n, p in named}
+
+    monkeypatch.setattr(bench.peer_libs, "make_peer", short_peer)
+    rows = by_method(bench.sweep("grads", [4], [8], strategies=["hooks"], peers=["opacus"], **FAST))
+    assert rows["opacus"].skipped and rows["opacus"].note == "not timed: 25,476 numbers, not 25,480"  # 4 x 6,370
