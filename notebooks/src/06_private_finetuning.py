@@ -227,13 +227,13 @@ print("the batch's token mean is not the mean of the per-sample losses:",
 # %% [markdown]
 # The per-sample gradients of that loss. GPT-2 is causal: a token attends only to the tokens before it, so padding
 # on the right changes nothing at the real tokens, and the gradient of the 7-token text equals its gradient run
-# alone. With padding on the left, or a model that attends both ways (BERT), the attention mask must go in too.
+# alone. The batch goes in as a tokenizer returns it, ids and attention mask in a dict (`model(**batch)`): with
+# padding on the left, or a model that attends both ways (BERT), the mask is what keeps the padding out.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-# TODO(issue 18, attention mask): pass the mask once inputs may be dicts:
-#   pv.per_sample_grads(lm, pv.causal_lm_loss, {"input_ids": ids, "attention_mask": attention_mask}, labels_lm)
-grads = pv.per_sample_grads(lm, pv.causal_lm_loss, ids, labels_lm, flat=True)       # (3, P), input_ids only
-short = pv.per_sample_grads(lm, pv.causal_lm_loss, ids[1:2, :7], labels_lm[1:2, :7], flat=True)
+batch = {"input_ids": ids, "attention_mask": attention_mask}       # as a tokenizer gives it: model(**batch)
+grads = pv.per_sample_grads(lm.model, pv.causal_lm_loss, batch, labels_lm, flat=True)  # (3, P)
+short = pv.per_sample_grads(lm.model, pv.causal_lm_loss, ids[1:2, :7], labels_lm[1:2, :7], flat=True)
 print(f"per-sample gradients {tuple(grads.shape)}; the padded text's == its gradient alone:",
       torch.allclose(grads[1], short[0], atol=1e-6))
