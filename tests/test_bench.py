@@ -54,7 +54,7 @@ def test_backward_work():
 def test_chunk_and_norm_rows():
     records = bench.sweep("grads", [4], [8], strategies=["auto"], chunk_sizes=[2], norms=True, **FAST)
     rows = by_method(records)
-    assert rows["auto"].note.endswith("auto = hooks")  # after a NOISY warning when the machine is busy
+    assert "auto = hooks" in rows["auto"].note  # after a NOISY warning when the machine is busy
     assert "auto chunk=2" in rows and rows["auto chunk=2"].max_abs_diff < 1e-5
     assert rows["grad norms"].result_bytes == 4 * 4 and rows["grads + norm"].max_abs_diff < 1e-4
 
