@@ -152,3 +152,19 @@ class SmallFallbackNet(nn.Module):
 
 FALLBACK_MODELS: tuple[str, ...] = ("scaleshift", "parent-param", "bilinear")
 MODELS = (*MODELS, *FALLBACK_MODELS)
+
+
+def hand_written_jacrev(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The textbook ``vmap(jacrev(functional_call))`` per-sample Jacobian, written as a user would: (B, Y, P)."""
+    from torch.func import functional_call, jacrev, vmap
+
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def output_of_one(p, x):
+        return functional_call(model, (p, frozen, buffers), (x.unsqueeze(0),)).reshape(-1)
+
+    jac = vmap(jacrev(output_of_one), in_dims=(None, 0))(params, inputs)
+    batch, outputs = inputs.shape[0], next(iter(jac.values())).shape[1]
+    return torch.cat([j.reshape(batch, outputs, -1) for j in jac.values()], dim=2)
