@@ -6,11 +6,13 @@ Shapes: B samples, P trainable scalars (all parameters with ``requires_grad``, i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
+from .batch import Batch, Inputs, cut
 from .certify import CheckFailedError, check_grads, check_jacobian
 from .errors import UndefinedPerSampleError, UnsupportedModelError
 from .losses import LossFn, check_loss
@@ -22,8 +24,9 @@ from .trainable import Trainable, check_modes, computing_gradients, hooked_param
 Result = dict[str, torch.Tensor] | torch.Tensor
 
 
-def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: torch.Tensor | None = None) -> str:
-    """The strategy a call on ``model`` with ``inputs`` (B, ...) will use.
+def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs | Batch | None = None) -> str:
+    """The strategy a call on ``model`` with ``inputs`` (B, ...; or a tuple / dict of tensors, see
+    :mod:`pergrad_viz.batch`) will use.
 
     ``auto`` is ``hooks`` (closed-form layer rules, and the per-layer fallback for layers without one) unless a
     probe of the model on two samples (cached per model and input signature, see ``pergrad_viz.probe``) finds
@@ -38,6 +41,7 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: torch.
     _check_strategy_name(strategy)
     trainable = model if isinstance(model, Trainable) else Trainable.of(model)
     if inputs is not None:
+        inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs).map(normal_tensor)
         check_modes(trainable)  # before the probe runs the model
     hooked = hooked_parameter(trainable)
     if hooked is not None:
@@ -49,6 +53,14 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: torch.
                 f"of torch.autograd.grad) applies but the {strategy} strategy cannot. Use strategy='loop' (or 'auto', "
                 "which picks it), or remove the hook."
             )
+    compiled = next((n for n, m in trainable.modules if type(m).__name__ == "OptimizedModule"), None)
+    if compiled is not None and strategy in ("hooks", "autograd_stack", "batched_grad"):
+        raise UnsupportedModelError(
+            f"layer '{compiled or 'model'}' is compiled (torch.compile): the {strategy} strategy cannot see inside it. "
+            f"Pass the module it wraps (model._orig_mod: the same parameters) to use {strategy}, or use "
+            "strategy='auto' (which picks torch_func here), 'torch_func' or 'loop'.")
+    if compiled is not None and strategy == "auto":
+        return "torch_func"
     scripted = next((n for n, m in trainable.modules if isinstance(m, torch.jit.ScriptModule)), None)
     if scripted is not None and strategy != "loop":
         if strategy == "auto":
@@ -71,9 +83,9 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: torch.
         interaction = plan_for(trainable, inputs).interaction
         if interaction is not None:
             raise UnsupportedModelError(
-                f"the {strategy} strategy runs the model once on the whole batch, but the samples interact: "
-                f"{interaction}. Per-sample gradients are defined by each sample alone: use strategy='loop' or "
-                "'torch_func' (or 'auto', which picks torch_func)."
+                f"the {strategy} strategy runs the model once on the whole batch, which cannot give each sample's "
+                f"own gradient here: {interaction}. Per-sample gradients are defined by each sample alone: use "
+                "strategy='loop' or 'torch_func' (or 'auto', which picks torch_func)."
             )
     return strategy
 
@@ -83,33 +95,46 @@ def _check_strategy_name(strategy: str) -> None:
         raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
 
 
-def _check_inputs(trainable: Trainable, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
-    if not isinstance(inputs, torch.Tensor):
-        raise TypeError(f"inputs must be a torch.Tensor of shape (B, ...), got {type(inputs).__name__}")
-    if inputs.dim() == 0 or inputs.shape[0] == 0:
-        raise ValueError(f"empty batch: inputs has shape {tuple(inputs.shape)}; pass at least one sample (B >= 1)")
+def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model_kwargs: Mapping | None = None
+             ) -> Batch:
+    """The call's :class:`~pergrad_viz.batch.Batch`, checked: B from the targets (or the first input tensor), every
+    target tensor with B samples, some input tensor with B samples, every tensor on the parameters' device, floating
+    inputs in the parameters' dtype."""
+    size = None
     if targets is not None:
-        if not isinstance(targets, torch.Tensor):
-            raise TypeError(f"targets must be a torch.Tensor of shape (B, ...), got {type(targets).__name__}")
-        if targets.dim() == 0 or targets.shape[0] != inputs.shape[0]:
-            got = "a scalar" if targets.dim() == 0 else f"{targets.shape[0]} samples"
+        target_tensors = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
+        if not target_tensors:
+            raise TypeError(
+                f"targets must be a tensor (B, ...) or a tuple / dict of them, got {type(targets).__name__}")
+        if target_tensors[0].dim() == 0:
+            raise ValueError("targets is a scalar: pass one target per input sample (B, ...), samples first")
+        size = target_tensors[0].shape[0]
+        sizes = {int(t.shape[0]) if t.dim() else 0 for t in target_tensors}
+        if len(sizes) > 1:
+            raise ValueError(f"the target tensors hold different numbers of samples {sorted(sizes)}: pass one target "
+                             "per sample in each (same first dimension)")
+    batch = inputs if isinstance(inputs, Batch) else Batch.of(inputs, model_kwargs, size).map(normal_tensor)
+    tensors = batch.named_leaves()
+    if targets is not None and not batch.leaves():
+        firsts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
+        raise ValueError(
+            f"batch sizes differ: targets hold {size} samples but no input tensor has {size} as its first dimension "
+            f"({firsts}); pass one target per input sample (same first dimension)"
+        )
+    device = trainable.device
+    for name, t in tensors + [("targets", t) for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]:
+        if t.device != device:
             raise ValueError(
-                f"batch sizes differ: inputs has {inputs.shape[0]} samples, targets has {got}; "
-                "pass one target per input sample (same first dimension)"
+                f"{name} is on {t.device} but the model's parameters are on {device}; move it with "
+                f".to({str(device)!r}) (or the model with model.to({str(t.device)!r}))"
             )
-        if targets.device != inputs.device:
-            raise ValueError(f"targets are on {targets.device} but inputs are on {inputs.device}; "
-                             f"move them with targets.to({str(inputs.device)!r})")
-    if inputs.device != trainable.device:
-        raise ValueError(
-            f"inputs are on {inputs.device} but the model's parameters are on {trainable.device}; "
-            f"move one of them, e.g. inputs.to({str(trainable.device)!r}) or model.to({str(inputs.device)!r})"
-        )
-    if inputs.is_floating_point() and inputs.dtype != trainable.dtype:
-        raise ValueError(
-            f"inputs are {inputs.dtype} but the model's parameters are {trainable.dtype}; "
-            f"cast one of them, e.g. inputs.to({trainable.dtype}) or model.to({inputs.dtype})"
-        )
+    for name, t in tensors:
+        if t.is_floating_point() and t.dtype != trainable.dtype and t.dim() and t.shape[0] == batch.size:
+            raise ValueError(
+                f"{name} is {t.dtype} but the model's parameters are {trainable.dtype}; "
+                f"cast one of them, e.g. {name}.to({trainable.dtype}) or model.to({t.dtype})"
+            )
+    return batch
 
 
 def _check_chunk(chunk_size: int | None, batch: int) -> int:
@@ -161,18 +186,18 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
     return result
 
 
-def _prepare(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor | None, strategy: str,
-             chunk_size: int | None, loss_fn: object = None) -> tuple[Trainable, str, int, int]:
+def _prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
+             loss_fn: object = None, model_kwargs: Mapping | None = None) -> tuple[Trainable, str, Batch, int]:
     if loss_fn is not None:
         check_loss(loss_fn)
     _check_strategy_name(strategy)  # before anything is checked or run
     trainable = Trainable.of(model)
-    _check_inputs(trainable, inputs, targets)
-    chunk = _check_chunk(chunk_size, inputs.shape[0])
-    return trainable, resolve_strategy(strategy, trainable, inputs), inputs.shape[0], chunk
+    batch = batch_of(trainable, inputs, targets, model_kwargs)
+    chunk = _check_chunk(chunk_size, batch.size)
+    return trainable, resolve_strategy(strategy, trainable, batch), batch, chunk
 
 
-def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: torch.Tensor,
+def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: Batch,
               run: Callable[[str], Result], check: Callable[[Result, str], None] | None) -> Result:
     """Run ``resolved`` and, where it ran the model once on the whole batch, ``check`` its result (the per-call check,
     ``pergrad_viz.certify``; None: not asked for). Under ``auto``, a fast path that finds it cannot be trusted for this
@@ -193,7 +218,7 @@ def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: torch
         try:
             return checked("hooks")
         except CheckFailedError as e:
-            plan_for(trainable, inputs).interaction = f"a per-call check failed ({str(e).split(' (')[0]})"
+            plan_for(trainable, inputs).interaction = f"the samples interact: {str(e).split(' (')[0]}"
             resolved = "torch_func"
         except hooks.PlanMismatchError:
             resolved = "torch_func"
@@ -217,20 +242,25 @@ def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Te
 
 
 @computing_gradients
-def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
+def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, *,
                      strategy: str = "auto", flat: bool = False, chunk_size: int | None = None,
-                     max_bytes: int | None = None, out: torch.Tensor | None = None, verify: bool = True) -> Result:
+                     max_bytes: int | None = None, out: torch.Tensor | None = None, verify: bool = True,
+                     model_kwargs: Mapping | None = None) -> Result:
     """The gradient of each sample's loss with respect to every trainable parameter.
 
     The per-sample gradient of sample i is the gradient of
     ``loss_fn(model(inputs[i:i+1]), targets[i:i+1])``: what the naive loop computes, whatever
-    ``loss_fn``'s reduction.
+    ``loss_fn``'s reduction. With several inputs, sample i is cut from every tensor whose first dimension is the
+    batch (``pergrad_viz.batch``): ``model(ids[i:i+1], attention_mask=mask[i:i+1])``.
 
     Args:
         model: any ``nn.Module``; left exactly as it was (no hooks, same parameters, ``.grad`` and modes).
-        loss_fn: ``loss_fn(output, targets) -> scalar``, e.g. ``nn.CrossEntropyLoss()``.
-        inputs: (B, ...) on the model's device (integer dtype for Embedding models).
-        targets: (B, ...).
+        loss_fn: ``loss_fn(output, targets) -> scalar``, e.g. ``nn.CrossEntropyLoss()``; ``output`` is what the
+            model returns (a tensor, a tuple, a dict or a Hugging Face ``ModelOutput``).
+        inputs: (B, ...) on the model's device (integer dtype for Embedding models); or a tuple / list of tensors
+            (``model(*inputs)``), or a dict / ``BatchEncoding`` (``model(**inputs)``), each tensor with B first
+            except shared ones (a (T, T) mask, passed unchanged).
+        targets: (B, ...), or a tuple / dict of (B, ...) tensors.
         strategy: ``"auto"`` or one of :data:`pergrad_viz.STRATEGIES`.
         flat: return one (B, P) tensor instead of a dict.
         chunk_size: process at most this many samples at a time, to bound working memory.
@@ -240,6 +270,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
         verify: after a strategy that runs the model once on the whole batch, compare one randomly drawn sample's
             row with that sample computed alone (one small forward and backward; see ``pergrad_viz.certify``).
             ``False`` skips it: only for models you know keep their samples apart.
+        model_kwargs: more keyword arguments for the model, cut like the inputs.
 
     Returns:
         ``{name: Tensor (B, *param.shape)}`` in ``named_parameters()`` order, or (B, P) if ``flat``.
@@ -251,8 +282,9 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
             allocating a result over ``max_bytes``.
     """
     requested = strategy
-    inputs, targets = normal_tensor(inputs), normal_tensor(targets)
-    trainable, strategy, batch, chunk = _prepare(model, inputs, targets, strategy, chunk_size, loss_fn)
+    targets = tree_map(normal_tensor, targets)
+    trainable, strategy, inputs, chunk = _prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs)
+    batch = inputs.size
     if out is not None:
         _check_out(out, (batch, trainable.num_params), trainable, flat)
     p = trainable.num_params
@@ -266,7 +298,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
         if rows.stop - rows.start == batch:
             module.grads(trainable, loss_fn, inputs, targets, views)
         else:
-            module.grads(trainable, loss_fn, inputs[rows], targets[rows], views)
+            module.grads(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), views)
 
     def check(result: Result, used: str) -> None:
         check_grads(trainable, loss_fn, inputs, targets, _rows(result, trainable, 1), used)
@@ -275,36 +307,41 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
                      lambda s: _run(trainable, s, run_chunk, batch, chunk, None, flat, out), check if verify else None)
 
 
-def output_size(model: nn.Module, inputs: torch.Tensor) -> int:
+def output_size(trainable: Trainable, inputs: Batch) -> int:
     """Y, the number of output elements per sample, from a forward pass of the first sample (no grad)."""
     with torch.no_grad():
-        output = model(inputs[:1])
+        output = trainable.outputs(inputs.sample(0))
     if not isinstance(output, torch.Tensor):
         raise TypeError(
-            f"per_sample_jacobian differentiates the model's output tensor, but this model returns a "
-            f"{type(output).__name__}: wrap it in a module that returns the one tensor you want, e.g. "
-            "nn.Sequential(model, Select(0)) with a Select module returning output[0]"
+            f"per_sample_jacobian differentiates one output tensor, but this model returns a {type(output).__name__}: "
+            "say which tensor with output=, e.g. output=lambda out: out.logits (or out[0])"
         )
     return output.numel()
 
 
 @computing_gradients
-def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str = "auto", flat: bool = False,
+def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "auto", flat: bool = False,
                         chunk_size: int | None = None, max_bytes: int | None = None,
-                        out: torch.Tensor | None = None, verify: bool = True) -> Result:
+                        out: torch.Tensor | None = None, verify: bool = True, model_kwargs: Mapping | None = None,
+                        output: Callable[[object], torch.Tensor] | None = None) -> Result:
     """Every output element of each sample with respect to every trainable parameter.
 
-    Args are as in :func:`per_sample_grads` (no loss, no targets); ``out`` is a (B, Y, P) buffer.
+    Args are as in :func:`per_sample_grads` (no loss, no targets; B is the first dimension of the first input
+    tensor); ``out`` is a (B, Y, P) buffer; ``output`` picks the tensor to differentiate from what the model
+    returns, e.g. ``output=lambda out: out.logits`` for a Hugging Face model (default: the output itself).
 
     Returns:
         ``{name: Tensor (B, Y, *param.shape)}``, or (B, Y, P) if ``flat``; Y is the number of output
         elements per sample (an output (B, *out) is flattened).
     """
     requested = strategy
-    inputs = normal_tensor(inputs)
-    trainable, strategy, batch, chunk = _prepare(model, inputs, None, strategy, chunk_size)
+    trainable, strategy, inputs, chunk = _prepare(model, inputs, None, strategy, chunk_size,
+                                                  model_kwargs=model_kwargs)
+    if output is not None:
+        trainable = trainable.selecting(output)
+    batch = inputs.size
     with restoring_modes(trainable):
-        y_count = output_size(model, inputs)
+        y_count = output_size(trainable, inputs)
     p = trainable.num_params
     if out is not None:
         _check_out(out, (batch, y_count, p), trainable, flat)
@@ -314,7 +351,7 @@ def per_sample_jacobian(model: nn.Module, inputs: torch.Tensor, *, strategy: str
                  max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
 
     def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
-        module.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs[rows], views)
+        module.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
 
     def check(result: Result, used: str) -> None:
         check_jacobian(trainable, inputs, _rows(result, trainable, 2), used)

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import peers as peer_libs
 from .api import output_size, per_sample_grads, per_sample_jacobian, resolve_strategy
+from .batch import Batch
 from .data import load_sample
 from .memory import result_bytes
 from .models import MLP
@@ -58,6 +59,7 @@ class Record:
     vs_memory_floor: float | None = None  # this time / time to fill a result-sized tensor
     max_abs_diff: float | None = None  # largest difference from the reference result
     note: str = ""
+    noisy: bool = False  # the timing's spread stayed too large to trust it (the note says how large)
 
     @property
     def skipped(self) -> bool:
@@ -204,7 +206,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     trainable = Trainable.of(model)
     check_modes(trainable)  # before the model runs (BatchNorm in training mode would update its statistics)
     flat = flat or out_buffer
-    outputs = output_size(model, inputs) if quantity == "jacobian" else 1
+    outputs = output_size(trainable, Batch.of(inputs)) if quantity == "jacobian" else 1
     nbytes = result_bytes(batch, trainable.num_params, trainable.dtype, outputs)
     shape = (batch, trainable.num_params) if outputs == 1 else (batch, outputs, trainable.num_params)
     kw = {"dtype": trainable.dtype, "device": trainable.device}
@@ -267,7 +269,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
         if t.noisy:
             note = f"NOISY: IQR {t.spread:.0%} of the median, rerun" + (f"; {note}" if note else "")
         records[label] = Record(label, quantity, batch, hidden, t.median_s, t.iqr_s, size,
-                                max_abs_diff=fields.get("max_abs_diff"), note=note)
+                                max_abs_diff=fields.get("max_abs_diff"), note=note, noisy=t.noisy)
     fb, floor = records[FORWARD_BACKWARD], records[MEMORY_FLOOR]
     rows = [records[r] if isinstance(r, str) else r for r in rows]
     loop_time = next((r.median_s for r in rows if r.strategy == "loop" and not r.skipped), None)
@@ -342,7 +344,7 @@ def check_cost(rows: dict[str, Record]) -> float | None:
 def _fmt_time(s: float | None) -> str:
     if s is None:
         return "-"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if s >= scale:
             return f"{s / scale:.3g} {unit}"
     return f"{s * 1e9:.3g} ns"
@@ -351,7 +353,7 @@ def _fmt_time(s: float | None) -> str:
 def _fmt_ratio(r: float | None) -> str:
     if r is None:
         return "-"
-    return f"{r:.0f}x" if r >= 100 else f"{r:.3g}x"
+    return f"{r:,.0f}x" if r >= 100 else f"{r:.3g}x"
 
 
 def _fmt_bytes(n: int) -> str:

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .batch import Batch, cut
 from .errors import UnsupportedModelError
 from .losses import LossFn, scalar_loss
 from .trainable import Trainable
@@ -79,21 +80,26 @@ def _compare(trainable: Trainable, want: tuple[torch.Tensor | None, ...], got: M
             )
 
 
-def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def _loss_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, i: int) -> torch.Tensor:
+    """The definition: sample i's loss with the model run on sample i alone."""
+    return scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
+
+
+def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
                 rows: Mapping[str, torch.Tensor], strategy: str) -> None:
     """Raise :class:`CheckFailedError` unless row i of ``rows`` {name: (B, *param.shape)} is sample i's gradient."""
-    i = draw(inputs.shape[0])
-    loss = scalar_loss(loss_fn(trainable.model(inputs[i:i + 1]), targets[i:i + 1]))
+    i = draw(inputs.size)
+    loss = _loss_alone(trainable, loss_fn, inputs, targets, i)
     want = torch.autograd.grad(loss, trainable.params, allow_unused=True)
     _compare(trainable, want, {n: t[i] for n, t in rows.items()}, i, strategy, "gradient")
 
 
-def check_jacobian(trainable: Trainable, inputs: torch.Tensor, rows: Mapping[str, torch.Tensor],
+def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch.Tensor],
                    strategy: str) -> None:
     """Raise :class:`CheckFailedError` unless ``u^T`` row i of ``rows`` {name: (B, Y, *param.shape)} is ``u^T J_i``
     for a random u (Y,)."""
-    i = draw(inputs.shape[0])
-    output = trainable.model(inputs[i:i + 1]).reshape(-1)
+    i = draw(inputs.size)
+    output = trainable.outputs(inputs.sample(i)).reshape(-1)
     gen = torch.Generator(device=output.device).manual_seed(_DRAW.getrandbits(62))
     u = torch.randn(output.numel(), generator=gen, dtype=output.dtype, device=output.device)
     want = torch.autograd.grad(output @ u, trainable.params, allow_unused=True)
@@ -101,12 +107,12 @@ def check_jacobian(trainable: Trainable, inputs: torch.Tensor, rows: Mapping[str
     _compare(trainable, want, got, i, strategy, "Jacobian (a random combination of its rows)")
 
 
-def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
                 squared: Mapping[str, torch.Tensor], strategy: str) -> None:
     """Raise :class:`CheckFailedError` unless entry i of ``squared`` {name: (B,)} is the squared norm of sample i's
     gradient, per parameter."""
-    i = draw(inputs.shape[0])
-    loss = scalar_loss(loss_fn(trainable.model(inputs[i:i + 1]), targets[i:i + 1]))
+    i = draw(inputs.size)
+    loss = _loss_alone(trainable, loss_fn, inputs, targets, i)
     grads = torch.autograd.grad(loss, trainable.params, allow_unused=True)
     want = {n: 0.0 if g is None else float(g.double().square().sum()) for n, g in zip(trainable.names, grads,
                                                                                        strict=True)}
@@ -124,9 +130,9 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, tar
             )
 
 
-def _jacobian_alone(trainable: Trainable, x: torch.Tensor) -> torch.Tensor:
+def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:
     """(Y, P): one sample's Jacobian by the definition, one backward per output."""
-    output = trainable.model(x).reshape(-1)
+    output = trainable.outputs(x).reshape(-1)
     rows = []
     for j in range(output.numel()):
         grads = torch.autograd.grad(output[j], trainable.params, retain_graph=True, allow_unused=True)
@@ -135,14 +141,14 @@ def _jacobian_alone(trainable: Trainable, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def check_ntk(trainable: Trainable, x1: torch.Tensor, x2: torch.Tensor | None, kernel: torch.Tensor,
+def check_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: torch.Tensor,
               full: bool) -> None:
     """Raise :class:`CheckFailedError` unless the block K[i, j] of ``kernel`` ((N1, N2, Y, Y) if ``full``, else
     (N1, N2)) for one random pair equals ``J_i J_j^T`` (or its trace) from the two samples computed alone."""
-    i = draw(x1.shape[0])
+    i = draw(x1.size)
     other = x1 if x2 is None else x2
-    j = draw(other.shape[0])
-    j1, j2 = _jacobian_alone(trainable, x1[i:i + 1]), _jacobian_alone(trainable, other[j:j + 1])
+    j = draw(other.size)
+    j1, j2 = _jacobian_alone(trainable, x1.sample(i)), _jacobian_alone(trainable, other.sample(j))
     want = j1 @ j2.T if full else (j1 * j2).sum()
     got = kernel[i, j]
     diff = float((got.double() - want.double()).norm())

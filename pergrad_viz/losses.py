@@ -14,7 +14,9 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .batch import as_pytree, cut, from_pytree
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -66,7 +68,7 @@ def _fast_path_ok(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tensor) 
     """Whether one batched call with reduction='none' is provably the per-sample losses for this call: an
     exact ``torch.nn`` loss type (a subclass may override forward), shapes that need no broadcasting."""
     reduction = getattr(loss_fn, "reduction", None)
-    if not isinstance(output, torch.Tensor) or reduction not in ("sum", "mean"):
+    if not (isinstance(output, torch.Tensor) and isinstance(targets, torch.Tensor)) or reduction not in ("sum", "mean"):
         return False
     if output.dim() == 0 or output.shape[0] != targets.shape[0]:
         return False
@@ -105,7 +107,7 @@ def _check_scalars(losses: torch.Tensor, batch: int) -> torch.Tensor:
     return losses.reshape(batch)
 
 
-def per_sample_losses(loss_fn: LossFn, output: object, targets: torch.Tensor) -> torch.Tensor:
+def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch.Tensor:
     """Loss of each sample, shape (B,), differentiable with respect to ``output``.
 
     ``output`` is (B, *out) from one batched forward (or a tuple / dict of such tensors, each with the samples
@@ -118,27 +120,27 @@ def per_sample_losses(loss_fn: LossFn, output: object, targets: torch.Tensor) ->
         terms = unreduced(output, targets)
         terms = terms.reshape(terms.shape[0], -1)
         return terms.sum(1) if loss_fn.reduction == "sum" else terms.mean(1)
-    batch = targets.shape[0]
-    dims = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) else None, output)
+    batch = next(t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)).shape[0]
+    output = as_pytree(output)
+    dims = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else None, output)
     try:
-        losses = torch.func.vmap(lambda o, t: loss_fn(_sample(o, None), t.unsqueeze(0)), in_dims=(dims, 0))(
-            output, targets)
+        losses = torch.func.vmap(lambda o, t: loss_fn(from_pytree(_sample(o, None)), _sample(t, None)),
+                                 in_dims=(dims, 0))(output, targets)
     except Exception:  # loss functions that vmap cannot batch (data-dependent control flow, .item(), ...)
-        losses = [torch.as_tensor(loss_fn(_sample(output, i), targets[i:i + 1])) for i in range(batch)]
+        losses = [torch.as_tensor(loss_fn(from_pytree(cut(output, slice(i, i + 1), batch)),
+                                          cut(targets, slice(i, i + 1), batch))) for i in range(batch)]
         if any(t.dim() for t in losses):
             return _check_scalars(torch.stack([t.reshape(-1) for t in losses]), batch)
         losses = torch.stack(losses)
     return _check_scalars(losses, batch)
 
 
-def _sample(output: object, i: int | None) -> object:
-    """Sample i of a batched output as a batch of one (``i=None``: one sample under vmap, unsqueezed)."""
-    if i is None:
-        return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, output)
-    return tree_map(lambda t: t[i:i + 1] if isinstance(t, torch.Tensor) else t, output)
+def _sample(output: object, i: None) -> object:
+    """One sample of a batched output under vmap, as a batch of one (unsqueezed)."""
+    return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, output)
 
 
-def summed_per_sample_loss(loss_fn: LossFn, output: object, targets: torch.Tensor) -> torch.Tensor:
+def summed_per_sample_loss(loss_fn: LossFn, output: object, targets: object) -> torch.Tensor:
     """``per_sample_losses(loss_fn, output, targets).sum()``, a scalar, in one call of ``loss_fn`` where
     the reduction allows: 'sum' is already that sum, and 'mean' over equally sized samples is it / B."""
     if _fast_path_ok(loss_fn, output, targets):

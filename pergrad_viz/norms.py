@@ -27,12 +27,14 @@ with :func:`pergrad_viz.per_sample_grads` one chunk of samples at a time and tak
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from . import api
+from .batch import Batch, Inputs, cut
 from .certify import CheckFailedError, check_norms
 from .losses import LossFn
 from .memory import default_budget, result_bytes, working_bytes
@@ -43,9 +45,10 @@ from .trainable import Trainable, computing_gradients, normal_tensor, restoring_
 
 
 @computing_gradients
-def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
-                          strategy: str = "auto", per_parameter: bool = False,
-                          chunk_size: int | None = None, verify: bool = True) -> torch.Tensor | dict[str, torch.Tensor]:
+def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, *,
+                          strategy: str = "auto", per_parameter: bool = False, chunk_size: int | None = None,
+                          verify: bool = True, model_kwargs: Mapping | None = None
+                          ) -> torch.Tensor | dict[str, torch.Tensor]:
     """The L2 norm of each sample's gradient, over all trainable parameters (or per parameter).
 
     The gradient of sample i is the one :func:`pergrad_viz.per_sample_grads` returns: the gradient of
@@ -57,11 +60,13 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     Args:
         model: any ``nn.Module``; left exactly as it was (no hooks, same parameters, ``.grad`` and modes).
         loss_fn: ``loss_fn(output, targets) -> scalar``, e.g. ``nn.CrossEntropyLoss()``.
-        inputs: (B, ...) on the model's device (integer dtype for Embedding models).
-        targets: (B, ...).
+        inputs: (B, ...) on the model's device (integer dtype for Embedding models), or a tuple / dict of
+            tensors as :func:`pergrad_viz.per_sample_grads` takes them.
+        targets: (B, ...), or a tuple / dict of (B, ...) tensors.
         strategy: ``"auto"`` or one of :data:`pergrad_viz.STRATEGIES`.
         per_parameter: return ``{name: (B,)}`` norms per trainable parameter instead of the total (B,).
         chunk_size: process at most this many samples at a time.
+        model_kwargs: more keyword arguments for the model, cut like the inputs (see ``pergrad_viz.batch``).
         verify: check one randomly drawn sample's norms against that sample computed alone, as
             :func:`pergrad_viz.per_sample_grads` does (``pergrad_viz.certify``); ``False`` skips it.
 
@@ -77,8 +82,9 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     """
     if not isinstance(per_parameter, bool):
         raise TypeError(f"per_parameter must be True or False, got {per_parameter!r}")
-    inputs, targets = normal_tensor(inputs), normal_tensor(targets)
-    trainable, resolved, batch, chunk = api._prepare(model, inputs, targets, strategy, chunk_size, loss_fn)
+    targets = tree_map(normal_tensor, targets)
+    trainable, resolved, inputs, chunk = api._prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
+                                                      model_kwargs)
     squared = None
     if resolved == "hooks":
         try:
@@ -90,7 +96,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
             if strategy != "auto":
                 raise
             if isinstance(e, CheckFailedError):
-                plan_for(trainable, inputs).interaction = f"a per-call check failed ({str(e).split(' (')[0]})"
+                plan_for(trainable, inputs).interaction = f"the samples interact: {str(e).split(' (')[0]}"
             squared, resolved = None, "torch_func"  # each sample alone
     if squared is None:
         # Under auto, per_sample_grads(strategy="auto") hands over from torch_func to the loop where it must.
@@ -101,15 +107,15 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     return torch.stack(list(squared.values())).sum(0).sqrt()
 
 
-def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
                          chunk: int) -> dict[str, torch.Tensor]:
     """{name: (B,) squared norms}: per chunk 1 forward with hooks, 1 backward to the layer outputs."""
-    batch = inputs.shape[0]
+    batch = inputs.size
     squared = {n: torch.zeros(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
     with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
         for start in range(0, batch, chunk):
             rows = slice(start, min(start + chunk, batch))
-            calls, grads = hooks.loss_gradients(trainable, loss_fn, inputs[rows], targets[rows])
+            calls, grads = hooks.loss_gradients(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
             tied = tied_names(calls)
             summed: dict[str, torch.Tensor] = {}  # tied parameters: (B, *shape), summed over their layers
             for layer, seen in group_calls(calls, grads).values():
@@ -127,11 +133,11 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: torch.Te
 
 
 def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn,
-                                inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int | None,
+                                inputs: Batch, targets: object, chunk_size: int | None,
                                 verify: bool = True) -> dict[str, torch.Tensor]:
     """{name: (B,) squared norms} from :func:`pergrad_viz.per_sample_grads` with ``strategy``, one chunk of samples
     at a time (chunks sized for ``resolved``, the strategy it runs)."""
-    batch = inputs.shape[0]
+    batch = inputs.size
     if chunk_size is None:
         p = trainable.num_params
         per_sample = result_bytes(1, p, trainable.dtype) + working_bytes(resolved, 1, 1, p, trainable.dtype)
@@ -141,8 +147,8 @@ def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: s
     squared = {n: torch.empty(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
     for start in range(0, batch, chunk):
         rows = slice(start, min(start + chunk, batch))
-        grads = api.per_sample_grads(trainable.model, loss_fn, inputs[rows], targets[rows], strategy=strategy,
-                                     verify=verify)
+        grads = api.per_sample_grads(trainable.model, loss_fn, inputs.rows(rows), cut(targets, rows, batch),
+                                     strategy=strategy, verify=verify)
         for name, g in grads.items():
             squared[name][rows] = row_squared_norms(g)
     return squared

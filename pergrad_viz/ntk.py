@@ -27,12 +27,13 @@ import torch
 from torch import nn
 
 from . import api
+from .batch import Batch, Inputs
 from .certify import CheckFailedError, check_ntk
 from .memory import check_budget, result_bytes
 from .norms import Seen, dense_grads, ghost_rule, group_calls, stack_calls, tied_names
 from .rules import ghost_rule_for
 from .strategies import hooks
-from .trainable import Trainable, computing_gradients, normal_tensor, restoring_modes
+from .trainable import Trainable, computing_gradients, restoring_modes
 
 MODES: tuple[str, ...] = ("full", "trace")
 
@@ -68,7 +69,7 @@ def _add_dense(dense: dict[str, torch.Tensor], local: dict[str, str], grads: dic
 
 
 @computing_gradients
-def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *, mode: str = "full",
+def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mode: str = "full",
                   chunk_size: int | None = None, max_bytes: int | None = None, verify: bool = True) -> torch.Tensor:
     """The empirical NTK ``K[i, j] = J(x1_i) J(x2_j)^T`` over all trainable parameters.
 
@@ -94,25 +95,23 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = 
             and everything :func:`pergrad_viz.per_sample_jacobian` refuses (empty batch, wrong device or
             dtype, no trainable parameters, bad ``chunk_size``, BatchNorm / Dropout in training mode).
     """
-    x1, x2 = normal_tensor(x1), normal_tensor(x2)
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: 'full' (N1, N2, Y, Y) or 'trace' (N1, N2)")
-    trainable, strategy, _n1, chunk = api._prepare(model, x1, None, "auto", chunk_size)
+    trainable, strategy, x1, chunk = api._prepare(model, x1, None, "auto", chunk_size)
     if x2 is not None:
-        api._check_inputs(trainable, x2, None)
-        if x2.shape[1:] != x1.shape[1:] or x2.dtype != x1.dtype:
+        x2 = api.batch_of(trainable, x2)
+        if x2.signature() != x1.signature():
             raise ValueError(
-                f"x1 and x2 must hold samples of the same kind: x1 is {tuple(x1.shape)} {x1.dtype}, x2 is "
-                f"{tuple(x2.shape)} {x2.dtype}; pass x2 with shape (N2, {', '.join(map(str, x1.shape[1:]))}) "
-                f"and dtype {x1.dtype}, or x2=None for K(x1, x1)"
+                "x1 and x2 must hold samples of the same kind (the same shapes past the batch dimension, dtypes and "
+                f"arguments): x1 is {_describe(x1)}, x2 is {_describe(x2)}; or pass x2=None for K(x1, x1)"
             )
     full = mode == "full"
     with restoring_modes(trainable):
-        y_count = api.output_size(model, x1)
-    n2 = x1.shape[0] if x2 is None else x2.shape[0]
-    check_budget(what=f"an empirical NTK of {x1.shape[0]} x {n2} samples" + (f" x {y_count}^2 outputs" if full else ""),
-                 result=result_bytes(x1.shape[0] * n2, 1, trainable.dtype, y_count * y_count if full else 1),
-                 working=0, max_bytes=max_bytes, allocate_result=True, device=trainable.device, batch=x1.shape[0],
+        y_count = api.output_size(trainable, x1)
+    n1, n2 = x1.size, x1.size if x2 is None else x2.size
+    check_budget(what=f"an empirical NTK of {n1} x {n2} samples" + (f" x {y_count}^2 outputs" if full else ""),
+                 result=result_bytes(n1 * n2, 1, trainable.dtype, y_count * y_count if full else 1),
+                 working=0, max_bytes=max_bytes, allocate_result=True, device=trainable.device, batch=n1,
                  chunk=chunk)
     if strategy == "hooks" and (x2 is None or api.resolve_strategy("auto", trainable, x2) == "hooks"):
         try:
@@ -126,7 +125,11 @@ def empirical_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = 
     return _jacobian_ntk(model, x1, x2, full, chunk_size, verify)
 
 
-def _jacobian_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, full: bool,
+def _describe(x: Batch) -> str:
+    return ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in x.named_leaves())
+
+
+def _jacobian_ntk(model: nn.Module, x1: Batch, x2: Batch | None, full: bool,
                   chunk_size: int | None, verify: bool) -> torch.Tensor:
     """The fallback: materialise (N, Y, P) Jacobians with :func:`pergrad_viz.per_sample_jacobian` and contract.
 
@@ -141,17 +144,17 @@ def _jacobian_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, f
     return _symmetrise(kernel, full) if x2 is None else kernel
 
 
-def _ghost_ntk(trainable: Trainable, x1: torch.Tensor, x2: torch.Tensor | None, full: bool, chunk: int) -> torch.Tensor:
-    rows1 = [slice(s, min(s + chunk, x1.shape[0])) for s in range(0, x1.shape[0], chunk)]
-    rows2 = rows1 if x2 is None else [slice(s, min(s + chunk, x2.shape[0])) for s in range(0, x2.shape[0], chunk)]
+def _ghost_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, full: bool, chunk: int) -> torch.Tensor:
+    rows1 = [slice(s, min(s + chunk, x1.size)) for s in range(0, x1.size, chunk)]
+    rows2 = rows1 if x2 is None else [slice(s, min(s + chunk, x2.size)) for s in range(0, x2.size, chunk)]
     with restoring_modes(trainable):
-        f1 = [_features(trainable, x1[r], full) for r in rows1]
-        f2 = f1 if x2 is None else [_features(trainable, x2[r], full) for r in rows2]
+        f1 = [_features(trainable, x1.rows(r), full) for r in rows1]
+        f2 = f1 if x2 is None else [_features(trainable, x2.rows(r), full) for r in rows2]
     y_count = f1[0].outputs
     for f in f1 + f2:
         _check_outputs(y_count, f.outputs)
-    n2 = x1.shape[0] if x2 is None else x2.shape[0]
-    shape = (x1.shape[0], n2, y_count, y_count) if full else (x1.shape[0], n2)
+    n2 = x1.size if x2 is None else x2.size
+    shape = (x1.size, n2, y_count, y_count) if full else (x1.size, n2)
     kernel = torch.zeros(shape, dtype=trainable.dtype, device=trainable.device)
     for b1, (r1, a) in enumerate(zip(rows1, f1, strict=True)):
         for b2, (r2, b) in enumerate(zip(rows2, f2, strict=True)):
@@ -165,7 +168,7 @@ def _ghost_ntk(trainable: Trainable, x1: torch.Tensor, x2: torch.Tensor | None, 
     return _symmetrise(kernel, full) if x2 is None else kernel
 
 
-def _features(trainable: Trainable, inputs: torch.Tensor, full: bool) -> _Features:
+def _features(trainable: Trainable, inputs: Batch, full: bool) -> _Features:
     """1 forward with hooks and 1 backward batched over the Y outputs; per layer ghost pieces or a Jacobian."""
     calls, grads, y_count = hooks.output_gradients(trainable, inputs)  # each (Y, N, ...)
     features = _Features(y_count)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from .bench import FORWARD_BACKWARD, MEMORY_FLOOR
 from .strategies import STRATEGIES
@@ -37,6 +37,8 @@ __all__ = [
     "outer_product_figure",
     "right_closed_counts",
     "first_layer_images",
+    "fmt_ratio",
+    "fmt_seconds",
     "gradient_heatmap",
     "param_boundaries",
     "robust_limit",
@@ -113,11 +115,20 @@ def to_png(fig: Figure, *, dpi: float | None = None, close: bool = True) -> byte
 # --------------------------------------------------------------------------------------------- runtime
 
 
-def _fmt_seconds(s: float) -> str:
+def fmt_seconds(s: float) -> str:
+    """A duration as people read it: ``"1.5 s"``, ``"13.7 ms"``, ``"95.7 µs"``, ``"939 ns"`` (3 digits)."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if s >= scale:
             return f"{s / scale:.3g} {unit}"
     return f"{s * 1e9:.3g} ns"
+
+
+def fmt_ratio(r: float) -> str:
+    """A ratio as people read it: ``"1,930x"``, ``"89.4x"``, ``"0.668x"`` (never ``1.93e+03x``)."""
+    return f"{r:,.0f}x" if r >= 100 else f"{r:.3g}x"
+
+
+_fmt_seconds = fmt_seconds
 
 
 def _skip_text(timed: list[int], skipped: list[int], short: str) -> str:
@@ -132,7 +143,7 @@ def _skip_text(timed: list[int], skipped: list[int], short: str) -> str:
 
 def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | None = None,
                    title: str | None = None, highlight: int | None = None, width: float = 7.0,
-                   height: float = 4.0) -> Figure:
+                   height: float = 4.0, legend: str = "right") -> Figure:
     """Median time per call against batch size (or hidden width), log-log, one line per method.
 
     Args:
@@ -146,7 +157,9 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
         ax: draw into this axes (default: a new figure).
         title: default: the quantity and the fixed setting.
         highlight: an x value to mark with a dotted vertical line (e.g. the current batch size).
-        width, height: of a new figure, in inches (the legend sits right of the axes, inside the figure).
+        width, height: of a new figure, in inches (the legend inside the figure).
+        legend: ``"right"`` of the axes, or ``"below"`` them in columns (the axes then get the whole width:
+            long entries such as ``autograd_stack (skipped above B=64)`` no longer squeeze the plot).
 
     Returns:
         The figure.
@@ -215,18 +228,34 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
         what = " & ".join(_QUANTITY_TITLES.get(q, q) for q in quantities)
         fixed = f", {_X_AXES[other][1]}={others[0]}" if len(others) == 1 else ""
         title = f"{what}: time vs {xlabel}{fixed}"
-    right = min(_text_in(labels, "small") + 0.6, width * 0.45)
-    if new:  # wrapped to the axes' width: a title centred over the axes stays inside the figure
-        title = fit_text(title, width - 0.85 - right)
+    if legend not in ("right", "below"):
+        raise ValueError(f"legend must be 'right' or 'below', got {legend!r}")
+    if legend == "right" or not new:
+        right = min(_text_in(labels, "small") + 0.6, width * 0.45)
+        if new:  # wrapped to the axes' width: a title centred over the axes stays inside the figure
+            title = fit_text(title, width - 0.85 - right)
+        ax.set_title(title, fontsize="medium")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        if new:
+            _place(fig, left=0.85, right=right, bottom=0.55, top=_title_in(title))
+        return fig
+    entry = _text_in(labels, "small") + 0.55  # a line sample and its label
+    ncol = max(1, min(len(labels), int((width - 0.3) // entry)))
+    rows = -(-len(labels) // ncol)
+    bottom = 0.55 + 0.2 * rows + 0.12
+    title = fit_text(title, width - 0.3)  # the whole width: centred over the axes it stays inside
     ax.set_title(title, fontsize="medium")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    if new:
-        _place(fig, left=0.85, right=right, bottom=0.55, top=_title_in(title))
+    top = _title_in(title)
+    _place(fig, left=0.85, right=0.2, bottom=bottom, top=top)
+    axes_h = height - bottom - top
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.5 / axes_h), ncol=ncol,
+              frameon=False, columnspacing=1.2, handlelength=1.8, borderaxespad=0.0)
     return fig
 
 
 def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | None = None,
-               pending: Sequence[str] = (), noisy: Collection[str] | None = None, width: float = 6.0) -> Figure:
+               pending: Sequence[str] = (), noisy: Collection[str] | None = None,
+               provisional: Collection[str] = (), width: float = 6.0) -> Figure:
     """Horizontal bars of the median time of every method at one setting, annotated with the speed-up vs loop.
 
     Args:
@@ -237,8 +266,10 @@ def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | N
         ax, title: as in :func:`runtime_figure` (default title: the quantity and the setting).
         pending: methods still being timed: a row each, reading "timing…", so the chart keeps its size while
             it fills in.
-        noisy: methods whose measurement was noisy: their annotation says "noisy: rerun" (default: the records
-            whose note says "noisy").
+        noisy: methods whose measurement was noisy: their annotation says "⚠ noisy" (default: the records
+            flagged ``noisy``).
+        provisional: methods whose numbers are from the first rounds, more rounds on their way: annotated
+            "provisional", in grey (not a warning).
         width: figure width in inches (a new figure only).
 
     The annotations sit to the right of the axes, inside the figure (constrained layout makes room).
@@ -255,36 +286,37 @@ def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | N
                          "records first, e.g. [r for r in records if r.batch_size == B and r.hidden == H]")
     rows = len(records) + len(pending)
     if noisy is None:
-        noisy = {r.strategy for r in records if "noisy" in (r.note or "").lower()}
-    fig, ax, new = _fixed_axes(ax, (width, 0.3 * rows + 1.05))
+        noisy = {r.strategy for r in records if getattr(r, "noisy", False)}
+    fig, ax, new = _fixed_axes(ax, (width, 0.32 * rows + 1.05))
     timed = [r.median_s for r in records if r.median_s is not None]
     left = min(timed) / 3 if timed else 1e-4
     right = max(timed) * 3 if timed else 1.0
     beside = ax.get_yaxis_transform()  # x in axes fraction, y in data
-    note_chars = max(20, int(fig.get_figwidth() * 0.45 / _CHAR_IN["x-small"]))
-    annotations: list[str] = []
+    names = [r.strategy for r in records] + list(pending)
+    annotations = [_bar_label(r, r.strategy in noisy, r.strategy in provisional) for r in records
+                   if r.median_s is not None]
+    margin_left = _text_in(names, "medium") + 0.2
+    margin_right = _text_in(annotations, "small") + 0.25
+    axes_in = fig.get_figwidth() - margin_left - margin_right if new else fig.get_figwidth() * 0.45
+    note_chars = max(16, int(axes_in * 0.97 / _CHAR_IN["small"]))
     for k, r in enumerate(records):
         ref = r.strategy in REFERENCES
-        if r.median_s is None:
+        if r.median_s is None:  # inside the axes, on at most two lines
             note = f"skipped: {r.note.removeprefix('skipped: ')}" if r.note else "skipped"
-            ax.text(0.01, k, textwrap.fill(note, note_chars), transform=beside, va="center", fontsize="x-small",
-                    color="0.3", style="italic")
+            lines = textwrap.wrap(note, note_chars)
+            if len(lines) > 2:
+                lines = [lines[0], textwrap.shorten(" ".join(lines[1:]), note_chars, placeholder=" …")]
+            ax.text(0.01, k, "\n".join(lines), transform=beside, va="center", fontsize="small", color="0.35",
+                    linespacing=1.0)
             continue
         ax.barh(k, r.median_s - left, left=left, color=_REFERENCE_STYLE[r.strategy]["color"] if ref
                 else _color(r.strategy), hatch="//" if ref else None, alpha=0.85 if ref else 1.0, height=0.7)
         if r.iqr_s:
             ax.plot([max(left, r.median_s - r.iqr_s / 2), r.median_s + r.iqr_s / 2], [k, k], color="black",
                     linewidth=1.0, solid_capstyle="butt")
-        if r.speedup_vs_loop is not None:
-            extra = "loop" if r.strategy == "loop" else f"{r.speedup_vs_loop:.3g}x vs loop"
-        elif r.vs_forward_backward is not None and r.strategy != FORWARD_BACKWARD:
-            extra = f"{r.vs_forward_backward:.3g}x fwd+bwd"
-        else:
-            extra = ""
-        warn = r.strategy in noisy
-        label = _fmt_seconds(r.median_s) + (f" ({extra})" if extra else "") + (" ⚠ noisy: rerun" if warn else "")
-        annotations.append(label)
-        ax.text(1.02, k, label, transform=beside, va="center", fontsize="small", color="#c62828" if warn else "black",
+        warn, soon = r.strategy in noisy, r.strategy in provisional
+        color = "#8a5300" if warn else ("0.45" if soon else "black")
+        ax.text(1.02, k, _bar_label(r, warn, soon), transform=beside, va="center", fontsize="small", color=color,
                 clip_on=False)
     for j in range(len(records), rows):
         ax.text(0.01, j, "timing…", transform=beside, va="center", fontsize="small", color="0.4", style="italic")
@@ -298,9 +330,7 @@ def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | N
     if title is None and settings:
         (quantity, batch, hidden), = settings
         title = f"{_QUANTITY_TITLES.get(quantity, quantity)}, B={batch}, hidden={hidden}"
-    names = [r.strategy for r in records] + list(pending)
-    left = _text_in(names, "medium") + 0.2
-    right = _text_in(annotations, "small") + 0.25
+    left, right = margin_left, margin_right
     if title:
         title = fit_text(title, fig.get_figwidth() - left - right + 2 * min(left, right)) if new else title
         ax.set_title(title, fontsize="medium")
@@ -308,6 +338,18 @@ def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | N
     if new:
         _place(fig, left=left, right=right, bottom=0.5, top=_title_in(title))
     return fig
+
+
+def _bar_label(r: Any, noisy: bool, provisional: bool) -> str:
+    """A bar's annotation: its time, its speed-up over the loop (or its time over forward+backward), a flag."""
+    if r.speedup_vs_loop is not None:
+        extra = "loop" if r.strategy == "loop" else f"{fmt_ratio(r.speedup_vs_loop)} vs loop"
+    elif r.vs_forward_backward is not None and r.strategy != FORWARD_BACKWARD:
+        extra = f"{fmt_ratio(r.vs_forward_backward)} fwd+bwd"
+    else:
+        extra = ""
+    flag = " ⚠ noisy" if noisy else (" provisional" if provisional else "")
+    return fmt_seconds(r.median_s) + (f" ({extra})" if extra else "") + flag
 
 
 def fit_text(text: str, width_in: float, fontsize_pt: float = 10.0) -> str:
@@ -505,7 +547,13 @@ def gradient_heatmap(grads_flat: Any, boundaries: Boundaries | None = None, *, a
         ax.set_yticks(np.arange(rows) + 0.5, [str(k) for k in range(rows)], fontsize="small")
     ax.set_ylabel(ylabel)
     if highlight_row is not None and 0 <= highlight_row < rows:
-        ax.axhspan(highlight_row, highlight_row + 1, fill=False, edgecolor="black", linewidth=1.2)
+        # a box around the row, and arrow heads outside the axes on both sides: visible however thin the row is
+        ax.axhspan(highlight_row, highlight_row + 1, fill=False, edgecolor="black", linewidth=1.4)
+        sides = ax.get_yaxis_transform()  # x in axes fraction, y in data
+        ax.tick_params(axis="y", pad=9)  # the row labels clear of the left arrow head
+        for x_frac, marker in ((-0.004, ">"), (1.004, "<")):
+            ax.plot([x_frac], [highlight_row + 0.5], marker=marker, markersize=7, color="black", transform=sides,
+                    clip_on=False, linestyle="none")
     left = 0.35 + (_text_in(row_labels, "small") if labelled else 0.35)
     if title:
         if new:
@@ -523,7 +571,7 @@ def gradient_heatmap(grads_flat: Any, boundaries: Boundaries | None = None, *, a
 
 def first_layer_images(weight_grad: Any, *, image: Any = None, titles: Sequence[str] | None = None,
                        ncols: int = 5, suptitle: str | None = None, image_title: str = "input",
-                       cmap: str = DIVERGING) -> Figure:
+                       cmap: str = DIVERGING, cell: float = 1.6) -> Figure:
     """K small images of first-layer weight gradients (or Jacobian rows), in a diverging colour map.
 
     Args:
@@ -531,7 +579,7 @@ def first_layer_images(weight_grad: Any, *, image: Any = None, titles: Sequence[
             of ``fc1.weight``'s gradient per hidden unit, or one image per output class for a Jacobian.
         image: (784,), (28, 28) or (1, 28, 28): the input, shown first in grey.
         titles: K titles (default ``"0", "1", ...``).
-        ncols: images per row. suptitle: a title over all.
+        ncols: images per row. suptitle: a title over all. cell: each image's side, in inches.
 
     Colours are symmetric around 0 with one scale for all K images (``±`` the largest ``|value|``), so
     they can be compared; a colour bar gives the scale.
@@ -555,7 +603,7 @@ def first_layer_images(weight_grad: Any, *, image: Any = None, titles: Sequence[
     ncols = max(1, min(ncols, panels))
     nrows = -(-panels // ncols)
     # a fixed grid (no constrained layout: it costs more than drawing these untitled, tick-free images)
-    cell, title_in, bar_in = 1.6, 0.22, 0.75
+    title_in, bar_in = 0.22, 0.75
     width = cell * ncols + bar_in
     if suptitle:  # wrapped to the figure's width: it must not run off the edges
         suptitle = fit_text(suptitle, width - 0.2)
@@ -705,11 +753,15 @@ def clipping_figure(total: Any, layers: Mapping[str, Any], max_norm: float, *, s
         bottom.stairs(right_closed_counts(values, edges), edges, color=_PALETTE[(k + 4) % len(_PALETTE)],
                       linewidth=1.6, label=name)
     for ax in (top, bottom):
-        ax.axvline(max_norm, color="k", linestyle="--", linewidth=1)
+        line = ax.axvline(max_norm, color="k", linestyle="--", linewidth=1)
         ax.set_ylabel("samples")
         ax.grid(True, axis="y", alpha=0.3)
-    top.text(max_norm, 0.97, f" C = {max_norm:.3g}", transform=top.get_xaxis_transform(), va="top",
-             fontsize="small")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        if ax is top:
+            line.set_label(f"the threshold C = {max_norm:.3g}")  # named in the legend, never on a bar
+    top.set_ylim(0, max(1, int(counts.max())) * 1.6)  # headroom: the legend sits above the bars
+    layer_max = max((int(right_closed_counts(v, edges).max()) for v in parts.values()), default=1)
+    bottom.set_ylim(0, max(1, layer_max) * 1.5)
     top.legend(fontsize="small", loc="upper right")
     bottom.legend(fontsize="small", loc="upper right", title="per layer", title_fontsize="small")
     bottom.set_xlim(0, edges[-1])
@@ -742,7 +794,8 @@ def outer_product_figure(a: Any, g: Any, *, gradient_norm: float | None = None, 
         g: (out,) the gradient of the sample's loss with respect to the layer's output.
         gradient_norm: the norm of the sample's weight gradient as computed elsewhere (e.g. from
             ``per_sample_grads``): shown next to ||g|| ||a|| to check the identity.
-        title: over the three panels. width: in inches (at least 7).
+        title: over the three panels. width: in inches (at least 6): from 8.5 the three panels in a row, below
+            it the product under the other two.
     """
     a_np, g_np = _to_numpy(a).ravel(), _to_numpy(g).ravel()
     h, w = image_shape
@@ -752,18 +805,33 @@ def outer_product_figure(a: Any, g: Any, *, gradient_norm: float | None = None, 
         raise ValueError("g is empty: pass the (out,) gradient at the layer's output")
     outer = np.outer(g_np, a_np)  # (out, in)
     a_norm, g_norm = float(np.linalg.norm(a_np)), float(np.linalg.norm(g_np))
-    width = max(width, 7.0)
+    width = max(width, 6.0)
     head = fit_text(title, width - 0.3) if title else ""
-    top = 0.55 + (0.21 * (head.count("\n") + 1) + 0.05 if head else 0)  # the panels' two-line titles + title
-    bottom = 0.85  # x labels, then the identity
-    height = 2.5 + top + bottom
-    fig = Figure(figsize=(width, height))
-    panel = height - top - bottom
-    ax_a = _inches(fig, 0.15, bottom, panel, panel)
-    ax_g = _inches(fig, 0.15 + panel + 0.6, bottom, 1.8, panel)
-    x_o = 0.15 + panel + 0.6 + 1.8 + 0.75
-    ax_o = _inches(fig, x_o, bottom, width - x_o - 0.95, panel)
-    ax_c = _inches(fig, width - 0.8, bottom, 0.12, panel)
+    head_in = 0.21 * (head.count("\n") + 1) + 0.05 if head else 0
+    check = f" (per_sample_grads: {gradient_norm:.5g})" if gradient_norm is not None else ""
+    identity = fit_text(f"||g_i a_i^T|| = ||g_i|| ||a_i|| = {g_norm:.5g} x {a_norm:.5g} = {g_norm * a_norm:.5g}"
+                        f"{check}: the ghost-norm trick", width - 0.3)
+    foot = 0.6 + 0.21 * (identity.count("\n") + 1)  # x label, then the identity
+    if width >= 8.5:  # one row: the input, the signal, their product
+        top = 0.55 + head_in  # the panels' two-line titles + title
+        height = 2.5 + top + foot
+        fig = Figure(figsize=(width, height))
+        panel = height - top - foot
+        ax_a = _inches(fig, 0.15, foot, panel, panel)
+        ax_g = _inches(fig, 0.15 + panel + 0.6, foot, 1.8, panel)
+        x_o = 0.15 + panel + 0.6 + 1.8 + 0.75
+        ax_o = _inches(fig, x_o, foot, width - x_o - 0.95, panel)
+        ax_c = _inches(fig, width - 0.8, foot, 0.12, panel)
+    else:  # two rows: the input and the signal above, their product below at the whole width
+        upper, lower, gap = 1.9, 1.5, 0.95  # gap: the signal's x label, then the product's two-line title
+        top = 0.55 + head_in
+        height = top + upper + gap + lower + foot
+        fig = Figure(figsize=(width, height))
+        ax_a = _inches(fig, 0.15, foot + lower + gap, upper, upper)
+        x_g = 0.15 + upper + 0.75
+        ax_g = _inches(fig, x_g, foot + lower + gap, width - x_g - 0.25, upper)
+        ax_o = _inches(fig, 0.6, foot, width - 0.6 - 0.95, lower)
+        ax_c = _inches(fig, width - 0.8, foot, 0.12, lower)
     ax_a.imshow(a_np.reshape(h, w), cmap="gray", interpolation="nearest")
     ax_a.set_title(f"the input a_i\n||a_i|| = {a_norm:.5g}", fontsize="small")
     ax_a.set_xticks([])
@@ -785,10 +853,9 @@ def outer_product_figure(a: Any, g: Any, *, gradient_norm: float | None = None, 
     ax_o.tick_params(labelsize="x-small")
     ax_o.set_title("their outer product g_i a_i^T\n= the sample's gradient of the weight", fontsize="small")
     fig.colorbar(shown, cax=ax_c).ax.tick_params(labelsize="x-small")
-    check = f" (per_sample_grads: {gradient_norm:.5g})" if gradient_norm is not None else ""
-    identity = (f"||g_i a_i^T|| = ||g_i|| ||a_i|| = {g_norm:.5g} x {a_norm:.5g} = {g_norm * a_norm:.5g}{check}: "
-                "the ghost-norm trick")
-    fig.text(0.15 / width, 0.1 / height, fit_text(identity, width - 0.3), fontsize="medium", va="bottom")
+    for axis in (ax_g.xaxis, ax_o.yaxis):  # hidden units are whole numbers
+        axis.set_major_locator(MaxNLocator(integer=True, nbins="auto"))
+    fig.text(0.15 / width, 0.1 / height, identity, fontsize="medium", va="bottom")
     if head:
         fig.suptitle(head, fontsize="medium", y=1 - 0.06 / height, va="top")
     return fig

@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .batch import Batch, as_pytree, differs
 from .errors import UndefinedPerSampleError
 from .rules import call_rule_for, rule_for, rule_takes_batch_dim
 from .trainable import Trainable, restoring_modes
@@ -123,7 +124,7 @@ def tensors_of(obj: object) -> list[torch.Tensor]:
         return [obj]
     if type(obj) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in obj):
         return list(obj)
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+    return [t for t in tree_flatten(as_pytree(obj))[0] if isinstance(t, torch.Tensor)]
 
 
 @dataclass
@@ -185,7 +186,7 @@ def _draws(func, args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def _run(trainable: Trainable, inputs: torch.Tensor, watch: dict[int, str] | None,
+def _run(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
          random_ops: bool = False) -> tuple[_Record, dict | str | None]:
     """One hooked forward of ``inputs``: what every module saw, and the parameter uses (``watch``) or, with
     ``random_ops``, the module that first drew random numbers."""
@@ -217,13 +218,13 @@ def _run(trainable: Trainable, inputs: torch.Tensor, watch: dict[int, str] | Non
         with torch.enable_grad():  # the same code paths as the real capture (no inference fast paths)
             if randomness is not None:
                 with randomness:
-                    trainable.model(inputs)
+                    inputs(trainable.model)
                 return record, randomness.first
             if mode is None:
-                trainable.model(inputs)
+                inputs(trainable.model)
             else:
                 with mode:
-                    trainable.model(inputs)
+                    inputs(trainable.model)
                 uses = mode.uses
     finally:
         for h in handles:
@@ -243,14 +244,10 @@ def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | str:
     return "bad"
 
 
-def _pick_pair(inputs: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Two samples of the call (two different ones where there are), as a batch of two."""
-    first = inputs[0]
-    if inputs.shape[0] > 1:
-        differs = (inputs[1:] != inputs[:1]).reshape(inputs.shape[0] - 1, -1).any(1).nonzero()
-        if differs.numel():
-            return torch.stack([first, inputs[1 + int(differs[0, 0])]]), True
-    return torch.stack([first, first]), False
+def _pick_pair(inputs: Batch) -> tuple[int, int, bool]:
+    """Two samples of the call (two different ones where there are), and whether they differ."""
+    other = next((j for j in range(1, inputs.size) if differs(inputs, 0, j)), None)
+    return (0, other, True) if other is not None else (0, 0, False)
 
 
 def _describe(leaf: str, name: str, module: nn.Module) -> str:
@@ -258,18 +255,19 @@ def _describe(leaf: str, name: str, module: nn.Module) -> str:
 
 
 class _Probe:
-    def __init__(self, trainable: Trainable, inputs: torch.Tensor):
+    def __init__(self, trainable: Trainable, inputs: Batch):
         self.trainable = trainable
         self.modules = dict(trainable.modules)
-        pair, self.verified = _pick_pair(inputs)
+        a, b, self.verified = _pick_pair(inputs)
+        index = torch.tensor([a, b], device=inputs.device)
         watch = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
         device = trainable.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG untouched
-            self.alone_a, drew = _run(trainable, pair[:1], None, random_ops=True)
-            again, _ = _run(trainable, pair[:1], None)
-            self.alone_b, _ = _run(trainable, pair[1:], None)
-            self.pair, self.uses = _run(trainable, pair, watch)
-            self.swapped, _ = _run(trainable, pair.flip(0), None)  # a reordering by the data shows in one order
+            self.alone_a, drew = _run(trainable, inputs.sample(a), None, random_ops=True)
+            again, _ = _run(trainable, inputs.sample(a), None)
+            self.alone_b, _ = _run(trainable, inputs.sample(b), None)
+            self.pair, self.uses = _run(trainable, inputs.rows(index), watch)
+            self.swapped, _ = _run(trainable, inputs.rows(index.flip(0)), None)  # a reordering by the data shows
         self.random = drew if drew is not None else _first_difference(self.alone_a, again)
         self.interaction: str | None = None
         self.specs: dict[str, list[CallSpec] | str] = {}
@@ -310,6 +308,10 @@ class _Probe:
                 single = [a[k] for a in alone_leaves]
                 dim = _batch_dim(single[0].shape, leaf.shape)
                 if dim == "bad" or single[1].shape != single[0].shape or swapped_leaves[k].shape != leaf.shape:
+                    if single[0].dim() < leaf.dim():
+                        return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample "
+                                f"and {tuple(leaf.shape)} for two: it loses a dimension for a batch of one (e.g. "
+                                ".squeeze() without a dimension; use .squeeze(-1) or .flatten(1))")
                     return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample and "
                             f"{tuple(leaf.shape)} for two: the samples are not along one dimension of it (e.g. "
                             "(B*T, ...) rows after a reshape)")
@@ -440,7 +442,7 @@ def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> st
     return "fallback"
 
 
-def _make_plan(trainable: Trainable, inputs: torch.Tensor) -> Plan:
+def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
     with restoring_modes(trainable):  # the probe runs the model: its modes are left as they were, even on error
         probe = _Probe(trainable, inputs)
     if probe.random is not None:
@@ -491,25 +493,26 @@ def _plain_attributes(module: nn.Module) -> tuple:
     return tuple(items)
 
 
-def _key(trainable: Trainable, inputs: torch.Tensor) -> tuple:
+def _key(trainable: Trainable, inputs: Batch) -> tuple:
     return (
-        tuple(inputs.shape[1:]), inputs.dtype, inputs.device,
+        inputs.signature(),
         tuple((n, id(m), type(m), type(m).forward, m.__dict__.get("forward"), _user_hooks(m), _plain_attributes(m))
               for n, m in trainable.modules),
         tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad) for n, p in trainable.model.named_parameters()),
     )
 
 
-def plan_for(trainable: Trainable, inputs: torch.Tensor) -> Plan:
+def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
     """The :class:`Plan` for ``trainable`` called on inputs like ``inputs`` (B, ...), from the cache or a probe.
 
     A plan found on a batch whose samples were all equal is not cached once a call has different samples.
     """
     if "probe.plan" in trainable.cache:
         return trainable.cache["probe.plan"]
+    inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs)
     key = _key(trainable, inputs)
     cached = _PLANS.get(trainable.model)
-    if cached is not None and cached[0] == key and (cached[1].verified or inputs.shape[0] == 1):
+    if cached is not None and cached[0] == key and (cached[1].verified or inputs.size == 1):
         plan = cached[1]
     else:
         plan = _make_plan(trainable, inputs)

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from . import api
+from .batch import Batch
+from .certify import CheckFailedError, check_norms
 from .losses import LossFn, per_sample_losses
 from .norms import (
     dense_grads,
@@ -86,7 +88,7 @@ def batch_quantities(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     if use_hooks:
         try:
             return _hooks_batch(model, loss_fn, x, y, want, blocks, sketch)
-        except (hooks.PlanMismatchError, _NeedsMaterialising):
+        except (hooks.PlanMismatchError, CheckFailedError, _NeedsMaterialising):
             pass
     return _materialised_batch(model, loss_fn, x, y, want, blocks, sketch)
 
@@ -95,8 +97,9 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
                  blocks: list[Block], sketch: GradientSketch | None) -> dict[str, torch.Tensor]:
     trainable = Trainable.of(model)
     batch = x.shape[0]
+    inputs = Batch.of(x, size=batch)
     with restoring_modes(trainable):
-        output, calls = hooks.capture(trainable, x)
+        output, calls = hooks.capture(trainable, inputs)
         if tied_names(calls):
             raise _NeedsMaterialising
         losses = per_sample_losses(loss_fn, output, y)  # (B,)
@@ -125,6 +128,8 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
                 dense[local[ln]] = t[0]
                 if kind is None:
                     squared[local[ln]] = row_squared_norms(t[0])
+    with restoring_modes(trainable):
+        check_norms(trainable, loss_fn, inputs, y, squared, "hooks")  # the per-call check (pergrad_viz.certify)
     res.update(_from_squared(want, squared, blocks))
     if want_sketch:
         for i, bs in enumerate(sketch.blocks):

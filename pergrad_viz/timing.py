@@ -11,27 +11,42 @@ rounds::
     >>> t["a"].median_s, t["a"].iqr_s, t["a"].noisy
 
 A :class:`Timing` is noisy when its interquartile range is large against its median (default: more than
-25%): such a number should be shown with a warning and measured again, never cached. Pure functions of the
-callables given; nothing here knows of strategies, widgets or plots (``bench`` and the explorer build on it).
+25%): such a number should be shown with a warning and measured again, never cached.
+
+On a shared machine a few rounds are often spread by a stall or two, although the median is fine.
+:func:`time_adaptive` therefore keeps measuring where it matters: after a first pass it adds rounds (with
+longer blocks, which average short stalls out) while some median is still uncertain, within a bound of rounds
+and of seconds (a :class:`Patience`), and only what is still uncertain then is flagged::
+
+    >>> for timings, final in time_adaptive({"a": f, "b": g}, patience=Patience(rounds=5, max_rounds=15)):
+    ...     show(timings, provisional=not final)    # the first pass at once, the settled numbers after
+
+A median counts as uncertain when the half-width of its 95% confidence interval, ``1.57 IQR / sqrt(n)``
+(the notches of a box plot: McGill, Tukey and Larsen 1978), is more than ``Patience.threshold`` of it.
+Pure functions of the callables given; nothing here knows of strategies, widgets or plots (``bench`` and the
+explorer build on it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 __all__ = [
     "NOISE_THRESHOLD",
+    "Patience",
     "Timing",
     "drifted",
     "headroom_threads",
     "plan_tiers",
     "summarize",
+    "time_adaptive",
     "time_interleaved",
 ]
 
@@ -64,6 +79,13 @@ class Timing:
     def spread(self) -> float:
         """IQR / median: 0.1 means the middle half of the rounds lie within about ±5% of the median."""
         return self.iqr_s / self.median_s if self.median_s > 0 else math.inf
+
+    @property
+    def uncertainty(self) -> float:
+        """The half-width of the median's 95% confidence interval, as a fraction of the median:
+        ``1.57 IQR / sqrt(rounds) / median`` (infinite for a non-finite or non-positive median)."""
+        finite = all(math.isfinite(v) for v in self.samples) and self.median_s > 0
+        return 1.57 * self.spread / math.sqrt(len(self.samples)) if finite and self.samples else math.inf
 
 
 def summarize(samples: Sequence[float], *, number: int = 1, noise_threshold: float = NOISE_THRESHOLD) -> Timing:
@@ -156,6 +178,82 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], *, rounds: int = 5
             samples[name].append((clock() - start) / number)
     return {name: summarize(samples[name], number=numbers[name], noise_threshold=noise_threshold)
             for name in names}
+
+
+@dataclass(frozen=True)
+class Patience:
+    """How long :func:`time_adaptive` keeps measuring while medians are uncertain.
+
+    Attributes:
+        rounds: rounds of the first pass (its numbers are shown at once, as provisional).
+        max_rounds: at most this many rounds in all.
+        budget_s: the extra rounds take at most about this long in all (no pass starts that would run past it,
+            by the round cost measured so far).
+        threshold: a median is settled when the half-width of its 95% confidence interval is at most this
+            fraction of it (:attr:`Timing.uncertainty`); still above after the extra rounds: noisy.
+        block_growth, max_block_s: each extra pass times blocks this many times longer than the previous one (up
+            to ``max_block_s``): a block then spans a stall of the machine instead of being one.
+    """
+
+    rounds: int = 5
+    max_rounds: int = 15
+    budget_s: float = 1.5
+    threshold: float = 0.15
+    block_growth: float = 2.0
+    max_block_s: float = 0.02
+
+    def settled(self, t: Timing) -> bool:
+        """Whether ``t``'s median is known well enough (see :attr:`threshold`)."""
+        return t.uncertainty <= self.threshold
+
+    def extra_rounds(self, timings: Sequence[Timing], *, rounds_done: int, spent_s: float, round_s: float) -> int:
+        """How many rounds to add now: 0 when every median is settled, the rounds are used up or the budget
+        would be passed; else up to as many as were done (the number of rounds doubles per pass), within what
+        remains of ``max_rounds`` and of the budget at ``round_s`` seconds a round."""
+        if all(self.settled(t) for t in timings):
+            return 0
+        left = self.max_rounds - rounds_done
+        affordable = math.floor((self.budget_s - spent_s) / round_s) if round_s > 0 else left
+        return max(0, min(left, affordable, max(2, rounds_done)))
+
+
+def time_adaptive(fns: Mapping[str, Callable[[], object]], *, patience: Patience = Patience(),
+                  min_block_s: float = MIN_BLOCK_S, clock: Callable[[], float] = time.perf_counter,
+                  **options) -> Iterator[tuple[dict[str, Timing], bool]]:
+    """Time ``fns`` interleaved (:func:`time_interleaved`), adding rounds while a median is uncertain.
+
+    Yields ``({name: Timing}, final)``: the first pass's timings (``final`` False when more rounds follow: show
+    them as provisional), then after each pass of extra rounds; the last yield has ``final`` True, and there a
+    :class:`Timing` is ``noisy`` exactly when its median is still not settled (:meth:`Patience.settled`). Every
+    pass interleaves all methods again (their ratios stay comparable), its blocks ``block_growth`` times longer.
+
+    Args:
+        fns: ``{name: no-argument callable}``.
+        patience: rounds, limits and the settling threshold. min_block_s: the first pass's block length.
+        clock: seconds, monotonic (also what the budget is measured with).
+        options: more :func:`time_interleaved` arguments (``estimates``, ``prior``, ``check``,
+            ``synchronize``, ``max_number``, ``warmup``), for the first pass; later passes use the medians so
+            far as estimates and run no warm-up.
+    """
+    if patience.rounds < 1 or patience.max_rounds < patience.rounds:
+        raise ValueError(f"need 1 <= rounds <= max_rounds, got {patience.rounds} and {patience.max_rounds}")
+    later = {k: v for k, v in options.items() if k in ("check", "synchronize", "max_number")}
+    result = time_interleaved(fns, rounds=patience.rounds, min_block_s=min_block_s, clock=clock, **options)
+    done, block, spent = patience.rounds, min_block_s, 0.0
+    while True:
+        block = min(max(block * patience.block_growth, min_block_s), max(patience.max_block_s, min_block_s))
+        round_s = sum(max(t.median_s, block) if math.isfinite(t.median_s) else block for t in result.values())
+        extra = patience.extra_rounds(list(result.values()), rounds_done=done, spent_s=spent, round_s=round_s)
+        if extra == 0:
+            yield {n: dataclasses.replace(t, noisy=not patience.settled(t)) for n, t in result.items()}, True
+            return
+        yield result, False
+        start = clock()
+        result = time_interleaved(fns, rounds=done + extra, min_block_s=block, clock=clock, warmup=False,
+                                  estimates={n: t.median_s for n, t in result.items()},
+                                  prior={n: list(t.samples) for n, t in result.items()}, **later)
+        spent += clock() - start
+        done += extra
 
 
 def plan_tiers(estimates: Mapping[str, float], *, round_budget_s: float, first: Sequence[str] = ()

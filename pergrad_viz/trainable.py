@@ -4,14 +4,19 @@ that leaves the user's model as it was found."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .errors import UndefinedPerSampleError
+
+if TYPE_CHECKING:
+    from .batch import Batch
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _RANDOM_IN_TRAINING = (*_DROPOUT, nn.RReLU)  # draw random numbers on every forward in training mode
@@ -26,6 +31,16 @@ class Trainable:
     params: tuple[nn.Parameter, ...]
     modules: tuple[tuple[str, nn.Module], ...]  # named_modules(), walked once per call
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # scratch space for one call
+    select: Callable[[object], torch.Tensor] | None = None  # the output tensor a Jacobian differentiates
+
+    def selecting(self, select: Callable[[object], torch.Tensor]) -> Trainable:
+        """The same trainable parameters, with Jacobians of ``select(model output)``."""
+        return dataclasses.replace(self, select=select, cache={})
+
+    def outputs(self, batch: Batch) -> torch.Tensor | object:
+        """The model's output on ``batch``, or the tensor ``select`` picks from it (what a Jacobian differentiates)."""
+        out = batch(self.model)
+        return out if self.select is None else self.select(out)
 
     @classmethod
     def of(cls, model: nn.Module) -> Trainable:

@@ -259,13 +259,26 @@ def tuple_loss(output, target):
     return nn.functional.cross_entropy(output[0], target) + output[1].pow(2).sum()
 
 
+class Select(nn.Module):
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, out):
+        return out[self.k]
+
+
 @pytest.mark.parametrize("strategy", ALL)
 def test_a_model_returning_a_tuple(strategy):
     torch.manual_seed(0)
     model, (x, y) = TupleOutput().double(), data()
     assert agree_or_refuse(model, tuple_loss, x, y, strategy, jacobian=False)
-    with pytest.raises(TypeError, match="returns a tuple: wrap it"):
+    with pytest.raises(TypeError, match="returns a tuple: say which tensor with output="):
         pv.per_sample_jacobian(model, x, strategy=strategy)
+    first = pv.per_sample_jacobian(model, x, strategy=strategy, output=lambda out: out[0])
+    want = ref_jacobian(nn.Sequential(model, Select(0)), x)
+    for name, w in want.items():
+        torch.testing.assert_close(first[name.removeprefix("0.")], w, rtol=1e-6, atol=1e-9)
 
 
 class Checkpointed(nn.Module):

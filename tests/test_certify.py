@@ -81,7 +81,9 @@ def test_a_wrong_rule_is_caught_and_auto_gives_the_loop(monkeypatch):
         for t in out.values():
             t.mul_(1.01)
 
-    monkeypatch.setitem(rules._RULES, nn.Linear, wrong)
+    wrong.supports, wrong.features = linear.supports, linear.features
+
+    monkeypatch.setitem(rules._RULES.types, nn.Linear, wrong)
     model = _mlp()
     x, y = _data()
     with pytest.raises(certify.CheckFailedError):
@@ -273,3 +275,30 @@ def test_out_of_memory_under_torch_func_reaches_the_user(monkeypatch):
     x, y = _data()
     with pytest.raises(torch.OutOfMemoryError):
         pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="torch_func")
+
+
+def test_a_compiled_model_gets_the_right_reason_and_auto_is_right():
+    model = _mlp()
+    compiled = torch.compile(model, backend="eager")  # no code generation: quick
+    x, y = _data()
+    want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
+    got = pv.per_sample_grads(compiled, nn.CrossEntropyLoss(), x, y)
+    _close({k.removeprefix("_orig_mod."): v for k, v in got.items()}, want)
+    with pytest.raises(pv.UnsupportedModelError, match=r"compiled \(torch.compile\).*_orig_mod"):
+        pv.per_sample_grads(compiled, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+
+
+class Squeezed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1).to(DT)
+
+    def forward(self, x):
+        return self.fc(x).squeeze()
+
+
+def test_a_squeezed_output_is_refused_for_its_own_reason():
+    model = Squeezed()
+    x, _ = _data()
+    with pytest.raises(pv.UnsupportedModelError, match=r"loses a dimension.*squeeze"):
+        pv.per_sample_grads(model, nn.MSELoss(), x, torch.zeros(6, dtype=DT), strategy="hooks")

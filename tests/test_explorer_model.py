@@ -12,9 +12,11 @@ import sys
 
 import pytest
 import torch
+from helpers import flatten_ref, ref_grads
 
 import pergrad_viz as pv
 from pergrad_viz import bench, memory, timing
+from pergrad_viz.explorer import model as model_module
 from pergrad_viz.explorer.model import ExplorerModel, Setting, Stale
 
 SLOW = ("loop", "autograd_stack", "batched_grad")
@@ -63,13 +65,64 @@ def test_stages_in_order_and_every_part_belongs_to_the_setting(model):
                pv.STRATEGIES)
 
 
-def test_verdict_hooks_vs_torch_func(model):
+def test_verdict_against_the_loop(model):
     view = model.update(Setting(batch=4, hidden=8))
     v = view.verdict
-    assert v.ok and v.max_abs_diff <= v.tolerance and v.samples == 4
-    assert v.text.startswith("hooks and torch_func agree on the per-sample gradients at batch size B=4, hidden width 8")
-    expected = pv.per_sample_grads(*bench.setting(4, 8)[:1], *bench.setting(4, 8)[1:], strategy="loop", flat=True)
+    assert v.ok and v.max_abs_diff <= v.tolerance and v.samples == 4 and v.failed == ()
+    assert v.checked == ("hooks", *[s for s in pv.STRATEGIES if s != "hooks"])
+    assert v.text.startswith("hooks, loop, autograd_stack, torch_func, batched_grad agree with the loop (the "
+                             "definition) on the per-sample gradients at batch size B=4, hidden width 8")
+    assert "all 4 samples checked against the loop" in v.text
+    model_, loss_fn, x, y = bench.setting(4, 8)
+    expected = flatten_ref(ref_grads(model_, loss_fn, x, y), lead=1)  # the test's own loop of torch.autograd.grad
     assert torch.allclose(view.grads, expected, atol=1e-5)
+
+
+def test_a_large_batch_is_checked_on_samples_spread_over_it():
+    m = ExplorerModel(batch_options=(128,), sweep_batches=1, verdict_samples=16, **FAST)
+    view = m.update(Setting(batch=128, hidden=8, strategies=("hooks",)))
+    assert view.verdict.ok and view.verdict.samples == 16
+    assert "16 of 128 samples, spread evenly over the batch, checked against the loop" in view.verdict.text
+
+
+def _wrong(strategy: str):
+    """per_sample_grads / per_sample_jacobian as the explorer calls them, but ``strategy`` returns the flat result
+    shifted by one sample (sample i gets sample i-1's row): a plausible bug, every value a real gradient."""
+    real = {"grads": model_module.per_sample_grads, "jacobian": model_module.per_sample_jacobian}
+
+    def make(kind):
+        def call(*args, **kwargs):
+            out = real[kind](*args, **kwargs)
+            return out.roll(1, dims=0) if kwargs.get("strategy") == strategy else out
+        return call
+    return make("grads"), make("jacobian")
+
+
+@pytest.mark.parametrize("quantity", ["grads", "jacobian"])
+def test_a_wrong_strategy_shows_disagree(monkeypatch, quantity):
+    grads, jacobian = _wrong("torch_func")
+    monkeypatch.setattr(model_module, "per_sample_grads", grads)
+    monkeypatch.setattr(model_module, "per_sample_jacobian", jacobian)
+    m = ExplorerModel(batch_options=(4,), sweep_batches=1, **FAST)
+    views = list(m.stages(Setting(batch=4, hidden=8, quantity=quantity, strategies=("hooks", "torch_func"))))
+    assert views[1].verdict.ok  # the heatmap's hooks gradients are right ...
+    v = views[-1].verdict
+    assert not v.ok and v.failed == ("torch_func",) and v.max_abs_diff > v.tolerance  # ... torch_func is not
+    assert v.text.startswith("torch_func DISAGREE with the loop (the definition)")
+    record = next(r for r in views[-1].records if r.strategy == "torch_func")
+    assert record.max_abs_diff == pytest.approx(v.max_abs_diff)
+    hooks = next(r for r in views[-1].records if r.strategy == "hooks")
+    assert hooks.max_abs_diff < v.tolerance
+
+
+def test_wrong_heatmap_gradients_show_disagree_at_once(monkeypatch):
+    grads, jacobian = _wrong("hooks")
+    monkeypatch.setattr(model_module, "per_sample_grads", grads)
+    m = ExplorerModel(batch_options=(4,), sweep_batches=1, **FAST)
+    views = list(m.stages(Setting(batch=4, hidden=8, strategies=("hooks",))))
+    assert views[1].verdict is not None and not views[1].verdict.ok  # the view right after the heatmap
+    assert views[1].verdict.text.startswith("hooks DISAGREE with the loop")
+    assert not views[-1].verdict.ok and views[-1].verdict.failed == ("hooks",)
 
 
 def test_timings_are_cached_and_reused(model):
@@ -84,12 +137,35 @@ def test_timings_are_cached_and_reused(model):
 
 
 def test_noisy_timings_are_flagged_and_never_cached():
-    m = ExplorerModel(batch_options=(1, 2), sweep_batches=1, **{**FAST, "noise_threshold": -1.0})  # all noisy
-    view = m.update(Setting(batch=2, hidden=8, strategies=("hooks",)))
+    m = ExplorerModel(batch_options=(1, 2), sweep_batches=1,
+                      **{**FAST, "noise_threshold": -1.0, "max_rounds": 4})  # never settled: all noisy
+    views = list(m.stages(Setting(batch=2, hidden=8, strategies=("hooks",))))
+    view = views[-1]
     assert set(view.noisy) == {"hooks", bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR}
-    assert all("noisy measurement: rerun" in r.note for r in view.records)
-    assert any(n.startswith("noisy measurement: rerun") for n in view.notes)
+    assert all(r.noisy and "noisy: median ±" in r.note and "after 4 rounds" in r.note for r in view.records)
+    assert any(n.startswith("noisy measurement: the rounds of hooks") for n in view.notes)
+    assert any(v.provisional for v in views)  # the first pass was shown, as provisional, before the flag
     assert m.cache == {}
+
+
+def test_first_rounds_are_provisional_then_settled(monkeypatch):
+    """The policy's two outcomes, as the explorer shows them: provisional numbers first (a calm note, nothing
+    flagged, nothing cached), then the settled ones (no note, cached)."""
+    def two_passes(fns, *, patience, **kw):
+        first = {n: timing.summarize([1e-3, 3e-3, 1e-3]) for n in fns}
+        yield first, False
+        yield {n: timing.summarize([1e-3] * 6) for n in fns}, True
+
+    monkeypatch.setattr(timing, "time_adaptive", two_passes)
+    m = ExplorerModel(batch_options=(2,), sweep_batches=1, **FAST)
+    views = list(m.stages(Setting(batch=2, hidden=8, strategies=("hooks",))))
+    provisional = [v for v in views if v.provisional]
+    assert provisional and all(not v.noisy and not any(r.noisy for r in v.records) for v in provisional)
+    assert any(n.startswith("provisional: the first rounds of") for n in provisional[0].notes)
+    assert not any("noisy" in n for v in views for n in v.notes)
+    last = views[-1]
+    assert last.provisional == () and not any(n.startswith("provisional") for n in last.notes)
+    assert len(m.cache) == 3 and all(r.median_s == pytest.approx(1e-3) for r in last.records)
 
 
 def test_anchor_drift_between_tiers_flags_the_later_tier(monkeypatch):
@@ -118,11 +194,21 @@ def test_slow_baselines_skipped_with_a_note(model):
     assert "(2 skipped as too slow)" in view.progress
     note = next(n for n in view.notes if n.startswith("skipped as too slow"))
     assert "batch size B=8, hidden width 8" in note and "slow_limit=16" in note
+    assert "raise 'time slow methods up to'" in note and "explorer()" not in note  # advice a dashboard can follow
+
+
+def test_the_setting_raises_the_slow_limit(model):
+    view = model.update(Setting(batch=8, hidden=8, slow_limit=64))  # 64 passes: no longer skipped
+    assert not any(r.skipped for r in view.records)
+    assert {r.strategy for r in view.records} >= {"autograd_stack", "batched_grad"}
+    assert not any(n.startswith("skipped") for n in view.notes)
+    with pytest.raises(ValueError, match="slow_limit"):
+        model.check(Setting(slow_limit=-1))
 
 
 def test_jacobian_quantity(model):
     view = model.update(Setting(batch=2, hidden=8, quantity="jacobian"))
-    assert view.verdict.text.startswith("hooks and torch_func agree on the output Jacobian")
+    assert view.verdict.text.startswith("torch_func, hooks agree with the loop (the definition) on the output Jacobian")
     assert view.sample.jacobian.shape == (10, view.grads.shape[1])
     assert {r.strategy for r in view.records if r.skipped} == set(SLOW)  # the loop: B x Y = 20 > 16 passes
     assert {r.quantity for r in view.records} == {"jacobian"}
@@ -189,3 +275,20 @@ def test_bad_settings_refused(model):
     with pytest.raises(ValueError, match="unknown strategies"):
         model.check(Setting(strategies=("nope",)))
     assert model.scaling_batches(8) == [1, 8] and model.scaling_batches(1) == [1]
+
+
+def test_the_extra_rounds_share_one_budget_per_setting(monkeypatch):
+    """Once a setting's patience is spent, later tiers get no extra rounds (and say noisy if they are)."""
+    budgets = []
+    real = timing.time_adaptive
+
+    def spy(fns, *, patience, **kw):
+        budgets.append(patience.budget_s)
+        yield from real(fns, patience=patience, **kw)
+
+    monkeypatch.setattr(timing, "time_adaptive", spy)
+    m = ExplorerModel(batch_options=(2,), sweep_batches=1, round_budget_s=1e-9, patience_s=0.3,
+                      **{**FAST, "noise_threshold": -1.0, "max_rounds": 50})  # never settled: spends it all
+    m.update(Setting(batch=2, hidden=8, strategies=("hooks", "loop", "torch_func")))
+    assert len(budgets) >= 3 and budgets[0] == pytest.approx(0.3)
+    assert budgets == sorted(budgets, reverse=True) and budgets[-1] == 0.0

@@ -22,6 +22,7 @@ from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz import api
+from pergrad_viz.batch import Batch
 from pergrad_viz.models import MLP, SmallCNN, bias_free_net
 from pergrad_viz.rules import linear as linear_rules
 
@@ -319,7 +320,7 @@ def test_auto_off_the_fast_path_in_chunks(name, chunk_size, monkeypatch):
     real = api.per_sample_grads
 
     def spy(model_, loss_fn_, inputs, targets, **kw):
-        sizes.append(inputs.shape[0])
+        sizes.append(inputs.size if isinstance(inputs, Batch) else inputs.shape[0])
         return real(model_, loss_fn_, inputs, targets, **kw)
 
     monkeypatch.setattr(api, "per_sample_grads", spy)

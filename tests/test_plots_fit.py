@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -11,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
 
 from pergrad_viz import plots  # noqa: E402
 from pergrad_viz.bench import FORWARD_BACKWARD, MEMORY_FLOOR, Record  # noqa: E402
@@ -36,6 +39,27 @@ def outside(fig: Figure) -> list[str]:
     return bad
 
 
+def texts_outside(fig: Figure) -> list[str]:
+    """Every text artist drawn (titles, labels, annotations, legend entries, colour bar labels) whose box reaches
+    beyond the figure. Tick labels are left to :func:`outside` (an axes' tight box holds the ticks it draws;
+    matplotlib keeps labels of ticks beyond the view limits that it never draws)."""
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    width, height = fig.bbox.width, fig.bbox.height
+    ticks = {id(label) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
+             for tick in [*axis.get_major_ticks(), *axis.get_minor_ticks()] for label in (tick.label1, tick.label2)}
+    bad = []
+    for t in fig.findobj(Text):
+        if not t.get_visible() or not t.get_text().strip() or t.figure is None or id(t) in ticks:
+            continue
+        box = t.get_window_extent(renderer)
+        if box.x0 < -1 or box.y0 < -1 or box.x1 > width + 1 or box.y1 > height + 1:
+            bad.append(f"{t.get_text()[:40]!r}: {box.x0:.0f}..{box.x1:.0f} x {box.y0:.0f}..{box.y1:.0f} "
+                       f"(figure {width:.0f} x {height:.0f})")
+    return bad
+
+
 def records(batch: int = 256, hidden: int = 512) -> list[Record]:
     def rec(name, median, **kw):
         return Record(name, "grads", batch, hidden, median, None if median is None else median / 5, 10**8, **kw)
@@ -47,34 +71,127 @@ def records(batch: int = 256, hidden: int = 512) -> list[Record]:
             rec("batched_grad", None, note="skipped: 65,536 sample-backward passes > slow_limit=1,024")]
 
 
-def figures() -> dict[str, Figure]:
+def figures() -> dict[str, Callable[[], Figure]]:
+    """Each figure as a function that draws it (only the one a test asks for is drawn)."""
     rng = np.random.default_rng(0)
     sweep = [Record(n, "grads", b, 512, 1e-3 * b * k, 1e-4, 1000, note="") for b in (1, 16, 256)
              for k, n in enumerate(["loop", "autograd_stack", "torch_func", "hooks", FORWARD_BACKWARD], 1)]
     sweep += [Record("batched_grad", "grads", 256, 512, None, None, 1000, note="skipped: too slow")]
     bounds = [("fc1.weight", 0, 401408), ("fc1.bias", 401408, 401920), ("fc2.weight", 401920, 407040),
               ("fc2.bias", 407040, 407050)]
+    small = [("fc1.weight", 0, 39200), ("fc1.bias", 39200, 39250), ("fc2.weight", 39250, 39750),
+             ("fc2.bias", 39750, 39760)]  # hidden width 50
     return {
-        "bars": plots.bar_figure(records(), title=LONG, noisy=("torch_func",)),
-        "bars pending": plots.bar_figure(records()[:2], pending=("loop", FORWARD_BACKWARD), title=LONG),
-        "runtime": plots.runtime_figure(sweep, highlight=256, title=LONG, width=6.4, height=3.4),
-        "heatmap": plots.gradient_heatmap(rng.normal(size=(16, 407050)).astype(np.float32), bounds, title=LONG,
+        "bars": lambda: plots.bar_figure(records(), title=LONG, noisy=("torch_func",)),
+        "bars pending": lambda: plots.bar_figure(records()[:2], pending=("loop", FORWARD_BACKWARD), title=LONG),
+        "runtime": lambda: plots.runtime_figure(sweep, highlight=256, title=LONG, width=6.4, height=3.4),
+        "heatmap": lambda: plots.gradient_heatmap(rng.normal(size=(16, 407050)).astype(np.float32), bounds, title=LONG,
                                           max_cols=600),
-        "heatmap rows": plots.gradient_heatmap(rng.normal(size=(10, 1000)), [("w", 0, 1000)], title=LONG,
+        "heatmap rows": lambda: plots.gradient_heatmap(rng.normal(size=(10, 1000)), [("w", 0, 1000)], title=LONG,
                                                row_labels=["T-shirt/top", "Ankle boot", *"abcdefgh"]),
-        "images": plots.first_layer_images(rng.normal(size=(9, 784)), image=rng.normal(size=784), suptitle=LONG,
+        "images": lambda: plots.first_layer_images(rng.normal(size=(9, 784)), image=rng.normal(size=784), suptitle=LONG,
                                            titles=[f"unit {k}" for k in range(9)], image_title="input (Ankle boot)"),
-        "rule": plots.outer_product_figure(rng.normal(size=784), rng.normal(size=512), gradient_norm=3.0, title=LONG),
-        "clip": plots.clipping_figure(rng.gamma(2, 10, 256), {"fc1": rng.gamma(2, 9, 256), "fc2": rng.gamma(2, 3, 256)},
-                                      20.0, sums=(480.0, 95.0), title=LONG, width=8.0),
-        "histogram": plots.norm_histogram(rng.gamma(2, 1, 256), rng.gamma(2, 0.4, 256), 1.0),
+        "rule": lambda: plots.outer_product_figure(rng.normal(size=784), rng.normal(size=512), gradient_norm=3.0,
+                                                   title=LONG),
+        "clip": lambda: plots.clipping_figure(rng.gamma(2, 10, 256), {"fc1": rng.gamma(2, 9, 256),
+                                                                      "fc2": rng.gamma(2, 3, 256)},
+                                              20.0, sums=(480.0, 95.0), title=LONG, width=8.0),
+        "histogram": lambda: plots.norm_histogram(rng.gamma(2, 1, 256), rng.gamma(2, 0.4, 256), 1.0),
+        # as the explorer draws them (explorer/view.py WIDTHS)
+        "explorer bars": lambda: plots.bar_figure(records(), title=LONG, noisy=("torch_func",), provisional=("hooks",),
+                                          width=6.3),
+        "explorer runtime": lambda: plots.runtime_figure(sweep, highlight=256, title=LONG, width=7.0, height=3.6,
+                                                 legend="below"),
+        "explorer heatmap": lambda: plots.gradient_heatmap(rng.normal(size=(256, 39760)).astype(np.float32), small,
+                                                   title=LONG, figsize=(7.4, 3.4), highlight_row=255,
+                                                   max_cols=560),
+        "explorer images": lambda: plots.first_layer_images(rng.normal(size=(9, 784)), image=rng.normal(size=784),
+                                                    suptitle=LONG, titles=[f"unit {k}" for k in range(9)],
+                                                    image_title="input (Ankle boot)", cell=1.15),
+        "explorer rule": lambda: plots.outer_product_figure(rng.normal(size=784), rng.normal(size=512),
+                                                            gradient_norm=3.0, title=LONG, width=6.9),
+        "explorer clip": lambda: plots.clipping_figure(rng.gamma(2, 10, 256), {"fc1": rng.gamma(2, 9, 256),
+                                                                       "fc2": rng.gamma(2, 3, 256)},
+                                               20.0, sums=(480.0, 95.0), title=LONG, width=6.5),
     }
 
 
 @pytest.mark.parametrize("name", list(figures()))
 def test_text_fits_inside_the_figure(name):
-    fig = figures()[name]
+    fig = figures()[name]()
     assert outside(fig) == [], name
+    assert texts_outside(fig) == [], name
+
+
+def test_skipped_notes_stay_inside_the_axes():
+    fig = plots.bar_figure(records(), title=LONG, width=6.3)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    ax = fig.axes[0]
+    box = ax.get_window_extent(canvas.get_renderer())
+    notes = [t for t in ax.texts if t.get_text().startswith("skipped")]
+    assert len(notes) == 2
+    for t in notes:
+        extent = t.get_window_extent(canvas.get_renderer())
+        assert box.x0 <= extent.x0 and extent.x1 <= box.x1, (t.get_text(), extent, box)
+        assert t.get_fontsize() >= 8  # readable: not the ~7 px it was
+
+
+def test_runtime_legend_below_leaves_the_plot_its_width():
+    sweep = [Record(n, "grads", b, 20, 1e-3 * b * k, 1e-4, 1000) for b in (1, 16, 256)
+             for k, n in enumerate(["loop", "torch_func", "hooks", FORWARD_BACKWARD, MEMORY_FLOOR], 1)]
+    sweep += [Record(n, "grads", 256, 20, None, None, 1000, note="skipped") for n in ("autograd_stack",
+                                                                                      "batched_grad")]
+    sweep += [Record(n, "grads", b, 20, 1e-3, 1e-4, 1000) for b in (1, 16) for n in ("autograd_stack",
+                                                                                    "batched_grad")]
+    fig = plots.runtime_figure(sweep, width=7.0, height=3.6, legend="below",
+                               title="per-sample gradients: time vs batch size at hidden width 20 (dotted: B=256)")
+    ax = fig.axes[0]
+    assert ax.get_position().width * 7.0 > 5.5  # the axes keep most of the width
+    assert ax.get_title().count("\n") <= 1  # at most two lines
+    assert "autograd_stack (skipped above B=16)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    with pytest.raises(ValueError, match="legend"):
+        plots.runtime_figure(sweep, legend="left")
+
+
+def test_the_threshold_is_named_in_the_legend_not_on_a_bar():
+    rng = np.random.default_rng(1)
+    fig = plots.clipping_figure(rng.gamma(2, 10, 32), {"fc1": rng.gamma(2, 9, 32)}, 20.0)
+    top = fig.axes[0]
+    assert not [t for t in top.texts if "C =" in t.get_text()]
+    assert "the threshold C = 20" in [t.get_text() for t in top.get_legend().get_texts()]
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    legend = top.get_legend().get_window_extent(canvas.get_renderer())
+    bars = [p.get_window_extent(canvas.get_renderer()) for p in top.patches if p.get_height() > 0]
+    assert not [b for b in bars if b.overlaps(legend)], "the legend covers a bar"
+
+
+def test_hidden_units_are_labelled_with_whole_numbers():
+    fig = plots.outer_product_figure(torch.rand(784), torch.randn(20), width=6.9)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    outer = next(ax for ax in fig.axes if ax.images and ax.images[0].get_array().shape == (20, 784))
+    signal = next(ax for ax in fig.axes if ax.get_xlabel() == "hidden unit")
+    for ticks in ([t for t in outer.get_yticks() if -0.5 <= t <= 19.5], [t for t in signal.get_xticks()
+                                                                         if -0.5 <= t <= 19.5]):
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_the_chosen_sample_is_marked_at_any_batch_size():
+    fig = plots.gradient_heatmap(np.random.default_rng(0).normal(size=(128, 500)), highlight_row=77,
+                                 figsize=(7.4, 3.4))
+    ax = fig.axes[0]
+    marks = [line for line in ax.get_lines() if line.get_marker() in (">", "<")]
+    assert len(marks) == 2 and all(list(line.get_ydata()) == [77.5] for line in marks)
+    assert all(line.get_markersize() >= 6 for line in marks)
+
+
+def test_durations_and_ratios_read_as_people_write_them():
+    assert plots.fmt_ratio(1930.4) == "1,930x" and plots.fmt_ratio(89.44) == "89.4x"
+    assert plots.fmt_ratio(0.6684) == "0.668x"
+    assert plots.fmt_seconds(939e-9) == "939 ns" and plots.fmt_seconds(9.57e-5) == "95.7 µs"
+    assert plots.fmt_seconds(0.0137) == "13.7 ms" and plots.fmt_seconds(1.5) == "1.5 s"
 
 
 def test_bar_figure_pending_rows_and_noisy_note():
@@ -82,7 +199,7 @@ def test_bar_figure_pending_rows_and_noisy_note():
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["hooks", "torch_func", "loop", FORWARD_BACKWARD]
     texts = [t.get_text() for t in ax.texts]
-    assert texts.count("timing…") == 2 and any("noisy: rerun" in t and t.startswith("170 ms") for t in texts)
+    assert texts.count("timing…") == 2 and texts[0] == "170 ms (2.2x vs loop) ⚠ noisy"
     assert len(ax.patches) == 2  # bars only for what was timed
     assert "B=256" in ax.get_title() and "hidden=512" in ax.get_title()
 

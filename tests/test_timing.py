@@ -105,3 +105,91 @@ def test_drifted_and_headroom():
     assert not timing.drifted(a, b) and timing.drifted(a, timing.summarize([2.0] * 3))
     assert timing.headroom_threads(2) == 1 and timing.headroom_threads(1) == 1 and timing.headroom_threads(8) == 7
     assert timing.headroom_threads() >= 1
+
+
+# ------------------------------------------------------------------------------------------ adaptive rounds
+
+
+def seq_method(clock: FakeClock, name: str, cost):
+    """A fake method whose k-th call (its own count, warm-up included) costs ``cost(k)`` seconds."""
+    count = [0]
+
+    def fn():
+        clock.calls.append(name)
+        clock.now += cost(count[0])
+        count[0] += 1
+    return fn
+
+
+def run_adaptive(fns, clock, **patience):
+    return list(timing.time_adaptive(fns, patience=timing.Patience(**patience), min_block_s=0.0, clock=clock))
+
+
+def test_uncertainty_is_the_medians_confidence_half_width():
+    t = timing.summarize([1.0, 1.0, 1.2, 1.4, 1.0, 1.0, 1.0, 1.1, 0.9])  # IQR 0.1, median 1.0, 9 rounds
+    assert t.uncertainty == pytest.approx(1.57 * 0.1 / 3)
+    assert timing.summarize([float("nan"), 1.0]).uncertainty == float("inf")
+
+
+def test_steady_methods_are_final_after_the_first_pass():
+    clock = FakeClock()
+    fns = {"a": clock.method("a", 0.01), "b": clock.method("b", 0.02)}
+    passes = run_adaptive(fns, clock, rounds=5, max_rounds=15)
+    assert [final for _, final in passes] == [True]  # nothing provisional: no second figure
+    (timings, _), = passes
+    assert all(len(t.samples) == 5 and not t.noisy for t in timings.values())
+
+
+def test_early_stalls_get_more_rounds_and_then_settle():
+    clock = FakeClock()
+    stalls = {1, 3}  # two of the first five rounds (call 0 is the warm-up) run 3x slower: a busy moment
+    fns = {"a": seq_method(clock, "a", lambda k: 0.03 if k in stalls else 0.01), "b": clock.method("b", 0.01)}
+    passes = run_adaptive(fns, clock, rounds=5, max_rounds=15, budget_s=10.0)
+    first, _ = passes[0]
+    assert passes[0][1] is False and first["a"].uncertainty > 0.15  # shown as provisional, not as noise
+    last, final = passes[-1]
+    assert final and len(passes) >= 2
+    assert len(last["a"].samples) > 5 and len(last["a"].samples) == len(last["b"].samples)  # still interleaved
+    assert not last["a"].noisy and last["a"].median_s == pytest.approx(0.01)
+
+
+def test_a_machine_that_stays_busy_is_flagged_within_the_bounds():
+    clock = FakeClock()
+    fns = {"a": seq_method(clock, "a", lambda k: 0.01 * (1, 3)[k % 2]), "b": clock.method("b", 0.01)}
+    passes = run_adaptive(fns, clock, rounds=5, max_rounds=12, budget_s=10.0)
+    last, final = passes[-1]
+    assert final and last["a"].noisy and not last["b"].noisy
+    assert len(last["a"].samples) == 12  # the rounds ran out: 5, then 10, then 12
+    assert [len(t["a"].samples) for t, _ in passes] == [5, 10, 12]
+
+
+def test_the_budget_bounds_the_extra_rounds():
+    clock = FakeClock()
+    fns = {"slow": seq_method(clock, "slow", lambda k: 0.5 * (1, 3)[k % 2])}
+    start = clock.now
+    passes = run_adaptive(fns, clock, rounds=3, max_rounds=50, budget_s=2.0)
+    first_pass_s = 0.5 + 1.5 + 0.5 + 1.5  # the warm-up and 3 rounds
+    assert clock.now - start - first_pass_s <= 2.0 + 1e-9
+    last, final = passes[-1]
+    assert final and last["slow"].noisy and len(last["slow"].samples) < 50
+
+
+def test_extra_passes_time_longer_blocks():
+    clock = FakeClock()
+    fns = {"fast": seq_method(clock, "fast", lambda k: 1e-4 * (1, 3)[(k // 7) % 2])}  # uneven blocks
+    passes = list(timing.time_adaptive(fns, patience=timing.Patience(rounds=3, max_rounds=6, budget_s=10.0,
+                                                                     max_block_s=4e-3), min_block_s=1e-3,
+                                       clock=clock))
+    assert len(passes) >= 2 and passes[0][0]["fast"].number < passes[1][0]["fast"].number  # 1 ms blocks, then 2
+
+
+def test_extra_rounds_policy():
+    p = timing.Patience(rounds=5, max_rounds=15, budget_s=1.0, threshold=0.15)
+    calm, busy = timing.summarize([1.0] * 5), timing.summarize([1.0, 2.0, 1.0, 2.0, 1.0])
+    assert p.extra_rounds([calm], rounds_done=5, spent_s=0.0, round_s=0.01) == 0
+    assert p.extra_rounds([calm, busy], rounds_done=5, spent_s=0.0, round_s=0.01) == 5  # doubles
+    assert p.extra_rounds([busy], rounds_done=10, spent_s=0.0, round_s=0.01) == 5  # up to max_rounds
+    assert p.extra_rounds([busy], rounds_done=5, spent_s=0.9, round_s=0.04) == 2  # what the budget allows
+    assert p.extra_rounds([busy], rounds_done=5, spent_s=1.0, round_s=0.05) == 0
+    with pytest.raises(ValueError, match="rounds"):
+        next(timing.time_adaptive({}, patience=timing.Patience(rounds=5, max_rounds=3)))

@@ -83,11 +83,21 @@ def test_progress_status_and_table_name_the_setting(fresh):
     progress = fresh.progress_html.value
     assert "data-state='done'" in progress
     assert "done: timed 7 of 7 methods at batch size B=4, hidden width 8" in progress
-    assert fresh.status.startswith("hooks and torch_func agree on the per-sample gradients at batch size B=4")
+    assert fresh.status.startswith("hooks, loop, autograd_stack, torch_func, batched_grad agree with the loop (the "
+                                   "definition) on the per-sample gradients at batch size B=4")
+    assert "all 4 samples checked against the loop" in fresh.status
     assert fresh.max_difference is not None and fresh.max_difference < 1e-4
-    assert "agree" in fresh.status_html.value
+    assert "data-ok='true'" in fresh.status_html.value and ">agree</b>" in fresh.status_html.value
     assert "<table" in fresh.table_html.value and "batch size B=4, hidden width 8" in fresh.table_html.value
     assert {(r.quantity, r.batch_size, r.hidden) for r in fresh.records} == {("grads", 4, 8)}
+
+
+def test_table_in_microseconds_against_the_loop_with_its_caption_above(fresh):
+    table = fresh.table_html.value
+    assert "<caption" not in table and table.index("median: time per call") < table.index("<table")
+    assert "max |diff| vs loop" in table and "the largest difference from the loop (the definition) on all 4" in table
+    assert " us<" not in table and ("µs<" in table or "ms<" in table)
+    assert "<th" in table and "quantity</th>" not in table
 
 
 def test_sample_slider_redraws_the_sample_panels_only(fresh):
@@ -122,6 +132,18 @@ def test_skip_note_above_slow_limit(fresh):
     assert {r.strategy for r in fresh.records if r.skipped} == {"autograd_stack", "batched_grad"}
     assert "skipped as too slow" in fresh.status and "slow_limit=16" in fresh.status
     assert "skipped as too slow" in fresh.status_html.value
+    assert fresh.slow_limit_dropdown.description in fresh.status  # the advice names the control to use
+
+
+def test_the_slow_limit_control_times_the_skipped_methods(fresh):
+    fresh.set(batch=8)
+    assert fresh.slow_limit_dropdown.value == 16 and 256 in [v for _, v in fresh.slow_limit_dropdown.options]
+    fresh.slow_limit_dropdown.value = 256
+    assert not any(r.skipped for r in fresh.records)
+    assert {"autograd_stack", "batched_grad"} <= {r.strategy for r in fresh.records}
+    assert fresh.view.setting.slow_limit == 256 and "skipped as too slow" not in fresh.status
+    fresh.slow_limit_dropdown.value = 16
+    assert {r.strategy for r in fresh.records if r.skipped} == {"autograd_stack", "batched_grad"}
 
 
 def test_quantity_toggle_gives_jacobian_records(fresh):
@@ -158,6 +180,23 @@ def test_errors_are_shown_and_the_ui_keeps_working(fresh, monkeypatch):
     fresh.batch_slider.value = 2
     assert fresh.error == "" and fresh.error_html.value == ""
     assert {(r.batch_size, r.hidden) for r in fresh.records} == {(2, 8)}
+
+
+def test_a_wrong_strategy_shows_disagree_in_the_widget(monkeypatch):
+    real = model_module.per_sample_grads
+
+    def shifted(*args, **kwargs):  # torch_func's rows moved by one sample
+        out = real(*args, **kwargs)
+        return out.roll(1, dims=0) if kwargs.get("strategy") == "torch_func" else out
+
+    monkeypatch.setattr(model_module, "per_sample_grads", shifted)
+    ex = widgets.explorer(background=False, **{**OPTIONS, "strategies": ("hooks", "torch_func")})
+    assert ex.error == "" and ex.view.done
+    assert "data-ok='false'" in ex.status_html.value and ">DISAGREE</b>" in ex.status_html.value
+    assert ">agree</b>" not in ex.status_html.value
+    assert ex.status.startswith("torch_func DISAGREE with the loop")
+    assert ex.max_difference > 1e-3
+    ex.close()
 
 
 def test_rerun_times_again(fresh):

@@ -120,14 +120,18 @@ print("autograd_stack == loop:  ", all(torch.allclose(stacked[n], loop[n], atol=
 
 # %%
 # NBVAL_CHECK_OUTPUT
-reference = pv.per_sample_grads(model, loss_fn, x, y, strategy="loop", flat=True)
+reference = torch.cat([loop[n].flatten(1) for n in names], dim=1)   # our own loop above, as one (B, P) tensor
 print("result:", tuple(reference.shape), "(B, P)")
 for strategy in pv.STRATEGIES:
     g = pv.per_sample_grads(model, loss_fn, x, y, strategy=strategy, flat=True)
-    print(f"{strategy:15s} agrees with the loop: {torch.allclose(g, reference, atol=1e-6)}")
+    same = [torch.allclose(g[i], reference[i], atol=1e-6) for i in range(len(x))]   # sample by sample
+    print(f"{strategy:15s} agrees with our loop on {sum(same)} of {len(x)} samples")
 print("auto picks:", pv.resolve_strategy("auto", model))
 
 # %% [markdown]
+# (Each row is compared with the same sample's row of the loop: a result with its rows in another order would
+# fail, where a comparison of sums over the batch would not.)
+#
 # What do they look like? Each row is one sample's gradient, each column one of the P = 64 parameters; the
 # vertical line separates the two layers' weights. Red and blue are the sign. Rows differ a lot: each sample
 # pulls the weights its own way, and the batch gradient is their sum.
@@ -159,11 +163,15 @@ plots.bar_figure(records, title="per-sample gradients of the 2-16-2 network, B =
 # NBVAL_CHECK_OUTPUT
 g_sum = pv.per_sample_grads(model, nn.MSELoss(reduction="sum"), x, y, flat=True)
 g_mean = pv.per_sample_grads(model, nn.MSELoss(reduction="mean"), x, y, flat=True)
+mean_loop = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
+    nn.MSELoss(reduction="mean")(model(x[i:i + 1]), y[i:i + 1]), weights)]) for i in range(len(x))])  # (B, P)
 
 sum_loss = nn.MSELoss(reduction="sum")(model(x), y)
 batch_sum = torch.cat([g.flatten() for g in torch.autograd.grad(sum_loss, weights)])
 batch_mean = torch.cat([g.flatten() for g in torch.autograd.grad(nn.MSELoss()(model(x), y), weights)])
 
+print("'sum' per-sample == our loop, sample by sample: ", torch.allclose(g_sum, reference, atol=1e-6))
+print("'mean' per-sample == its own loop, sample by sample:", torch.allclose(g_mean, mean_loop, atol=1e-6))
 print("'mean' per-sample == 'sum' per-sample / 2:     ", torch.allclose(g_mean, g_sum / 2, atol=1e-6))
 print("'sum':  per-sample grads add up to batch grad:  ", torch.allclose(g_sum.sum(0), batch_sum, atol=1e-5))
 print("'mean': per-sample grads add up to B x batch grad:",

@@ -144,11 +144,37 @@ plots.runtime_figure(records, title="per-sample Jacobian, MLP(784, 20, 10)")
 # ## Pictures
 #
 # One sample's Jacobian is a Y x P matrix: row j is the gradient of output j. The heatmap marks where each
-# parameter tensor starts and ends; the first layer's weights are by far the largest block.
+# parameter tensor starts and ends. `fc1.weight` holds 15,680 of the 15,910 parameters (98.6%); the three small
+# tensors are widened to 5% of the width each so that they stay visible (the axis label says so), which leaves
+# `fc1.weight` about 85% of the picture instead of 98.6%.
 
 # %%
 plots.gradient_heatmap(J_hooks[0], plots.param_boundaries(model), title="Jacobian of sample 0 (Y x P)",
                        ylabel="output j")
+
+# %% [markdown]
+# What the picture shows:
+#
+# * **Blank bands in `fc1.weight` and `fc1.bias`.** `fc1.weight` is stored row by row, so each hidden unit owns
+#   784 consecutive columns (its row of the weight) and one column of `fc1.bias`. A hidden unit whose ReLU is off
+#   for this sample passes no gradient back: its columns are exactly zero, for every output.
+# * **A staircase in `fc2.weight`.** Output j depends only on row j of `fc2.weight`:
+#   d output_j / d fc2.weight[k, m] is h_m (the hidden activation) when k = j and 0 otherwise, so row j of the
+#   heatmap is non-zero only in its own 20 columns (and zero there too for the units that are off).
+# * **A diagonal in `fc2.bias`.** d output_j / d fc2.bias[k] is 1 when k = j and 0 otherwise: the identity.
+#
+# Checked on the numbers:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+off = model.act(model.fc1(x[:1]))[0] <= 0                     # (20,): hidden units whose ReLU is off for sample 0
+W1 = J_hooks[0, :, : 20 * 784].view(Y, 20, 784)               # the fc1.weight block, one row per hidden unit
+W2 = J_hooks[0, :, 20 * 784 + 20: 20 * 784 + 20 + 200].view(Y, 10, 20)   # the fc2.weight block
+print(f"{int(off.sum())} of 20 hidden units are off; their fc1.weight columns are all zero:",
+      bool((W1[:, off] == 0).all()))
+print("fc2.weight: row j is non-zero only in fc2.weight[j, :]:",
+      bool((W2 * (1 - torch.eye(10))[:, :, None] == 0).all()))
+print("fc2.bias block is the identity:", torch.equal(J_hooks[0, :, -10:], torch.eye(10)))
 
 # %% [markdown]
 # The first-layer block of output j is a (20, 784) matrix, and for a Linear layer it is an outer product:

@@ -9,15 +9,18 @@
 
 1. ``"gradients"``: everything that needs one call at the setting: the (B, P) per-sample gradients (the
    heatmap), the chosen sample's first-layer gradients and the fast rule's parts (a_i, g_i), the norms for the
-   DP-SGD view; then (a second view) the verdict that ``hooks`` and ``torch_func`` agree;
-2. ``"timing"``: once per tier of methods timed (cheapest first; methods of a tier interleaved in rounds with
-   ``forward+backward`` as the anchor), the records so far;
+   DP-SGD view; then (a second view) the verdict: the heatmap's gradients against the loop (the definition,
+   written out here: ``torch.autograd.grad`` of each checked sample's loss, run alone);
+2. ``"timing"``: per tier of methods timed (cheapest first; methods of a tier interleaved in rounds with
+   ``forward+backward`` as the anchor), the records so far: first *provisional* (the first pass of rounds) where
+   a median is still uncertain, then settled after more rounds (:func:`pergrad_viz.timing.time_adaptive`); every
+   strategy's result is compared with the loop on the checked samples (its ``max |diff|``, and the verdict);
 3. ``"done"``: the scaling curve's records (the smaller batch sizes) too.
 
 Timings are cached by everything that affects them (quantity, batch size, hidden width, method, dtype, device,
-threads); a noisy one (spread over the threshold, or the anchor drifted between tiers) is shown with a warning
-and never cached. The model knows nothing of ipywidgets (``explorer/view.py`` maps controls to settings and
-views to images).
+threads); a noisy one (its median still uncertain after the extra rounds, or the anchor drifted between tiers)
+is flagged (``Record.noisy``) and never cached. The model knows nothing of ipywidgets (``explorer/view.py`` maps
+controls to settings and views to images).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ class Stale(Exception):
 @dataclass(frozen=True)
 class Setting:
     """What the controls say. ``quantity, batch, hidden`` decide the computation and the timings; ``strategies``
-    which methods are timed; ``sample`` and ``clip`` only the sample panels and the DP-SGD view."""
+    which methods are timed, ``slow_limit`` which of them are skipped as too slow (None: the model's default);
+    ``sample`` and ``clip`` only the sample panels and the DP-SGD view."""
 
     batch: int = 32
     hidden: int = 20
@@ -65,6 +69,7 @@ class Setting:
     strategies: tuple[str, ...] = STRATEGIES
     sample: int = 0
     clip: float = 20.0
+    slow_limit: int | None = None
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -81,7 +86,11 @@ class Setting:
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether ``hooks`` and ``torch_func`` agree at the setting (on the first ``samples`` samples)."""
+    """Whether the results shown agree with the loop (the definition) at the setting, on ``samples`` of the
+    ``batch`` samples (all of them up to a limit, else evenly spread over the batch).
+
+    ``checked``: the strategies compared so far (the heatmap's first); ``failed``: those beyond ``tolerance``;
+    ``max_abs_diff``: the largest difference of any of them; ``text``: one line saying all that."""
 
     ok: bool
     max_abs_diff: float
@@ -89,6 +98,8 @@ class Verdict:
     samples: int
     batch: int
     text: str
+    checked: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,6 +150,7 @@ class View:
         before they are compared). sample, clipping: the panels.
         records: the current setting's records so far (cheapest tier first, skipped ones last).
         pending: methods still to be timed. scaling_records: every record of the scaling curve (at "done").
+        provisional: methods whose numbers are from the first rounds, more being measured (not a warning).
         noisy: methods whose timing was noisy (not cached: rerun). notes: lines to show (skips, noise).
         reused: records taken from the cache.
     """
@@ -154,6 +166,7 @@ class View:
     records: tuple[bench.Record, ...] = ()
     pending: tuple[str, ...] = ()
     scaling_records: tuple[bench.Record, ...] = ()
+    provisional: tuple[str, ...] = ()
     noisy: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     reused: int = 0
@@ -195,7 +208,8 @@ class _Data:
     total: torch.Tensor  # (B,)
     layers: dict[str, torch.Tensor]  # {layer: (B,)}
     verdict: Verdict | None
-    reference: torch.Tensor | None = None  # the full result of the quantity, for max |diff| (lazily)
+    checked: torch.Tensor | None = None  # (n,) the samples compared with the loop
+    reference: torch.Tensor | None = None  # (n, P) or (n, Y * P): the loop's result on them, for max |diff|
     hooks_s: float | None = None  # how long the hooks call for ``grads`` took
 
 
@@ -223,30 +237,37 @@ class ExplorerModel:
         batch_options: the batch sizes of the slider (the scaling curve picks among those up to the current).
         slow_limit: the slow baselines are skipped (with a note) above this many sample-backward passes per
             call (see :func:`pergrad_viz.bench.backward_work`).
-        rounds, min_rounds: rounds per tier (:func:`pergrad_viz.timing.time_interleaved`): ``rounds``, fewer
-            (down to ``min_rounds``) where they would take more than ``tier_budget_s`` seconds.
+        rounds, min_rounds: rounds of a tier's first pass (:func:`pergrad_viz.timing.time_adaptive`): ``rounds``,
+            fewer (down to ``min_rounds``) where they would take more than ``tier_budget_s`` seconds.
+        max_rounds, patience_s: while a median is uncertain, more rounds are timed, up to ``max_rounds`` per tier
+            and about ``patience_s`` seconds per setting in all (half that for each of the scaling curve's smaller
+            batches); the first numbers are shown meanwhile, as provisional.
         round_budget_s: one round of a tier costs about this much (cheap methods share a tier; a costly one gets
             its own). prior_min_s: a first call at least this long counts as a round.
         min_block_s: a timed block lasts at least this long (many calls of a fast method).
-        noise_threshold: IQR / median above which a timing is noisy. drift: the anchor's median may move by
-            this factor between tiers before the later tier counts as noisy.
+        noise_threshold: a median is settled when the half-width of its 95% confidence interval is at most this
+            fraction of it (:attr:`pergrad_viz.timing.Timing.uncertainty`); still above after the extra rounds:
+            noisy. drift: the anchor's median may move by this factor between tiers before the later tier counts
+            as noisy.
         sweep_batches: batch sizes on the scaling curve (up to the current one).
         threads: intra-op threads while computing (default: one core left free, see
             :func:`pergrad_viz.timing.headroom_threads`).
-        verdict_samples: hooks and torch_func are compared on up to this many samples at once (all of them
-            are compared again, against the first result, when each method is timed).
+        verdict_samples, verdict_samples_jacobian: the results are compared with the loop on all samples up to
+            this many (for gradients / for Jacobians), else on this many spread evenly over the batch.
     """
 
     def __init__(self, *, batch_options: Sequence[int] = tuple(2**k for k in range(9)), slow_limit: int = 1024,
-                 rounds: int = 5, min_rounds: int = 3, tier_budget_s: float = 1.0, round_budget_s: float = 0.05,
-                 prior_min_s: float = 0.1, min_block_s: float = timing.MIN_BLOCK_S,
-                 noise_threshold: float = timing.NOISE_THRESHOLD, drift: float = 1.5, sweep_batches: int = 3,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
-                 verdict_samples: int = 64):
+                 rounds: int = 5, min_rounds: int = 3, max_rounds: int = 15, patience_s: float = 1.0,
+                 tier_budget_s: float = 1.0, round_budget_s: float = 0.05, prior_min_s: float = 0.1,
+                 min_block_s: float = timing.MIN_BLOCK_S, noise_threshold: float = 0.15, drift: float = 1.5,
+                 sweep_batches: int = 3, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 threads: int | None = None, verdict_samples: int = 64, verdict_samples_jacobian: int = 8):
         self.batch_options = tuple(sorted(batch_options))
         self.slow_limit = slow_limit
         self.rounds = rounds
         self.min_rounds = min(min_rounds, rounds)
+        self.max_rounds = max(max_rounds, rounds)
+        self.patience_s = patience_s
         self.tier_budget_s = tier_budget_s
         self.round_budget_s = round_budget_s
         self.prior_min_s = prior_min_s
@@ -258,6 +279,7 @@ class ExplorerModel:
         self.dtype = dtype
         self.threads = threads if threads is not None else timing.headroom_threads()
         self.verdict_samples = verdict_samples
+        self.verdict_samples_jacobian = verdict_samples_jacobian
         self.cache: dict[TimingKey, bench.Record] = {}
         self._data: dict[tuple[str, int, int], _Data] = {}  # the latest setting's only: bounded memory
 
@@ -274,6 +296,8 @@ class ExplorerModel:
             raise ValueError(f"unknown strategies {unknown}; valid: 'auto', {', '.join(STRATEGIES)}")
         if not (setting.clip > 0 and math.isfinite(setting.clip)):
             raise ValueError(f"the clipping threshold must be a positive number, got {setting.clip!r}")
+        if setting.slow_limit is not None and setting.slow_limit < 0:
+            raise ValueError(f"slow_limit must be a number of sample-backward passes >= 0, got {setting.slow_limit}")
         p = _num_params(setting.hidden)
         grads = result_bytes(setting.batch, p, self.dtype)
         outputs = OUTPUTS if setting.quantity == "jacobian" else 1
@@ -319,13 +343,13 @@ class ExplorerModel:
             yield view
             poll()
             if data.verdict is None:
-                data.verdict = self._verdict(setting, data.model, data.loss_fn, data.x, data.y, data.grads)
+                data.verdict = self._verdict(setting, data)
                 view = dataclasses.replace(view, verdict=data.verdict)
                 yield view
                 poll()
             records: list[bench.Record] = []
-            for records, pending, reused in self._time_setting(setting, data, poll):
-                view = self._with_records(view, records, pending, reused, stage="timing")
+            for records, pending, reused, provisional in self._time_setting(setting, data, poll):
+                view = self._with_records(view, data, records, pending, reused, provisional, stage="timing")
                 yield view
             scaling = self.scaling_batches(setting.batch)[:-1]
             others: list[bench.Record] = []
@@ -334,8 +358,8 @@ class ExplorerModel:
                 yield view
                 poll()
                 sub = dataclasses.replace(setting, batch=b)
-                *_, (last, _pending, _reused) = self._time_setting(sub, self._gradients(sub, keep=False), poll,
-                                                                    rounds=self.min_rounds)
+                *_, (last, *_rest) = self._time_setting(sub, self._gradients(sub, keep=False), poll,
+                                                         rounds=self.min_rounds)
                 others += last
             view = dataclasses.replace(view, stage="done", scaling_pending=(),
                                        scaling_records=tuple(sorted([*others, *records], key=lambda r: r.batch_size)))
@@ -391,23 +415,54 @@ class ExplorerModel:
             self._data = {setting.key: data}
         return data
 
-    def _verdict(self, setting: Setting, model: nn.Module, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 grads: torch.Tensor) -> Verdict:
-        n = min(setting.batch, self.verdict_samples if setting.quantity == "grads" else 8)
+    def _checked(self, setting: Setting) -> torch.Tensor:
+        """(n,) the samples compared with the loop: all of them up to the limit, else evenly spread over the batch
+        (the first and the last included)."""
+        most = self.verdict_samples if setting.quantity == "grads" else self.verdict_samples_jacobian
+        if setting.batch <= most:
+            return torch.arange(setting.batch)
+        return torch.linspace(0, setting.batch - 1, most).round().long().unique()
+
+    @staticmethod
+    def _which(n: int, batch: int) -> str:
+        return f"all {n} samples" if n == batch else f"{n} of {batch} samples, spread evenly over the batch,"
+
+    def _verdict(self, setting: Setting, data: _Data) -> Verdict:
+        """The heatmap's per-sample gradients (``hooks``) against the loop on the checked samples; the loop's
+        result for the setting's quantity is kept as the reference of every method timed next."""
+        idx = data.checked = self._checked(setting)
+        loop = _loop_rows(data.model, data.loss_fn, data.x, data.y, idx, "grads")
         if setting.quantity == "grads":
-            mine, theirs = grads[:n], per_sample_grads(model, loss_fn, x[:n], y[:n], strategy="torch_func", flat=True)
+            data.reference = loop
         else:
-            mine = per_sample_jacobian(model, x[:n], strategy="hooks", flat=True)
-            theirs = per_sample_jacobian(model, x[:n], strategy="torch_func", flat=True)
-        diff = float(torch.linalg.vector_norm(mine - theirs, ord=math.inf))
-        tolerance = 1e-4 * max(1.0, float(torch.linalg.vector_norm(mine, ord=math.inf)))
-        ok = diff <= tolerance
-        which = f"all {n} samples" if n == setting.batch else f"samples 0-{n - 1} of {setting.batch}"
+            data.reference = _loop_rows(data.model, data.loss_fn, data.x, data.y, idx, "jacobian")
+        diff = float(torch.linalg.vector_norm(data.grads[idx] - loop, ord=math.inf))
+        return self._judge(setting, data, {"hooks": diff}, tolerance_of=loop, quantity="grads")
+
+    def _judge(self, setting: Setting, data: _Data, diffs: dict[str, float], *, tolerance_of: torch.Tensor,
+               quantity: str, before: Verdict | None = None) -> Verdict:
+        """A verdict on ``diffs`` ({strategy: max |difference| from the loop}), together with ``before``'s."""
+        tolerance = 1e-4 * max(1.0, float(torch.linalg.vector_norm(tolerance_of, ord=math.inf)))
+        failed = [m for m, d in diffs.items() if not d <= tolerance]  # NaN fails
+        checked = list(diffs)
+        worst = max(diffs.values(), default=0.0)
+        if before is not None:
+            checked = [*before.checked, *(m for m in checked if m not in before.checked)]
+            failed = [*before.failed, *(m for m in failed if m not in before.failed)]
+            worst = max(worst, before.max_abs_diff) if math.isfinite(worst) else worst
+        n = int(data.checked.numel())
         dtype = str(self.dtype).removeprefix("torch.")
-        text = (f"hooks and torch_func {'agree' if ok else 'DISAGREE'} on the {QUANTITY_NAMES[setting.quantity]} "
-                f"at {setting.describe()}: max |difference| {diff:.1e} ({dtype}, {which}; "
-                f"tolerance {tolerance:.0e})")
-        return Verdict(ok, diff, tolerance, n, setting.batch, text)
+        what = QUANTITY_NAMES[quantity]
+        where = f"{what} at {setting.describe()}"
+        details = (f"max |difference| {worst:.1e} ({dtype}; {self._which(n, setting.batch)} checked against the "
+                   f"loop; tolerance {tolerance:.0e})")
+        if failed:
+            text = f"{', '.join(failed)} DISAGREE with the loop (the definition) on the {where}: {details}"
+        elif len(checked) == 1:
+            text = f"{checked[0]} agrees with the loop (the definition) on the {where}: {details}"
+        else:
+            text = f"{', '.join(checked)} agree with the loop (the definition) on the {where}: {details}"
+        return Verdict(not failed, worst, tolerance, n, setting.batch, text, tuple(checked), tuple(failed))
 
     def _sample(self, setting: Setting, data: _Data) -> SampleView:
         """The first-layer images and the fast rule's parts for sample ``setting.sample`` (clamped to B-1)."""
@@ -452,10 +507,21 @@ class ExplorerModel:
         clipped = int((data.total > c * (1 + 1e-5)).sum())
         return ClipView(c, data.total, data.layers, clipped, float(plain.norm()), float(clipped_sum.norm()))
 
-    def _with_records(self, view: View, records: Sequence[bench.Record], pending: tuple[str, ...], reused: int,
-                      stage: str) -> View:
+    def _with_records(self, view: View, data: _Data, records: Sequence[bench.Record], pending: tuple[str, ...],
+                      reused: int, provisional: tuple[str, ...], stage: str) -> View:
+        verdict = view.verdict
+        order = {name: k for k, name in enumerate(view.setting.strategies)}
+        diffs = {r.strategy: r.max_abs_diff for r in sorted(records, key=lambda r: order.get(r.strategy, len(order)))
+                 if r.max_abs_diff is not None and r.strategy not in REFERENCES}
+        if verdict is not None and diffs and data.reference is not None:
+            quantity = view.setting.quantity
+            verdict = self._judge(view.setting, data, diffs, tolerance_of=data.reference, quantity=quantity,
+                                  before=data.verdict if quantity == "grads" else None)
+            if quantity != "grads" and not data.verdict.ok:  # the heatmap's gradients disagree: say so first
+                verdict = dataclasses.replace(verdict, ok=False, text=f"{data.verdict.text}; {verdict.text}")
         return dataclasses.replace(view, stage=stage, records=tuple(records), pending=pending, reused=reused,
-                                   noisy=_noisy(records), notes=_notes(view.setting, records))
+                                   verdict=verdict, provisional=provisional, noisy=_noisy(records),
+                                   notes=_notes(view.setting, records, provisional))
 
     # ------------------------------------------------------------------------------------------ timing
 
@@ -469,8 +535,9 @@ class ExplorerModel:
         outputs = OUTPUTS if setting.quantity == "jacobian" else 1
         strategy = "hooks" if name == "auto" else name
         work = bench.backward_work(strategy, setting.quantity, setting.batch, outputs)
-        if work > self.slow_limit:
-            return f"skipped: {work:,} sample-backward passes > slow_limit={self.slow_limit:,}"
+        limit = self.slow_limit if setting.slow_limit is None else setting.slow_limit
+        if work > limit:
+            return f"skipped: {work:,} sample-backward passes > slow_limit={limit:,}"
         return None
 
     def _key(self, setting: Setting, method: str) -> TimingKey:
@@ -498,9 +565,10 @@ class ExplorerModel:
         return calls
 
     def _time_setting(self, setting: Setting, data: _Data, poll: Callable[[], None], rounds: int | None = None
-                      ) -> Iterator[tuple[list[bench.Record], tuple[str, ...], int]]:
-        """Time the setting's methods tier by tier; yields (records so far, methods pending, records reused).
-        ``rounds``: at most this many (default: the model's; the scaling curve's smaller batches use fewer)."""
+                      ) -> Iterator[tuple[list[bench.Record], tuple[str, ...], int, tuple[str, ...]]]:
+        """Time the setting's methods tier by tier; yields (records so far, methods pending, records reused,
+        methods provisional). ``rounds``: a first pass of at most this many (default: the model's; the scaling
+        curve's smaller batches use fewer, and fewer extra rounds)."""
         most = self.rounds if rounds is None else rounds
         methods = self._methods(setting)
         skipped = [bench.Record(s, setting.quantity, setting.batch, setting.hidden, None, None,
@@ -514,7 +582,7 @@ class ExplorerModel:
         reused = len(done)
         todo = [m for m in methods if m not in done]
         if not todo:
-            yield _ordered(done, skipped), (), reused
+            yield _ordered(done, skipped), (), reused, ()
             return
         calls = self._calls(setting, data)
         warm = [*todo, *([ANCHOR] if ANCHOR not in todo else [])]
@@ -529,37 +597,51 @@ class ExplorerModel:
         for r in done.values():
             if r.vs_forward_backward is not None:
                 ratios[r.strategy] = r.vs_forward_backward
+        auto = "auto = " + resolve_strategy("auto", data.model, data.x) if "auto" in todo else ""
+        patience_left = self.patience_s if rounds is None else self.patience_s / 2  # for the extra rounds, in all
         for tier in tiers:
             fns = {m: calls[m] for m in tier}
             fns.setdefault(ANCHOR, calls[ANCHOR])
             cost = sum(max(estimates[m], self.min_block_s) for m in fns)
-            rounds = max(self.min_rounds, min(most, int(self.tier_budget_s / cost)))
-            result = timing.time_interleaved(fns, rounds=rounds, estimates=estimates, min_block_s=self.min_block_s,
-                                             noise_threshold=self.noise_threshold, check=poll,
-                                             prior={m: prior[m] for m in fns if m in prior})
-            anchor = result[ANCHOR]
-            drift = anchor_ref is not None and timing.drifted(anchor_ref, anchor, self.drift)
-            if anchor_ref is None:
-                anchor_ref = anchor
-            for m in tier:
-                t = result[m]
-                noisy = t.noisy or drift
-                ratios[m] = t.median_s / anchor.median_s
-                note = "auto = " + resolve_strategy("auto", data.model, data.x) if m == "auto" else ""
-                if noisy:
-                    why = (f"spread {t.spread:.0%} of the median" if t.noisy
-                           else "the load changed while timing (forward+backward moved)")
-                    note = "; ".join(filter(None, [note, f"noisy measurement: rerun ({why})"]))
-                record = bench.Record(m, setting.quantity, setting.batch, setting.hidden, t.median_s, t.iqr_s,
-                                      self._result_size(setting), max_abs_diff=diffs.get(m), note=note)
-                record.vs_forward_backward = ratios[m]
-                done[m] = record
-                pending.remove(m)
-            _ratios(done, ratios)
-            for m in tier:
-                if "noisy" not in done[m].note:
-                    self.cache[self._key(setting, m)] = dataclasses.replace(done[m])
-            yield _ordered(done, skipped), tuple(p for p in methods if p in pending), reused
+            first = max(self.min_rounds, min(most, int(self.tier_budget_s / cost)))
+            patience = timing.Patience(rounds=first, max_rounds=max(first, self.max_rounds if rounds is None
+                                                                    else 2 * first),
+                                       budget_s=max(0.0, patience_left), threshold=self.noise_threshold)
+            extra_since: float | None = None
+            for result, final in timing.time_adaptive(fns, patience=patience, estimates=estimates,
+                                                      min_block_s=self.min_block_s, check=poll,
+                                                      prior={m: prior[m] for m in fns if m in prior}):
+                if not final and extra_since is None:
+                    extra_since = time.perf_counter()
+                elif final and extra_since is not None:
+                    patience_left -= time.perf_counter() - extra_since
+                anchor = result[ANCHOR]
+                drift = final and anchor_ref is not None and timing.drifted(anchor_ref, anchor, self.drift)
+                for m in tier:
+                    t = result[m]
+                    ratios[m] = t.median_s / anchor.median_s
+                    note = auto if m == "auto" else ""
+                    noisy = final and (t.noisy or drift)
+                    if noisy:
+                        why = (f"median ±{t.uncertainty:.0%} after {len(t.samples)} rounds" if t.noisy
+                               else "the load changed while timing (forward+backward moved)")
+                        note = "; ".join(filter(None, [note, f"noisy: {why}"]))
+                    record = bench.Record(m, setting.quantity, setting.batch, setting.hidden, t.median_s, t.iqr_s,
+                                          self._result_size(setting), max_abs_diff=diffs.get(m), note=note,
+                                          noisy=noisy)
+                    record.vs_forward_backward = ratios[m]
+                    done[m] = record
+                _ratios(done, ratios)
+                if not final:
+                    yield _ordered(done, skipped), tuple(p for p in methods if p in pending), reused, tuple(tier)
+                    continue
+                if anchor_ref is None:
+                    anchor_ref = anchor
+                for m in tier:
+                    pending.remove(m)
+                    if not done[m].noisy:
+                        self.cache[self._key(setting, m)] = dataclasses.replace(done[m])
+                yield _ordered(done, skipped), tuple(p for p in methods if p in pending), reused, ()
 
     def _result_size(self, setting: Setting) -> int:
         outputs = OUTPUTS if setting.quantity == "jacobian" else 1
@@ -568,16 +650,20 @@ class ExplorerModel:
     def _warm_up(self, setting: Setting, data: _Data, calls: dict[str, Callable[[], object]], names: list[str],
                  poll: Callable[[], None]) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
         """One call of each method: its cost (to plan the tiers and size the blocks) and, for strategies, its
-        max |difference| from the reference result (the hooks gradients of the heatmap; for Jacobians the first
-        result). Returns (estimates, differences, prior): a call that took at least ``prior_min_s`` counts as
-        the method's first round (timing it again would cost more than it tells)."""
+        max |difference| from the loop on the checked samples. Returns (estimates, differences, prior): a call
+        that took at least ``prior_min_s`` counts as the method's first round (timing it again would cost more
+        than it tells)."""
         estimates: dict[str, float] = {}
         diffs: dict[str, float] = {}
         prior: dict[str, list[float]] = {}
-        reference = data.reference if setting.quantity == "jacobian" else data.grads
+        if data.reference is None:  # the scaling curve's smaller batches: no verdict was drawn for them
+            data.checked = self._checked(setting)
+            data.reference = _loop_rows(data.model, data.loss_fn, data.x, data.y, data.checked, setting.quantity)
+        idx, reference = data.checked, data.reference
         for m in names:
             if m == "hooks" and setting.quantity == "grads" and data.hooks_s is not None:
-                estimates[m], diffs[m] = data.hooks_s, 0.0  # the heatmap's gradients: this call, just made
+                estimates[m] = data.hooks_s  # the heatmap's gradients: this call, just made
+                diffs[m] = float(torch.linalg.vector_norm(data.grads[idx] - reference, ord=math.inf))
                 if data.hooks_s >= self.prior_min_s:
                     prior[m] = [data.hooks_s]
                 continue
@@ -589,12 +675,29 @@ class ExplorerModel:
                 prior[m] = [estimates[m]]
             if m in REFERENCES:
                 continue
-            flat = out.reshape(setting.batch, -1) if isinstance(out, torch.Tensor) else out
-            if reference is None:
-                reference = data.reference = flat.clone()
-            diffs[m] = float(torch.linalg.vector_norm(flat.reshape(reference.shape) - reference, ord=math.inf))
-            del out, flat
+            rows = out.reshape(setting.batch, -1)[idx] if isinstance(out, torch.Tensor) else out
+            diffs[m] = float(torch.linalg.vector_norm(rows - reference, ord=math.inf))
+            del out, rows
         return estimates, diffs, prior
+
+
+def _loop_rows(model: nn.Module, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
+               quantity: str) -> torch.Tensor:
+    """The definition, written out (no strategy of the package involved): for each sample i of ``idx`` run alone,
+    ``torch.autograd.grad`` of its loss (``"grads"``: (n, P)) or of each of its outputs (``"jacobian"``:
+    (n, Y * P), the flat (Y, P) layout), over the trainable parameters in ``named_parameters`` order."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    with torch.enable_grad():
+        for i in idx.tolist():
+            out = model(x[i:i + 1])
+            if quantity == "grads":
+                parts = [torch.autograd.grad(loss_fn(out, y[i:i + 1]), params)]
+            else:
+                flat = out.reshape(-1)
+                parts = [torch.autograd.grad(flat[j], params, retain_graph=True) for j in range(flat.numel())]
+            rows.append(torch.cat([g.reshape(-1) for grads in parts for g in grads]))
+    return torch.stack(rows)
 
 
 def _boundaries(model: nn.Module) -> list[tuple[str, int, int]]:
@@ -625,23 +728,26 @@ def _ordered(done: dict[str, bench.Record], skipped: list[bench.Record]) -> list
 
 
 def _noisy(records: Sequence[bench.Record]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(r.strategy for r in records if "noisy" in r.note))
+    return tuple(dict.fromkeys(r.strategy for r in records if r.noisy))
 
 
-def _notes(setting: Setting, records: Sequence[bench.Record]) -> tuple[str, ...]:
-    """The lines a learner must see: the slow baselines skipped (and why), the noisy measurements."""
+def _notes(setting: Setting, records: Sequence[bench.Record], provisional: Sequence[str] = ()) -> tuple[str, ...]:
+    """The lines a learner must see: the slow baselines skipped (and why, and how to time them), the numbers
+    still being measured (provisional: not a warning), the noisy measurements."""
     lines = []
     skipped = [r for r in records if r.skipped]
     if skipped:
         reason = skipped[0].note.removeprefix("skipped: ")
         names = ", ".join(r.strategy for r in skipped)
         lines.append(f"skipped as too slow at {setting.describe()}: {names} ({reason} for "
-                     f"{skipped[0].strategy}). Lower the batch size, or pass a larger slow_limit= to explorer() "
-                     "to time them.")
+                     f"{skipped[0].strategy}). Lower the batch size, or raise 'time slow methods up to' (above the "
+                     "table) to time them.")
+    if provisional:
+        lines.append(f"provisional: the first rounds of {', '.join(provisional)} varied, so more rounds are being "
+                     "timed; the numbers may still move.")
     noisy = _noisy(records)
     if noisy:
-        lines.append(f"noisy measurement: rerun. The rounds of {', '.join(noisy)} varied too much (other programs "
-                     "are using the CPU); these numbers are not cached: press 'rerun timings' or come back to this "
-                     "setting later.")
+        lines.append(f"noisy measurement: the rounds of {', '.join(noisy)} still varied after the extra rounds "
+                     "(other programs are using the CPU), so these times are uncertain and not kept: press 'rerun "
+                     "timings' or come back to this setting later.")
     return tuple(lines)
-

@@ -30,6 +30,7 @@ import ipywidgets as w
 from matplotlib.figure import Figure
 
 from .. import bench, plots
+from ..errors import human_bytes
 from ..strategies import STRATEGIES
 from .model import QUANTITIES, QUANTITY_NAMES, ExplorerModel, Setting, Stale, View
 
@@ -40,6 +41,10 @@ POWERS_OF_TWO_BATCH = tuple(2**k for k in range(9))  # 1 .. 256
 POWERS_OF_TWO_HIDDEN = tuple(2**k for k in range(3, 10))  # 8 .. 512
 DPI = 96  # CSS pixels per inch: a figure of 8 in shows 768 px wide, drawn at that size
 PANELS = ("heatmap", "images", "rule", "clip", "bars", "runtime")
+# Figures come in pairs that sit side by side where the page is wide enough (a 1400 px dashboard: each pair at
+# most about 13.9 in = 1330 px) and wrap onto two lines where it is not (JupyterLab with its side bar open).
+WIDTHS = {"bars": 6.3, "runtime": 7.0, "heatmap": 7.4, "rule": 6.9, "clip": 6.5}  # inches
+SLOW_LIMITS = (256, 1024, 4096, 16384, 65536)  # the slow-methods control's options (and the explorer's default)
 BAR_INTERVAL_S = 0.5  # while timing, the bar chart is redrawn at most this often
 
 
@@ -114,7 +119,8 @@ class Explorer(w.VBox):
 
     Controls: ``batch_slider``, ``hidden_slider`` (``SelectionSlider`` s), ``quantity_toggle``
     (``"grads"`` / ``"jacobian"``), ``strategy_boxes`` (``{strategy: Checkbox}``), ``sample_slider`` (the sample
-    of the sample panels), ``clip_slider`` (DP-SGD's threshold C), ``rerun_button`` (time this setting again).
+    of the sample panels), ``clip_slider`` (DP-SGD's threshold C), ``rerun_button`` (time this setting again),
+    ``slow_limit_dropdown`` (the slow baselines are timed up to this many sample-backward passes per call).
 
     State for code and tests:
         model: the :class:`~.model.ExplorerModel`; view: the latest :class:`~.model.View` shown (None before).
@@ -156,7 +162,12 @@ class Explorer(w.VBox):
                                             description="clipping threshold C", readout_format=".3g", **slider)
         self.rerun_button = w.Button(description="rerun timings", icon="refresh",
                                      tooltip="time this setting again (noisy numbers are never kept)",
-                                     layout=w.Layout(width="auto"))
+                                     layout=w.Layout(width="auto", margin="0 18px 0 0"))
+        limits = sorted({*SLOW_LIMITS, int(model.slow_limit)})
+        self.slow_limit_dropdown = w.Dropdown(
+            options=[(f"{n:,} backward passes per call", n) for n in limits], value=int(model.slow_limit),
+            description="time slow methods up to", style={"description_width": "initial"},
+            layout=w.Layout(width="auto"))
         self.progress_html = w.HTML("", layout=w.Layout(margin="0 0 0 12px"))
         self.error_html = w.HTML("")
         self.status_html = w.HTML("")
@@ -166,7 +177,7 @@ class Explorer(w.VBox):
         self._build()
 
         for control in (self.batch_slider, self.hidden_slider, self.quantity_toggle, *self.strategy_boxes.values(),
-                        self.sample_slider, self.clip_slider):
+                        self.sample_slider, self.clip_slider, self.slow_limit_dropdown):
             control.observe(self._on_change, names="value")
         self.rerun_button.on_click(self._on_rerun)
         self._worker = _Worker(self._run) if background else None
@@ -181,6 +192,28 @@ class Explorer(w.VBox):
         def heading(text: str) -> w.HTML:
             return w.HTML(f"<h4 style='margin:14px 0 2px 0'>{html.escape(text)}</h4>")
 
+        def pair(*children: w.Widget) -> w.HBox:
+            return w.HBox(list(children), layout=w.Layout(flex_flow="row wrap", align_items="flex-start",
+                                                          width="100%"))
+
+        def text(html_text: str) -> w.HTML:
+            return w.HTML(f"<div style='max-width:640px;line-height:1.4'>{html_text}</div>")
+
+        rule = w.VBox([
+            heading("How the fast rule works"),
+            text("For a Linear layer, one sample's weight gradient is the outer product of the backprop signal "
+                 "g<sub>i</sub> at the layer's output and the layer's input a<sub>i</sub>: one backward pass for the "
+                 "whole batch gives every g<sub>i</sub>, so every per-sample gradient costs one outer product, and "
+                 "its norm is ||g<sub>i</sub>|| ||a<sub>i</sub>|| without forming it (the ghost-norm trick)."),
+            img["rule"],
+        ], layout=w.Layout(margin="0 24px 0 0"))
+        clip = w.VBox([
+            heading("The DP-SGD view"),
+            text("DP-SGD clips each sample's gradient to norm at most C before summing (then adds noise), so that "
+                 "no single example can move the model much."),
+            self.clip_slider,
+            img["clip"],
+        ])
         self.children = [
             w.HBox([self.batch_slider, self.hidden_slider], layout=w.Layout(flex_flow="row wrap")),
             w.HBox([self.quantity_toggle, self.progress_html], layout=w.Layout(align_items="center")),
@@ -189,24 +222,14 @@ class Explorer(w.VBox):
             self.error_html,
             self.status_html,
             heading("Timing: each strategy at this setting, and how it scales with the batch size"),
-            w.HBox([img["bars"], img["runtime"]], layout=w.Layout(flex_flow="row wrap", align_items="flex-start")),
-            w.HBox([self.table_html, self.rerun_button], layout=w.Layout(align_items="flex-start")),
+            pair(img["bars"], img["runtime"]),
+            w.HBox([self.rerun_button, self.slow_limit_dropdown],
+                   layout=w.Layout(flex_flow="row wrap", align_items="center", margin="6px 0 2px 0")),
+            self.table_html,
             heading("The per-sample gradients"),
             self.sample_slider,
-            img["heatmap"],
-            img["images"],
-            heading("How the fast rule works"),
-            w.HTML("<div style='max-width:900px'>For a Linear layer, one sample's weight gradient is the outer "
-                   "product of the backprop signal g<sub>i</sub> at the layer's output and the layer's input "
-                   "a<sub>i</sub>: one backward pass for the whole batch gives every g<sub>i</sub>, so every "
-                   "per-sample gradient costs one outer product, and its norm is ||g<sub>i</sub>|| "
-                   "||a<sub>i</sub>|| without forming it (the ghost-norm trick).</div>"),
-            img["rule"],
-            heading("The DP-SGD view"),
-            w.HTML("<div style='max-width:900px'>DP-SGD clips each sample's gradient to norm at most C before "
-                   "summing (then adds noise), so that no single example can move the model much.</div>"),
-            self.clip_slider,
-            img["clip"],
+            pair(img["heatmap"], img["images"]),
+            pair(rule, clip),
         ]
 
     # ------------------------------------------------------------------------------------------ controls
@@ -222,7 +245,7 @@ class Explorer(w.VBox):
         return Setting(batch=self.batch_slider.value, hidden=self.hidden_slider.value,
                        quantity=self.quantity_toggle.value, strategies=tuple(self.selected),
                        sample=min(self.sample_slider.value, self.batch_slider.value - 1),
-                       clip=float(self.clip_slider.value))
+                       clip=float(self.clip_slider.value), slow_limit=int(self.slow_limit_dropdown.value))
 
     def _on_change(self, change: dict) -> None:
         if self._suspended:
@@ -291,8 +314,7 @@ class Explorer(w.VBox):
         with self._lock:
             try:
                 current, rerun, self._rerun = self.view, self._rerun, False
-                if (current is not None and current.done and not rerun and current.setting.key == setting.key
-                        and current.setting.strategies == setting.strategies):
+                if current is not None and current.done and not rerun and _same_work(current.setting, setting):
                     self._show(self.model.with_sample(current, sample=setting.sample, clip=setting.clip))
                     self._progress("done", setting, current.progress)
                     self.error = ""
@@ -317,8 +339,7 @@ class Explorer(w.VBox):
         view = self.view
         if newer is None:
             return
-        if (view is not None and newer.key == view.setting.key and newer.strategies == view.setting.strategies
-                and self._worker.take(newer)):
+        if view is not None and _same_work(newer, view.setting) and self._worker.take(newer):
             self._show(self.model.with_sample(view, sample=newer.sample, clip=newer.clip))
             return
         raise Stale
@@ -328,8 +349,7 @@ class Explorer(w.VBox):
         figures: drawing the rest of a stale view would only delay the one wanted)."""
         newer = self._worker.peek() if self._worker is not None else None
         view = self.view
-        if newer is not None and (view is None or newer.key != view.setting.key
-                                  or newer.strategies != view.setting.strategies):
+        if newer is not None and (view is None or not _same_work(newer, view.setting)):
             raise Stale
 
     def _keep_panels(self, view: View) -> View:
@@ -355,8 +375,8 @@ class Explorer(w.VBox):
         self._draw("heatmap", (key, s.sample), lambda: self._heatmap(view))
         self._draw("images", (key, s.sample), lambda: plots.first_layer_images(
             view.sample.first_layer, image=view.sample.image, titles=list(view.sample.first_layer_titles),
-            ncols=5 if s.quantity == "grads" else 6, image_title=f"input ({view.sample.label})",
-            suptitle=view.sample.first_layer_title))
+            ncols=5 if s.quantity == "grads" else 6, cell=1.15 if s.quantity == "grads" else 0.95,
+            image_title=f"input ({view.sample.label})", suptitle=view.sample.first_layer_title))
         if self._shown.get("runtime", (None,))[0] != key:
             self._hide("runtime")  # the old curve belongs to another setting
         if view.verdict is None:  # the first view of a setting: the heatmap and images first, the rest next
@@ -366,46 +386,49 @@ class Explorer(w.VBox):
             return
         loss_key = (s.batch, s.hidden)  # the fast rule and the DP-SGD view use the loss gradients, either quantity
         self._draw("rule", (loss_key, s.sample), lambda: plots.outer_product_figure(
-            view.sample.a, view.sample.g, gradient_norm=view.sample.gradient_norm, width=9.0,
+            view.sample.a, view.sample.g, gradient_norm=view.sample.gradient_norm, width=WIDTHS["rule"],
             title=f"sample {view.sample.index} ({view.sample.label}) at {s.describe()}: fc1.weight's per-sample "
                   "gradient is g_i a_i^T"))
         c = view.clipping
         self._draw("clip", (loss_key, s.clip), lambda: plots.clipping_figure(
-            c.total, c.layers, c.max_norm, sums=(c.plain_sum_norm, c.clipped_sum_norm), width=8.0,
+            c.total, c.layers, c.max_norm, sums=(c.plain_sum_norm, c.clipped_sum_norm), width=WIDTHS["clip"],
             title=f"per-sample gradient norms at {s.describe()}, C={c.max_norm:.3g}"))
-        noisy = tuple(r.strategy for r in view.records if "noisy" in r.note)  # this setting's (not the curve's)
-        bars = (key, tuple((r.strategy, r.median_s) for r in view.records), view.pending, noisy)
+        noisy = tuple(r.strategy for r in view.records if r.noisy)  # this setting's (not the curve's)
+        bars = (key, tuple((r.strategy, r.median_s) for r in view.records), view.pending, noisy, view.provisional)
         if not view.records:
             self._hide("bars")  # the old chart belongs to another setting; the progress line says what is timed
         elif view.pending and time.monotonic() - self._bars_drawn < BAR_INTERVAL_S:
             pass  # the chart grows at most this often (drawing it costs more than a tier of cheap methods)
         else:
             self._draw("bars", bars, lambda: plots.bar_figure(
-                view.records, pending=view.pending, noisy=noisy, width=6.2,
+                view.records, pending=view.pending, noisy=noisy, provisional=view.provisional, width=WIDTHS["bars"],
                 title=f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}"))
             self._bars_drawn = time.monotonic()
         if view.done:
             self._draw("runtime", (key, tuple((r.strategy, r.batch_size, r.median_s) for r in view.scaling_records)),
-                       lambda: plots.runtime_figure(view.scaling_records, highlight=s.batch, width=6.4, height=3.4,
-                                                    title=f"{QUANTITY_NAMES[s.quantity]}: time vs batch size, "
-                                                          f"hidden width {s.hidden} (now: B={s.batch})"))
+                       lambda: plots.runtime_figure(view.scaling_records, highlight=s.batch, width=WIDTHS["runtime"],
+                                                    height=3.6, legend="below",
+                                                    title=f"time vs batch size at hidden width {s.hidden} "
+                                                          f"(dotted: B={s.batch})"))
         self.table_html.value = _table_html(view) if view.records else ""
         self._progress("done" if view.done else "busy", s, view.progress)  # last: "done" once all is drawn
 
     def _heatmap(self, view: View) -> Figure:
         s, i = view.setting, view.sample.index
-        title = f"per-sample gradients at {s.describe()}: B={s.batch} x P={view.grads.shape[1]:,} (sample {i} outlined)"
+        title = f"per-sample gradients at {s.describe()}: B={s.batch} x P={view.grads.shape[1]:,} (sample {i} marked)"
+        width = WIDTHS["heatmap"]
         if view.sample.jacobian is None:
-            return plots.gradient_heatmap(view.grads, view.boundaries, figsize=(8.6, 3.3), title=title,
-                                          highlight_row=i, max_cols=600)
-        fig = Figure(figsize=(8.6, 6.4))  # margins in inches, no layout engine (it would double the drawing time)
+            return plots.gradient_heatmap(view.grads, view.boundaries, figsize=(width, 3.4), title=title,
+                                          highlight_row=i, max_cols=560)
+        fig = Figure(figsize=(width, 6.4))  # margins in inches, no layout engine (it would double the drawing time)
         top, bottom = fig.subplots(2, 1, height_ratios=[1.2, 1])
-        fig.subplots_adjust(left=1.0 / 8.6, right=1 - 0.9 / 8.6, top=1 - 0.45 / 6.4, bottom=1.1 / 6.4,
-                            hspace=0.75)
+        fig.subplots_adjust(left=1.0 / width, right=1 - 0.9 / width, top=1 - 0.62 / 6.4, bottom=1.1 / 6.4,
+                            hspace=0.8)
         names = view.sample.first_layer_titles
-        plots.gradient_heatmap(view.grads, view.boundaries, ax=top, title=title, highlight_row=i, max_cols=600)
+        plots.gradient_heatmap(view.grads, view.boundaries, ax=top, title=plots.fit_text(title, width - 1.9),
+                               highlight_row=i, max_cols=560)
         plots.gradient_heatmap(view.sample.jacobian, view.boundaries, ax=bottom, ylabel="output", row_labels=names,
-                               max_cols=600, title=f"output Jacobian of sample {i} ({view.sample.label}): "
+                               max_cols=560, title=f"output Jacobian of sample {i} ({view.sample.label}): "
                                                    f"Y={view.sample.jacobian.shape[0]} x P")
         return fig
 
@@ -435,15 +458,20 @@ class Explorer(w.VBox):
     def _status(self, view: View) -> None:
         v = view.verdict
         if v is None:
-            lines = [f"<div style='margin:4px 0'>checking that hooks and torch_func agree at "
+            lines = [f"<div style='margin:4px 0'>checking the per-sample gradients against the loop at "
                      f"{html.escape(view.setting.describe())} …</div>"]
         else:
-            verdict = "<b style='color:#1b7f3b'>agree</b>" if v.ok else "<b style='color:#c62828'>DISAGREE</b>"
+            verdict = ("<b class='pergrad-verdict' data-ok='true' style='color:#1b7f3b'>agree</b>" if v.ok else
+                       "<b class='pergrad-verdict' data-ok='false' style='color:#c62828'>DISAGREE</b>")
             lines = [f"<div style='margin:4px 0'>{verdict} · {html.escape(v.text)}</div>"]
         for note in view.notes:
-            warn = note.startswith("noisy")
-            style = "color:#c62828;font-weight:bold" if warn else "color:#8a5300"
-            lines.append(f"<div style='{style}'>⚠ {html.escape(note)}</div>")
+            if note.startswith("provisional"):  # calm: more rounds are on their way, nothing is wrong
+                lines.append(f"<div class='pergrad-note' data-kind='provisional' style='color:#666'>"
+                             f"{html.escape(note)}</div>")
+            else:
+                kind = "noisy" if note.startswith("noisy") else "skipped"
+                lines.append(f"<div class='pergrad-note' data-kind='{kind}' style='color:#8a5300'>"
+                             f"⚠ {html.escape(note)}</div>")
         self.status_html.value = "".join(lines)
 
     def _show_error(self, setting: Setting, exc: Exception) -> None:
@@ -452,7 +480,8 @@ class Explorer(w.VBox):
         message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         shown = self.view.setting.describe() if self.view is not None else "none yet"
         self.error_html.value = (
-            "<div style='border-left:4px solid #c62828;background:#fdecea;padding:6px 10px;margin:4px 0'>"
+            "<div class='pergrad-error' style='border-left:4px solid #c62828;background:#fdecea;padding:6px 10px;"
+            "margin:4px 0'>"
             f"<b>Could not compute {html.escape(QUANTITY_NAMES[setting.quantity])} at {html.escape(where)}.</b><br>"
             f"<code style='white-space:pre-wrap'>{html.escape(message)}</code><br>"
             f"The figures below are from the previous setting ({html.escape(shown)}); choose another setting to "
@@ -477,7 +506,7 @@ class Explorer(w.VBox):
     def status(self) -> str:
         if self.view is None:
             return ""
-        verdict = self.view.verdict.text if self.view.verdict else "checking that hooks and torch_func agree"
+        verdict = self.view.verdict.text if self.view.verdict else "checking the per-sample gradients against the loop"
         return "\n".join([verdict, *self.view.notes])
 
     def snapshot(self, timeout: float | None = 600) -> None:
@@ -500,23 +529,47 @@ class Explorer(w.VBox):
         super().close()
 
 
+TABLE_COLUMNS = ("method", "median", "IQR", "vs loop", "vs fwd+bwd", "vs floor", "result", "max |diff| vs loop",
+                 "note")
+
+
+def _table_row(r: bench.Record) -> tuple[str, ...]:
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else plots.fmt_ratio(x)
+
+    return (r.strategy, "-" if r.median_s is None else plots.fmt_seconds(r.median_s),
+            "-" if r.iqr_s is None else plots.fmt_seconds(r.iqr_s), ratio(r.speedup_vs_loop),
+            ratio(r.vs_forward_backward), ratio(r.vs_memory_floor), human_bytes(r.result_bytes),
+            "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.1e}", r.note)
+
+
 def _table_html(view: View) -> str:
-    """The records of one setting as an HTML table (bench.COLUMNS without the constant first three)."""
-    records = list(view.records)
-    keep = [k for k, c in enumerate(bench.COLUMNS) if c not in ("quantity", "batch", "hidden")]
-    head = "".join(f"<th style='text-align:left;padding:2px 8px'>{html.escape(bench.COLUMNS[k])}</th>" for k in keep)
+    """The records of one setting as an HTML table, its caption a paragraph above it (full width)."""
+    head = "".join(f"<th style='text-align:left;padding:2px 8px'>{html.escape(c)}</th>" for c in TABLE_COLUMNS)
     body = []
-    for r, row in zip(records, bench.table_rows(records), strict=True):
-        noisy = "noisy" in r.note
-        style = "color:#c62828" if noisy else ("color:#777" if r.strategy in plots.REFERENCES or r.skipped else "")
-        cells = "".join(f"<td style='padding:2px 8px'>{html.escape(row[k])}</td>" for k in keep)
+    provisional = set(view.provisional)
+    for r in view.records:
+        grey = r.strategy in plots.REFERENCES or r.skipped or r.strategy in provisional
+        style = "color:#8a5300" if r.noisy else ("color:#777" if grey else "")
+        cells = "".join(f"<td style='padding:2px 8px'>{html.escape(c)}</td>" for c in _table_row(r))
         body.append(f"<tr style='{style}'>{cells}</tr>")
     s = view.setting
-    caption = (f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}: median time per call over interleaved rounds; "
-               "IQR = spread of the rounds; vs loop = speed-up over the loop; ratios against forward+backward "
-               "timed in the same rounds")
-    return (f"<table style='border-collapse:collapse;font-size:12px'><caption style='text-align:left'>"
-            f"{html.escape(caption)}</caption><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
+    v = view.verdict
+    checked = "" if v is None else (f"all {v.samples} samples" if v.samples == v.batch
+                                    else f"{v.samples} of {v.batch} samples, spread evenly over the batch")
+    caption = (f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}. median: time per call over interleaved rounds "
+               "(more rounds where they varied); IQR: the spread of the rounds; vs loop: speed-up over the loop; "
+               "vs fwd+bwd, vs floor: time over one forward+backward of the batch and over writing the result once, "
+               "timed in the same rounds; max |diff| vs loop: the largest difference from the loop (the definition)"
+               + (f" on {checked}" if checked else "") + ".")
+    return (f"<div style='font-size:12px;max-width:1100px;margin:2px 0 4px 0'>{html.escape(caption)}</div>"
+            f"<table style='border-collapse:collapse;font-size:12px'><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>")
+
+
+def _same_work(a: Setting, b: Setting) -> bool:
+    """Whether two settings need the same gradients and timings (they may differ in sample and threshold)."""
+    return a.key == b.key and a.strategies == b.strategies and a.slow_limit == b.slow_limit
 
 
 def _options(values: Sequence[int], default: int, what: str) -> tuple[int, ...]:
@@ -541,7 +594,8 @@ def explorer(*, batch_sizes: Sequence[int] = POWERS_OF_TWO_BATCH, hidden_widths:
         quantity: ``"grads"`` (per-sample gradients, (B, P)) or ``"jacobian"`` (output Jacobians, (B, Y, P)).
         slow_limit: ``loop``, ``autograd_stack`` and ``batched_grad`` are skipped, with a visible note, where
             they would push more than this many samples through backward passes per call (the loop: B for
-            gradients, B x 10 for Jacobians; the other two B times that, see ``bench.backward_work``).
+            gradients, B x 10 for Jacobians; the other two B times that, see ``bench.backward_work``); the
+            explorer's "time slow methods up to" control starts here.
         rounds: interleaved timing rounds per method (fewer, down to 3, for expensive ones).
         sweep_batches: how many batch sizes (up to the current one) are timed for the scaling curve.
         device: where to compute. dpi: pixels per inch of the figures (shown at that size).

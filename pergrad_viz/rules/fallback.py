@@ -30,6 +30,8 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..batch import as_pytree
+
 
 def per_sample_vjp(module: nn.Module, inputs: tuple[tuple, dict], in_dims: tuple[int | None, ...],
                    grad_outputs: list[torch.Tensor], out_dims: tuple[int | None, ...],
@@ -57,7 +59,8 @@ def per_sample_vjp(module: nn.Module, inputs: tuple[tuple, dict], in_dims: tuple
         for k, x in zip(slots, xs, strict=True):
             args[k] = x
         a, kw = tree_unflatten(args, spec)
-        outputs = [t for t in tree_flatten(functional_call(module, p, tuple(a), kw))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(as_pytree(functional_call(module, p, tuple(a), kw)))[0]
+                   if isinstance(t, torch.Tensor)]
         return tuple(outputs[k] for k in differentiable)
 
     rows = cotangents[0].shape[0] if cotangents else 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..batch import Batch
 from ..losses import LossFn, per_sample_losses
 from ..trainable import Trainable
 from ._common import flat_outputs, write
@@ -22,19 +23,19 @@ def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int
     return 0
 
 
-def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """1 forward, B backward passes through the batch graph; writes (B, *param.shape) into ``out``."""
-    losses = per_sample_losses(loss_fn, trainable.model(inputs), targets)  # (B,)
+    losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)  # (B,)
     batch = losses.shape[0]
     for i in range(batch):
         g = torch.autograd.grad(losses[i], trainable.params, retain_graph=i < batch - 1, allow_unused=True)
         write(out, trainable.names, g, i)
 
 
-def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """1 forward, B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
-    outputs = flat_outputs(trainable.model(inputs))  # (B, Y)
+    outputs = flat_outputs(trainable.outputs(inputs))  # (B, Y)
     batch, y_count = outputs.shape
     for i in range(batch):
         for j in range(y_count):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..batch import Batch
 from ..losses import LossFn, per_sample_losses
 from ..trainable import Trainable
 from ._common import flat_outputs, write
@@ -22,19 +23,19 @@ def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int
     return (chunk * outputs * num_params + (chunk * outputs) ** 2) * itemsize
 
 
-def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """Writes (B, *param.shape) into ``out``: row i of the one-hot (B, B) picks the loss of sample i."""
-    losses = per_sample_losses(loss_fn, trainable.model(inputs), targets)  # (B,)
+    losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)  # (B,)
     one_hot = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)
     g = torch.autograd.grad(losses, trainable.params, grad_outputs=one_hot, is_grads_batched=True,
                             allow_unused=True)
     write(out, trainable.names, g, slice(None))
 
 
-def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """Writes (B, Y, *param.shape) into ``out`` from B x Y one-hot grad outputs of shape (B, Y)."""
-    outputs = flat_outputs(trainable.model(inputs))  # (B, Y)
+    outputs = flat_outputs(trainable.outputs(inputs))  # (B, Y)
     batch, y_count = outputs.shape
     one_hot = torch.eye(batch * y_count, dtype=outputs.dtype, device=outputs.device)
     g = torch.autograd.grad(outputs, trainable.params, grad_outputs=one_hot.view(-1, batch, y_count),

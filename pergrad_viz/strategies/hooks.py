@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..batch import Batch, as_pytree, from_pytree
 from ..errors import UnsupportedModelError
 from ..losses import LossFn, summed_per_sample_loss
 from ..probe import SHARED, CallSpec, LayerPlan, Plan, outputs_close, plan_for, tensors_of
@@ -110,14 +111,14 @@ def _layers(trainable: Trainable, plan: Plan) -> dict[str, Layer]:
     return {name: Layer(modules[name], lp) for name, lp in plan.layers.items()}
 
 
-def _problem(trainable: Trainable, inputs: torch.Tensor) -> str | None:
+def _problem(trainable: Trainable, inputs: Batch) -> str | None:
     plan = plan_for(trainable, inputs)
     if plan.interaction is not None:
-        return f"the samples interact: {plan.interaction}"
+        return plan.interaction
     return plan.hooks_problem
 
 
-def check_supported(trainable: Trainable, inputs: torch.Tensor | None = None) -> None:
+def check_supported(trainable: Trainable, inputs: Batch | None = None) -> None:
     """Raise :class:`UnsupportedModelError` when the hooks strategy cannot give the per-sample definition for
     ``trainable`` on inputs like ``inputs`` (B, ...); without inputs nothing is probed (every layer is covered by
     a rule or the per-layer fallback)."""
@@ -131,7 +132,7 @@ def check_supported(trainable: Trainable, inputs: torch.Tensor | None = None) ->
         )
 
 
-def describe(trainable: Trainable, inputs: torch.Tensor) -> dict[str, str]:
+def describe(trainable: Trainable, inputs: Batch) -> dict[str, str]:
     """{layer name: 'rule' | 'call' | 'fallback'}: how each layer's per-sample gradients are computed."""
     plan = plan_for(trainable, inputs)
     return {name: lp.kind for name, lp in plan.layers.items()}
@@ -199,11 +200,11 @@ def _capturing_forward(layer: Layer, capture, pending: list[Captured | None]):
     return forward
 
 
-def _forward(trainable: Trainable, inputs: torch.Tensor, layers: dict[str, Layer], copy: bool
+def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool
              ) -> tuple[torch.Tensor, list[Call]]:
     calls: list[Call] = []
     counts: Counter[str] = Counter()
-    batch = inputs.shape[0]
+    batch = inputs.size
     names = {id(layer.module): name for name, layer in layers.items()}
     pending: dict[int, list[Captured | None]] = {}  # per capturing layer, what its forward kept, until its hook
     before_hooks: dict[int, list[tuple]] = {}  # per layer with forward pre-hooks: its calls' arguments before them
@@ -249,7 +250,7 @@ def _forward(trainable: Trainable, inputs: torch.Tensor, layers: dict[str, Layer
         for layer, capture in patched:
             pending[id(layer.module)] = []
             layer.module.forward = _capturing_forward(layer, capture, pending[id(layer.module)])
-        output = trainable.model(inputs)
+        output = inputs(trainable.model)
     finally:
         for layer, _ in patched:
             layer.module.__dict__.pop("forward", None)
@@ -281,13 +282,13 @@ def _handed_downstream(output: object, copy: bool) -> tuple[object, list[torch.T
         aliases.append(alias)
         return alias.clone() if copy else alias
 
-    handed = tree_map(hand, output)
+    handed = from_pytree(tree_map(hand, as_pytree(output)))
     if len(aliases) != len(tensors_of(output)):  # a container pytree cannot rebuild: leave the output as it is
         return None, tensors_of(output)
     return handed, aliases
 
 
-def capture(trainable: Trainable, inputs: torch.Tensor) -> tuple[torch.Tensor, list[Call]]:
+def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Call]]:
     """One forward pass of ``inputs`` (B, ...) with every layer's calls captured (and checked against the plan)."""
     plan = plan_for(trainable, inputs)
     if plan.interaction is not None or plan.hooks_problem is not None:
@@ -333,7 +334,7 @@ def _regroup(calls: list[Call], where: list[tuple[int, int]], grads: tuple, batc
     return per_call
 
 
-def loss_gradients(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor
+def loss_gradients(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object
                    ) -> tuple[list[Call], list[list]]:
     """1 forward with hooks, 1 backward of the summed per-sample losses to the layer outputs only.
 
@@ -345,13 +346,13 @@ def loss_gradients(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, 
     return calls, backward_to_layers(calls, summed_per_sample_loss(loss_fn, output, targets))
 
 
-def output_gradients(trainable: Trainable, inputs: torch.Tensor) -> tuple[list[Call], list[list], int]:
+def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], list[list], int]:
     """1 forward with hooks, 1 backward batched over the Y one-hot output vectors to the layer outputs.
 
     Returns (calls, grads, Y): per call, per output tensor, a (Y, *output.shape) gradient or None.
     """
     output, calls = capture(trainable, inputs)
-    outputs = flat_outputs(output)  # (B, Y)
+    outputs = flat_outputs(output if trainable.select is None else trainable.select(output))  # (B, Y)
     batch, y_count = outputs.shape
     tensors, where = _grad_targets(calls)
     if not tensors:
@@ -431,14 +432,14 @@ def apply_rules(trainable: Trainable, calls: list[Call], grads: list[list], out:
             out[name].zero_()
 
 
-def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward (to the layer outputs only), then the rules; writes (B, *param.shape)."""
     calls, g = loss_gradients(trainable, loss_fn, inputs, targets)
     apply_rules(trainable, calls, g, {n: t.unsqueeze(0) for n, t in out.items()})
 
 
-def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward batched over the Y outputs, then the rules; writes (B, Y, *param.shape)."""
     calls, g, _ = output_gradients(trainable, inputs)
     apply_rules(trainable, calls, g, {n: t.transpose(0, 1) for n, t in out.items()})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..batch import Batch, cut
 from ..losses import LossFn, scalar_loss
 from ..trainable import Trainable
 from ._common import write
@@ -21,18 +22,18 @@ def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int
     return 0
 
 
-def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """B forward and B backward passes of one sample each; writes (B, *param.shape) into ``out``."""
-    for i in range(inputs.shape[0]):
-        loss = scalar_loss(loss_fn(trainable.model(inputs[i:i + 1]), targets[i:i + 1]))
+    for i in range(inputs.size):
+        loss = scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
         write(out, trainable.names, torch.autograd.grad(loss, trainable.params, allow_unused=True), i)
 
 
-def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """B forward and B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
-    for i in range(inputs.shape[0]):
-        output = trainable.model(inputs[i:i + 1]).reshape(-1)
+    for i in range(inputs.size):
+        output = trainable.outputs(inputs.sample(i)).reshape(-1)
         y_count = output.numel()
         for j in range(y_count):
             g = torch.autograd.grad(output[j], trainable.params, retain_graph=j < y_count - 1, allow_unused=True)

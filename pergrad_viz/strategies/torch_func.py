@@ -16,7 +16,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
+from torch.utils._pytree import tree_map
 
+from ..batch import Batch
 from ..errors import UnsupportedModelError
 from ..losses import LossFn, scalar_loss
 from ..trainable import Trainable
@@ -92,32 +94,49 @@ def _failing_layer(trainable: Trainable, batched: Callable[[], dict]) -> str:
     return f"in layer '{names[id(running[-1])] or 'model'}' ({type(running[-1]).__name__})"
 
 
-def grads(trainable: Trainable, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+def _unsqueezed(obj: object) -> object:
+    return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, obj)
+
+
+def _first(obj: object) -> object:
+    return tree_map(lambda t: t[0] if isinstance(t, torch.Tensor) else t, obj)
+
+
+def _call_one(trainable: Trainable, inputs: Batch, params: dict, state: dict, xs: list[torch.Tensor]) -> object:
+    """The model on one sample: ``xs`` are that sample's batched tensors without their batch dimension."""
+    one = inputs.with_leaves([x.unsqueeze(0) for x in xs])
+    return functional_call(trainable.model, {**params, **state}, one.args, one.kwargs)
+
+
+def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """Writes (B, *param.shape) into ``out`` with ``vmap(grad(loss of one sample))``."""
     frozen = trainable.frozen_state()
 
-    def loss_of_one(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, state: dict = frozen
+    def loss_of_one(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object, state: dict = frozen
                     ) -> torch.Tensor:
-        output = functional_call(trainable.model, {**params, **state}, (x.unsqueeze(0),))
-        return scalar_loss(loss_fn(output, y.unsqueeze(0)))
+        return scalar_loss(loss_fn(_call_one(trainable, inputs, params, state, xs), _unsqueezed(y)))
 
     params = _trainable(trainable)
-    result = _vmapped(trainable, lambda: vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets),
-                      lambda state: loss_of_one(params, inputs[0], targets[0], state))
+    leaves = inputs.leaves()
+    result = _vmapped(trainable, lambda: vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, leaves, targets),
+                      lambda state: loss_of_one(params, _first(leaves), _first(targets), state))
     for name in trainable.names:
         out[name].copy_(result[name])
 
 
-def jacobian(trainable: Trainable, inputs: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """Writes (B, Y, *param.shape) into ``out`` with ``vmap(jacrev(outputs of one sample))``."""
     frozen = trainable.frozen_state()
+    select = trainable.select or (lambda o: o)
 
-    def outputs_of_one(params: dict[str, torch.Tensor], x: torch.Tensor, state: dict = frozen) -> torch.Tensor:
-        return functional_call(trainable.model, {**params, **state}, (x.unsqueeze(0),)).reshape(-1)
+    def outputs_of_one(params: dict[str, torch.Tensor], xs: list[torch.Tensor], state: dict = frozen
+                       ) -> torch.Tensor:
+        return select(_call_one(trainable, inputs, params, state, xs)).reshape(-1)
 
     params = _trainable(trainable)
-    result = _vmapped(trainable, lambda: vmap(jacrev(outputs_of_one), in_dims=(None, 0))(params, inputs),
-                      lambda state: outputs_of_one(params, inputs[0], state))
+    leaves = inputs.leaves()
+    result = _vmapped(trainable, lambda: vmap(jacrev(outputs_of_one), in_dims=(None, 0))(params, leaves),
+                      lambda state: outputs_of_one(params, _first(leaves), state))
     for name in trainable.names:
         out[name].copy_(result[name])

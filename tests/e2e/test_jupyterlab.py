@@ -21,6 +21,7 @@ from .helpers import (
     SLIDERS,
     WIDGETS_MS,
     Ui,
+    check_calm_timing,
     check_figures_at_natural_size,
     check_kernel_python,
     check_renders,
@@ -137,6 +138,7 @@ def lab(opened, lab_server, notebook_copy):
 def test_explorer_renders(lab):
     check_renders(lab)
     check_figures_at_natural_size(lab)
+    check_calm_timing(lab)
 
 
 def test_kernel_runs_this_python(lab):

@@ -18,11 +18,13 @@ from .helpers import (
     SLIDERS,
     WIDGETS_MS,
     Ui,
+    check_calm_timing,
     check_figures_at_natural_size,
     check_kernel_python,
     check_renders,
     code_cell_sources,
     explorer_scope,
+    full_page_screenshot,
     kernel_commands,
     run_latency_script,
     step,
@@ -62,6 +64,11 @@ def dashboard(browser, voila_server):
 def test_dashboard_renders(dashboard):
     check_renders(dashboard)
     check_figures_at_natural_size(dashboard)
+    full_page_screenshot(dashboard.page, f"{FRONTEND}-full-page")
+
+
+def test_dashboard_timing_is_calm_at_the_defaults(dashboard):
+    check_calm_timing(dashboard)
 
 
 def test_dashboard_shows_the_explorer_only(dashboard, notebook_copy):

@@ -1,0 +1,161 @@
+"""What "sample i" of a call is: the one definition every strategy, the probe, chunking and the checks use.
+
+A call's inputs are what the model takes: a tensor ``x`` (``model(x)``), a tuple or list (``model(*inputs)``), or a
+dict / Mapping such as a tokenizer's ``BatchEncoding`` (``model(**inputs)``), with optional extra keyword arguments
+(``model_kwargs``). Targets are a tensor or a tuple / dict of them. B, the batch size, is the first dimension of the
+targets (or, without targets, of the first tensor among the inputs). Sample i is cut from every tensor whose first
+dimension is B (``t[i:i+1]``, a batch of one); every other value passes unchanged (a shared (T, T) mask, ``None``,
+flags, numbers). A shared tensor whose first dimension happens to equal B would be cut too: hand such a tensor to the
+model another way (an attribute, a closure). All tensors must be on one device.
+
+Shapes: B samples; a batched leaf is (B, ...), a shared leaf any shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
+
+Inputs = torch.Tensor | Sequence | Mapping
+
+
+def _is_batched(t: object, size: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == size
+
+
+def cut(obj: object, rows: slice | torch.Tensor, size: int) -> object:
+    """``obj`` (a tensor or a nest of them) with ``t[rows]`` for every tensor whose first dimension is ``size``."""
+    if isinstance(obj, torch.Tensor):
+        return obj[rows] if _is_batched(obj, size) else obj
+    leaves, spec = tree_flatten(obj)
+    return tree_unflatten([t[rows] if _is_batched(t, size) else t for t in leaves], spec)
+
+
+def _first_tensor(obj: object) -> torch.Tensor | None:
+    return next((t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)), None)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A call's inputs as ``model(*args, **kwargs)``, and B."""
+
+    args: tuple
+    kwargs: dict
+    size: int
+
+    @classmethod
+    def of(cls, inputs: Inputs, model_kwargs: Mapping | None = None, size: int | None = None) -> Batch:
+        """The batch of ``inputs`` (see the module docstring); ``size``: B when the targets already say it."""
+        if isinstance(inputs, torch.Tensor):
+            args, kwargs = (inputs,), {}
+        elif isinstance(inputs, Mapping):
+            args, kwargs = (), dict(inputs)
+        elif isinstance(inputs, (tuple, list)):
+            args, kwargs = tuple(inputs), {}
+        else:
+            raise TypeError(
+                f"inputs must be a tensor (model(x)), a tuple or list (model(*inputs)) or a dict (model(**inputs)) of "
+                f"tensors with the samples first, got {type(inputs).__name__}"
+            )
+        if model_kwargs:
+            clash = sorted(set(kwargs) & set(model_kwargs))
+            if clash:
+                raise ValueError(f"{clash} given both in inputs and in model_kwargs: pass each argument once")
+            kwargs.update(model_kwargs)
+        first = _first_tensor((args, kwargs))
+        if first is None:
+            raise TypeError("inputs hold no tensor: pass the model's input tensors, with the samples first (B, ...)")
+        if size is None:
+            if first.dim() == 0:
+                raise ValueError(f"empty batch: the first input tensor is a scalar {tuple(first.shape)}; pass at least "
+                                 "one sample (B >= 1) with the samples first")
+            size = first.shape[0]
+        if size == 0:
+            raise ValueError("empty batch: the inputs have 0 samples; pass at least one sample (B >= 1)")
+        return cls(args, kwargs, size)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """The same call with ``fn`` applied to every tensor."""
+        flat, spec = tree_flatten((self.args, self.kwargs))
+        args, kwargs = tree_unflatten([fn(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
+        return Batch(args, kwargs, self.size)
+
+    def leaves(self) -> list[torch.Tensor]:
+        """The batched tensors (B, ...), in ``(args, kwargs)`` pytree order."""
+        return [t for t in tree_flatten((self.args, self.kwargs))[0] if _is_batched(t, self.size)]
+
+    def named_leaves(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor with a readable name (``inputs[0]``, ``attention_mask``), for messages."""
+        named = [(f"inputs[{k}]", t) for k, t in enumerate(self.args) if isinstance(t, torch.Tensor)]
+        named += [(k, t) for k, t in self.kwargs.items() if isinstance(t, torch.Tensor)]
+        return named
+
+    def rows(self, rows: slice | torch.Tensor) -> Batch:
+        """Samples ``rows`` (a slice or an index tensor) as a batch."""
+        args, kwargs = cut((self.args, self.kwargs), rows, self.size)
+        n = len(range(self.size)[rows]) if isinstance(rows, slice) else int(rows.numel())
+        return Batch(args, kwargs, n)
+
+    def sample(self, i: int) -> Batch:
+        """Sample i alone, as a batch of one (``t[i:i+1]``)."""
+        return self.rows(slice(i, i + 1))
+
+    def __call__(self, model: Callable) -> object:
+        return model(*self.args, **self.kwargs)
+
+    def with_leaves(self, leaves: Sequence[torch.Tensor]) -> Batch:
+        """The same call with its batched tensors replaced, in :meth:`leaves` order (e.g. one sample under vmap)."""
+        flat, spec = tree_flatten((self.args, self.kwargs))
+        it = iter(leaves)
+        args, kwargs = tree_unflatten([next(it) if _is_batched(t, self.size) else t for t in flat], spec)
+        return Batch(args, kwargs, 1)
+
+    def signature(self) -> tuple:
+        """What a plan depends on: per value, a batched tensor's shape past B, dtype and device; a shared tensor's
+        shape, dtype and device; any other value itself (or its type)."""
+        flat, spec = tree_flatten((self.args, self.kwargs))
+
+        def kind(t: object) -> object:
+            if isinstance(t, torch.Tensor):
+                batched = _is_batched(t, self.size)
+                return (batched, tuple(t.shape[1:] if batched else t.shape), t.dtype, t.device)
+            return t if isinstance(t, (bool, int, float, str, type(None))) else type(t)
+
+        return str(spec), tuple(kind(t) for t in flat)
+
+    @property
+    def device(self) -> torch.device:
+        return _first_tensor((self.args, self.kwargs)).device
+
+
+def differs(batch: Batch, i: int, j: int) -> bool:
+    """Whether samples i and j differ in any batched tensor."""
+    return any(not torch.equal(t[i], t[j]) for t in batch.leaves())
+
+
+@dataclasses.dataclass
+class _Fields:
+    """A dataclass output that ``torch.utils._pytree`` does not know, as a pytree (a dict of its fields)."""
+
+    kind: type
+    fields: dict
+
+
+def as_pytree(output: object) -> object:
+    """``output`` with a plain dataclass (not a registered pytree node) turned into a dict of its fields."""
+    if dataclasses.is_dataclass(output) and not isinstance(output, type) and type(output) not in SUPPORTED_NODES:
+        return {"__dataclass__": _Fields(type(output), {}),
+                **{f.name: getattr(output, f.name) for f in dataclasses.fields(output)}}
+    return output
+
+
+def from_pytree(output: object) -> object:
+    """The inverse of :func:`as_pytree`."""
+    if isinstance(output, dict) and isinstance(output.get("__dataclass__"), _Fields):
+        fields = {k: v for k, v in output.items() if k != "__dataclass__"}
+        return output["__dataclass__"].kind(**fields)
+    return output
