@@ -69,9 +69,25 @@ HAND = "hand vmap"
 FULL_MODELS = ("transformer", "resnet18", "lstm")  # every strategy's row and the norms beside the hand-written vmap
 
 
-def _settings(min_run_time: float, scan_examples: int = 2048) -> dict[str, list[Record]]:
-    """The tables the goals are read from: {setting: records}, each timed in its own interleaved rounds."""
-    tables: dict[str, list[Record]] = {}
+class _Tables(dict):
+    """{setting: records} that hands each table to ``emit`` as it is measured (a long run shows its progress, and
+    what was measured survives an interrupted one)."""
+
+    def __init__(self, emit: Callable[[str], None] | None):
+        super().__init__()
+        self.emit = emit
+
+    def __setitem__(self, setting: str, records: list[Record]) -> None:
+        super().__setitem__(setting, records)
+        if self.emit is not None:
+            self.emit(f"## {setting}\n{bench.format_table(records)}\n")
+
+
+def _settings(min_run_time: float, scan_examples: int = 2048, models: tuple[str, ...] | None = None,
+              emit: Callable[[str], None] | None = None) -> dict[str, list[Record]]:
+    """The tables the goals are read from: {setting: records}, each timed in its own interleaved rounds
+    (``models``: the ``bench --model`` models to measure, default all)."""
+    tables: dict[str, list[Record]] = _Tables(emit)
     kw = {"min_run_time": min_run_time}
     model, loss, x, y = bench.setting(64, 20)
     tables["MLP(784, 20, 10) grads B=64"] = bench.compare(model, loss, x, y, strategies=["loop", "auto"], **kw)
@@ -82,7 +98,7 @@ def _settings(min_run_time: float, scan_examples: int = 2048) -> dict[str, list[
     model, loss, x, y = bench.setting(64, 512)
     tables["MLP(784, 512, 10) grads B=64"] = bench.compare(model, loss, x, y, strategies=["auto"], out_buffer=True,
                                                          norms=True, **kw)
-    for name in bench_models.MODELS:
+    for name in bench_models.MODELS if models is None else models:
         model, loss, x, y = bench_models.problem(name, 32)
         full = name in FULL_MODELS
         records = bench.compare(model, loss, x, y, strategies=["loop", "torch_func", "auto"] if full else ["auto"],
@@ -159,14 +175,17 @@ NOT_HERE = [  # issue 21's rows measured elsewhere
 ]
 
 
-def report(min_run_time: float = 0.5, scan_examples: int = 2048) -> str:
-    """Measure every goal's table and return the tables and the goal lines as text (``scan_examples`` = 0: no
-    scan tables, their goals print "not measured")."""
+def report(min_run_time: float = 0.5, scan_examples: int = 2048, models: tuple[str, ...] | None = None,
+           emit: Callable[[str], None] | None = None) -> str:
+    """Measure every goal's table and return the goal lines as text, after the tables unless ``emit`` was given
+    (then each table goes to ``emit`` as soon as it is measured). ``scan_examples`` = 0: no scan tables;
+    ``models``: a subset of the ``bench --model`` models; goals without their table print "not measured"."""
     start = time.perf_counter()
-    tables = _settings(min_run_time, scan_examples)
+    tables = _settings(min_run_time, scan_examples, models, emit)
     lines = []
-    for setting, records in tables.items():
-        lines += [f"## {setting}", bench.format_table(records), ""]
+    if emit is None:
+        for setting, records in tables.items():
+            lines += [f"## {setting}", bench.format_table(records), ""]
     rows_of = {s: {r.strategy: r for r in records} for s, records in tables.items()}
     header = f"{'setting':30s} {'ratio (same table, same rounds)':50s} {'measured':>9s} {'goal':>8s}  met"
     lines += ["## targets", header, "-" * len(header)]
