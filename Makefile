@@ -43,7 +43,7 @@ bench: setup
 		--out-buffer --peers all --norms
 	$(PY) -m pergrad_viz bench --quantity grads --batch-sizes 256 --hidden 20 --strategies torch_func,auto \
 		--chunk-sizes 32,64
-	for m in mlp transformer lstm; do \
+	for m in mlp transformer lstm scaleshift parent-param bilinear; do \
 		$(PY) -m pergrad_viz bench --model $$m --strategies all --peers all --norms || exit 1; done
 	for m in resnet18 mobilenet; do \
 		$(PY) -m pergrad_viz bench --model $$m --strategies all --peers all --norms --slow-limit 512 || exit 1; done

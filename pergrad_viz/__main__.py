@@ -187,7 +187,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.targets:
         from . import bench_targets
 
-        print(bench_targets.report(min_run_time=args.min_run_time))
+        print(bench_targets.report(min_run_time=args.min_run_time, emit=lambda text: print(text, flush=True)))
         return 0
     if args.model is not None:
         return _run_model_bench(args)

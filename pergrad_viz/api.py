@@ -16,7 +16,7 @@ from .batch import Batch, Inputs, cut
 from .certify import CheckFailedError, check_grads, check_jacobian
 from .errors import UndefinedPerSampleError, UnsupportedModelError
 from .losses import LossFn, check_loss
-from .memory import check_budget, result_bytes, working_bytes
+from .memory import check_budget, empty_result, result_bytes, working_bytes
 from .probe import plan_for
 from .strategies import MODULES, STRATEGIES, hooks, torch_func
 from .trainable import Trainable, check_modes, computing_gradients, hooked_parameter, normal_tensor, restoring_modes
@@ -180,14 +180,14 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
     kw = {"dtype": trainable.dtype, "device": trainable.device}
     with restoring_modes(trainable):  # also: the result is a normal tensor under the caller's inference_mode
         if flat:
-            result = torch.empty(*lead, trainable.num_params, **kw) if out is None else out
+            result = empty_result((*lead, trainable.num_params), **kw) if out is None else out
             views, offset = {}, 0
             for name, shape in trainable.shapes.items():
                 n = shape.numel()
                 views[name] = result[..., offset:offset + n].view(*lead, *shape)
                 offset += n
         else:
-            result = {name: torch.empty(*lead, *shape, **kw) for name, shape in trainable.shapes.items()}
+            result = {name: empty_result((*lead, *shape), **kw) for name, shape in trainable.shapes.items()}
             views = result
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)

@@ -4,7 +4,10 @@
 Results are plain :class:`Record` s; every ratio in a sweep comes from timings of that same run.
 Two reference rows come with each setting: ``forward+backward`` (one ordinary batched loss backward
 of the same model and batch) and ``memory floor`` (filling a preallocated tensor of the result's size:
-writing the answer once is the least any method can do).
+writing the answer once is the least any method can do). Beside ``auto``, where it runs the model once on the
+whole batch, ``auto verify=False``: the same call without the per-call check (:mod:`pergrad_viz.certify`), whose
+cost, (auto - auto verify=False) / auto, the ``auto`` row's note states; with ``out_buffer``, ``auto fresh``: the
+same call allocating its result (page faults and all) beside ``auto`` writing into ``out=``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 QUANTITIES = ("grads", "jacobian")
 FORWARD_BACKWARD = "forward+backward"
 MEMORY_FLOOR = "memory floor"
+UNCHECKED = "auto verify=False"  # auto without the per-call check (pergrad_viz.certify): the check's cost is the gap
+FRESH = "auto fresh"  # with --out-buffer: the same call allocating its result, beside auto writing into out=
 SLOW = tuple(name for name, module in MODULES.items() if module.SLOW_BASELINE)  # B (x Y) backward passes
 
 
@@ -122,7 +127,7 @@ def sweep(quantity: str = "grads", batch_sizes: Sequence[int] = (2, 32, 128), hi
         if name != "auto" and name not in STRATEGIES:
             raise ValueError(f"unknown strategy {name!r}; valid: 'auto', {', '.join(STRATEGIES)}")
     settings = [(b, h) for h in hiddens for b in batch_sizes]
-    per_setting = len(strategies) * (1 + len(chunk_sizes)) + len(peers) + 2 * norms + 2  # at most
+    per_setting = len(strategies) * (1 + len(chunk_sizes)) + len(peers) + 2 * norms + 4  # at most
     bar = _progress(len(settings) * per_setting, enabled=progress)
     records: list[Record] = []
     try:
@@ -145,7 +150,7 @@ def model_sweep(model_name: str, batch_sizes: Sequence[int] = (32,), *, strategi
     ``vmap(grad(functional_call))`` (concatenated to (B, P)), peers where they run, and the reference rows."""
     from . import bench_models
 
-    per_setting = len(strategies) + len(peers) + 2 * norms + 3
+    per_setting = len(strategies) + len(peers) + 2 * norms + 5
     bar = _progress(len(batch_sizes) * per_setting, enabled=progress)
     records: list[Record] = []
     try:
@@ -279,6 +284,10 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
         r.speedup_vs_loop = loop_time / r.median_s if loop_time else None
         r.vs_forward_backward = r.median_s / fb.median_s
         r.vs_memory_floor = r.median_s / floor.median_s
+    cost = check_cost({r.strategy: r for r in rows})
+    if cost is not None:
+        auto = next(r for r in rows if r.strategy == "auto")
+        auto.note = f"{auto.note}; check {cost:.0%} of the call" if auto.note else f"check {cost:.0%} of the call"
     return [*rows, fb, floor]
 
 
@@ -294,6 +303,12 @@ def _methods(quantity, model, loss_fn, inputs, targets, trainable, strategies, p
             methods.append(_Method(name, None, f"skipped: {work:,} sample-backward passes > slow_limit={slow_limit:,}"))
             continue
         methods.append(_Method(name, _strategy_call(quantity, name, model, loss_fn, inputs, targets, flat, out), note))
+        if name == "auto" and MODULES[strategy].BATCHED_FORWARD:
+            methods.append(_Method(UNCHECKED, _strategy_call(quantity, name, model, loss_fn, inputs, targets, flat, out,
+                                                             verify=False), "auto without the per-call check"))
+        if name == "auto" and out is not None:
+            methods.append(_Method(FRESH, _strategy_call(quantity, name, model, loss_fn, inputs, targets, flat, None),
+                                   "auto allocating its result (no out=)"))
         if strategy not in SLOW:
             for c in chunk_sizes:
                 methods.append(_Method(f"{name} chunk={c}", _strategy_call(quantity, name, model, loss_fn, inputs,
@@ -313,11 +328,22 @@ def _methods(quantity, model, loss_fn, inputs, targets, trainable, strategies, p
     return methods
 
 
-def _strategy_call(quantity, strategy, model, loss_fn, x, y, flat, out, chunk_size=None) -> Callable[[], object]:
+def _strategy_call(quantity, strategy, model, loss_fn, x, y, flat, out, chunk_size=None,
+                   verify=True) -> Callable[[], object]:
     if quantity == "grads":
         return lambda: per_sample_grads(model, loss_fn, x, y, strategy=strategy, flat=flat, out=out,
-                                        chunk_size=chunk_size)
-    return lambda: per_sample_jacobian(model, x, strategy=strategy, flat=flat, out=out, chunk_size=chunk_size)
+                                        chunk_size=chunk_size, verify=verify)
+    return lambda: per_sample_jacobian(model, x, strategy=strategy, flat=flat, out=out, chunk_size=chunk_size,
+                                       verify=verify)
+
+
+def check_cost(rows: dict[str, Record]) -> float | None:
+    """The per-call check's share of an ``auto`` call, (auto - auto verify=False) / auto, from one table's rows
+    (None where either row is missing or skipped)."""
+    auto, unchecked = rows.get("auto"), rows.get(UNCHECKED)
+    if auto is None or unchecked is None or auto.skipped or unchecked.skipped:
+        return None
+    return (auto.median_s - unchecked.median_s) / auto.median_s
 
 
 def _fmt_time(s: float | None) -> str:

@@ -19,6 +19,12 @@ dropout has p=0 and none has batch statistics, so it is the function of eval mod
   ``causal_lm_loss(reduction='sum')`` (each sample's loss is the mean over its tokens);
 * ``bert`` on (B, 32) token ids, ``hf-vit``, ``timm-vit``, ``convnext`` on (B, 3, 32, 32): cross-entropy over 10
   classes as above.
+
+and, at B=32 as the first ones:
+
+* ``scaleshift``, ``parent-param``, ``bilinear``: small models whose middle layer has no closed-form rule (the
+  per-layer fallback): a custom ``x * w + b`` layer, a parameter used in the forward of a layer with a child, and
+  ``nn.Bilinear`` (:class:`SmallFallbackNet`, on (B, 32) features).
 """
 
 from __future__ import annotations
@@ -87,6 +93,9 @@ def problem(name: str, batch: int, *, device: str | torch.device = "cpu", dtype:
             build = torchvision.models.resnet18 if name == "resnet18" else torchvision.models.mobilenet_v3_small
             model = build(num_classes=CLASSES)
             x = torch.randn(batch, 3, 32, 32, generator=generator)
+        elif name in FALLBACK_MODELS:
+            model = SmallFallbackNet(name)
+            x = torch.randn(batch, 32, generator=generator)
         elif name == "transformer":
             model = TransformerClassifier()
             x = torch.randn(batch, 16, 64, generator=generator)
@@ -130,3 +139,73 @@ def hand_written_vmap(model: nn.Module, loss_fn: nn.Module, inputs: torch.Tensor
 
     grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets)
     return torch.cat([g.reshape(inputs.shape[0], -1) for g in grads.values()], dim=1)
+
+
+# --- small models with layers on the per-layer fallback (no closed-form rule): `bench --model scaleshift` etc. --------
+
+class ScaleShift(nn.Module):
+    """``x * weight + bias`` per feature: a custom layer with its own parameters and no rule."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, features))
+        self.bias = nn.Parameter(torch.linspace(-0.1, 0.1, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias
+
+
+class GatedResidual(nn.Module):
+    """``x + gate * tanh(fc(x))``: a parameter (``gate``) used in the forward of the layer that holds a child."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.fc = nn.Linear(features, features)
+        self.gate = nn.Parameter(torch.full((features,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gate * torch.tanh(self.fc(x))
+
+
+class SmallFallbackNet(nn.Module):
+    """(B, 32) -> Linear(32, 64) -> ``kind`` -> tanh -> Linear(64, classes): ``kind`` is ``scaleshift``
+    (:class:`ScaleShift`), ``parent-param`` (:class:`GatedResidual`) or ``bilinear`` (two Linear(32, 64) branches
+    into ``nn.Bilinear(64, 64, 64)``)."""
+
+    def __init__(self, kind: str, features: int = 32, hidden: int = 64, classes: int = CLASSES):
+        super().__init__()
+        self.kind = kind
+        self.inp = nn.Linear(features, hidden)
+        if kind == "scaleshift":
+            self.mid = ScaleShift(hidden)
+        elif kind == "parent-param":
+            self.mid = GatedResidual(hidden)
+        else:
+            self.other = nn.Linear(features, hidden)
+            self.mid = nn.Bilinear(hidden, hidden, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = self.mid(h, torch.tanh(self.other(x))) if self.kind == "bilinear" else self.mid(h)
+        return self.head(torch.tanh(h))
+
+
+FALLBACK_MODELS: tuple[str, ...] = ("scaleshift", "parent-param", "bilinear")
+MODELS = (*MODELS, *FALLBACK_MODELS)
+
+
+def hand_written_jacrev(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The textbook ``vmap(jacrev(functional_call))`` per-sample Jacobian, written as a user would: (B, Y, P)."""
+    from torch.func import functional_call, jacrev, vmap
+
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def output_of_one(p, x):
+        return functional_call(model, (p, frozen, buffers), (x.unsqueeze(0),)).reshape(-1)
+
+    jac = vmap(jacrev(output_of_one), in_dims=(None, 0))(params, inputs)
+    batch, outputs = inputs.shape[0], next(iter(jac.values())).shape[1]
+    return torch.cat([j.reshape(batch, outputs, -1) for j in jac.values()], dim=2)

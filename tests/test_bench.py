@@ -54,7 +54,7 @@ def test_backward_work():
 def test_chunk_and_norm_rows():
     records = bench.sweep("grads", [4], [8], strategies=["auto"], chunk_sizes=[2], norms=True, **FAST)
     rows = by_method(records)
-    assert rows["auto"].note.endswith("auto = hooks")  # after a NOISY warning when the machine is busy
+    assert "auto = hooks" in rows["auto"].note  # after a NOISY warning when the machine is busy
     assert "auto chunk=2" in rows and rows["auto chunk=2"].max_abs_diff < 1e-5
     assert rows["grad norms"].result_bytes == 4 * 4 and rows["grads + norm"].max_abs_diff < 1e-4
 
@@ -292,3 +292,100 @@ def test_a_peer_result_of_another_size_is_not_timed(monkeypatch):
     monkeypatch.setattr(bench.peer_libs, "make_peer", short_peer)
     rows = by_method(bench.sweep("grads", [4], [8], strategies=["hooks"], peers=["opacus"], **FAST))
     assert rows["opacus"].skipped and rows["opacus"].note == "not timed: 25,476 numbers, not 25,480"  # 4 x 6,370
+# --- the per-call check's cost, fresh results, the targets ----------------------------------------------------------
+
+def test_auto_has_a_row_without_the_check_and_its_cost_in_the_note():
+    model, loss, x, y = bench.setting(4, 8)
+    rows = by_method(bench.compare(model, loss, x, y, strategies=["auto"], min_run_time=0.02, rounds=3))
+    assert list(rows)[:2] == ["auto", bench.UNCHECKED]
+    assert rows[bench.UNCHECKED].max_abs_diff < 1e-5  # the same result, checked against auto's
+    cost = bench.check_cost(rows)
+    assert cost == pytest.approx((rows["auto"].median_s - rows[bench.UNCHECKED].median_s) / rows["auto"].median_s)
+    assert f"check {cost:.0%} of the call" in rows["auto"].note
+
+
+def test_no_unchecked_row_where_auto_computes_each_sample_alone():
+    """auto = torch_func runs no per-call check: no 'verify=False' row, no cost in the note."""
+    from torch import nn
+
+    class Centre(nn.Module):  # subtracts the batch mean: the samples interact
+        def forward(self, h):
+            return h - h.mean(0, keepdim=True)
+
+    model = nn.Sequential(nn.Linear(3, 4), Centre(), nn.Linear(4, 2))
+    x, y = torch.randn(5, 3), torch.randn(5, 2)
+    rows = by_method(bench.compare(model, nn.MSELoss(), x, y, strategies=["auto"], min_run_time=0.02, rounds=3))
+    assert "auto = torch_func" in rows["auto"].note and bench.UNCHECKED not in rows  # after a NOISY warning maybe
+    assert "% of the call" not in rows["auto"].note and bench.check_cost(rows) is None
+
+
+def test_out_buffer_adds_the_fresh_row():
+    rows = by_method(bench.sweep("grads", [4], [8], strategies=["auto"], out_buffer=True, **FAST))
+    assert {"auto", bench.UNCHECKED, bench.FRESH} <= set(rows)
+    assert rows[bench.FRESH].max_abs_diff < 1e-5
+    assert rows[bench.FRESH].note.endswith("auto allocating its result (no out=)")
+
+
+@pytest.mark.parametrize("name", ["scaleshift", "parent-param", "bilinear"])
+def test_the_fallback_models_agree_with_the_hand_written_vmap(name):
+    from pergrad_viz import bench_models
+
+    model, loss, x, y = bench_models.problem(name, 3)
+    assert name in bench_models.MODELS
+    hand = bench_models.hand_written_vmap(model, loss, x, y)
+    rows = bench.model_sweep(name, [3], strategies=["auto"], min_run_time=0.01, progress=False)
+    assert by_method(rows)["hand vmap"].max_abs_diff < 1e-5 and hand.shape[0] == 3
+
+
+def test_the_hand_written_jacrev_is_the_per_sample_jacobian():
+    from helpers import ref_jacobian
+
+    from pergrad_viz import bench_models
+
+    model, _, x, _ = bench.setting(2, 8)
+    jac = bench_models.hand_written_jacrev(model, x)
+    want = torch.cat([t.reshape(2, 10, -1) for t in ref_jacobian(model, x).values()], dim=2)
+    for b in range(2):
+        torch.testing.assert_close(jac[b], want[b], rtol=1e-5, atol=1e-6)
+
+
+def _record(label: str, seconds: float) -> bench.Record:
+    return bench.Record(label, "grads", 32, None, seconds, 0.0, 0)
+
+
+def test_the_targets_report_reads_every_goal_from_its_own_table(monkeypatch):
+    from pergrad_viz import bench_targets as bt
+
+    times = {"loop": 10.0, "auto": 1.0, bench.UNCHECKED: 0.8, bench.FRESH: 1.2, "hand vmap": 2.0,
+             "torch_func": 3.0, "grad norms": 1.05, bench.FORWARD_BACKWARD: 1.0, bench.MEMORY_FLOOR: 0.1,
+             bt.FRESH_FLOOR: 0.2, "scan: grad norms": 1.25}
+    settings = {goal.setting for goal in bt.GOALS}
+    fake = {s: [_record(label, t) for label, t in times.items()] for s in settings}
+    monkeypatch.setattr(bt, "_settings", lambda *args: fake)
+    text = bt.report(min_run_time=0.01)
+    goal_lines = text[text.index("## targets"):].splitlines()[3:]
+    assert len(goal_lines) >= len(bt.GOALS) + len(bt.NOT_HERE)
+    by_what = {}
+    for goal, line in zip(bt.GOALS, goal_lines, strict=False):
+        assert line.startswith(goal.setting) and goal.what in line
+        by_what.setdefault(goal.what, line)
+    assert by_what["loop / auto"].split()[-4:] == ["10x", ">=", "10x", "yes"]  # 10 / 1 against the Jacobian's 10
+    check = by_what["check cost (auto - auto verify=False) / auto"]
+    assert "0.2x" in check and check.endswith("yes")  # 20% against the MLP's 25%
+    assert by_what["auto fresh / auto (out=)"].rstrip().endswith("yes")  # 1.2 <= 1.3
+    assert by_what["hand vmap / auto"].rstrip().endswith("yes")  # 2.0 >= 1.0
+    assert by_what["forward+backward / scan: grad norms (throughput)"].rstrip().endswith("yes")  # 0.8 >= 0.7
+    transformer_check = next(line for line in goal_lines if line.startswith("transformer") and "check cost" in line)
+    assert transformer_check.rstrip().endswith("NO")  # 20% against 10%
+    assert "explorer B=256 / hidden 512" in text
+
+
+def test_the_targets_cover_every_model_of_bench_model_and_issue_21s_rows():
+    from pergrad_viz import bench_models
+    from pergrad_viz import bench_targets as bt
+
+    hand = {g.setting for g in bt.GOALS if g.what == "hand vmap / auto"}
+    assert hand == {f"{name} grads B=32" for name in bench_models.MODELS}
+    whats = {g.what for g in bt.GOALS}
+    assert {"loop / auto", "hand vmap(jacrev) / auto", "auto fresh / auto (out=)",
+            "check cost (auto - auto verify=False) / auto"} <= whats

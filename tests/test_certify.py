@@ -83,6 +83,17 @@ def test_a_wrong_rule_is_caught_and_auto_gives_the_loop(monkeypatch):
 
     wrong.supports, wrong.features = linear.supports, linear.features
 
+    def nan(module, activation, grad_output, out):
+        linear(module, activation, grad_output, out)
+        for t in out.values():
+            t[..., 0].fill_(float("nan"))
+
+    nan.supports, nan.features = linear.supports, linear.features
+    monkeypatch.setitem(rules._RULES.types, nn.Linear, nan)
+    x, y = _data()
+    with pytest.raises(certify.CheckFailedError):  # a NaN never compares greater than a tolerance
+        pv.per_sample_grads(_mlp(), nn.CrossEntropyLoss(), x, y, strategy="hooks")
+
     monkeypatch.setitem(rules._RULES.types, nn.Linear, wrong)
     model = _mlp()
     x, y = _data()

@@ -8,10 +8,22 @@ gradient rows (N = Y for Jacobians) of the vjp function. The rest of the model s
 
 Where PyTorch cannot ``vmap`` the layer (e.g. LSTM in float64, an ``autograd.Function`` without ``setup_context``),
 a loop over the samples of this one layer with plain autograd.
+
+Faster where it is measured to be the same: a layer whose parameters enter its output only through broadcasting
+elementwise operations (``x * w + b``, ``x + gate * tanh(fc(x))``) computes sample b's output from row b of a
+per-sample copy of each parameter, ``P = p.expand(B, 1, ..., *p.shape)``; one batched backward of the layer, with
+its output gradients, then gives every sample's gradient at once (autograd sums each row over the broadcast
+dimensions), with no ``vmap`` or ``vjp`` around it. Whether a layer is such a layer is decided per layer and call
+signature (shapes, dtypes, batch dimensions, training flag) by computing its first call with B >= 2 both ways:
+only where the rows agree (a parameter that mixes samples, ``w.mean(0)`` on the copies, would not) do later calls
+take the short path; everywhere else, the ``vmap`` path. Each call's result is still checked by the per-call check
+(``pergrad_viz.certify``).
 Shapes: B samples; ``out[name]`` is (N, B, *param.shape).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -51,12 +63,20 @@ def per_sample_vjp(module: nn.Module, inputs: tuple[tuple, dict], in_dims: tuple
                    if isinstance(t, torch.Tensor)]
         return tuple(outputs[k] for k in differentiable)
 
+    rows = cotangents[0].shape[0] if cotangents else 1
+
     def one_sample(xs: list[torch.Tensor], cots: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         xs = [x if d is None else x.unsqueeze(d) for x, d in zip(xs, in_dims, strict=True)]
         cots = [c.unsqueeze(d) for c, d in zip(cots, cot_dims, strict=True)]
         _, pullback = vjp(lambda p: layer(p, xs), params)
+        if rows == 1:  # gradients: one row, no inner vmap
+            return {n: g.unsqueeze(0) for n, g in pullback(tuple(c[0] for c in cots))[0].items()}
         return vmap(pullback)(tuple(cots))[0]  # over the N rows: {name: (N, *shape)}
 
+    key = _signature(module, tensors, in_dims, cotangents, out_dims, differentiable, out)
+    verdicts = _ELEMENTWISE.setdefault(module, {})
+    if key is not None and verdicts.get(key) and _expanded(layer, params, tensors, cotangents, out):
+        return
     try:
         result = vmap(one_sample, in_dims=(list(in_dims), cot_dims), out_dims=1)(tensors, cotangents)
     except (RuntimeError, NotImplementedError, ValueError):
@@ -65,6 +85,69 @@ def per_sample_vjp(module: nn.Module, inputs: tuple[tuple, dict], in_dims: tuple
         return
     for name, t in out.items():
         t.copy_(result[name])
+    if key is not None and key not in verdicts:
+        verdicts[key] = _agrees(layer, params, tensors, cotangents, out)
+
+
+# {layer: {call signature: whether its parameters enter only elementwise (the short path gives the vmap rows)}}
+_ELEMENTWISE: weakref.WeakKeyDictionary[nn.Module, dict[tuple, bool]] = weakref.WeakKeyDictionary()
+
+
+def _signature(module: nn.Module, tensors: list[torch.Tensor], in_dims: tuple[int | None, ...],
+               cotangents: list[torch.Tensor], out_dims: tuple[int | None, ...], differentiable: list[int],
+               out: dict[str, torch.Tensor]) -> tuple | None:
+    """The key under which a layer's short-path verdict is kept; None where the short path does not apply: a
+    batch dimension other than the first, or one sample (a single row cannot show samples mixing)."""
+    batch = next(iter(out.values())).shape[1]
+    if batch < 2 or any(d not in (0, None) for d in in_dims) or any(out_dims[k] != 0 for k in differentiable):
+        return None
+    return (module.training, tuple(out), tuple((tuple(t.shape), t.dtype, d) for t, d in zip(tensors, in_dims,
+                                                                                             strict=True)),
+            tuple(tuple(c.shape) for c in cotangents))
+
+
+def _expanded(layer, params: dict[str, torch.Tensor], tensors: list[torch.Tensor],
+              cotangents: list[torch.Tensor], out: dict[str, torch.Tensor]) -> bool:
+    """The short path: per-sample parameter copies (B, 1, ..., *shape), one batched backward. Writes ``out``
+    {name: (N, B, *shape)} and returns True, or returns False (``out`` untouched) where the layer does not take
+    such copies (a shape error, outputs of other shapes)."""
+    n, batch = next(iter(out.values())).shape[:2]
+    rank = cotangents[0].dim() - 1  # of the layer's (first) output, without the N rows
+    copies = {}
+    for name, p in params.items():
+        pad = rank - 1 - p.dim()
+        if pad < 0:
+            return False
+        copies[name] = p.reshape(1, *[1] * pad, *p.shape).expand(batch, *[1] * pad, *p.shape).requires_grad_()
+    try:
+        with torch.enable_grad():
+            outputs = layer(copies, tensors)
+            if [tuple(o.shape) for o in outputs] != [tuple(c.shape[1:]) for c in cotangents]:
+                return False
+            if n == 1:
+                grads = torch.autograd.grad(outputs, list(copies.values()), [c[0] for c in cotangents],
+                                            allow_unused=True)
+            else:
+                grads = torch.autograd.grad(outputs, list(copies.values()), cotangents, is_grads_batched=True,
+                                            allow_unused=True)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError, IndexError):
+        return False
+    for t, g in zip(out.values(), grads, strict=True):
+        if g is None:
+            t.zero_()
+        else:
+            t.copy_(g.reshape(t.shape))
+    return True
+
+
+def _agrees(layer, params: dict[str, torch.Tensor], tensors: list[torch.Tensor], cotangents: list[torch.Tensor],
+            out: dict[str, torch.Tensor]) -> bool:
+    """Whether the short path gives the rows ``out`` the ``vmap`` path just wrote (to rounding)."""
+    trial = {name: torch.empty_like(t) for name, t in out.items()}
+    if not _expanded(layer, params, tensors, cotangents, trial):
+        return False
+    tol = 1e-10 if next(iter(out.values())).dtype == torch.float64 else 1e-4
+    return all(torch.allclose(trial[name], t, rtol=tol, atol=tol * float(t.abs().max())) for name, t in out.items())
 
 
 def _loop(layer, params, tensors, in_dims, cotangents, cot_dims, out) -> None:

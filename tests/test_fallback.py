@@ -1,0 +1,109 @@
+"""The per-layer fallback's short path (pergrad_viz.rules.fallback): layers whose parameters enter only elementwise
+get their per-sample gradients from one batched backward on per-sample parameter copies, once their first call
+with B >= 2 agreed with the vmap path; every call, short path or not, equals the plain loop of tests/helpers.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ref_grads, ref_jacobian
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz.rules import fallback
+
+DT = torch.float64
+
+
+class ScaleShift(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n, dtype=DT))
+        self.bias = nn.Parameter(torch.linspace(-0.2, 0.3, n, dtype=DT))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+class Gated(nn.Module):
+    """A parameter used in the forward of a layer with a child."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.fc = nn.Linear(n, n, dtype=DT)
+        self.gate = nn.Parameter(torch.linspace(0.1, 0.9, n, dtype=DT))
+
+    def forward(self, x):
+        return x + self.gate * torch.tanh(self.fc(x))
+
+
+class FlipScale(nn.Module):
+    """Elementwise for one sample, but the copies' rows are used in reverse (as a permutation inside a layer
+    would): the short path would give sample b the gradient of sample B-1-b, so it must never be taken."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n, dtype=DT))
+
+    def forward(self, x):
+        return x * self.weight.expand(x.shape[0], -1).flip(0)
+
+
+def _model(layer: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5, dtype=DT), nn.Tanh(), layer, nn.Tanh(), nn.Linear(5, 3, dtype=DT))
+
+
+def _data(batch: int = 5):
+    g = torch.Generator().manual_seed(batch)
+    return torch.randn(batch, 4, generator=g, dtype=DT), torch.randint(0, 3, (batch,), generator=g)
+
+
+def _close(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        for b in range(want[name].shape[0]):
+            torch.testing.assert_close(got[name][b], want[name][b], rtol=1e-9, atol=1e-12, msg=f"{name}[{b}]")
+
+
+def _no_vmap(*args, **kwargs):
+    raise AssertionError("the vmap path ran where the short path was expected")
+
+
+@pytest.mark.parametrize("make", [lambda: ScaleShift(5), lambda: Gated(5)], ids=["scale-shift", "parent-param"])
+def test_elementwise_layers_take_the_short_path_after_their_first_call_and_stay_exact(make, monkeypatch):
+    model, loss = _model(make()), nn.CrossEntropyLoss()
+    x, y = _data()
+    _close(pv.per_sample_grads(model, loss, x, y, strategy="hooks"), ref_grads(model, loss, x, y))
+    assert list(fallback._ELEMENTWISE[model[2]].values()) == [True]
+    monkeypatch.setattr(fallback, "vmap", _no_vmap)
+    x2, y2 = torch.randn_like(x), y.flip(0)  # other data, same signature
+    _close(pv.per_sample_grads(model, loss, x2, y2, strategy="hooks"), ref_grads(model, loss, x2, y2))
+
+
+@pytest.mark.parametrize("make", [lambda: ScaleShift(5), lambda: Gated(5)], ids=["scale-shift", "parent-param"])
+def test_jacobians_take_the_short_path_too(make, monkeypatch):
+    model = _model(make())
+    x, _ = _data(4)
+    _close(pv.per_sample_jacobian(model, x, strategy="hooks"), ref_jacobian(model, x))
+    monkeypatch.setattr(fallback, "vmap", _no_vmap)
+    x2 = torch.randn_like(x)
+    _close(pv.per_sample_jacobian(model, x2, strategy="hooks"), ref_jacobian(model, x2))
+
+
+def test_a_layer_whose_copies_would_mix_samples_keeps_the_vmap_path():
+    layer = FlipScale(5)
+    model, loss = _model(layer), nn.CrossEntropyLoss()
+    for seed in range(3):
+        x, y = _data(5 + seed % 2)
+        _close(pv.per_sample_grads(model, loss, x, y, strategy="hooks"), ref_grads(model, loss, x, y))
+    assert set(fallback._ELEMENTWISE[layer].values()) == {False}
+
+
+def test_one_sample_decides_nothing(monkeypatch):
+    """A first call with B = 1 cannot show samples mixing: no verdict, and B = 1 calls stay on the vmap path."""
+    layer = ScaleShift(5)
+    model, loss = _model(layer), nn.CrossEntropyLoss()
+    x, y = _data(1)
+    _close(pv.per_sample_grads(model, loss, x, y, strategy="hooks"), ref_grads(model, loss, x, y))
+    assert not fallback._ELEMENTWISE.get(layer)
