@@ -221,7 +221,7 @@ def test_fast_rule_parts_are_the_per_sample_gradient(model):
     block = view.grads[2, : 8 * 784].reshape(8, 784)  # fc1.weight's per-sample gradient of sample 2
     assert torch.allclose(torch.outer(s.g, s.a), block, atol=1e-6)
     assert s.gradient_norm == pytest.approx(float(s.g.norm() * s.a.norm()), rel=1e-5)  # the ghost-norm identity
-    assert s.first_layer.shape == (8, 784) and len(s.first_layer_titles) == 8
+    assert s.first_layer.shape == (8, 28, 28) and len(s.first_layer_titles) == 8
     assert "sample 2" in s.first_layer_title and "B=4, hidden 8" in s.first_layer_title
 
 
@@ -264,7 +264,7 @@ def test_stale_abandons_the_setting(model):
 
 def test_memory_refused_before_allocating(model, monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 10 * 2**20)
-    monkeypatch.setattr(bench, "setting", lambda *a, **k: pytest.fail("built the problem despite the estimate"))
+    monkeypatch.setattr(ExplorerModel, "problem", lambda *a, **k: pytest.fail("built the problem despite the estimate"))
     with pytest.raises(pv.MemoryBudgetError, match="Choose a smaller batch size"):
         model.update(Setting(batch=256, hidden=512, quantity="jacobian"))
 
@@ -292,3 +292,88 @@ def test_the_extra_rounds_share_one_budget_per_setting(monkeypatch):
     m.update(Setting(batch=2, hidden=8, strategies=("hooks", "loop", "torch_func")))
     assert len(budgets) >= 3 and budgets[0] == pytest.approx(0.3)
     assert budgets == sorted(budgets, reverse=True) and budgets[-1] == 0.0
+
+
+# ------------------------------------------------------------------------------------------ the model menu
+
+SMALL = {"mlp": 8, "cnn": 4, "transformer": 8, "lstm": 8}  # each built-in network at a small width
+
+
+@pytest.fixture(scope="module")
+def menu_model():
+    return ExplorerModel(batch_options=(1, 2, 4), slow_limit=16, sweep_batches=1, **FAST)
+
+
+@pytest.mark.parametrize("key", list(SMALL))
+def test_every_builtin_model_against_the_tests_own_loop(menu_model, key):
+    from pergrad_viz.explorer.specs import MENU
+
+    width = SMALL[key]
+    view = menu_model.update(Setting(model=key, batch=4, hidden=width, sample=1))
+    v = view.verdict
+    assert v.ok and v.failed == () and set(v.checked) == set(pv.STRATEGIES) and v.samples == 4
+    assert f"batch size B=4, {MENU[key].describe(width)}" in v.text
+    net, loss_fn, x, y, labels = MENU[key].problem(4, width)
+    named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    expected = flatten_ref(ref_grads(net, loss_fn, x, y), lead=1)  # the test's own loop of torch.autograd.grad
+    assert view.grads.shape == expected.shape == (4, sum(p.numel() for _, p in named))
+    assert torch.allclose(view.grads, expected, atol=1e-5)
+    starts = [0, *torch.tensor([p.numel() for _, p in named]).cumsum(0).tolist()]
+    assert view.boundaries == [(n, a, b) for (n, _), a, b in zip(named, starts[:-1], starts[1:], strict=True)]
+    assert torch.equal(view.labels, labels) and view.sample.label == MENU[key].class_names[int(labels[1])]
+    # the DP-SGD view per layer: the layers' squared norms add up to the total's
+    layers = {n.rsplit(".", 1)[0] for n, _ in named}
+    assert set(view.clipping.layers) == layers
+    assert torch.allclose(sum(t ** 2 for t in view.clipping.layers.values()), view.clipping.total ** 2, rtol=1e-4)
+    # the rule table: every parameter under one of its layers, each on a rule or a call rule (none needs the
+    # fallback; MultiheadAttention's call rule covers its out_proj)
+    table = [name for name, _, _ in view.layers]
+    assert all(any(n.startswith(f"{t}.") for t in table) for n, _ in named) and set(table) <= layers
+    assert all(how in ("rule", "call") for _, _, how in view.layers)
+    assert [r.strategy for r in view.records if not r.skipped and r.strategy in pv.STRATEGIES]
+
+
+@pytest.mark.parametrize("key, kind, rule", [("mlp", "image", "linear"), ("cnn", "image", "conv"),
+                                             ("transformer", "tokens", "embedding"), ("lstm", "tokens", "embedding")])
+def test_the_fast_rule_panel_on_each_models_first_layer(menu_model, key, kind, rule):
+    from pergrad_viz.explorer.specs import MENU
+
+    spec = MENU[key]
+    view = menu_model.update(Setting(model=key, batch=4, hidden=SMALL[key], sample=2))
+    s, r = view.sample, view.sample.rule
+    assert s.kind == kind and r.kind == rule and r.layer == spec.first_layer
+    net, loss_fn, x, y, _ = spec.problem(4, SMALL[key])
+    weight = dict(net.named_parameters())[f"{r.layer}.weight"]
+    (own,) = torch.autograd.grad(loss_fn(net(x[2:3]), y[2:3]), [weight])  # sample 2's gradient, by the definition
+    assert torch.allclose(r.product, own.reshape(r.product.shape), atol=1e-6)
+    assert torch.allclose(r.left @ r.right, r.product) and r.difference < 1e-5
+    assert r.gradient_norm == pytest.approx(float(own.norm()), rel=1e-5)
+    if kind == "image":
+        assert s.image.numel() == 784 and torch.equal(s.image.reshape(-1), x[2].reshape(-1))
+    else:  # the token ids; the embedding's gradient is zero outside the rows of the sample's tokens
+        assert torch.equal(s.image, x[2]) and s.image.dtype == torch.long
+        unused = sorted(set(range(own.shape[0])) - set(x[2].tolist()))
+        assert torch.count_nonzero(own[unused]) == 0 and torch.count_nonzero(r.product[unused]) == 0
+        assert r.left.shape == (own.shape[0], x.shape[1])
+
+
+def test_the_menu_disagrees_when_a_strategy_is_wrong(monkeypatch):
+    grads, jacobian = _wrong("torch_func")
+    monkeypatch.setattr(model_module, "per_sample_grads", grads)
+    m = ExplorerModel(batch_options=(4,), sweep_batches=1, **FAST)
+    view = m.update(Setting(model="lstm", batch=4, hidden=8, strategies=("hooks", "torch_func")))
+    assert not view.verdict.ok and view.verdict.failed == ("torch_func",)
+    assert "LSTM, hidden size 8" in view.verdict.text
+
+
+def test_timings_are_cached_per_model(menu_model):
+    menu_model.update(Setting(model="cnn", batch=2, hidden=4, strategies=("hooks",)))
+    again = menu_model.update(Setting(model="cnn", batch=2, hidden=4, strategies=("hooks",)))
+    assert again.reused == 3  # hooks and the two references
+    other = menu_model.update(Setting(model="transformer", batch=2, hidden=4, strategies=("hooks",)))
+    assert other.reused == 0 and {k.model for k in menu_model.cache} >= {"cnn", "transformer"}
+
+
+def test_an_unknown_model_is_refused(menu_model):
+    with pytest.raises(ValueError, match="unknown model 'vgg'; this explorer has mlp, cnn, transformer, lstm"):
+        menu_model.check(Setting(model="vgg"))
