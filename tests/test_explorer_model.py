@@ -377,3 +377,100 @@ def test_timings_are_cached_per_model(menu_model):
 def test_an_unknown_model_is_refused(menu_model):
     with pytest.raises(ValueError, match="unknown model 'vgg'; this explorer has mlp, cnn, transformer, lstm"):
         menu_model.check(Setting(model="vgg"))
+
+
+# ------------------------------------------------------------------------------------------ a user's network
+
+
+class Guest(torch.nn.Module):
+    """A user's network with two inputs, a buffer and a LayerNorm: (B, 6), (B, 2) -> (B, 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 5)
+        self.norm = torch.nn.LayerNorm(5)
+        self.fc2 = torch.nn.Linear(7, 3)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x, extra):
+        return self.fc2(torch.cat([torch.relu(self.norm(self.fc1(x))), extra], 1) * self.scale)
+
+
+def _guest_data(n: int = 10):
+    gen = torch.Generator().manual_seed(3)
+    return (torch.randn(n, 6, generator=gen), torch.randn(n, 2, generator=gen)), torch.randint(0, 3, (n,),
+                                                                                                generator=gen)
+
+
+def _state(net):
+    return ({k: v.clone() for k, v in net.state_dict().items()}, {n: None if p.grad is None else p.grad.clone()
+                                                                  for n, p in net.named_parameters()},
+            [m.training for m in net.modules()])
+
+
+@pytest.mark.parametrize("form", ["tuple", "dataset", "dataloader"])
+def test_a_users_model_and_data(form):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from pergrad_viz.explorer.specs import user_spec
+
+    torch.manual_seed(0)
+    net = Guest()
+    net.fc1.weight.grad = torch.ones_like(net.fc1.weight)  # the user's own .grad: left as it is
+    net.norm.eval()  # mixed training flags: left as they are
+    (x, extra), y = _guest_data()
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    data = {"tuple": ((x, extra), y), "dataset": TensorDataset(x, extra, y),
+            "dataloader": DataLoader(TensorDataset(x, extra, y), batch_size=3)}[form]
+    if form != "tuple":  # a Dataset of (input, target) pairs: (x, extra) is the input
+        data = {"dataset": _Pairs(data), "dataloader": DataLoader(_Pairs(TensorDataset(x, extra, y)), batch_size=3)
+                }[form]
+    before = _state(net)
+    spec = user_spec(net, loss_fn, data, class_names=("a", "b", "c"))
+    assert spec.max_batch == 10 and spec.width_name == "" and spec.first_layer == "fc1"
+    m = ExplorerModel(models={"yours": spec}, batch_options=(2, 8), sweep_batches=2, slow_limit=16, **FAST)
+    view = m.update(Setting(model="yours", batch=8, hidden=0, sample=5))
+    assert view.verdict.ok and "batch size B=8, your model" in view.verdict.text
+    expected = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        loss_fn(net(x[i:i + 1], extra[i:i + 1]), y[i:i + 1]), list(net.parameters()))]) for i in range(8)])
+    assert torch.allclose(view.grads, expected, atol=1e-5)
+    assert view.sample.label == "abc"[int(y[5])] and view.sample.kind == "other" and view.sample.image is None
+    assert view.sample.rule.kind == "linear" and view.sample.rule.difference < 1e-5
+    assert [name for name, _, _ in view.layers] == ["fc1", "norm", "fc2"]
+    assert {r.batch_size for r in view.scaling_records} == {2, 8}
+    jac = m.update(Setting(model="yours", batch=2, hidden=0, quantity="jacobian"))
+    assert jac.verdict.ok and jac.sample.jacobian.shape == (3, expected.shape[1])
+    after = _state(net)  # the guest rule: nothing of the user's model changed
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert torch.equal(after[1]["fc1.weight"], torch.ones_like(net.fc1.weight)) and after[1]["fc2.weight"] is None
+    assert before[2] == after[2]
+    assert all(not mod._forward_hooks for mod in net.modules())
+    with pytest.raises(ValueError, match="more than the 10 samples"):
+        m.check(Setting(model="yours", batch=16, hidden=0))
+
+
+class _Pairs(torch.utils.data.Dataset):
+    """(x, extra, y) rows as ((x, extra), y) pairs."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        x, extra, y = self.rows[i]
+        return (x, extra), y
+
+
+def test_a_users_image_and_token_samples_are_drawn():
+    from pergrad_viz.explorer.specs import user_spec
+
+    images = user_spec(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 2)), torch.nn.MSELoss(),
+                       (torch.randn(4, 1, 8, 8), torch.randn(4, 2)))
+    tokens = user_spec(torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Flatten(), torch.nn.Linear(27, 2)),
+                       torch.nn.MSELoss(), (torch.randint(0, 5, (4, 9)), torch.randn(4, 2)))
+    assert images.sample_kind == "image" and tokens.sample_kind == "tokens" and tokens.token_grid == (3, 3)
+    assert tokens.first_layer == "0"
+    with pytest.raises(TypeError, match="data must be"):
+        user_spec(torch.nn.Linear(2, 2), torch.nn.MSELoss(), torch.randn(3, 2))
