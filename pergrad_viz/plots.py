@@ -30,6 +30,7 @@ __all__ = [
     "aligned_edges",
     "bar_figure",
     "clipping_figure",
+    "factor_figure",
     "fit_text",
     "grouped_heatmap",
     "image_grid",
@@ -44,6 +45,7 @@ __all__ = [
     "robust_limit",
     "runtime_figure",
     "to_png",
+    "token_figure",
 ]
 
 Boundaries = Mapping[str, tuple[int, int]] | Sequence[tuple[str, int, int]]
@@ -571,13 +573,14 @@ def gradient_heatmap(grads_flat: Any, boundaries: Boundaries | None = None, *, a
 
 def first_layer_images(weight_grad: Any, *, image: Any = None, titles: Sequence[str] | None = None,
                        ncols: int = 5, suptitle: str | None = None, image_title: str = "input",
-                       cmap: str = DIVERGING, cell: float = 1.6) -> Figure:
+                       cmap: str = DIVERGING, cell: float = 1.6, image_shape: tuple[int, int] | None = None) -> Figure:
     """K small images of first-layer weight gradients (or Jacobian rows), in a diverging colour map.
 
     Args:
         weight_grad: (K, 784) or (K, 28, 28) (any (K, H*W) with a square H*W, or (K, H, W)): e.g. one row
             of ``fc1.weight``'s gradient per hidden unit, or one image per output class for a Jacobian.
-        image: (784,), (28, 28) or (1, 28, 28): the input, shown first in grey.
+        image: (784,), (28, 28) or (1, 28, 28): the input, shown first in grey; ``image_shape`` (H, W) draws it
+            at its own shape where it differs from the gradients' (a convolution's 3x3 kernels of a 28x28 image).
         titles: K titles (default ``"0", "1", ...``).
         ncols: images per row. suptitle: a title over all. cell: each image's side, in inches.
 
@@ -618,11 +621,12 @@ def first_layer_images(weight_grad: Any, *, image: Any = None, titles: Sequence[
     axes = axes[:panels]
     if image is not None:
         img = _to_numpy(image)
-        if img.size != h * w:
+        if image_shape is not None and img.size == image_shape[0] * image_shape[1]:
+            h, w = image_shape
+        elif img.size != h * w:
             raise ValueError(f"image has {img.size} pixels but the gradients are {h}x{w} images: pass the input "
                              f"sample itself, shape ({h * w},) or ({h}, {w})")
-        img = img.reshape(h, w)
-        axes[0].imshow(img, cmap="gray", interpolation="nearest")
+        axes[0].imshow(img.reshape(h, w), cmap="gray", interpolation="nearest")
         axes[0].set_title(image_title, fontsize="small")
         axes = axes[1:]
     limit = float(np.abs(grads).max()) or 1.0
@@ -893,4 +897,110 @@ def grouped_heatmap(matrix: Any, groups: Any, *, group_names: Sequence[str] | No
     fig.colorbar(shown, ax=ax, label=label)
     if title:
         ax.set_title(title, fontsize="medium")
+    return fig
+
+
+def _matrix(ax: Axes, m: np.ndarray, title: str, width_in: float) -> Any:
+    limit = float(np.abs(m).max()) or 1.0
+    shown = ax.imshow(m, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+    ax.set_title(f"{fit_text(title, width_in, 8.0)}\n{m.shape[0]} x {m.shape[1]}", fontsize="small")
+    ax.tick_params(labelsize="x-small")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True, nbins=5))
+    return shown
+
+
+def factor_figure(left: Any, right: Any, product: Any, *, names: Sequence[str] = ("left", "right", "product"),
+                  gradient_norm: float | None = None, difference: float | None = None, title: str | None = None,
+                  width: float = 6.9) -> Figure:
+    """How a layer's fast rule writes one sample's weight gradient as a product of two factors that one batched
+    forward and backward provide: ``left @ right = product`` (a convolution: the signal at each output position
+    times the unfolded input patches; an embedding: the one-hot rows of the tokens times the signal at each token),
+    each drawn as a heatmap, with the check against the per-sample gradient computed elsewhere.
+
+    Args:
+        left: (m, k); right: (k, n); product: (m, n), the weight's gradient (flattened to 2-D).
+        names: the three panels' titles. gradient_norm: ||the per-sample gradient|| from per_sample_grads;
+        difference: max |product - that gradient|. title: over all. width: in inches.
+    """
+    a, b, c = (_to_numpy(t) for t in (left, right, product))
+    if a.ndim != 2 or b.ndim != 2 or c.shape != (a.shape[0], b.shape[1]) or a.shape[1] != b.shape[0]:
+        raise ValueError(f"factors of shapes {a.shape} @ {b.shape} do not give the product's {c.shape}")
+    head = fit_text(title, width - 0.3) if title else ""
+    head_in = 0.21 * (head.count("\n") + 1) + 0.1 if head else 0
+    line = f"||product|| = {np.linalg.norm(c):.5g}"
+    if gradient_norm is not None:
+        line += f" (per_sample_grads: {gradient_norm:.5g})"
+    if difference is not None:
+        line += f"; max |product - per_sample_grads| = {difference:.1e}"
+    line = fit_text(line, width - 0.3)
+    foot = 0.45 + 0.21 * (line.count("\n") + 1)
+    half = (width - 0.5 - 0.7) / 2
+    lines = max(fit_text(n, half - 0.3, 8.0).count("\n") for n in names[:2])  # the upper titles' extra lines
+    panel, gap = 1.9, 0.95
+    height = head_in + 0.6 + 0.17 * lines + panel + gap + panel + foot
+    fig = Figure(figsize=(width, height))
+    y_top = foot + panel + gap
+    ax_l = _inches(fig, 0.5, y_top, half - 0.1, panel)
+    ax_r = _inches(fig, 0.5 + half + 0.6, y_top, half - 0.1, panel)
+    ax_p = _inches(fig, 0.5, foot, width - 0.5 - 0.95, panel)
+    ax_c = _inches(fig, width - 0.8, foot, 0.12, panel)
+    _matrix(ax_l, a, names[0], half - 0.3)
+    _matrix(ax_r, b, names[1], half - 0.3)
+    fig.text((0.5 + half + 0.25) / width, (y_top + panel / 2) / height, "@", fontsize="x-large", ha="center",
+             va="center")
+    shown = _matrix(ax_p, c, f"= {names[2]}: the sample's weight gradient", width - 1.2)
+    fig.colorbar(shown, cax=ax_c).ax.tick_params(labelsize="x-small")
+    fig.text(0.15 / width, 0.1 / height, line, fontsize="medium", va="bottom")
+    if head:
+        fig.suptitle(head, fontsize="medium", y=1 - 0.06 / height, va="top")
+    return fig
+
+
+def token_figure(tokens: Any, matrix: Any, *, grid: tuple[int, int] | None = None, row_labels: Sequence[str] = (),
+                 matrix_title: str = "", xlabel: str = "", title: str | None = None, width: float = 7.4) -> Figure:
+    """A token sequence as tokens (left: the ids in reading order on a ``grid``, each cell shaded by its id) next
+    to a matrix about them (right: e.g. an embedding's per-sample gradient, one row per token id).
+
+    Args:
+        tokens: (T,) integer ids, or None (the matrix alone). grid: (rows, cols) with rows x cols = T (default one
+            row). matrix: (R, C). row_labels: R labels (shown up to 40 rows). title: over all. width: in inches.
+    """
+    m = _to_numpy(matrix)
+    if m.ndim != 2:
+        raise ValueError(f"matrix must be 2-D, got shape {m.shape}")
+    head = fit_text(title, width - 0.3) if title else ""
+    head_in = 0.21 * (head.count("\n") + 1) + 0.1 if head else 0
+    height = head_in + 0.55 + 2.6 + 0.55
+    fig = Figure(figsize=(width, height))
+    x0 = 0.3
+    if tokens is not None:
+        ids = _to_numpy(tokens).astype(int).ravel()
+        rows, cols = grid if grid is not None and grid[0] * grid[1] == ids.size else (1, ids.size)
+        side = min(2.6, 2.6 * cols / max(rows, cols))
+        ax_t = _inches(fig, x0, 0.55, side, 2.6 * rows / max(rows, cols))
+        ax_t.imshow(ids.reshape(rows, cols), cmap="gray", vmin=0, vmax=max(1, int(ids.max())), aspect="equal",
+                    interpolation="nearest")
+        if ids.size <= 64:
+            for k, v in enumerate(ids):
+                ax_t.text(k % cols, k // cols, str(v), ha="center", va="center", fontsize="small",
+                          color="white" if v < ids.max() / 2 else "black")
+        ax_t.set_xticks([])
+        ax_t.set_yticks([])
+        ax_t.set_title(f"the sample's {ids.size} tokens", fontsize="small")
+        x0 += side + 0.3
+    labelled = 0 < len(row_labels) == m.shape[0] and m.shape[0] <= 40
+    left = x0 + (_text_in(row_labels, "x-small") + 0.15 if labelled else 0.35)
+    ax_m = _inches(fig, left, 0.55, width - left - 0.95, 2.6)
+    limit = float(np.abs(m).max()) or 1.0
+    shown = ax_m.imshow(m, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+    if labelled:
+        ax_m.set_yticks(np.arange(m.shape[0]), list(row_labels), fontsize="x-small")
+    ax_m.tick_params(labelsize="x-small")
+    ax_m.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+    ax_m.set_title(matrix_title, fontsize="small")
+    ax_m.set_xlabel(xlabel, fontsize="small")
+    fig.colorbar(shown, cax=_inches(fig, width - 0.8, 0.55, 0.12, 2.6)).ax.tick_params(labelsize="x-small")
+    if head:
+        fig.suptitle(head, fontsize="medium", y=1 - 0.06 / height, va="top")
     return fig

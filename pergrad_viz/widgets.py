@@ -2,7 +2,8 @@
 (the ipywidgets front end) over :mod:`pergrad_viz.explorer.model` (pure: setting -> views).
 
 >>> import pergrad_viz as pv
->>> pv.widgets.explorer()          # in a notebook cell: the widget shows itself
+>>> pv.widgets.explorer()          # in a notebook cell: the widget shows itself (a menu of networks)
+>>> pv.widgets.explorer(model=net, loss_fn=loss_fn, data=(x, y))     # your own network on your data
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ def test_fast_rule_parts_are_the_per_sample_gradient(model):
     block = view.grads[2, : 8 * 784].reshape(8, 784)  # fc1.weight's per-sample gradient of sample 2
     assert torch.allclose(torch.outer(s.g, s.a), block, atol=1e-6)
     assert s.gradient_norm == pytest.approx(float(s.g.norm() * s.a.norm()), rel=1e-5)  # the ghost-norm identity
-    assert s.first_layer.shape == (8, 784) and len(s.first_layer_titles) == 8
+    assert s.first_layer.shape == (8, 28, 28) and len(s.first_layer_titles) == 8
     assert "sample 2" in s.first_layer_title and "B=4, hidden 8" in s.first_layer_title
 
 
@@ -264,7 +264,7 @@ def test_stale_abandons_the_setting(model):
 
 def test_memory_refused_before_allocating(model, monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 10 * 2**20)
-    monkeypatch.setattr(bench, "setting", lambda *a, **k: pytest.fail("built the problem despite the estimate"))
+    monkeypatch.setattr(ExplorerModel, "problem", lambda *a, **k: pytest.fail("built the problem despite the estimate"))
     with pytest.raises(pv.MemoryBudgetError, match="Choose a smaller batch size"):
         model.update(Setting(batch=256, hidden=512, quantity="jacobian"))
 
@@ -292,3 +292,185 @@ def test_the_extra_rounds_share_one_budget_per_setting(monkeypatch):
     m.update(Setting(batch=2, hidden=8, strategies=("hooks", "loop", "torch_func")))
     assert len(budgets) >= 3 and budgets[0] == pytest.approx(0.3)
     assert budgets == sorted(budgets, reverse=True) and budgets[-1] == 0.0
+
+
+# ------------------------------------------------------------------------------------------ the model menu
+
+SMALL = {"mlp": 8, "cnn": 4, "transformer": 8, "lstm": 8}  # each built-in network at a small width
+
+
+@pytest.fixture(scope="module")
+def menu_model():
+    return ExplorerModel(batch_options=(1, 2, 4), slow_limit=16, sweep_batches=1, **FAST)
+
+
+@pytest.mark.parametrize("key", list(SMALL))
+def test_every_builtin_model_against_the_tests_own_loop(menu_model, key):
+    from pergrad_viz.explorer.specs import MENU
+
+    width = SMALL[key]
+    view = menu_model.update(Setting(model=key, batch=4, hidden=width, sample=1))
+    v = view.verdict
+    assert v.ok and v.failed == () and set(v.checked) == set(pv.STRATEGIES) and v.samples == 4
+    assert f"batch size B=4, {MENU[key].describe(width)}" in v.text
+    net, loss_fn, x, y, labels = MENU[key].problem(4, width)
+    named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    expected = flatten_ref(ref_grads(net, loss_fn, x, y), lead=1)  # the test's own loop of torch.autograd.grad
+    assert view.grads.shape == expected.shape == (4, sum(p.numel() for _, p in named))
+    assert torch.allclose(view.grads, expected, atol=1e-5)
+    starts = [0, *torch.tensor([p.numel() for _, p in named]).cumsum(0).tolist()]
+    assert view.boundaries == [(n, a, b) for (n, _), a, b in zip(named, starts[:-1], starts[1:], strict=True)]
+    assert torch.equal(view.labels, labels) and view.sample.label == MENU[key].class_names[int(labels[1])]
+    # the DP-SGD view per layer: the layers' squared norms add up to the total's
+    layers = {n.rsplit(".", 1)[0] for n, _ in named}
+    assert set(view.clipping.layers) == layers
+    assert torch.allclose(sum(t ** 2 for t in view.clipping.layers.values()), view.clipping.total ** 2, rtol=1e-4)
+    # the rule table: every parameter under one of its layers, each on a rule or a call rule (none needs the
+    # fallback; MultiheadAttention's call rule covers its out_proj)
+    table = [name for name, _, _ in view.layers]
+    assert all(any(n.startswith(f"{t}.") for t in table) for n, _ in named) and set(table) <= layers
+    assert all(how in ("rule", "call") for _, _, how in view.layers)
+    assert [r.strategy for r in view.records if not r.skipped and r.strategy in pv.STRATEGIES]
+
+
+@pytest.mark.parametrize("key, kind, rule", [("mlp", "image", "linear"), ("cnn", "image", "conv"),
+                                             ("transformer", "tokens", "embedding"), ("lstm", "tokens", "embedding")])
+def test_the_fast_rule_panel_on_each_models_first_layer(menu_model, key, kind, rule):
+    from pergrad_viz.explorer.specs import MENU
+
+    spec = MENU[key]
+    view = menu_model.update(Setting(model=key, batch=4, hidden=SMALL[key], sample=2))
+    s, r = view.sample, view.sample.rule
+    assert s.kind == kind and r.kind == rule and r.layer == spec.first_layer
+    net, loss_fn, x, y, _ = spec.problem(4, SMALL[key])
+    weight = dict(net.named_parameters())[f"{r.layer}.weight"]
+    (own,) = torch.autograd.grad(loss_fn(net(x[2:3]), y[2:3]), [weight])  # sample 2's gradient, by the definition
+    assert torch.allclose(r.product, own.reshape(r.product.shape), atol=1e-6)
+    assert torch.allclose(r.left @ r.right, r.product) and r.difference < 1e-5
+    assert r.gradient_norm == pytest.approx(float(own.norm()), rel=1e-5)
+    if kind == "image":
+        assert s.image.numel() == 784 and torch.equal(s.image.reshape(-1), x[2].reshape(-1))
+    else:  # the token ids; the embedding's gradient is zero outside the rows of the sample's tokens
+        assert torch.equal(s.image, x[2]) and s.image.dtype == torch.long
+        unused = sorted(set(range(own.shape[0])) - set(x[2].tolist()))
+        assert torch.count_nonzero(own[unused]) == 0 and torch.count_nonzero(r.product[unused]) == 0
+        assert r.left.shape == (own.shape[0], x.shape[1])
+
+
+def test_the_menu_disagrees_when_a_strategy_is_wrong(monkeypatch):
+    grads, jacobian = _wrong("torch_func")
+    monkeypatch.setattr(model_module, "per_sample_grads", grads)
+    m = ExplorerModel(batch_options=(4,), sweep_batches=1, **FAST)
+    view = m.update(Setting(model="lstm", batch=4, hidden=8, strategies=("hooks", "torch_func")))
+    assert not view.verdict.ok and view.verdict.failed == ("torch_func",)
+    assert "LSTM, hidden size 8" in view.verdict.text
+
+
+def test_timings_are_cached_per_model(menu_model):
+    menu_model.update(Setting(model="cnn", batch=2, hidden=4, strategies=("hooks",)))
+    again = menu_model.update(Setting(model="cnn", batch=2, hidden=4, strategies=("hooks",)))
+    assert again.reused == 3  # hooks and the two references
+    other = menu_model.update(Setting(model="transformer", batch=2, hidden=4, strategies=("hooks",)))
+    assert other.reused == 0 and {k.model for k in menu_model.cache} >= {"cnn", "transformer"}
+
+
+def test_an_unknown_model_is_refused(menu_model):
+    with pytest.raises(ValueError, match="unknown model 'vgg'; this explorer has mlp, cnn, transformer, lstm"):
+        menu_model.check(Setting(model="vgg"))
+
+
+# ------------------------------------------------------------------------------------------ a user's network
+
+
+class Guest(torch.nn.Module):
+    """A user's network with two inputs, a buffer and a LayerNorm: (B, 6), (B, 2) -> (B, 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 5)
+        self.norm = torch.nn.LayerNorm(5)
+        self.fc2 = torch.nn.Linear(7, 3)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x, extra):
+        return self.fc2(torch.cat([torch.relu(self.norm(self.fc1(x))), extra], 1) * self.scale)
+
+
+def _guest_data(n: int = 10):
+    gen = torch.Generator().manual_seed(3)
+    return (torch.randn(n, 6, generator=gen), torch.randn(n, 2, generator=gen)), torch.randint(0, 3, (n,),
+                                                                                                generator=gen)
+
+
+def _state(net):
+    return ({k: v.clone() for k, v in net.state_dict().items()}, {n: None if p.grad is None else p.grad.clone()
+                                                                  for n, p in net.named_parameters()},
+            [m.training for m in net.modules()])
+
+
+@pytest.mark.parametrize("form", ["tuple", "dataset", "dataloader"])
+def test_a_users_model_and_data(form):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from pergrad_viz.explorer.specs import user_spec
+
+    torch.manual_seed(0)
+    net = Guest()
+    net.fc1.weight.grad = torch.ones_like(net.fc1.weight)  # the user's own .grad: left as it is
+    net.norm.eval()  # mixed training flags: left as they are
+    (x, extra), y = _guest_data()
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    data = {"tuple": ((x, extra), y), "dataset": TensorDataset(x, extra, y),
+            "dataloader": DataLoader(TensorDataset(x, extra, y), batch_size=3)}[form]
+    if form != "tuple":  # a Dataset of (input, target) pairs: (x, extra) is the input
+        data = {"dataset": _Pairs(data), "dataloader": DataLoader(_Pairs(TensorDataset(x, extra, y)), batch_size=3)
+                }[form]
+    before = _state(net)
+    spec = user_spec(net, loss_fn, data, class_names=("a", "b", "c"))
+    assert spec.max_batch == 10 and spec.width_name == "" and spec.first_layer == "fc1"
+    m = ExplorerModel(models={"yours": spec}, batch_options=(2, 8), sweep_batches=2, slow_limit=16, **FAST)
+    view = m.update(Setting(model="yours", batch=8, hidden=0, sample=5))
+    assert view.verdict.ok and "batch size B=8, your model" in view.verdict.text
+    expected = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        loss_fn(net(x[i:i + 1], extra[i:i + 1]), y[i:i + 1]), list(net.parameters()))]) for i in range(8)])
+    assert torch.allclose(view.grads, expected, atol=1e-5)
+    assert view.sample.label == "abc"[int(y[5])] and view.sample.kind == "other" and view.sample.image is None
+    assert view.sample.rule.kind == "linear" and view.sample.rule.difference < 1e-5
+    assert [name for name, _, _ in view.layers] == ["fc1", "norm", "fc2"]
+    assert {r.batch_size for r in view.scaling_records} == {2, 8}
+    jac = m.update(Setting(model="yours", batch=2, hidden=0, quantity="jacobian"))
+    assert jac.verdict.ok and jac.sample.jacobian.shape == (3, expected.shape[1])
+    after = _state(net)  # the guest rule: nothing of the user's model changed
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert torch.equal(after[1]["fc1.weight"], torch.ones_like(net.fc1.weight)) and after[1]["fc2.weight"] is None
+    assert before[2] == after[2]
+    assert all(not mod._forward_hooks for mod in net.modules())
+    with pytest.raises(ValueError, match="more than the 10 samples"):
+        m.check(Setting(model="yours", batch=16, hidden=0))
+
+
+class _Pairs(torch.utils.data.Dataset):
+    """(x, extra, y) rows as ((x, extra), y) pairs."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        x, extra, y = self.rows[i]
+        return (x, extra), y
+
+
+def test_a_users_image_and_token_samples_are_drawn():
+    from pergrad_viz.explorer.specs import user_spec
+
+    images = user_spec(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 2)), torch.nn.MSELoss(),
+                       (torch.randn(4, 1, 8, 8), torch.randn(4, 2)))
+    tokens = user_spec(torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Flatten(), torch.nn.Linear(27, 2)),
+                       torch.nn.MSELoss(), (torch.randint(0, 5, (4, 9)), torch.randn(4, 2)))
+    assert images.sample_kind == "image" and tokens.sample_kind == "tokens" and tokens.token_grid == (3, 3)
+    assert tokens.first_layer == "0"
+    with pytest.raises(TypeError, match="data must be"):
+        user_spec(torch.nn.Linear(2, 2), torch.nn.MSELoss(), torch.randn(3, 2))

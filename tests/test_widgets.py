@@ -36,7 +36,7 @@ def ex():
 
 @pytest.fixture
 def fresh(ex):
-    ex.set(batch=4, hidden=8, quantity="grads", strategies=list(pv.STRATEGIES), sample=0)
+    ex.set(model="mlp", batch=4, hidden=8, quantity="grads", strategies=list(pv.STRATEGIES), sample=0)
     assert ex.error == ""
     return ex
 
@@ -263,3 +263,65 @@ def test_a_new_sample_is_drawn_while_timing_goes_on(monkeypatch):
     assert ex.wait(120)
     assert ex.view.done and ex.view.setting.sample == 2 and ex.view.sample.index == 2
     ex.close()
+
+
+# ------------------------------------------------------------------------------------------ the model menu
+
+
+@pytest.mark.parametrize("key, width_name, widths, rule, first", [
+    ("cnn", "channels", (4, 8, 16, 32, 64), "convolution", "conv1"),
+    ("transformer", "d_model", (8, 16, 32, 64, 128), "embedding", "embed"),
+    ("lstm", "hidden size", (8, 16, 32, 64, 128), "embedding", "embed")])
+def test_the_model_menu_switches_every_panel(fresh, key, width_name, widths, rule, first):
+    assert [v for _, v in fresh.model_dropdown.options] == ["mlp", "cnn", "transformer", "lstm"]
+    drawn = dict(fresh.drawn)
+    fresh.set(model=key, hidden=8, strategies=["hooks", "loop"])
+    assert fresh.error == "" and fresh.view.setting.model == key and fresh.view.verdict.ok
+    assert fresh.hidden_slider.description == width_name and fresh.hidden_slider.options == widths
+    assert width_name in fresh.width_help.value
+    assert all(fresh.drawn[p] > drawn[p] for p in ("heatmap", "images", "rule", "clip", "bars", "runtime"))
+    assert rule in fresh.rule_text.value and f"<code>{first}</code>" in fresh.rule_text.value
+    assert f"<code>{first}</code>" in fresh.layers_html.value and "closed-form rule" in fresh.layers_html.value
+    assert f"data-setting='{key} B=4 hidden=8 grads'" in fresh.progress_html.value
+    fresh.set(model="mlp")  # back: the MLP's own widths and the width chosen for it
+    assert fresh.hidden_slider.description == "hidden width" and fresh.hidden_slider.options == (8, 16)
+    assert fresh.hidden_slider.value == 8 and fresh.view.setting.model == "mlp"
+    assert "Linear layer" in fresh.rule_text.value and "<code>fc1</code>" in fresh.layers_html.value
+
+
+def test_a_model_change_from_the_dropdown_recomputes(fresh):
+    fresh.model_dropdown.value = "cnn"  # as a click does
+    assert fresh.view.setting.model == "cnn" and fresh.view.setting.hidden == 8 and fresh.error == ""
+    assert {r.hidden for r in fresh.records} == {8} and fresh.hidden_slider.description == "channels"
+    with pytest.raises(ValueError, match="unknown model 'vgg'"):
+        fresh.set(model="vgg")
+    explorer = widgets.explorer(models=("cnn", "lstm"), default_model="lstm", compute=False, **OPTIONS)
+    assert [v for _, v in explorer.model_dropdown.options] == ["cnn", "lstm"]
+    assert explorer.setting.model == "lstm" and explorer.setting.hidden == 32
+
+
+def test_explorer_on_the_users_own_model():
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(27, 4))
+    net.train()
+    x, y = torch.randn(6, 1, 5, 5), torch.randint(0, 4, (6,))
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    ex = widgets.explorer(model=net, loss_fn=loss_fn, data=(x, y), background=False,
+                          **{**OPTIONS, "default_batch": 4, "hidden_widths": (8,)})
+    assert ex.error == "" and ex.view.verdict.ok and ex.view.setting.model == "yours"
+    assert ex.model_dropdown.layout.display == "none" and ex.hidden_slider.layout.display == "none"
+    assert "your model (Sequential)" in ex.width_help.value
+    assert ex.batch_slider.options == (1, 2, 4) and ex.view.grads.shape == (4, sum(p.numel() for p in
+                                                                                     net.parameters()))
+    assert "<code>0</code>" in ex.rule_text.value and ex.images["rule"].layout.display == ""
+    assert "batch size B=4, your model" in ex.status
+    expected = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        loss_fn(net(x[i:i + 1]), y[i:i + 1]), list(net.parameters()))]) for i in range(4)])
+    assert torch.allclose(ex.view.grads, expected, atol=1e-5)
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items()) and net.training
+    assert all(p.grad is None for p in net.parameters())
+    with pytest.raises(ValueError, match="needs loss_fn= and data="):
+        widgets.explorer(model=net, compute=False)

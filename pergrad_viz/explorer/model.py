@@ -4,6 +4,12 @@
 >>> model = ExplorerModel()
 >>> view = model.update(Setting(batch=32, hidden=20))     # everything at this setting, timed
 >>> view.verdict.ok, [r.strategy for r in view.records], view.grads.shape    # True, [...], (32, P)
+>>> view = model.update(Setting(model="lstm", batch=16, hidden=32))     # another network of the menu
+
+The network is described by a :class:`~.specs.ModelSpec` (how to build it at a width, its inputs, what a sample
+looks like, its first layer with a closed-form rule): the built-in menu (:data:`~.specs.MENU`: the tutorial MLP, a
+small CNN, a transformer encoder, an LSTM classifier) or a user's own network and data (:func:`~.specs.user_spec`).
+``Setting.hidden`` is the network's width (hidden units, channels, d_model, hidden size).
 
 :meth:`ExplorerModel.stages` yields the views progressively, as a responsive front end wants them:
 
@@ -36,18 +42,18 @@ from torch import nn
 
 from .. import bench, timing
 from ..api import per_sample_grads, per_sample_jacobian, resolve_strategy
-from ..data import CLASS_NAMES
+from ..batch import Batch, cut
 from ..errors import human_bytes
 from ..memory import check_held, result_bytes
 from ..strategies import STRATEGIES
+from ..strategies.hooks import describe as describe_layers
+from ..trainable import Trainable
+from .specs import MENU, ModelSpec, describe_width
 
-__all__ = ["ClipView", "ExplorerModel", "SampleView", "Setting", "Stale", "Verdict", "View"]
+__all__ = ["ClipView", "ExplorerModel", "RuleView", "SampleView", "Setting", "Stale", "Verdict", "View"]
 
 QUANTITIES = ("grads", "jacobian")
 QUANTITY_NAMES = {"grads": "per-sample gradients", "jacobian": "output Jacobian"}
-OUTPUTS = 10  # the MLP's classes
-IN_FEATURES = 784
-FIRST_LAYER = "fc1"
 MAX_IMAGES = 9  # hidden units shown as images for a per-sample gradient
 REFERENCES = (bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR)
 ANCHOR = bench.FORWARD_BACKWARD  # timed in every tier: ratios within a tier, drift between tiers
@@ -59,9 +65,10 @@ class Stale(Exception):
 
 @dataclass(frozen=True)
 class Setting:
-    """What the controls say. ``quantity, batch, hidden`` decide the computation and the timings; ``strategies``
-    which methods are timed, ``slow_limit`` which of them are skipped as too slow (None: the model's default);
-    ``sample`` and ``clip`` only the sample panels and the DP-SGD view."""
+    """What the controls say. ``model, quantity, batch, hidden`` decide the computation and the timings (``model``:
+    a key of the explorer's specs; ``hidden``: the network's width); ``strategies`` which methods are timed,
+    ``slow_limit`` which of them are skipped as too slow (None: the model's default); ``sample`` and ``clip`` only
+    the sample panels and the DP-SGD view."""
 
     batch: int = 32
     hidden: int = 20
@@ -70,18 +77,22 @@ class Setting:
     sample: int = 0
     clip: float = 20.0
     slow_limit: int | None = None
+    model: str = "mlp"
 
     @property
-    def key(self) -> tuple[str, int, int]:
-        return (self.quantity, self.batch, self.hidden)
+    def key(self) -> tuple[str, str, int, int]:
+        return (self.model, self.quantity, self.batch, self.hidden)
 
     def describe(self) -> str:
-        """``"batch size B=32, hidden width 20"``: how every title and line names the setting."""
-        return f"batch size B={self.batch}, hidden width {self.hidden}"
+        """``"batch size B=32, hidden width 20"`` (``"batch size B=32, LSTM, hidden size 32"`` ...): how every title
+        and line names the setting."""
+        return f"batch size B={self.batch}, {describe_width(self.model, self.hidden)}"
 
     @property
     def short(self) -> str:
-        return f"B={self.batch}, hidden {self.hidden}"
+        if self.model == "mlp":
+            return f"B={self.batch}, hidden {self.hidden}"
+        return f"B={self.batch}, {describe_width(self.model, self.hidden)}"
 
 
 @dataclass(frozen=True)
@@ -103,22 +114,65 @@ class Verdict:
 
 
 @dataclass(frozen=True)
-class SampleView:
-    """The chosen sample i: its first-layer gradients as images and the fast rule's parts.
+class RuleView:
+    """How the fast rule gives the chosen sample's gradient of one layer's weight in closed form, as a product of
+    two factors that one forward and one backward pass of the whole batch provide.
 
-    Shapes: image and a (784,), g (hidden,), first_layer (K, 784), jacobian (Y, P) or None.
+    ``kind``: ``"linear"`` (g a^T: the backprop signal g at the layer's output times its input a, summed over
+    positions where the input has them), ``"conv"`` (G U^T: G (C_out, L) the signal at each output position, U
+    (C_in k k, L) the unfolded input patches), ``"embedding"`` (O^T G: O (T, V) the one-hot rows of the sample's
+    tokens, G (T, d) the signal at each token: only the rows of the used tokens are non-zero), or None (``note``
+    says why no panel is drawn).
+
+    Shapes: left (m, k), right (k, n), product (m, n) = left @ right = the weight's gradient (flattened to 2-D);
+    a (in,) and g (out,): the Linear case on a vector input (the tutorial MLP), else None.
+    ``gradient_norm``: ||the weight's per-sample gradient|| from per_sample_grads; ``difference``: max |product -
+    that gradient| (the rule checked on the numbers).
+    """
+
+    layer: str
+    kind: str | None
+    note: str = ""
+    left: torch.Tensor | None = None
+    right: torch.Tensor | None = None
+    product: torch.Tensor | None = None
+    names: tuple[str, str, str] = ("", "", "")
+    a: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+    gradient_norm: float = math.nan
+    difference: float = math.nan
+
+
+@dataclass(frozen=True)
+class SampleView:
+    """The chosen sample i: its input, its first-layer gradients as small images and the fast rule's parts.
+
+    ``kind``: ``"image"`` (image: (784,) or (C, H, W)), ``"tokens"`` (image: the (T,) token ids) or ``"other"``
+    (image None). first_layer: (K, h, w) images of the first rule layer's weight gradient (rows of a Linear as
+    28x28 images, a convolution's kernels), (K, n) rows otherwise, or None; jacobian (Y, P) or None.
     """
 
     index: int
     label: str
-    image: torch.Tensor
-    first_layer: torch.Tensor
+    image: torch.Tensor | None
+    first_layer: torch.Tensor | None
     first_layer_titles: tuple[str, ...]
     first_layer_title: str
     jacobian: torch.Tensor | None
-    a: torch.Tensor
-    g: torch.Tensor
-    gradient_norm: float  # ||the per-sample gradient of fc1.weight||, from per_sample_grads
+    rule: RuleView
+    kind: str = "image"
+
+    @property
+    def a(self) -> torch.Tensor | None:
+        return self.rule.a
+
+    @property
+    def g(self) -> torch.Tensor | None:
+        return self.rule.g
+
+    @property
+    def gradient_norm(self) -> float:
+        return self.rule.gradient_norm
 
 
 @dataclass(frozen=True)
@@ -152,7 +206,9 @@ class View:
         pending: methods still to be timed. scaling_records: every record of the scaling curve (at "done").
         provisional: methods whose numbers are from the first rounds, more being measured (not a warning).
         noisy: methods whose timing was noisy (not cached: rerun). notes: lines to show (skips, noise).
-        reused: records taken from the cache.
+        reused: records taken from the cache. layers: which layer runs on which rule or on the per-layer
+        fallback (``pergrad_viz.strategies.hooks.describe``): (layer, module type, ``"rule"`` | ``"call"`` |
+        ``"fallback"``) in the model's order.
     """
 
     setting: Setting
@@ -171,6 +227,7 @@ class View:
     notes: tuple[str, ...] = ()
     reused: int = 0
     scaling_pending: tuple[int, ...] = field(default=())
+    layers: tuple[tuple[str, str, str], ...] = ()  # (layer, module type, how: rule / call rule / fallback)
 
     @property
     def done(self) -> bool:
@@ -200,8 +257,8 @@ class _Data:
 
     model: nn.Module
     loss_fn: nn.Module
-    x: torch.Tensor
-    y: torch.Tensor
+    x: object  # the inputs, as per_sample_grads takes them (B first)
+    y: object
     labels: torch.Tensor
     grads: torch.Tensor  # (B, P)
     boundaries: list[tuple[str, int, int]]
@@ -211,12 +268,14 @@ class _Data:
     checked: torch.Tensor | None = None  # (n,) the samples compared with the loop
     reference: torch.Tensor | None = None  # (n, P) or (n, Y * P): the loop's result on them, for max |diff|
     hooks_s: float | None = None  # how long the hooks call for ``grads`` took
+    how: tuple[tuple[str, str, str], ...] = ()  # (layer, type, rule / call / fallback)
 
 
 @dataclass(frozen=True)
 class TimingKey:
     """Everything a timing depends on."""
 
+    model: str
     quantity: str
     batch: int
     hidden: int
@@ -226,14 +285,12 @@ class TimingKey:
     threads: int
 
 
-def _num_params(hidden: int) -> int:
-    return (IN_FEATURES + 1) * hidden + (hidden + 1) * OUTPUTS
-
-
 class ExplorerModel:
-    """The explorer's computations for the tutorial ``MLP(784, hidden, 10)``, MSE ``reduction='sum'``.
+    """The explorer's computations for the networks of ``models`` (default the built-in menu, the tutorial
+    ``MLP(784, hidden, 10)`` first; each with its loss, MSE ``reduction='sum'`` for the menu's).
 
     Args:
+        models: {key: :class:`~.specs.ModelSpec`}; ``Setting.model`` picks one.
         batch_options: the batch sizes of the slider (the scaling curve picks among those up to the current).
         slow_limit: the slow baselines are skipped (with a note) above this many sample-backward passes per
             call (see :func:`pergrad_viz.bench.backward_work`).
@@ -261,7 +318,12 @@ class ExplorerModel:
                  tier_budget_s: float = 1.0, round_budget_s: float = 0.05, prior_min_s: float = 0.1,
                  min_block_s: float = timing.MIN_BLOCK_S, noise_threshold: float = 0.15, drift: float = 1.5,
                  sweep_batches: int = 3, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 threads: int | None = None, verdict_samples: int = 64, verdict_samples_jacobian: int = 8):
+                 threads: int | None = None, verdict_samples: int = 64, verdict_samples_jacobian: int = 8,
+                 models: dict[str, ModelSpec] | None = None):
+        self.models = dict(MENU if models is None else models)
+        if not self.models:
+            raise ValueError("models is empty: pass at least one ModelSpec")
+        self._outputs: dict[str, int] = {}
         self.batch_options = tuple(sorted(batch_options))
         self.slow_limit = slow_limit
         self.rounds = rounds
@@ -281,7 +343,7 @@ class ExplorerModel:
         self.verdict_samples = verdict_samples
         self.verdict_samples_jacobian = verdict_samples_jacobian
         self.cache: dict[TimingKey, bench.Record] = {}
-        self._data: dict[tuple[str, int, int], _Data] = {}  # the latest setting's only: bounded memory
+        self._data: dict[tuple[str, str, int, int], _Data] = {}  # the latest setting's only: bounded memory
 
     # ------------------------------------------------------------------------------------------ checks
 
@@ -289,8 +351,11 @@ class ExplorerModel:
         """Refuse a setting that is malformed or would not fit in memory, before allocating anything."""
         if setting.quantity not in QUANTITIES:
             raise ValueError(f"quantity must be one of {QUANTITIES}, got {setting.quantity!r}")
-        if setting.batch < 1 or setting.hidden < 1:
-            raise ValueError(f"batch size and hidden width must be positive, got {setting.batch}, {setting.hidden}")
+        spec = self.spec(setting)
+        if setting.batch < 1 or (setting.hidden < 1 and spec.width_name):
+            raise ValueError(f"batch size and width must be positive, got {setting.batch}, {setting.hidden}")
+        if spec.max_batch is not None and setting.batch > spec.max_batch:
+            raise ValueError(f"batch size {setting.batch} is more than the {spec.max_batch} samples of the data")
         unknown = [s for s in setting.strategies if s != "auto" and s not in STRATEGIES]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; valid: 'auto', {', '.join(STRATEGIES)}")
@@ -298,17 +363,48 @@ class ExplorerModel:
             raise ValueError(f"the clipping threshold must be a positive number, got {setting.clip!r}")
         if setting.slow_limit is not None and setting.slow_limit < 0:
             raise ValueError(f"slow_limit must be a number of sample-backward passes >= 0, got {setting.slow_limit}")
-        p = _num_params(setting.hidden)
+        p = spec.num_params(setting.hidden)
         grads = result_bytes(setting.batch, p, self.dtype)
-        outputs = OUTPUTS if setting.quantity == "jacobian" else 1
+        outputs = self.outputs(setting) if setting.quantity == "jacobian" else 1
         one = result_bytes(setting.batch, p, self.dtype, outputs)
         # the heatmap's (B, P) gradients, plus while timing: the reference result, a fresh one, a working copy
         held = grads + 3 * one
         check_held(what=f"the explorer at {setting.describe()} ({QUANTITY_NAMES[setting.quantity]})", held=held,
                    detail=f"the {human_bytes(grads)} gradients of the heatmap and three copies of the "
                           f"{human_bytes(one)} result while timing",
-                   fix="Choose a smaller batch size or hidden width, or the per-sample gradients instead of the "
+                   fix="Choose a smaller batch size or width, or the per-sample gradients instead of the "
                        "Jacobian.", device=torch.device(self.device))
+
+    def spec(self, setting: Setting) -> ModelSpec:
+        """The network ``setting.model`` names."""
+        if setting.model not in self.models:
+            raise ValueError(f"unknown model {setting.model!r}; this explorer has {', '.join(self.models)}")
+        return self.models[setting.model]
+
+    def outputs(self, setting: Setting) -> int:
+        """Y, the outputs of one sample (10 for the menu's networks; a user's network: from one forward of one
+        sample, without gradients)."""
+        key = setting.model
+        if key not in self._outputs:
+            spec = self.spec(setting)
+            if spec.max_batch is None:
+                self._outputs[key] = 10
+            else:
+                model, _, x, _, _ = spec.problem(1, setting.hidden)
+                with torch.no_grad():
+                    out = Batch.of(x)(model)
+                self._outputs[key] = int(out.numel()) if isinstance(out, torch.Tensor) else 1
+        return self._outputs[key]
+
+    def problem(self, setting: Setting) -> tuple[nn.Module, nn.Module, object, object, torch.Tensor]:
+        """(model, loss_fn, inputs, targets, labels) at ``setting``: a menu network built on the explorer's device
+        and dtype; a user's network as it is."""
+        spec = self.spec(setting)
+        model, loss_fn, x, y, labels = spec.problem(setting.batch, setting.hidden)
+        if spec.max_batch is None:
+            model = model.to(device=self.device, dtype=self.dtype)
+            x, y = (t.to(self.device, self.dtype) if t.is_floating_point() else t.to(self.device) for t in (x, y))
+        return model, loss_fn, x, y, labels
 
     def scaling_batches(self, batch: int) -> list[int]:
         """The batch sizes of the scaling curve: up to ``sweep_batches`` of the options up to ``batch``, evenly
@@ -339,7 +435,7 @@ class ExplorerModel:
             data = self._gradients(setting)
             view = View(setting, "gradients", data.grads, data.boundaries, data.labels, data.verdict,
                         self._sample(setting, data), self._clipping(setting, data),
-                        pending=tuple(self._methods(setting)))
+                        pending=tuple(self._methods(setting)), layers=data.how)
             yield view
             poll()
             if data.verdict is None:
@@ -386,7 +482,8 @@ class ExplorerModel:
     def forget(self, setting: Setting) -> None:
         """Drop the cached timings of ``setting``'s batch sizes (the scaling curve's too): time them again."""
         batches = set(self.scaling_batches(setting.batch))
-        for key in [k for k in self.cache if (k.quantity, k.hidden) == (setting.quantity, setting.hidden)
+        for key in [k for k in self.cache if (k.model, k.quantity, k.hidden) == (setting.model, setting.quantity,
+                                                                                  setting.hidden)
                     and k.batch in batches]:
             del self.cache[key]
 
@@ -398,7 +495,7 @@ class ExplorerModel:
         cached = self._data.get(setting.key)
         if cached is not None:
             return cached
-        model, loss_fn, x, y = bench.setting(setting.batch, setting.hidden, device=self.device, dtype=self.dtype)
+        model, loss_fn, x, y, labels = self.problem(setting)
         start = time.perf_counter()
         grads = per_sample_grads(model, loss_fn, x, y, strategy="hooks", flat=True)  # (B, P)
         hooks_s = time.perf_counter() - start
@@ -410,7 +507,8 @@ class ExplorerModel:
             squares[layer] = squares[layer] + sq if layer in squares else sq
         layers = {k: v.sqrt() for k, v in squares.items()}
         total = torch.stack(list(squares.values())).sum(0).sqrt()
-        data = _Data(model, loss_fn, x, y, y.argmax(dim=1), grads, bounds, total, layers, None, hooks_s=hooks_s)
+        data = _Data(model, loss_fn, x, y, labels, grads, bounds, total, layers, None, hooks_s=hooks_s,
+                     how=_how(model, x))
         if keep:
             self._data = {setting.key: data}
         return data
@@ -465,38 +563,29 @@ class ExplorerModel:
         return Verdict(not failed, worst, tolerance, n, setting.batch, text, tuple(checked), tuple(failed))
 
     def _sample(self, setting: Setting, data: _Data) -> SampleView:
-        """The first-layer images and the fast rule's parts for sample ``setting.sample`` (clamped to B-1)."""
+        """The chosen sample ``setting.sample`` (clamped to B-1): its input, its first-layer gradients as small
+        images (or rows), its output Jacobian for that quantity, and the fast rule's parts."""
+        spec = self.spec(setting)
         i = max(0, min(setting.sample, setting.batch - 1))
-        names = CLASS_NAMES["fashion-mnist"]
-        label = names[int(data.labels[i])]
-        start, stop = next((a, b) for n, a, b in data.boundaries if n == f"{FIRST_LAYER}.weight")
-        hidden = setting.hidden
-        first_grad = data.grads[i, start:stop].reshape(hidden, IN_FEATURES)  # (hidden, 784) = g_i a_i^T
+        label = spec.label(int(data.labels[i]))
+        one = Batch.of(data.x).sample(i)
+        image = _drawn(one, spec.sample_kind)
+        layer = spec.first_layer
+        module = dict(data.model.named_modules()).get(layer) if layer is not None else None
         jac = None
         if setting.quantity == "jacobian":
-            jac = per_sample_jacobian(data.model, data.x[i:i + 1], flat=True)[0]  # (Y, P)
-            first = jac[:, start:stop].reshape(jac.shape[0], hidden, IN_FEATURES)  # (Y, hidden, 784)
-            unit = int(first.square().sum(dim=(0, 2)).argmax())
-            images, titles = first[:, unit], tuple(names)
-            title = (f"sample {i} ({label}) at {setting.short}: d output_c / d fc1.weight[{unit}, :] for each class "
-                     f"c (hidden unit {unit}, the most sensitive)")
-        else:
-            units = first_grad.norm(dim=1).topk(min(MAX_IMAGES, hidden)).indices.tolist()
-            images, titles = first_grad[units], tuple(f"unit {j}" for j in units)
-            title = (f"sample {i} ({label}) at {setting.short}: its gradient w.r.t. fc1.weight, the {len(units)} "
-                     "hidden units with the largest gradient (each is the input times one number)")
-        return SampleView(i, label, data.x[i], images, titles, title, jac, data.x[i], self._backprop_signal(data, i),
-                          float(first_grad.norm()))
-
-    @staticmethod
-    def _backprop_signal(data: _Data, i: int) -> torch.Tensor:
-        """g_i: the gradient of sample i's loss with respect to fc1's output (hidden,)."""
-        model = data.model
-        with torch.enable_grad():
-            h = model.fc1(data.x[i:i + 1]).detach().requires_grad_(True)
-            loss = data.loss_fn(model.fc2(model.act(h)), data.y[i:i + 1])
-            (g,) = torch.autograd.grad(loss, h)
-        return g[0]
+            jac = per_sample_jacobian(data.model, _inputs_of(one), flat=True)[0]  # (Y, P)
+        bounds = {n: (a, b) for n, a, b in data.boundaries}
+        if module is None or f"{layer}.weight" not in bounds:
+            rule = RuleView(layer or "-", None, note="this network has no Linear, Conv2d or Embedding layer with "
+                                                     "trainable weights: no closed-form panel to draw")
+            return SampleView(i, label, image, None, (), f"sample {i} ({label}) at {setting.short}", jac, rule,
+                              spec.sample_kind)
+        start, stop = bounds[f"{layer}.weight"]
+        grad = data.grads[i, start:stop].reshape(module.weight.shape)
+        rule = _rule(data, one, i, layer, module, grad)
+        images, titles, title = _first_layer_panel(setting, spec, i, label, layer, grad, jac, start, stop)
+        return SampleView(i, label, image, images, titles, title, jac, rule, spec.sample_kind)
 
     @staticmethod
     def _clipping(setting: Setting, data: _Data) -> ClipView:
@@ -532,7 +621,7 @@ class ExplorerModel:
     def _skip_note(self, setting: Setting, name: str) -> str | None:
         if name in REFERENCES:
             return None
-        outputs = OUTPUTS if setting.quantity == "jacobian" else 1
+        outputs = self.outputs(setting) if setting.quantity == "jacobian" else 1
         strategy = "hooks" if name == "auto" else name
         work = bench.backward_work(strategy, setting.quantity, setting.batch, outputs)
         limit = self.slow_limit if setting.slow_limit is None else setting.slow_limit
@@ -541,18 +630,19 @@ class ExplorerModel:
         return None
 
     def _key(self, setting: Setting, method: str) -> TimingKey:
-        return TimingKey(setting.quantity, setting.batch, setting.hidden, method, str(self.dtype), str(self.device),
-                         self.threads)
+        return TimingKey(setting.model, setting.quantity, setting.batch, setting.hidden, method, str(self.dtype),
+                         str(self.device), self.threads)
 
     def _calls(self, setting: Setting, data: _Data) -> dict[str, Callable[[], object]]:
         model, loss_fn, x, y = data.model, data.loss_fn, data.x, data.y
         params = [p for p in model.parameters() if p.requires_grad]
-        outputs = OUTPUTS if setting.quantity == "jacobian" else 1
-        shape = (setting.batch, _num_params(setting.hidden)) if outputs == 1 else (
-            setting.batch, outputs, _num_params(setting.hidden))
+        outputs = self.outputs(setting) if setting.quantity == "jacobian" else 1
+        p = self.spec(setting).num_params(setting.hidden)
+        shape = (setting.batch, p) if outputs == 1 else (setting.batch, outputs, p)
+        batch = Batch.of(x)
 
         def forward_backward() -> object:
-            return torch.autograd.grad(loss_fn(model(x), y), params)
+            return torch.autograd.grad(loss_fn(batch(model), y), params)
 
         floor = torch.zeros(shape, dtype=self.dtype, device=self.device)  # its pages touched now, not when timed
         calls: dict[str, Callable[[], object]] = {bench.FORWARD_BACKWARD: forward_backward,
@@ -644,8 +734,8 @@ class ExplorerModel:
                 yield _ordered(done, skipped), tuple(p for p in methods if p in pending), reused, ()
 
     def _result_size(self, setting: Setting) -> int:
-        outputs = OUTPUTS if setting.quantity == "jacobian" else 1
-        return result_bytes(setting.batch, _num_params(setting.hidden), self.dtype, outputs)
+        outputs = self.outputs(setting) if setting.quantity == "jacobian" else 1
+        return result_bytes(setting.batch, self.spec(setting).num_params(setting.hidden), self.dtype, outputs)
 
     def _warm_up(self, setting: Setting, data: _Data, calls: dict[str, Callable[[], object]], names: list[str],
                  poll: Callable[[], None]) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
@@ -681,18 +771,151 @@ class ExplorerModel:
         return estimates, diffs, prior
 
 
-def _loop_rows(model: nn.Module, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
+def _inputs_of(batch: Batch) -> object:
+    """A batch's inputs as per_sample_grads takes them: a tensor, a tuple or a dict."""
+    if batch.kwargs and not batch.args:
+        return dict(batch.kwargs)
+    if not batch.kwargs and len(batch.args) == 1:
+        return batch.args[0]
+    if not batch.kwargs:
+        return tuple(batch.args)
+    raise ValueError("inputs with both positional and keyword tensors cannot be drawn by the explorer")
+
+
+def _drawn(one: Batch, kind: str) -> torch.Tensor | None:
+    """What the sample panel draws of one sample: the image (its pixels, any shape) or the (T,) token ids."""
+    if kind not in ("image", "tokens") or len(one.args) != 1 or not isinstance(one.args[0], torch.Tensor):
+        return None
+    return one.args[0][0].detach().cpu()
+
+
+def _how(model: nn.Module, x: object) -> tuple[tuple[str, str, str], ...]:
+    """(layer, module type, ``"rule"`` | ``"call"`` | ``"fallback"``) for each layer with trainable parameters."""
+    modules = dict(model.named_modules())
+    kinds = describe_layers(Trainable.of(model), Batch.of(x))
+    return tuple((name, type(modules[name]).__name__ if name in modules else "-", kind) for name, kind in kinds.items())
+
+
+def _layer_io(data: _Data, one: Batch, i: int, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, g) of sample i at ``module``: its input (1, ...) and the gradient of the sample's loss at its output
+    (1, ...), from one forward and backward of the sample alone (a forward hook, removed at once)."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(_module, args, out):
+        seen["a"], seen["out"] = args[0].detach(), out
+
+    handle = module.register_forward_hook(hook)
+    try:
+        with torch.enable_grad():
+            out = one(data.model)
+    finally:
+        handle.remove()
+    with torch.enable_grad():
+        target = cut(data.y, slice(i, i + 1), Batch.of(data.x).size)
+        (g,) = torch.autograd.grad(data.loss_fn(out, target), seen["out"])
+    return seen["a"], g.detach()
+
+
+def _rule(data: _Data, one: Batch, i: int, layer: str, module: nn.Module, grad: torch.Tensor) -> RuleView:
+    """The closed-form rule of ``module`` (a Linear, Conv2d or Embedding) for sample i, its factors computed here
+    from the layer's input and output gradient and checked against ``grad`` (the per-sample gradient of the
+    weight, from per_sample_grads)."""
+    a, g = _layer_io(data, one, i, module)
+    norm = float(grad.norm())
+    vector = None
+    if isinstance(module, nn.Linear):
+        n_in, n_out = module.in_features, module.out_features
+        if a.dim() == 2:  # one position: the outer product g a^T
+            vector = (a[0], g[0])
+            left, right = g[0][:, None], a[0][None]
+            names = ("g_i: the backprop signal at the output", "a_i^T: the layer's input", "g_i a_i^T")
+        else:  # a sequence: the sum over positions of g_t a_t^T
+            left, right = g.reshape(-1, n_out).T, a.reshape(-1, n_in)
+            names = ("G_i^T: the signal at each position", "A_i: the input at each position", "G_i^T A_i")
+        kind = "linear"
+    elif isinstance(module, nn.Conv2d):
+        if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
+            return RuleView(layer, None, note=f"{layer} is a grouped / padded-by-mode convolution: its rule (the "
+                                              "unfolded patches per group) is not drawn here", gradient_norm=norm)
+        patches = nn.functional.unfold(a, module.kernel_size, dilation=module.dilation, padding=module.padding,
+                                       stride=module.stride)[0]  # (C_in k k, L)
+        left, right = g[0].reshape(module.out_channels, -1), patches.T  # (C_out, L), (L, C_in k k)
+        names = ("G_i: the signal at each output position", "U_i^T: the unfolded input patches", "G_i U_i^T")
+        kind = "conv"
+    elif isinstance(module, nn.Embedding):
+        if module.max_norm is not None or module.scale_grad_by_freq:
+            return RuleView(layer, None, note=f"{layer} renormalises or scales by frequency: not drawn here",
+                            gradient_norm=norm)
+        tokens = a.reshape(-1)
+        left = nn.functional.one_hot(tokens, module.num_embeddings).to(g.dtype).T  # (V, T)
+        if module.padding_idx is not None:
+            left[module.padding_idx] = 0  # the padding row gets no gradient
+        right = g.reshape(-1, module.embedding_dim)  # (T, d)
+        names = ("O_i^T: the one-hot rows of the sample's tokens", "G_i: the signal at each token",
+                 "O_i^T G_i: rows of the used tokens")
+        kind = "embedding"
+    else:
+        return RuleView(layer, None, note=f"{layer} ({type(module).__name__}) has no closed-form panel here",
+                        gradient_norm=norm)
+    product = left @ right
+    difference = float((product - grad.reshape(product.shape)).abs().max())
+    return RuleView(layer, kind, "", left, right, product, names, *(vector or (None, None)), norm, difference)
+
+
+def _first_layer_panel(setting: Setting, spec: ModelSpec, i: int, label: str, layer: str, grad: torch.Tensor,
+                       jac: torch.Tensor | None, start: int, stop: int
+                       ) -> tuple[torch.Tensor, tuple[str, ...], str]:
+    """(first_layer, titles, title) of the sample panel: the first rule layer's weight gradient as (K, h, w) small
+    images (a Linear on 28x28 images: one per hidden unit; a convolution: its kernels) or as a (R, C) matrix (an
+    embedding's rows, one per token id; any other layer's rows); with a Jacobian, its outputs' sensitivity."""
+    names = spec.class_names
+    where = f"sample {i} ({label}) at {setting.short}"
+    shape = grad.shape
+    if jac is not None:
+        first = jac[:, start:stop].reshape(jac.shape[0], *shape)  # (Y, *weight)
+        outputs = tuple(names[:jac.shape[0]]) if names and len(names) >= jac.shape[0] else tuple(
+            f"output {c}" for c in range(jac.shape[0]))
+        if first.dim() == 3 and shape[1] == 784:  # rows of a Linear on images
+            unit = int(first.square().sum(dim=(0, 2)).argmax())
+            return (first[:, unit].reshape(-1, 28, 28), outputs,
+                    f"{where}: d output_c / d {layer}.weight[{unit}, :] for each class c (hidden unit {unit}, the "
+                    "most sensitive)")
+        if first.dim() == 5:  # a convolution's kernels
+            flat = first.reshape(first.shape[0], -1, *shape[2:])
+            kernel = int(flat.square().sum(dim=(0, 2, 3)).argmax())
+            return (flat[:, kernel], outputs, f"{where}: d output_c / d {layer}.weight (kernel {kernel}, the most "
+                                               "sensitive) for each class c")
+        rows = first.reshape(first.shape[0], shape[0], -1).norm(dim=2)  # (Y, rows)
+        return (rows, outputs, f"{where}: ||d output_c / d {layer}.weight[row, :]|| for each class c and row")
+    if grad.dim() == 2 and shape[1] == 784:
+        units = grad.norm(dim=1).topk(min(MAX_IMAGES, shape[0])).indices.tolist()
+        return (grad[units].reshape(-1, 28, 28), tuple(f"unit {j}" for j in units),
+                f"{where}: its gradient w.r.t. {layer}.weight, the {len(units)} hidden units with the largest "
+                "gradient (each is the input times one number)")
+    if grad.dim() == 4:
+        flat = grad.reshape(-1, *shape[2:])  # (C_out C_in, k, k)
+        top = flat.flatten(1).norm(dim=1).topk(min(MAX_IMAGES, flat.shape[0])).indices.tolist()
+        return (flat[top], tuple(f"out {j // shape[1]}, in {j % shape[1]}" for j in top),
+                f"{where}: its gradient w.r.t. {layer}.weight, the {len(top)} kernels with the largest gradient")
+    matrix = grad.reshape(shape[0], -1)
+    return (matrix, tuple(str(k) for k in range(shape[0])),
+            f"{where}: its gradient w.r.t. {layer}.weight, one row per "
+            + ("token id (only the sample's tokens have one)" if spec.sample_kind == "tokens" else "output unit"))
+
+
+def _loop_rows(model: nn.Module, loss_fn: Callable, x: object, y: object, idx: torch.Tensor,
                quantity: str) -> torch.Tensor:
     """The definition, written out (no strategy of the package involved): for each sample i of ``idx`` run alone,
     ``torch.autograd.grad`` of its loss (``"grads"``: (n, P)) or of each of its outputs (``"jacobian"``:
     (n, Y * P), the flat (Y, P) layout), over the trainable parameters in ``named_parameters`` order."""
     params = [p for p in model.parameters() if p.requires_grad]
+    batch = Batch.of(x)
     rows = []
     with torch.enable_grad():
         for i in idx.tolist():
-            out = model(x[i:i + 1])
+            out = batch.sample(i)(model)
             if quantity == "grads":
-                parts = [torch.autograd.grad(loss_fn(out, y[i:i + 1]), params)]
+                parts = [torch.autograd.grad(loss_fn(out, cut(y, slice(i, i + 1), batch.size)), params)]
             else:
                 flat = out.reshape(-1)
                 parts = [torch.autograd.grad(flat[j], params, retain_graph=True) for j in range(flat.numel())]

@@ -3,7 +3,7 @@
 The tests drive the explorer the way a user does, through the page (slider handles and the keyboard, clicks) and
 read back what the page shows; the one thing they rely on is the explorer's progress line, an element
 ``.pergrad-progress`` whose ``data-state`` is ``busy``, ``done`` or ``error`` and whose ``data-setting`` names the
-setting (``B=64 hidden=20 grads``).
+setting (``mlp B=64 hidden=20 grads``: the network of the menu, batch size, width, quantity).
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ def plot_images(scope) -> list[dict]:
 
 
 def progress(scope) -> dict:
-    """The progress line: {"state": busy|done|error, "setting": "B=.. hidden=.. quantity", "text": ...}."""
+    """The progress line: {"state": busy|done|error, "setting": "model B=.. hidden=.. quantity", "text": ...}."""
     return scope.evaluate(
         """(root) => {
             const p = root.querySelector('.pergrad-progress');
@@ -359,7 +359,7 @@ LARGE = Target("B=256/hidden 512", 1.5, 6.0)  # settings with B >= 128 or hidden
 
 
 def target_for(setting: str) -> Target:
-    """The target class of a ``data-setting`` string such as ``B=256 hidden=512 grads``."""
+    """The target class of a ``data-setting`` string such as ``mlp B=256 hidden=512 grads``."""
     values = dict(part.split("=") for part in setting.split() if "=" in part)
     large = int(values.get("B", 0)) >= 128 or int(values.get("hidden", 0)) >= 256
     return LARGE if large else DEFAULTS
@@ -590,7 +590,7 @@ def check_calm_timing(ui: Ui) -> str:
     load = machine_load()
     table = explorer_text(ui.scope)
     rows = ui.scope.evaluate(
-        """(root) => Array.from(root.querySelectorAll('table tbody tr'))
+        """(root) => Array.from(root.querySelectorAll('table:not(.pergrad-layers) tbody tr'))
             .map(tr => Array.from(tr.querySelectorAll('td')).slice(0, 3).map(td => td.textContent.trim()))"""
     )
     spreads = ", ".join(f"{m} {median} (IQR {iqr})" for m, median, iqr in rows if median != "-")
@@ -629,30 +629,30 @@ def run_latency_script(ui: Ui) -> list[Latency]:
     grads = "grads"
     with step(ui.page, ui.server, "latency: batch size"):
         rows.append(measure(ui, "batch size", "32 -> 64", press(ui, "batch size", "ArrowRight"),
-                            f"B=64 hidden=20 {grads}"))
+                            f"mlp B=64 hidden=20 {grads}"))
         rows.append(measure(ui, "batch size", "64 -> 32", press(ui, "batch size", "ArrowLeft"),
-                            f"B=32 hidden=20 {grads}", note="back to a setting seen: timings reused"))
+                            f"mlp B=32 hidden=20 {grads}", note="back to a setting seen: timings reused"))
     with step(ui.page, ui.server, "latency: hidden width"):
         rows.append(measure(ui, "hidden width", "20 -> 32", press(ui, "hidden width", "ArrowRight"),
-                            f"B=32 hidden=32 {grads}"))
+                            f"mlp B=32 hidden=32 {grads}"))
         rows.append(measure(ui, "hidden width", "32 -> 20", press(ui, "hidden width", "ArrowLeft"),
-                            f"B=32 hidden=20 {grads}", note="back to a setting seen: timings reused"))
+                            f"mlp B=32 hidden=20 {grads}", note="back to a setting seen: timings reused"))
     with step(ui.page, ui.server, "latency: quantity"):
         toggle = ui.scope.get_by_role("button", name="output Jacobian")
-        rows.append(measure(ui, "quantity", "-> output Jacobian", toggle.click, "B=32 hidden=20 jacobian"))
+        rows.append(measure(ui, "quantity", "-> output Jacobian", toggle.click, "mlp B=32 hidden=20 jacobian"))
         back = ui.scope.get_by_role("button", name="per-sample gradients")
-        rows.append(measure(ui, "quantity", "-> per-sample gradients", back.click, f"B=32 hidden=20 {grads}",
+        rows.append(measure(ui, "quantity", "-> per-sample gradients", back.click, f"mlp B=32 hidden=20 {grads}",
                             note="timings reused"))
     with step(ui.page, ui.server, "latency: strategy checkbox"):
         box = ui.scope.get_by_role("checkbox", name="torch_func")
-        rows.append(measure(ui, "strategy", "untick torch_func", box.click, f"B=32 hidden=20 {grads}",
+        rows.append(measure(ui, "strategy", "untick torch_func", box.click, f"mlp B=32 hidden=20 {grads}",
                             note="timings reused"))
-        rows.append(measure(ui, "strategy", "tick torch_func", box.click, f"B=32 hidden=20 {grads}",
+        rows.append(measure(ui, "strategy", "tick torch_func", box.click, f"mlp B=32 hidden=20 {grads}",
                             note="timings reused"))
     with step(ui.page, ui.server, "latency: sample and clipping sliders"):
-        rows.append(measure(ui, "sample", "0 -> 1", press(ui, "sample", "ArrowRight"), f"B=32 hidden=20 {grads}"))
+        rows.append(measure(ui, "sample", "0 -> 1", press(ui, "sample", "ArrowRight"), f"mlp B=32 hidden=20 {grads}"))
         rows.append(measure(ui, "clipping C", "one step up", press(ui, "clipping threshold C", "ArrowRight"),
-                            f"B=32 hidden=20 {grads}"))
+                            f"mlp B=32 hidden=20 {grads}"))
     with step(ui.page, ui.server, "latency: five quick moves"):
         # 32 -> 16 -> 8 -> 4 -> 8 -> 4 as fast as the keyboard goes: the view must end on B=4, within its target
         def five():
@@ -661,17 +661,53 @@ def run_latency_script(ui: Ui) -> list[Latency]:
             for key in ("ArrowLeft", "ArrowLeft", "ArrowLeft", "ArrowRight", "ArrowLeft"):
                 handle.press(key)
 
-        rows.append(measure(ui, "batch size", "five quick moves 32 -> 4", five, f"B=4 hidden=20 {grads}",
+        rows.append(measure(ui, "batch size", "five quick moves 32 -> 4", five, f"mlp B=4 hidden=20 {grads}",
                             note="the last setting wins"))
         assert slider_readout(ui.scope, "batch size") == "4"
     with step(ui.page, ui.server, "latency: the largest setting"):
         rows.append(measure(ui, "batch size", "4 -> 256 (End)", press(ui, "batch size", "End"),
-                            f"B=256 hidden=20 {grads}"))
+                            f"mlp B=256 hidden=20 {grads}"))
         rows.append(measure(ui, "hidden width", "20 -> 512 (End)", press(ui, "hidden width", "End"),
-                            f"B=256 hidden=512 {grads}"))
+                            f"mlp B=256 hidden=512 {grads}"))
         check_figures_at_natural_size(ui)
         text = explorer_text(ui.scope)
         assert "batch size B=256, hidden width 512" in text, text[-1500:]
         assert "skipped as too slow" in text, "the slow baselines' skip note is not shown at B=256"
     screenshot(ui.page, f"{ui.frontend}-largest", ui.scope)
+    return rows
+
+
+# The built-in menu as the dropdown shows it: (key, the dropdown's text, the width slider's label, default width)
+MENU = (("cnn", "small CNN: conv -> GroupNorm -> conv -> linear", "channels", 8),
+        ("transformer", "transformer encoder on 16 image tokens", "d_model", 32),
+        ("lstm", "LSTM classifier on 16 image tokens", "hidden size", 32),
+        ("mlp", "tutorial MLP: 784 -> hidden -> 10", "hidden width", 20))
+
+
+def run_model_menu(ui: Ui, screenshots: bool = False) -> list[Latency]:
+    """Each network of the menu from the dropdown, at its default size (B=32): its latency (a row per model), the
+    panels re-drawn for it (the width slider's label, the rule text, the layer table), the verdict 'agree'; back to
+    the MLP last. ``screenshots``: a full-page picture of the dashboard for each network."""
+    rows = []
+    previous = "mlp"
+    for key, title, width_label, width in MENU:
+        with step(ui.page, ui.server, f"model menu: {key}"):
+            select = ui.scope.locator(".widget-dropdown select").first
+            rows.append(measure(ui, "model", f"{previous} -> {key}",
+                                lambda t=title, s=select: s.select_option(label=t), f"{key} B=32 hidden={width} grads",
+                                note="back to the first network: timings reused" if key == "mlp"
+                                else "first visit: the network built and timed"))
+            slider(ui.scope, width_label).first.wait_for(timeout=10_000)
+            assert slider_readout(ui.scope, width_label) == str(width)
+            shown = verdict(ui.scope)
+            assert shown["ok"] == "true" and shown["errors"] == [], explorer_text(ui.scope)[:2000]
+            text = explorer_text(ui.scope)
+            assert "per-sample gradients by" in text and "How the fast rule works" in text, text[:2000]
+            imgs = plot_images(ui.scope)
+            assert len(imgs) >= 6 and all(i["ok"] for i in imgs), imgs
+            if screenshots:
+                full_page_screenshot(ui.page, f"{ui.frontend}-model-{key}")
+            else:
+                screenshot(ui.page, f"{ui.frontend}-model-{key}", ui.scope)
+        previous = key
     return rows

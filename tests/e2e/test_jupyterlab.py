@@ -28,6 +28,7 @@ from .helpers import (
     code_cell_sources,
     explorer_scope,
     run_latency_script,
+    run_model_menu,
     screenshot,
     step,
     wait_done,
@@ -149,6 +150,12 @@ def test_kernel_runs_this_python(lab):
     kernels = lab.server.get_json("/api/kernels")
     assert [k["name"] for k in kernels] == ["python3"], kernels
     check_kernel_python(lab.server)
+
+
+def test_model_menu(lab):
+    """Each network of the menu, chosen from the dropdown: a latency row per model, every panel for it."""
+    rows = run_model_menu(lab, screenshots=False)
+    assert [r.setting.split()[0] for r in rows] == ["cnn", "transformer", "lstm", "mlp"]
 
 
 def test_latency_of_every_control(lab):

@@ -27,6 +27,7 @@ from .helpers import (
     full_page_screenshot,
     kernel_commands,
     run_latency_script,
+    run_model_menu,
     step,
     wait_done,
 )
@@ -89,6 +90,12 @@ def test_dashboard_shows_the_explorer_only(dashboard, notebook_copy):
 
 def test_kernel_runs_this_python(dashboard):
     check_kernel_python(dashboard.server)
+
+
+def test_model_menu(dashboard):
+    """Each network of the menu, chosen from the dropdown: a latency row per model, every panel for it."""
+    rows = run_model_menu(dashboard, screenshots=True)
+    assert [r.setting.split()[0] for r in rows] == ["cnn", "transformer", "lstm", "mlp"]
 
 
 def test_latency_of_every_control(dashboard):
