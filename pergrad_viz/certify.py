@@ -61,7 +61,8 @@ def _compare(trainable: Trainable, want: tuple[torch.Tensor | None, ...], got: M
     difference is within a factor 1 + rtol of the tolerance, and there this one is the stricter; it saves a third
     of the reads."""
     rtol = _tolerance(trainable.dtype)
-    wants = [torch.zeros_like(p) if w is None else w for w, p in zip(want, trainable.params, strict=True)]
+    wants = [torch.zeros_like(p) if w is None else w.to_dense() if w.is_sparse else w
+             for w, p in zip(want, trainable.params, strict=True)]  # nn.Embedding(sparse=True): sparse gradients
     diffs = torch._foreach_sub([got[name] for name in trainable.names], wants)
     norms = torch.stack(torch._foreach_norm([*wants, *diffs], 2, dtype=torch.float64)).tolist()
     n = len(wants)
@@ -115,6 +116,7 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     i = draw(inputs.size)
     loss = _loss_alone(trainable, loss_fn, inputs, targets, i)
     grads = torch.autograd.grad(loss, trainable.params, allow_unused=True)
+    grads = [g.to_dense() if g is not None and g.is_sparse else g for g in grads]
     want = {n: 0.0 if g is None else float(g.double().square().sum()) for n, g in zip(trainable.names, grads,
                                                                                        strict=True)}
     rtol = _tolerance(trainable.dtype)
@@ -137,7 +139,7 @@ def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:
     rows = []
     for j in range(output.numel()):
         grads = torch.autograd.grad(output[j], trainable.params, retain_graph=True, allow_unused=True)
-        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g).reshape(-1)
                                for g, p in zip(grads, trainable.params, strict=True)]))
     return torch.stack(rows)
 

@@ -49,14 +49,14 @@ def test_a_result_has_its_shape_dtype_device_and_holds_what_is_written(shape, dt
 
 
 @pytest.mark.skipif(not MADVISE_MODE, reason="transparent huge pages are not in madvise mode here")
-def test_a_large_cpu_result_is_advised_to_huge_pages_and_nothing_around_it_is():
+def test_a_large_cpu_result_is_advised_to_huge_pages():
+    """(That the advice stays inside the storage is tested on the call itself below: the flags of the pages around
+    it depend on what the process allocated and advised before, e.g. an earlier result in the same mapping.)"""
     t = memory.empty_result(LARGE, torch.float32, "cpu")
     start, nbytes = t.data_ptr(), t.numel() * 4
     first = -(-start // memory.HUGE_PAGE) * memory.HUGE_PAGE
     assert "hg" in _vm_flags(first)  # the kernel records the advice on the mapping (MADV_HUGEPAGE)
     assert "hg" in _vm_flags((start + nbytes) // memory.HUGE_PAGE * memory.HUGE_PAGE - 1)
-    if first > start:  # the advice stays inside the result: the unaligned head is left as it was
-        assert "hg" not in (_vm_flags(start) or [])
     t.fill_(1.0)
     assert float(t.sum()) == t.numel()
 
