@@ -16,6 +16,7 @@ import pergrad_viz as pv
 from pergrad_viz.errors import UnsupportedModelError
 from pergrad_viz.strategies.hooks import describe
 from pergrad_viz.trainable import Trainable
+from pergrad_viz.zoo_hf import Logits
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from a hub
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -28,18 +29,6 @@ RULED = {"Conv1D", "LlamaRMSNorm", "LayerNorm", "LayerNorm2d", "BatchNormAct2d",
 
 def need(name: str):
     return pytest.importorskip(name, reason=f"{name} is not installed (pip install {name}): these models need it")
-
-
-class Logits(nn.Module):
-    """A Hugging Face model called with one tensor as ``key`` (input_ids, pixel_values), returning its logits."""
-
-    def __init__(self, model: nn.Module, key: str):
-        super().__init__()
-        self.model = model
-        self.key = key
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(**{self.key: x}).logits
 
 
 def gpt2() -> nn.Module:
