@@ -8,14 +8,15 @@ without Python loops.
 
 import importlib
 
-from .api import per_sample_grads, per_sample_jacobian, resolve_strategy
-from .clipping import clip_per_sample, dp_sgd_gradient
-from .errors import MemoryBudgetError, UnsupportedModelError
-from .losses import causal_lm_loss, sequence_classification_loss
-from .norms import per_sample_grad_norms
-from .ntk import empirical_ntk
-from .scan import load_scan, scan
-from .strategies import STRATEGIES
+from pergrad_viz import moved
+from pergrad_viz.api import per_sample_grads, per_sample_jacobian, resolve_strategy
+from pergrad_viz.core.losses import causal_lm_loss, sequence_classification_loss
+from pergrad_viz.derived.clipping import clip_per_sample, dp_sgd_gradient
+from pergrad_viz.derived.norms import per_sample_grad_norms
+from pergrad_viz.derived.ntk import empirical_ntk
+from pergrad_viz.errors import MemoryBudgetError, UnsupportedModelError
+from pergrad_viz.scanning.api import load_scan, scan
+from pergrad_viz.strategies import STRATEGIES
 
 __version__ = "0.1.0"  # the single source: pyproject.toml reads it (dynamic version); CHANGELOG.md
 
@@ -37,8 +38,22 @@ __all__ = [
 ]
 
 
+moved.install()
+
+_LAZY = {  # matplotlib / ipywidgets / data: imported on first use (pv.widgets.explorer(), pv.viz.gradient_heatmap)
+    "widgets": "pergrad_viz.widgets",
+    "viz": "pergrad_viz.viz",
+    "bench": "pergrad_viz.bench",
+    "tutorial": "pergrad_viz.tutorial",
+    "explorer": "pergrad_viz.explorer",
+}
+
+
 def __getattr__(name: str):
-    # bench, plots and widgets pull in matplotlib / ipywidgets: imported on first use (pv.widgets.explorer()).
-    if name in ("bench", "plots", "widgets", "data", "models"):
-        return importlib.import_module(f".{name}", __name__)
+    if name in _LAZY:
+        return importlib.import_module(_LAZY[name])
+    old = f"{__name__}.{name}"
+    if old in moved.MOVED:  # pv.plots, pv.data, pv.models, ... of version 0.1
+        moved.warn_moved(old, moved.MOVED[old])
+        return importlib.import_module(moved.MOVED[old])
     raise AttributeError(f"module 'pergrad_viz' has no attribute {name!r}")

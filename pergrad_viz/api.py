@@ -12,24 +12,31 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .batch import Batch, Inputs, cut
-from .certify import CheckFailedError, check_grads, check_jacobian
-from .errors import UndefinedPerSampleError, UnsupportedModelError
-from .losses import LossFn, check_loss
-from .memory import check_budget, empty_result, result_bytes, working_bytes
-from .probe import plan_for
-from .strategies import MODULES, STRATEGIES, hooks, torch_func
-from .trainable import Trainable, check_modes, computing_gradients, hooked_parameter, normal_tensor, restoring_modes
+from pergrad_viz.core.batch import Batch, Inputs, cut
+from pergrad_viz.core.losses import LossFn, check_loss
+from pergrad_viz.core.memory import check_budget, empty_result, result_bytes, working_bytes
+from pergrad_viz.core.trainable import (
+    Trainable,
+    check_modes,
+    computing_gradients,
+    hooked_parameter,
+    normal_tensor,
+    restoring_modes,
+)
+from pergrad_viz.engine.certify import CheckFailedError, check_grads, check_jacobian
+from pergrad_viz.engine.probe import plan_for
+from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
+from pergrad_viz.strategies import MODULES, STRATEGIES, hooks, torch_func
 
 Result = dict[str, torch.Tensor] | torch.Tensor
 
 
 def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs | Batch | None = None) -> str:
     """The strategy a call on ``model`` with ``inputs`` (B, ...; or a tuple / dict of tensors, see
-    :mod:`pergrad_viz.batch`) will use.
+    :mod:`pergrad_viz.core.batch`) will use.
 
     ``auto`` is ``hooks`` (closed-form layer rules, and the per-layer fallback for layers without one) unless a
-    probe of the model on two samples (cached per model and input signature, see ``pergrad_viz.probe``) finds
+    probe of the model on two samples (cached per model and input signature, see ``pergrad_viz.engine.probe``) finds
     that the samples interact, that a layer with trainable parameters does not keep the samples apart (e.g. a
     positional embedding broadcast over the batch), or that a parameter is used outside the forward of the
     layer that holds it: then ``torch_func``, which computes each sample alone. Without ``inputs`` nothing is
@@ -97,7 +104,7 @@ def _check_strategy_name(strategy: str) -> None:
 
 def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model_kwargs: Mapping | None = None
              ) -> Batch:
-    """The call's :class:`~pergrad_viz.batch.Batch`, checked: B from the targets (or the first input tensor), every
+    """The call's :class:`~pergrad_viz.core.batch.Batch`, checked: B from the targets (or the first input tensor), every
     target tensor with B samples, some input tensor with B samples, every tensor on the parameters' device, floating
     inputs in the parameters' dtype."""
     size = None
@@ -210,7 +217,7 @@ def _prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, c
 def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: Batch,
               run: Callable[[str], Result], check: Callable[[Result, str], None] | None) -> Result:
     """Run ``resolved`` and, where it ran the model once on the whole batch, ``check`` its result (the per-call check,
-    ``pergrad_viz.certify``; None: not asked for). Under ``auto``, a fast path that finds it cannot be trusted for this
+    ``engine.certify``; None: not asked for). Under ``auto``, a fast path that finds it cannot be trusted for this
     call hands over to one that computes each sample alone (``torch_func``, then the loop where ``vmap`` cannot), and
     a failed check is remembered in the plan (later calls go straight to ``torch_func``); any other error is the
     user's."""
@@ -261,7 +268,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     The per-sample gradient of sample i is the gradient of
     ``loss_fn(model(inputs[i:i+1]), targets[i:i+1])``: what the naive loop computes, whatever
     ``loss_fn``'s reduction. With several inputs, sample i is cut from every tensor whose first dimension is the
-    batch (``pergrad_viz.batch``): ``model(ids[i:i+1], attention_mask=mask[i:i+1])``.
+    batch (``pergrad_viz.core.batch``): ``model(ids[i:i+1], attention_mask=mask[i:i+1])``.
 
     Args:
         model: any ``nn.Module``; left exactly as it was (no hooks, same parameters, ``.grad`` and modes).
@@ -278,7 +285,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
         out: with ``flat=True``, a preallocated (B, P) tensor to write into (same dtype and device as
             the parameters); it is returned.
         verify: after a strategy that runs the model once on the whole batch, compare one randomly drawn sample's
-            row with that sample computed alone (one small forward and backward; see ``pergrad_viz.certify``).
+            row with that sample computed alone (one small forward and backward; see ``pergrad_viz.engine.certify``).
             ``False`` skips it: only for models you know keep their samples apart.
         model_kwargs: more keyword arguments for the model, cut like the inputs.
 

@@ -8,7 +8,7 @@ class UnsupportedModelError(ValueError):
 
     Raised for BatchNorm or Dropout in training mode (per-sample gradients are not defined, or are
     random), by the batched strategies where the samples interact, and by the ``hooks`` strategy where a layer
-    cannot keep the samples apart (see :mod:`pergrad_viz.probe`); the message names the layer and the fix.
+    cannot keep the samples apart (see :mod:`pergrad_viz.engine.probe`); the message names the layer and the fix.
     """
 
 

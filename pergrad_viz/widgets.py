@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from .explorer.model import ExplorerModel, Setting, View
-from .explorer.view import Explorer, explorer
+from pergrad_viz.explorer.model import ExplorerModel, Setting, View
+from pergrad_viz.explorer.view import Explorer, explorer
 
 __all__ = ["Explorer", "ExplorerModel", "Setting", "View", "explorer"]

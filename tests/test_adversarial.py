@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import pergrad_viz as pv
+from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies import hooks
-from pergrad_viz.trainable import Trainable
 
 ALL = (*pv.STRATEGIES, "auto")
 RTOL, ATOL = 1e-10, 1e-12

@@ -11,10 +11,10 @@ from helpers import assert_dict_close, flatten_ref, ref_grads, ref_jacobian, tra
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz import models
+from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies import MODULES
 from pergrad_viz.strategies.torch_func import VmapError
-from pergrad_viz.trainable import Trainable
+from pergrad_viz.tutorial import networks as models
 
 ALL = (*pv.STRATEGIES, "auto")
 # vmap falls back to a slow path for a few ops (Bilinear, kl_div, sparse): a warning, not a failure

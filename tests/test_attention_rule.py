@@ -12,10 +12,10 @@ from helpers import empty_out, ref_grads
 from torch import nn
 
 import pergrad_viz as pv
+from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.rules import call_rule_for
 from pergrad_viz.rules.attention import bind, capture_attention, multihead_attention
 from pergrad_viz.strategies import hooks
-from pergrad_viz.trainable import Trainable
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 DT = torch.float64

@@ -1,4 +1,4 @@
-"""Inputs as models take them (pergrad_viz.batch): a tensor, a tuple, a dict or BatchEncoding, model_kwargs, shared
+"""Inputs as models take them (pergrad_viz.core.batch): a tensor, a tuple, a dict or BatchEncoding, model_kwargs, shared
 tensors passed unchanged; outputs that are tuples, dicts, dataclasses or Hugging Face ModelOutputs. Every strategy,
 Jacobians (output=), norms and the NTK against a plain loop written here: model(x[i:i+1], mask[i:i+1])."""
 
@@ -13,7 +13,7 @@ from helpers import assert_no_hooks, assert_state_unchanged, snapshot
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz.batch import Batch, cut
+from pergrad_viz.core.batch import Batch, cut
 
 DT = torch.float64
 B, T = 5, 6

@@ -8,8 +8,9 @@ import re
 import pytest
 import torch
 
-from pergrad_viz import bench, peers
-from pergrad_viz.__main__ import main
+from pergrad_viz import bench
+from pergrad_viz.bench import peers
+from pergrad_viz.cli.main import main
 
 FAST = {"min_run_time": 1e-3, "progress": False}
 
@@ -165,7 +166,7 @@ def _help(capsys, *argv: str) -> str:
 
 
 def _subparsers():
-    from pergrad_viz.__main__ import build_parser
+    from pergrad_viz.cli.main import build_parser
 
     parser = build_parser()
     (sub,) = [a for a in parser._actions if a.choices and isinstance(a.choices, dict)]
@@ -223,13 +224,13 @@ def test_the_printed_legend_names_the_reference_of_max_diff(capsys):
 
 
 def test_a_missing_sample_is_one_clear_error_before_any_progress_bar(monkeypatch, capsys):
-    from pergrad_viz import data
+    from pergrad_viz.tutorial import data
 
     monkeypatch.setattr(data, "_missing_files", lambda dataset, root: [root / "FashionMNIST" / "raw" / "x"])
     assert main(["bench", "--batch-sizes", "2", "--hidden", "8", "--min-run-time", "0.001"]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("error: fashion-mnist not found")
-    assert "python -m pergrad_viz.sample.make_sample --root" in captured.err
+    assert "python -m pergrad_viz.tutorial.sample.make_sample --root" in captured.err
     assert "benchmark" not in captured.err and captured.out == ""
 
 
@@ -251,7 +252,7 @@ def test_fine_tuned_models_build_and_the_hand_written_vmap_is_the_loop(name):
     hand-written vmap row it is timed against equals the per-sample loop of tests/helpers.py, per sample."""
     from helpers import flatten_ref, ref_grads
 
-    from pergrad_viz import bench_models
+    from pergrad_viz.bench import problems as bench_models
 
     _need_fine_tuning_libraries()
     assert name in bench_models.MODELS and bench_models.BATCH[name] == 16
@@ -328,7 +329,7 @@ def test_out_buffer_adds_the_fresh_row():
 
 @pytest.mark.parametrize("name", ["scaleshift", "parent-param", "bilinear"])
 def test_the_fallback_models_agree_with_the_hand_written_vmap(name):
-    from pergrad_viz import bench_models
+    from pergrad_viz.bench import problems as bench_models
 
     model, loss, x, y = bench_models.problem(name, 3)
     assert name in bench_models.MODELS
@@ -340,7 +341,7 @@ def test_the_fallback_models_agree_with_the_hand_written_vmap(name):
 def test_the_hand_written_jacrev_is_the_per_sample_jacobian():
     from helpers import ref_jacobian
 
-    from pergrad_viz import bench_models
+    from pergrad_viz.bench import problems as bench_models
 
     model, _, x, _ = bench.setting(2, 8)
     jac = bench_models.hand_written_jacrev(model, x)
@@ -354,7 +355,7 @@ def _record(label: str, seconds: float) -> bench.Record:
 
 
 def test_the_targets_report_reads_every_goal_from_its_own_table(monkeypatch):
-    from pergrad_viz import bench_targets as bt
+    from pergrad_viz.bench import targets as bt
 
     times = {"loop": 10.0, "auto": 1.0, bench.UNCHECKED: 0.8, bench.FRESH: 1.2, "hand vmap": 2.0,
              "torch_func": 3.0, "grad norms": 1.05, bench.FORWARD_BACKWARD: 1.0, bench.MEMORY_FLOOR: 0.1,
@@ -381,8 +382,8 @@ def test_the_targets_report_reads_every_goal_from_its_own_table(monkeypatch):
 
 
 def test_the_targets_cover_every_model_of_bench_model_and_issue_21s_rows():
-    from pergrad_viz import bench_models
-    from pergrad_viz import bench_targets as bt
+    from pergrad_viz.bench import problems as bench_models
+    from pergrad_viz.bench import targets as bt
 
     hand = {g.setting for g in bt.GOALS if g.what == "hand vmap / auto"}
     assert hand == {f"{name} grads B=32" for name in bench_models.MODELS}

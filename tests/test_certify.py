@@ -1,4 +1,4 @@
-"""The per-call check (pergrad_viz.certify) and the guarantees around it: what it catches and how often, that it can
+"""The per-call check (engine.certify) and the guarantees around it: what it catches and how often, that it can
 be turned off, that it leaves the caller's random state alone; the caller's grad mode; forwards that write buffers or
 draw random numbers; hooks the user registered. References are the plain loops of tests/helpers.py."""
 
@@ -13,7 +13,8 @@ from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, ref_jaco
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz import certify, rules
+from pergrad_viz import rules
+from pergrad_viz.engine import certify
 
 DT = torch.float64
 

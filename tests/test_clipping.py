@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz.clipping import EPS
+from pergrad_viz.derived.clipping import EPS
 
 
 def grads_dict() -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The bundled Fashion-MNIST sample (pergrad_viz/sample/) and its loader, pergrad_viz.data.load_sample."""
+"""The bundled Fashion-MNIST sample (pergrad_viz/tutorial/sample/) and its loader, tutorial.data.load_sample."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pergrad_viz.data import CLASS_NAMES, DATASETS, DEFAULT_ROOT, MEAN_STD, clear_cache, load_sample
+from pergrad_viz.tutorial.data import CLASS_NAMES, DATASETS, DEFAULT_ROOT, MEAN_STD, clear_cache, load_sample
 
 REPO = Path(__file__).resolve().parent.parent
-SAMPLE = REPO / "pergrad_viz" / "sample"
+SAMPLE = REPO / "pergrad_viz" / "tutorial" / "sample"
 SAMPLE_RAW = SAMPLE / "FashionMNIST" / "raw"
 MAKE_SAMPLE = SAMPLE / "make_sample.py"
 DEBIAN_SOURCE = Path("/usr/share/datasets/fashion-mnist")
@@ -172,12 +172,12 @@ def test_n_larger_than_available(train, split, flag):
         load_sample(1001, train=train)
     message = str(info.value)
     assert f"only 1000 {split} images are available" in message
-    assert f"python -m pergrad_viz.sample.make_sample {flag} 1001`" in message
+    assert f"python -m pergrad_viz.tutorial.sample.make_sample {flag} 1001`" in message
 
 
 def test_n_larger_than_available_under_another_root_names_that_root(tmp_path):
     shutil.copytree(SAMPLE_RAW, tmp_path / "FashionMNIST" / "raw")
-    with pytest.raises(ValueError, match=r"pergrad_viz\.sample\.make_sample --n-train 2000 --root "):
+    with pytest.raises(ValueError, match=r"pergrad_viz\.tutorial\.sample\.make_sample --n-train 2000 --root "):
         load_sample(2000, root=tmp_path)
 
 
@@ -196,7 +196,7 @@ def test_fashion_mnist_absent(tmp_path):
         load_sample(10, root=tmp_path)
     message = str(info.value)
     assert "fashion-mnist not found" in message
-    assert f"python -m pergrad_viz.sample.make_sample --root {tmp_path}`" in message
+    assert f"python -m pergrad_viz.tutorial.sample.make_sample --root {tmp_path}`" in message
     assert "download=True" in message
 
 
@@ -208,7 +208,7 @@ def test_one_raw_file_missing_is_named(tmp_path):
         load_sample(10, train=True, root=tmp_path)
 
 
-# --- pergrad_viz/sample/make_sample.py ----------------------------------------------------------------
+# --- pergrad_viz/tutorial/sample/make_sample.py ----------------------------------------------------------------
 
 
 def _run_make_sample(*args: str) -> subprocess.CompletedProcess[str]:
@@ -261,10 +261,11 @@ def test_make_sample_missing_source(tmp_path):
 
 
 def test_the_command_the_messages_name_runs_from_any_directory(tmp_path):
-    # The errors of load_sample tell users to run `python -m pergrad_viz.sample.make_sample`: it must exist as a
+    # The errors of load_sample tell users to run `python -m pergrad_viz.tutorial.sample.make_sample`: it must exist
+    # as a
     # module wherever the package is (a checkout or an install), not as a script in a repository folder.
     result = subprocess.run(
-        [sys.executable, "-m", "pergrad_viz.sample.make_sample", "--source", str(tmp_path / "nowhere"),
+        [sys.executable, "-m", "pergrad_viz.tutorial.sample.make_sample", "--source", str(tmp_path / "nowhere"),
          "--root", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
     )

@@ -12,8 +12,8 @@ from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz import api
+from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies import hooks
-from pergrad_viz.trainable import Trainable
 
 ALL = (*pv.STRATEGIES, "auto")
 QUANTITIES = ("grads", "jacobian")

@@ -15,7 +15,9 @@ import torch
 from helpers import flatten_ref, ref_grads
 
 import pergrad_viz as pv
-from pergrad_viz import bench, memory, timing
+from pergrad_viz import bench
+from pergrad_viz.bench import timing
+from pergrad_viz.core import memory
 from pergrad_viz.explorer import model as model_module
 from pergrad_viz.explorer.model import ExplorerModel, Setting, Stale
 

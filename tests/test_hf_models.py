@@ -13,10 +13,10 @@ from helpers import assert_dict_close, flatten_ref, ref_grads
 from torch import nn
 
 import pergrad_viz as pv
+from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.errors import UnsupportedModelError
 from pergrad_viz.strategies.hooks import describe
-from pergrad_viz.trainable import Trainable
-from pergrad_viz.zoo_hf import Logits
+from pergrad_viz.tutorial.hf_models import Logits
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from a hub
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]

@@ -84,8 +84,9 @@ def test_the_wheel_holds_the_sample_the_licence_and_the_metadata(installed):
         dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         metadata = z.read(f"{dist_info}/METADATA").decode()
     for name in SAMPLE_FILES:
-        assert f"pergrad_viz/sample/FashionMNIST/raw/{name}" in names
-    assert {"pergrad_viz/sample/README.md", "pergrad_viz/sample/make_sample.py", "pergrad_viz/__main__.py"} <= names
+        assert f"pergrad_viz/tutorial/sample/FashionMNIST/raw/{name}" in names
+    assert {"pergrad_viz/tutorial/sample/README.md", "pergrad_viz/tutorial/sample/make_sample.py",
+            "pergrad_viz/__main__.py"} <= names
     assert any(n.startswith(f"{dist_info}/licenses/LICENSE") for n in names)
     assert re.search(rf"^Version: {re.escape(pergrad_viz.__version__)}$", metadata, re.M)
     assert re.search(r"^Requires-Python: >=3\.11$", metadata, re.M)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from pergrad_viz.label_noise import flip_labels, precision_at_k, random_precision, train
-from pergrad_viz.models import MLP
+from pergrad_viz.tutorial.label_noise import flip_labels, precision_at_k, random_precision, train
+from pergrad_viz.tutorial.networks import MLP
 
 
 def test_flip_labels_flips_exactly_the_fraction_to_other_classes():

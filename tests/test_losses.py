@@ -1,4 +1,4 @@
-"""pergrad_viz.losses.per_sample_losses equals the loop definition loss_fn(output[i:i+1], targets[i:i+1])."""
+"""pergrad_viz.core.losses.per_sample_losses equals the loop definition loss_fn(output[i:i+1], targets[i:i+1])."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad_viz import losses
-from pergrad_viz.losses import per_sample_losses
+from pergrad_viz.core import losses
+from pergrad_viz.core.losses import per_sample_losses
 
 B = 5
 # vmap falls back to a slow path for a few ops (Bilinear, kl_div, sparse): a warning, not a failure

@@ -1,4 +1,4 @@
-"""The allocation of large results (pergrad_viz.memory.empty_result): a plain tensor of the right shape, dtype and
+"""The allocation of large results (pergrad_viz.core.memory.empty_result): a plain tensor of the right shape, dtype and
 device, writable, freed when dropped, advised to transparent huge pages where the kernel gives them on request,
 and a plain torch.empty wherever it cannot be."""
 
@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from pergrad_viz import memory
+from pergrad_viz.core import memory
 
 MADVISE_MODE = os.path.exists(memory._THP_MODE) and "[madvise]" in open(memory._THP_MODE).read()
 LARGE = (64, 100_000)  # 25.6 MB of float32: well above HUGE_MIN

@@ -22,9 +22,9 @@ from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz import api
-from pergrad_viz.batch import Batch
-from pergrad_viz.models import MLP, SmallCNN, bias_free_net
+from pergrad_viz.core.batch import Batch
 from pergrad_viz.rules import linear as linear_rules
+from pergrad_viz.tutorial.networks import MLP, SmallCNN, bias_free_net
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 

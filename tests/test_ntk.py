@@ -21,9 +21,10 @@ from helpers import (
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz import api, ntk
-from pergrad_viz.batch import Batch
-from pergrad_viz.models import MLP, SmallCNN
+from pergrad_viz import api
+from pergrad_viz.core.batch import Batch
+from pergrad_viz.derived import ntk
+from pergrad_viz.tutorial.networks import MLP, SmallCNN
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 

@@ -1,4 +1,4 @@
-"""The figures of pergrad_viz.plots, checked headless (Agg): lines, labels, scales, boundaries, colour limits."""
+"""The figures of pergrad_viz.viz.plots, checked headless (Agg): lines, labels, scales, boundaries, colour limits."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from pergrad_viz import plots  # noqa: E402
-from pergrad_viz.bench import FORWARD_BACKWARD, MEMORY_FLOOR, Record  # noqa: E402
-from pergrad_viz.models import MLP  # noqa: E402
+from pergrad_viz.bench.sweeps import FORWARD_BACKWARD, MEMORY_FLOOR, Record  # noqa: E402
+from pergrad_viz.tutorial.networks import MLP  # noqa: E402
+from pergrad_viz.viz import plots  # noqa: E402
 
 
 def rec(strategy: str, batch: int, median: float | None, *, hidden: int = 20, quantity: str = "grads",

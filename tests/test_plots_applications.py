@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from pergrad_viz import plots
+from pergrad_viz.viz import plots
 
 
 def test_image_grid_titles_and_axes():

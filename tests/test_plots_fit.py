@@ -15,8 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
-from pergrad_viz import plots  # noqa: E402
-from pergrad_viz.bench import FORWARD_BACKWARD, MEMORY_FLOOR, Record  # noqa: E402
+from pergrad_viz.bench.sweeps import FORWARD_BACKWARD, MEMORY_FLOOR, Record  # noqa: E402
+from pergrad_viz.viz import plots  # noqa: E402
 
 LONG = "per-sample gradients at batch size B=256, hidden width 512: a title long enough to need two lines or more"
 

@@ -18,21 +18,22 @@ import torch
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz import datasets
-from pergrad_viz import scan_store as store
-from pergrad_viz.cli_scan import load_model
-from pergrad_viz.models import MLP, SmallCNN
-from pergrad_viz.scan_bench import format_table, throughput, torchrun_command
-from pergrad_viz.sketch import GradientSketch, allocate, layer_blocks
+from pergrad_viz.bench.scans import format_table, throughput, torchrun_command
+from pergrad_viz.cli.scan import load_model
+from pergrad_viz.scanning import store
+from pergrad_viz.scanning.sketch import GradientSketch, allocate, layer_blocks
+from pergrad_viz.tutorial import datasets
+from pergrad_viz.tutorial.data import load_sample
+from pergrad_viz.tutorial.networks import MLP, SmallCNN
 from tests.helpers import flatten_ref, ref_grads
 
-scan_mod = importlib.import_module("pergrad_viz.scan")  # the module (pv.scan is the function)
+scan_mod = importlib.import_module("pergrad_viz.scanning.api")  # the module (pv.scan is the function)
 ALL = ("loss", "grad_norm", "layer_norms", "el2n")
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _data(n: int = 48, seed: int = 0, flat: bool = False) -> torch.utils.data.TensorDataset:
-    x, y = pv.data.load_sample(n, flatten=flat)
+    x, y = load_sample(n, flatten=flat)
     return torch.utils.data.TensorDataset(x, y)
 
 
@@ -450,7 +451,7 @@ def test_fashion_mnist_dataset(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "bundled sample" in err and "make data" in err
     x, y = ds[0]
-    want_x, want_y = pv.data.load_sample(10, train=False, flatten=False)
+    want_x, want_y = load_sample(10, train=False, flatten=False)
     assert len(ds) == 10 and x.shape == (1, 28, 28) and torch.equal(ds.tensors[0], want_x)
     assert torch.equal(ds.tensors[1], want_y)
     if not (datasets.DEBIAN_SOURCE / "t10k-images-idx3-ubyte.gz").is_file():
@@ -481,7 +482,7 @@ def test_two_processes_under_torchrun_match_one(tmp_path):
 
 
 def test_cli_scan_in_process_and_bench_table(tmp_path, capsys):
-    from pergrad_viz.__main__ import main
+    from pergrad_viz.cli.main import main
 
     ckpt = tmp_path / "cnn.pt"
     torch.save(_model(SmallCNN, seed=5).state_dict(), ckpt)
@@ -495,7 +496,7 @@ def test_cli_scan_in_process_and_bench_table(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error:" in err and "holds a different scan" in err and "pass a new out= directory" in err
     res = pv.load_scan(tmp_path / "s")
-    x, y = pv.data.load_sample(20, train=False, flatten=False)
+    x, y = load_sample(20, train=False, flatten=False)
     logits = _model(SmallCNN, seed=5)(x).detach()
     torch.testing.assert_close(res["loss"], nn.functional.cross_entropy(logits, y, reduction="none"))
     records = throughput("mlp", n=64, batch_size=32, proj_dim=16, processes=(1,), rounds=1, data="fashion-mnist-sample")

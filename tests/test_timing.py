@@ -1,10 +1,10 @@
-"""pergrad_viz.timing: interleaved rounds, statistics and the noisy flag, on a fake clock (no real timing)."""
+"""pergrad_viz.bench.timing: interleaved rounds, statistics and the noisy flag, on a fake clock (no real timing)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pergrad_viz import timing
+from pergrad_viz.bench import timing
 
 
 class FakeClock:

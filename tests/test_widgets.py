@@ -21,7 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 import pergrad_viz as pv  # noqa: E402
-from pergrad_viz import bench, widgets  # noqa: E402
+from pergrad_viz import widgets
+from pergrad_viz.bench import sweeps as bench  # noqa: E402
 from pergrad_viz.explorer import model as model_module  # noqa: E402
 
 OPTIONS = {"batch_sizes": (1, 2, 4, 8), "hidden_widths": (8, 16), "default_batch": 4, "default_hidden": 8,

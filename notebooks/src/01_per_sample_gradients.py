@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz import bench, plots
-from pergrad_viz.models import bias_free_net
+from pergrad_viz import bench, viz
+from pergrad_viz.tutorial.networks import bias_free_net
 
 torch.manual_seed(0)
 model = bias_free_net()                      # Linear(2, 16, bias=False) -> ReLU -> Linear(16, 2, bias=False)
@@ -137,7 +137,7 @@ print("auto picks:", pv.resolve_strategy("auto", model))
 # pulls the weights its own way, and the batch gradient is their sum.
 
 # %%
-plots.gradient_heatmap(reference, plots.param_boundaries(model), ylabel="sample i", min_layer_frac=0,
+viz.gradient_heatmap(reference, viz.param_boundaries(model), ylabel="sample i", min_layer_frac=0,
                        title="the 10 per-sample gradients: B = 10 rows x P = 64 parameters")
 
 # %% [markdown]
@@ -148,7 +148,7 @@ plots.gradient_heatmap(reference, plots.param_boundaries(model), ylabel="sample 
 # %%
 records = bench.compare(model, loss_fn, x, y, quantity="grads", min_run_time=0.1)
 print(bench.format_table(records))
-plots.bar_figure(records, title="per-sample gradients of the 2-16-2 network, B = 10 (measured now)")
+viz.bar_figure(records, title="per-sample gradients of the 2-16-2 network, B = 10 (measured now)")
 
 # %% [markdown]
 # ## `reduction='sum'` or `'mean'`: what "the gradient of one sample" means

@@ -27,11 +27,11 @@ from torch.func import functional_call, jacrev, vmap
 from torch.utils import benchmark
 
 import pergrad_viz as pv
-from pergrad_viz import bench, plots
-from pergrad_viz.data import CLASS_NAMES, load_sample
+from pergrad_viz import bench, viz
+from pergrad_viz.core.memory import result_bytes
 from pergrad_viz.errors import human_bytes
-from pergrad_viz.memory import result_bytes
-from pergrad_viz.models import MLP
+from pergrad_viz.tutorial.data import CLASS_NAMES, load_sample
+from pergrad_viz.tutorial.networks import MLP
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -138,7 +138,7 @@ print(f"vmap is {t_loop / t_vmap:.1f}x faster than the loop; hooks {t_loop / t_a
 # %%
 records = bench.sweep("jacobian", batch_sizes=[2, 32, 128], hiddens=[20], min_run_time=0.1, progress=False)
 print(bench.format_table(records))
-plots.runtime_figure(records, title="per-sample Jacobian, MLP(784, 20, 10)")
+viz.runtime_figure(records, title="per-sample Jacobian, MLP(784, 20, 10)")
 
 # %% [markdown]
 # ## Pictures
@@ -149,7 +149,7 @@ plots.runtime_figure(records, title="per-sample Jacobian, MLP(784, 20, 10)")
 # `fc1.weight` about 85% of the picture instead of 98.6%.
 
 # %%
-plots.gradient_heatmap(J_hooks[0], plots.param_boundaries(model), title="Jacobian of sample 0 (Y x P)",
+viz.gradient_heatmap(J_hooks[0], viz.param_boundaries(model), title="Jacobian of sample 0 (Y x P)",
                        ylabel="output j")
 
 # %% [markdown]
@@ -185,7 +185,7 @@ print("fc2.bias block is the identity:", torch.equal(J_hooks[0, :, -10:], torch.
 
 # %%
 first = J_hooks[0, :, : 20 * 784].view(Y, 20, 784).sum(1)       # (Y, 784)
-plots.first_layer_images(first, image=x[0], titles=list(CLASS_NAMES["fashion-mnist"]), ncols=6,
+viz.first_layer_images(first, image=x[0], titles=list(CLASS_NAMES["fashion-mnist"]), ncols=6,
                          suptitle="sample 0: its Jacobian's first-layer block for each output class, "
                                   "summed over the 20 hidden units")
 

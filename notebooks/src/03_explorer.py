@@ -37,7 +37,7 @@ from IPython.display import display
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz.data import CLASS_NAMES, load_sample
+from pergrad_viz.tutorial.data import CLASS_NAMES, load_sample
 
 explorer = pv.widgets.explorer()
 display(explorer)

@@ -37,10 +37,10 @@ import torch
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz import plots
-from pergrad_viz.data import CLASS_NAMES, load_sample
-from pergrad_viz.label_noise import flip_labels, precision_at_k, random_precision, train
-from pergrad_viz.models import MLP
+from pergrad_viz import viz
+from pergrad_viz.tutorial.data import CLASS_NAMES, load_sample
+from pergrad_viz.tutorial.label_noise import flip_labels, precision_at_k, random_precision, train
+from pergrad_viz.tutorial.networks import MLP
 
 names = CLASS_NAMES["fashion-mnist"]
 x, labels = load_sample(1000)                                   # (1000, 784), (1000,)
@@ -75,7 +75,7 @@ top = torch.topk(norms, 16).indices
 predicted = model(x[top]).argmax(1)
 titles = [f"{'FLIPPED ' if flipped[i] else ''}given {names[noisy[i]]}\npred. {names[p]}"
           for i, p in zip(top, predicted, strict=True)]
-plots.image_grid(x[top], titles=titles, suptitle="largest per-sample gradient norms")
+viz.image_grid(x[top], titles=titles, suptitle="largest per-sample gradient norms")
 
 # %% [markdown]
 # The loss itself ranks well too (the two are related: for cross-entropy the gradient with respect to the logits
@@ -95,7 +95,7 @@ h = model.fc1(x[i:i + 1]).detach().requires_grad_(True)                 # fc1's 
 w_grad = pv.per_sample_grads(model, loss_fn, x[i:i + 1], noisy[i:i + 1])["fc1.weight"][0]   # (20, 784)
 print("g_i a_i^T == the per-sample gradient of fc1.weight:", torch.allclose(torch.outer(g_i[0], x[i]), w_grad,
                                                                           atol=1e-6))
-plots.outer_product_figure(x[i], g_i[0], gradient_norm=float(w_grad.norm()),
+viz.outer_product_figure(x[i], g_i[0], gradient_norm=float(w_grad.norm()),
                            title=f"sample {i} (given {names[noisy[i]]}): fc1.weight's gradient is g_i a_i^T")
 
 # %% [markdown]
@@ -133,7 +133,7 @@ print(f"cosine(batch gradient, clipped sum) = {cosine(batch_grad, clipped.sum(0)
 # C line.
 
 # %%
-plots.norm_histogram(before, after, C)
+viz.norm_histogram(before, after, C)
 
 # %% [markdown]
 # Where does the norm come from, and how much does clipping change the sum? The same batch, per layer (weight and
@@ -141,10 +141,10 @@ plots.norm_histogram(before, after, C)
 # the clipped sums. The explorer (notebook 03) has this view with a slider for C.
 
 # %%
-bounds = plots.param_boundaries(model)
+bounds = viz.param_boundaries(model)
 layers = {layer: torch.cat([grads[:, a:b] for n, a, b in bounds if n.startswith(layer + ".")], dim=1).norm(dim=1)
           for layer in ("fc1", "fc2")}
-plots.clipping_figure(before, layers, C, sums=(float(grads.sum(0).norm()), float(clipped.sum(0).norm())),
+viz.clipping_figure(before, layers, C, sums=(float(grads.sum(0).norm()), float(clipped.sum(0).norm())),
                       title=f"per-sample gradient norms of {len(xb)} training images, C = {C:g}")
 
 # %% [markdown]
@@ -160,7 +160,7 @@ order = torch.cat([torch.nonzero(y_test == c).flatten()[:10] for c in range(10)]
 G = pv.per_sample_grads(model, loss_fn, x_test[order], y_test[order], flat=True)
 Gn = G / G.norm(dim=1, keepdim=True)
 similarity = Gn @ Gn.T                                                               # (100, 100)
-plots.grouped_heatmap(similarity, y_test[order], group_names=names,
+viz.grouped_heatmap(similarity, y_test[order], group_names=names,
                       title="cosine similarity of per-sample gradients")
 
 # %%
@@ -182,7 +182,7 @@ print("examples of the same class are more alike than of different classes:",
 sel = torch.argsort(y_test[:32], stable=True)                                         # 32 samples, by class
 x32 = x_test[sel]
 K = pv.empirical_ntk(model, x32, mode="trace")                                         # (32, 32)
-plots.grouped_heatmap(K, y_test[sel], group_names=names, symmetric=False,
+viz.grouped_heatmap(K, y_test[sel], group_names=names, symmetric=False,
                       title="empirical NTK, trace over outputs")
 
 # %%

@@ -41,11 +41,11 @@ from matplotlib.figure import Figure
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz import plots
-from pergrad_viz.data import CLASS_NAMES
-from pergrad_viz.datasets import fashion_mnist
-from pergrad_viz.label_noise import flip_labels, precision_at_k, random_precision, train
-from pergrad_viz.models import SmallCNN
+from pergrad_viz import viz
+from pergrad_viz.tutorial.data import CLASS_NAMES
+from pergrad_viz.tutorial.datasets import fashion_mnist
+from pergrad_viz.tutorial.label_noise import flip_labels, precision_at_k, random_precision, train
+from pergrad_viz.tutorial.networks import SmallCNN
 
 torch.set_num_threads(1)                  # a tiny CNN: more threads only add overhead on a small machine
 names = CLASS_NAMES["fashion-mnist"]
@@ -107,7 +107,7 @@ top = torch.topk(train_scan["grad_norm"], 16).indices
 predicted = model(x[top]).argmax(1)
 titles = [f"{'FLIPPED ' if flipped[i] else ''}given {names[noisy[i]]}\npred. {names[p]}"
           for i, p in zip(top, predicted, strict=True)]
-plots.image_grid(x[top], titles=titles, suptitle="largest per-sample gradient norms")
+viz.image_grid(x[top], titles=titles, suptitle="largest per-sample gradient norms")
 
 # %% [markdown]
 # Per layer (`layer_norms`): the flipped examples pull every layer harder than the clean ones.
@@ -191,7 +191,7 @@ for row, i in enumerate(test_ids):
         for j in picked:
             images.append(x[j])
             titles.append(f"{how}: {'FLIPPED ' if flipped[j] else ''}{names[noisy[j]]}")
-plots.image_grid(torch.stack(images), titles=titles, ncols=7,
+viz.image_grid(torch.stack(images), titles=titles, ncols=7,
                  suptitle="each test image, then the 3 training images with the largest projected-gradient dot "
                           "product, then the 3 most similar by cosine")
 

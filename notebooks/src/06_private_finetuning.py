@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz import zoo_hf
-from pergrad_viz.data import load_sample
+from pergrad_viz.tutorial import hf_models
+from pergrad_viz.tutorial.data import load_sample
 
 warnings.filterwarnings("ignore", category=UserWarning)   # library chatter (peft, transformers)
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -58,7 +58,7 @@ print("train:", tuple(x.shape), "test:", tuple(x_test.shape))
 
 # %%
 torch.manual_seed(0)
-vit = zoo_hf.hf_vit(classes=10, image=28, channels=1, patch=7, hidden=64)  # (B, 1, 28, 28) -> (B, 10)
+vit = hf_models.hf_vit(classes=10, image=28, channels=1, patch=7, hidden=64)  # (B, 1, 28, 28) -> (B, 10)
 loss_fn = nn.CrossEntropyLoss()
 
 
@@ -85,13 +85,13 @@ print(f"backbone: accuracy {accuracy(vit, x_test[seen_test], labels_test[seen_te
 # ## 2 · LoRA adapters, and two ways to train them
 #
 # `peft` adds a low-rank update B A (rank 8) next to the query and value projections of both blocks and freezes
-# everything else; the classifier head stays trainable (`modules_to_save`). `zoo_hf.lora` is three lines of `peft`.
+# everything else; the classifier head stays trainable (`modules_to_save`). `hf_models.lora` is three lines of `peft`.
 # `pv.per_sample_grads` sees the trainable parameters only: the adapters and the head, under 5,000 numbers per
 # example instead of the model's 110,000.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-model = zoo_hf.lora(vit, ("q_proj", "v_proj"), rank=8, train_also=("classifier",))
+model = hf_models.lora(vit, ("q_proj", "v_proj"), rank=8, train_also=("classifier",))
 trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
 print(f"{len(trainable)} trainable tensors, {sum(p.numel() for p in trainable.values()):,} numbers; "
       f"the model has {sum(p.numel() for p in model.parameters()):,}")
@@ -203,7 +203,7 @@ print("privacy costs accuracy (plain >= private):", plain_acc >= private_acc)
 
 # %%
 torch.manual_seed(0)
-lm = zoo_hf.gpt2().eval()                                           # (B, T) token ids -> (B, T, 1000) logits
+lm = hf_models.gpt2().eval()                                           # (B, T) token ids -> (B, T, 1000) logits
 lengths = torch.tensor([12, 7, 10])
 ids = torch.randint(1, 1000, (3, 12), generator=torch.Generator().manual_seed(0))
 padding = torch.arange(12) >= lengths[:, None]                      # (3, 12) True after each text's end

@@ -19,7 +19,7 @@ small CNN, a transformer encoder, an LSTM classifier) or a user's own network an
    written out here: ``torch.autograd.grad`` of each checked sample's loss, run alone);
 2. ``"timing"``: per tier of methods timed (cheapest first; methods of a tier interleaved in rounds with
    ``forward+backward`` as the anchor), the records so far: first *provisional* (the first pass of rounds) where
-   a median is still uncertain, then settled after more rounds (:func:`pergrad_viz.timing.time_adaptive`); every
+   a median is still uncertain, then settled after more rounds (:func:`pergrad_viz.bench.timing.time_adaptive`); every
    strategy's result is compared with the loop on the checked samples (its ``max |diff|``, and the verdict);
 3. ``"done"``: the scaling curve's records (the smaller batch sizes) too.
 
@@ -40,15 +40,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .. import bench, timing
-from ..api import per_sample_grads, per_sample_jacobian, resolve_strategy
-from ..batch import Batch, cut
-from ..errors import human_bytes
-from ..memory import check_held, result_bytes
-from ..strategies import STRATEGIES
-from ..strategies.hooks import describe as describe_layers
-from ..trainable import Trainable
-from .specs import MENU, ModelSpec, describe_width
+from pergrad_viz import bench
+from pergrad_viz.api import per_sample_grads, per_sample_jacobian, resolve_strategy
+from pergrad_viz.bench import timing
+from pergrad_viz.core.batch import Batch, cut
+from pergrad_viz.core.memory import check_held, result_bytes
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.errors import human_bytes
+from pergrad_viz.explorer.specs import MENU, ModelSpec, describe_width
+from pergrad_viz.strategies import STRATEGIES
+from pergrad_viz.strategies.hooks import describe as describe_layers
 
 __all__ = ["ClipView", "ExplorerModel", "RuleView", "SampleView", "Setting", "Stale", "Verdict", "View"]
 
@@ -293,8 +294,8 @@ class ExplorerModel:
         models: {key: :class:`~.specs.ModelSpec`}; ``Setting.model`` picks one.
         batch_options: the batch sizes of the slider (the scaling curve picks among those up to the current).
         slow_limit: the slow baselines are skipped (with a note) above this many sample-backward passes per
-            call (see :func:`pergrad_viz.bench.backward_work`).
-        rounds, min_rounds: rounds of a tier's first pass (:func:`pergrad_viz.timing.time_adaptive`): ``rounds``,
+            call (see :func:`pergrad_viz.bench.sweeps.backward_work`).
+        rounds, min_rounds: rounds of a tier's first pass (:func:`pergrad_viz.bench.timing.time_adaptive`): ``rounds``,
             fewer (down to ``min_rounds``) where they would take more than ``tier_budget_s`` seconds.
         max_rounds, patience_s: while a median is uncertain, more rounds are timed, up to ``max_rounds`` per tier
             and about ``patience_s`` seconds per setting in all (half that for each of the scaling curve's smaller
@@ -303,12 +304,12 @@ class ExplorerModel:
             its own). prior_min_s: a first call at least this long counts as a round.
         min_block_s: a timed block lasts at least this long (many calls of a fast method).
         noise_threshold: a median is settled when the half-width of its 95% confidence interval is at most this
-            fraction of it (:attr:`pergrad_viz.timing.Timing.uncertainty`); still above after the extra rounds:
+            fraction of it (:attr:`pergrad_viz.bench.timing.Timing.uncertainty`); still above after the extra rounds:
             noisy. drift: the anchor's median may move by this factor between tiers before the later tier counts
             as noisy.
         sweep_batches: batch sizes on the scaling curve (up to the current one).
         threads: intra-op threads while computing (default: one core left free, see
-            :func:`pergrad_viz.timing.headroom_threads`).
+            :func:`pergrad_viz.bench.timing.headroom_threads`).
         verdict_samples, verdict_samples_jacobian: the results are compared with the loop on all samples up to
             this many (for gradients / for Jacobians), else on this many spread evenly over the batch.
     """

@@ -6,11 +6,12 @@ The built-in menu (:data:`MENU`), all on the bundled Fashion-MNIST sample, with 
 targets as in the tutorial:
 
 * ``"mlp"``: the tutorial ``MLP(784, width, 10)`` on (B, 784) images (width = hidden units; the default);
-* ``"cnn"``: :class:`pergrad_viz.models.SmallCNN` on (B, 1, 28, 28) images (width = conv1's channels);
-* ``"transformer"``: :func:`pergrad_viz.models.token_transformer` (width = d_model) and
-* ``"lstm"``: :func:`pergrad_viz.models.token_lstm` (width = the LSTM's hidden size), both on (B, 16) token ids:
+* ``"cnn"``: :class:`pergrad_viz.tutorial.networks.SmallCNN` on (B, 1, 28, 28) images (width = conv1's channels);
+* ``"transformer"``: :func:`pergrad_viz.tutorial.networks.token_transformer` (width = d_model) and
+* ``"lstm"``: :func:`~pergrad_viz.tutorial.networks.token_lstm`
+  (width = the LSTM's hidden size), both on (B, 16) token ids:
   each 7x7 patch of the image is one token, its mean brightness quantised to 16 levels
-  (:func:`pergrad_viz.models.image_tokens`, kept simple on purpose: a sequence the learner can read).
+  (:func:`pergrad_viz.tutorial.networks.image_tokens`, kept simple on purpose: a sequence the learner can read).
 
 :func:`user_spec` describes a user's own network and data (``pv.widgets.explorer(model=net, loss_fn=..., data=...)``):
 its width is fixed, its batch sizes are the first B samples of the data.
@@ -29,9 +30,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..batch import Batch, cut
-from ..data import CLASS_NAMES, load_sample
-from ..models import MLP, PATCH, VOCAB, SmallCNN, image_tokens, token_lstm, token_transformer
+from pergrad_viz.core.batch import Batch, cut
+from pergrad_viz.tutorial.data import CLASS_NAMES, load_sample
+from pergrad_viz.tutorial.networks import MLP, PATCH, VOCAB, SmallCNN, image_tokens, token_lstm, token_transformer
 
 __all__ = ["MENU", "ModelSpec", "Problem", "user_spec"]
 

@@ -31,11 +31,12 @@ import ipywidgets as w
 from matplotlib.figure import Figure
 from torch import nn
 
-from .. import bench, plots
-from ..errors import human_bytes
-from ..strategies import STRATEGIES
-from .model import QUANTITIES, QUANTITY_NAMES, ExplorerModel, Setting, Stale, View
-from .specs import TOKENS_NOTE, menu, user_spec
+from pergrad_viz import bench
+from pergrad_viz.errors import human_bytes
+from pergrad_viz.explorer.model import QUANTITIES, QUANTITY_NAMES, ExplorerModel, Setting, Stale, View
+from pergrad_viz.explorer.specs import TOKENS_NOTE, menu, user_spec
+from pergrad_viz.strategies import STRATEGIES
+from pergrad_viz.viz import plots
 
 __all__ = ["Explorer", "explorer"]
 

@@ -299,5 +299,14 @@ def lazy_paths() -> tuple[str, ...]:
     return tuple(sorted({*_RULES.paths, *_CALL_RULES.paths, *_GHOST_RULES.paths}))
 
 
-from . import activations, attention, conv, embedding, linear, normalization, recurrent  # noqa: E402,F401  (registers the rules)
-from .integrations import timm, transformers  # noqa: E402,F401  (registers rules by class path, imports neither)
+# The rules register themselves on import; the integrations register by class path and import neither package.
+from pergrad_viz.rules import (  # noqa: E402,F401
+    activations,
+    attention,
+    conv,
+    embedding,
+    linear,
+    normalization,
+    recurrent,
+)
+from pergrad_viz.rules.integrations import timm, transformers  # noqa: E402,F401

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import Captured, register_call
-from .linear import token_outer_sum
+from pergrad_viz.rules import Captured, register_call
+from pergrad_viz.rules.linear import token_outer_sum
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 

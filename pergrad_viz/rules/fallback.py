@@ -17,7 +17,7 @@ dimensions), with no ``vmap`` or ``vjp`` around it. Whether a layer is such a la
 signature (shapes, dtypes, batch dimensions, training flag) by computing its first call with B >= 2 both ways:
 only where the rows agree (a parameter that mixes samples, ``w.mean(0)`` on the copies, would not) do later calls
 take the short path; everywhere else, the ``vmap`` path. Each call's result is still checked by the per-call check
-(``pergrad_viz.certify``).
+(``pergrad_viz.engine.certify``).
 Shapes: B samples; ``out[name]`` is (N, B, *param.shape).
 """
 
@@ -30,7 +30,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..batch import as_pytree
+from pergrad_viz.core.batch import as_pytree
 
 
 def per_sample_vjp(module: nn.Module, inputs: tuple[tuple, dict], in_dims: tuple[int | None, ...],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import autograd_stack, batched_grad, hooks, loop, torch_func
+from pergrad_viz.strategies import autograd_stack, batched_grad, hooks, loop, torch_func
 
 STRATEGIES: tuple[str, ...] = ("loop", "autograd_stack", "torch_func", "batched_grad", "hooks")
 

@@ -7,7 +7,7 @@ For per-sample gradients the backward pass is a single ordinary one (of the summ
 For output Jacobians it is batched over the Y one-hot output vectors only (``is_grads_batched``), never
 over B x Y: each vector selects output j of *every* sample at once, since samples do not interact.
 
-What the rules may assume is measured, not assumed (``pergrad_viz.probe``): samples that do not interact,
+What the rules may assume is measured, not assumed (``pergrad_viz.engine.probe``): samples that do not interact,
 where each layer's tensors hold the samples, and which layer's forward contains every use of each
 trainable parameter. Every call checks the shapes it captured against that plan.
 
@@ -27,14 +27,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..batch import Batch, as_pytree, from_pytree
-from ..errors import UnsupportedModelError
-from ..losses import LossFn, summed_per_sample_loss
-from ..probe import SHARED, CallSpec, LayerPlan, Plan, outputs_close, plan_for, tensors_of
-from ..rules import Captured, call_rule_for, capture_for, rule_for
-from ..rules.fallback import per_sample_vjp
-from ..trainable import Trainable
-from ._common import flat_outputs
+from pergrad_viz.core.batch import Batch, as_pytree, from_pytree
+from pergrad_viz.core.losses import LossFn, summed_per_sample_loss
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.probe import SHARED, CallSpec, LayerPlan, Plan, outputs_close, plan_for, tensors_of
+from pergrad_viz.errors import UnsupportedModelError
+from pergrad_viz.rules import Captured, call_rule_for, capture_for, rule_for
+from pergrad_viz.rules.fallback import per_sample_vjp
+from pergrad_viz.strategies.outputs import flat_outputs
 
 SLOW_BASELINE = False  # timed at every size by the benchmarks
 BATCHED_FORWARD = True  # one forward pass over the whole batch: refused where samples interact

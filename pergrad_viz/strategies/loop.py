@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import Batch, cut
-from ..losses import LossFn, scalar_loss
-from ..trainable import Trainable
-from ._common import write
+from pergrad_viz.core.batch import Batch, cut
+from pergrad_viz.core.losses import LossFn, scalar_loss
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.strategies.outputs import write
 
 SLOW_BASELINE = True  # a baseline: skipped by the benchmarks above their size limit
 BATCHED_FORWARD = False  # each sample alone

@@ -18,10 +18,10 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 from torch.utils._pytree import tree_map
 
-from ..batch import Batch
-from ..errors import UnsupportedModelError
-from ..losses import LossFn, scalar_loss
-from ..trainable import Trainable
+from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.losses import LossFn, scalar_loss
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.errors import UnsupportedModelError
 
 SLOW_BASELINE = False  # vectorised: timed at every size by the benchmarks
 BATCHED_FORWARD = False  # each sample alone: right even where samples would interact in a batch

@@ -1,0 +1,213 @@
+"""Per-sample losses from one batched forward pass.
+
+"The loss of sample i" is ``loss_fn(output[i:i+1], targets[i:i+1])``: exactly what the naive loop
+computes, whatever ``loss_fn``'s reduction. For the common ``torch.nn`` losses this is computed with
+``reduction='none'`` and a per-sample sum or mean; any other callable goes through ``torch.func.vmap``
+(or, if it cannot be vmapped, a loop over samples on the already computed outputs).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from pergrad_viz.core.batch import as_pytree, cut, from_pytree
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Losses whose reduction='none' output is one term per element, so that 'sum' / 'mean' over the
+# elements of one sample equals the loss of that sample alone.
+_ELEMENTWISE = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss,
+                nn.SoftMarginLoss)
+_CLASS_INDEX = (nn.CrossEntropyLoss, nn.NLLLoss)
+
+
+def check_loss(loss_fn: object) -> None:
+    """Refuse what cannot give one scalar loss per sample: a loss class instead of an instance, and
+    ``reduction='none'`` (one loss per element). The same rule for every strategy."""
+    if isinstance(loss_fn, type):
+        raise TypeError(
+            f"loss_fn is the class {loss_fn.__name__}, not a loss: pass an instance, e.g. {loss_fn.__name__}() "
+            f"or {loss_fn.__name__}(reduction='sum')"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {type(loss_fn).__name__}")
+    if getattr(loss_fn, "reduction", None) == "none":
+        raise ValueError(
+            f"{type(loss_fn).__name__}(reduction='none') returns one loss per element, but a per-sample gradient "
+            "needs one scalar loss per sample: use reduction='sum' or reduction='mean' (the per-sample gradient is "
+            "the gradient of loss_fn(model(x[i:i+1]), y[i:i+1]))"
+        )
+
+
+def _class_targets_fit(loss_fn: object, output: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Class-index targets (B, d1, ...) for logits (B, C, d1, ...), or (CrossEntropyLoss) class probabilities
+    of the logits' shape: no broadcasting anywhere."""
+    if output.dim() < 2:
+        return False
+    if targets.is_floating_point():
+        return type(loss_fn) is nn.CrossEntropyLoss and targets.shape == output.shape
+    return tuple(targets.shape) == (output.shape[0], *output.shape[2:])
+
+
+def _weights_fit(loss_fn: object, output: torch.Tensor) -> bool:
+    """Element weights that broadcast over one sample's elements only (never across samples)."""
+    for attr in ("weight", "pos_weight"):
+        w = getattr(loss_fn, attr, None)
+        if isinstance(w, torch.Tensor) and w.dim() >= output.dim():
+            return False
+    return True
+
+
+def _fast_path_ok(loss_fn: LossFn, output: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Whether one batched call with reduction='none' is provably the per-sample losses for this call: an
+    exact ``torch.nn`` loss type (a subclass may override forward), shapes that need no broadcasting."""
+    reduction = getattr(loss_fn, "reduction", None)
+    if not (isinstance(output, torch.Tensor) and isinstance(targets, torch.Tensor)) or reduction not in ("sum", "mean"):
+        return False
+    if output.dim() == 0 or output.shape[0] != targets.shape[0]:
+        return False
+    if type(loss_fn) in _ELEMENTWISE:
+        return output.shape == targets.shape and _weights_fit(loss_fn, output)
+    if type(loss_fn) in _CLASS_INDEX:
+        if not _class_targets_fit(loss_fn, output, targets):
+            return False
+        if reduction == "sum":
+            return True
+        # 'mean' is a weighted mean, and 0/0 for a sample whose targets are all ignored.
+        ignored = not targets.is_floating_point() and bool((targets == loss_fn.ignore_index).any())
+        return loss_fn.weight is None and not ignored
+    return False
+
+
+def _not_scalar(shape: tuple) -> ValueError:
+    return ValueError(
+        f"loss_fn returned a tensor of shape {tuple(shape)} for one sample instead of a scalar: a per-sample "
+        "gradient needs loss_fn(output, targets) to return one number (reduce it, e.g. .sum() or reduction='sum')"
+    )
+
+
+def scalar_loss(loss: torch.Tensor) -> torch.Tensor:
+    """One sample's loss as a 0-dim tensor (a (1,)-shaped one is accepted); anything larger is refused."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn must return a torch.Tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise _not_scalar(tuple(loss.shape))
+    return loss.reshape(())
+
+
+def _check_scalars(losses: torch.Tensor, batch: int) -> torch.Tensor:
+    if losses.shape[:1] != (batch,) or losses[0].numel() != 1:
+        raise _not_scalar(tuple(losses.shape[1:]))
+    return losses.reshape(batch)
+
+
+def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch.Tensor:
+    """Loss of each sample, shape (B,), differentiable with respect to ``output``.
+
+    ``output`` is (B, *out) from one batched forward (or a tuple / dict of such tensors, each with the samples
+    first), ``targets`` is (B, ...). Element i equals ``loss_fn(output[i:i+1], targets[i:i+1])`` (every tensor
+    of the output sliced alike).
+    """
+    if _fast_path_ok(loss_fn, output, targets):
+        unreduced = copy.copy(loss_fn)
+        unreduced.reduction = "none"
+        terms = unreduced(output, targets)
+        terms = terms.reshape(terms.shape[0], -1)
+        return terms.sum(1) if loss_fn.reduction == "sum" else terms.mean(1)
+    batch = next(t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)).shape[0]
+    output = as_pytree(output)
+    dims = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else None, output)
+    try:
+        losses = torch.func.vmap(lambda o, t: loss_fn(from_pytree(_sample(o, None)), _sample(t, None)),
+                                 in_dims=(dims, 0))(output, targets)
+    except Exception:  # loss functions that vmap cannot batch (data-dependent control flow, .item(), ...)
+        losses = [torch.as_tensor(loss_fn(from_pytree(cut(output, slice(i, i + 1), batch)),
+                                          cut(targets, slice(i, i + 1), batch))) for i in range(batch)]
+        if any(t.dim() for t in losses):
+            return _check_scalars(torch.stack([t.reshape(-1) for t in losses]), batch)
+        losses = torch.stack(losses)
+    return _check_scalars(losses, batch)
+
+
+def _sample(output: object, i: None) -> object:
+    """One sample of a batched output under vmap, as a batch of one (unsqueezed)."""
+    return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, output)
+
+
+def summed_per_sample_loss(loss_fn: LossFn, output: object, targets: object) -> torch.Tensor:
+    """``per_sample_losses(loss_fn, output, targets).sum()``, a scalar, in one call of ``loss_fn`` where
+    the reduction allows: 'sum' is already that sum, and 'mean' over equally sized samples is it / B."""
+    if _fast_path_ok(loss_fn, output, targets):
+        total = loss_fn(output, targets)
+        return total * output.shape[0] if loss_fn.reduction == "mean" else total
+    return per_sample_losses(loss_fn, output, targets).sum()
+
+
+# ------------------------------------------------------------------------------------- losses of fine-tuned models
+
+IGNORE_INDEX = -100  # Hugging Face's label for a token without a target (padding, the prompt)
+
+
+def logits_of(output: object) -> torch.Tensor:
+    """The logits of a model's output: the tensor itself, ``output.logits`` (a Hugging Face ``ModelOutput``, any
+    object with that attribute) or ``output["logits"]`` (a dict)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError("expected logits: a tensor, or an output with .logits or ['logits'], got "
+                        f"{type(output).__name__}")
+    return logits
+
+
+def causal_lm_loss(output: object, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy of a causal language model, one mean per sample.
+
+    ``output``: logits (B, T, V), or a model output holding them (see :func:`logits_of`); ``labels`` (B, T) token
+    ids, ``-100`` where a position has no target. Position t predicts ``labels[:, t + 1]`` (the shift by one is done
+    here, as in Hugging Face's models, so ``labels`` may be the ``input_ids`` with padding set to -100).
+
+    The loss of sample i is the mean of its own non-ignored tokens' losses (0 for a sample without any). This is the
+    per-sample definition, ``loss(output[i:i+1], labels[i:i+1])``, and it differs from the token mean of a batch that
+    Hugging Face's ``model(..., labels=...)`` returns, which weights each sample by its number of tokens (a sample
+    with more tokens counts more) and so is not a sum of per-sample losses. ``reduction``: "mean" (default: the mean
+    over samples of the per-sample losses), "sum", or "none" ((B,) per-sample losses).
+    """
+    logits = logits_of(output)
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"causal_lm_loss needs logits (B, T, V) and labels (B, T), got {tuple(logits.shape)} and "
+                         f"{tuple(labels.shape)}")
+    shifted = labels[:, 1:]
+    terms = F.cross_entropy(logits[:, :-1].transpose(1, 2), shifted, ignore_index=IGNORE_INDEX,
+                            reduction="none")  # (B, T - 1), 0 where ignored
+    counts = (shifted != IGNORE_INDEX).sum(1).clamp_min(1)
+    return _reduce(terms.sum(1) / counts, reduction)
+
+
+def sequence_classification_loss(output: object, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of class logits (B, C) (or a model output holding them, see :func:`logits_of`) against class
+    indices (B,): one term per sample, so the loss of sample i is its own cross-entropy. ``reduction`` as for
+    :func:`causal_lm_loss`."""
+    logits = logits_of(output)
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"sequence_classification_loss needs logits (B, C) and labels (B,), got "
+                         f"{tuple(logits.shape)} and {tuple(labels.shape)}")
+    return _reduce(F.cross_entropy(logits, labels, reduction="none"), reduction)
+
+
+def _reduce(per_sample: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "mean":
+        return per_sample.mean()
+    if reduction == "sum":
+        return per_sample.sum()
+    if reduction == "none":
+        return per_sample
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")

@@ -1,0 +1,219 @@
+"""What a call works on: the model's trainable parameters, checks of the model's modes, the guard
+that leaves the user's model as it was found."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pergrad_viz.errors import UndefinedPerSampleError
+
+if TYPE_CHECKING:
+    from pergrad_viz.core.batch import Batch
+
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_RANDOM_IN_TRAINING = (*_DROPOUT, nn.RReLU)  # draw random numbers on every forward in training mode
+
+
+@dataclass(frozen=True)
+class Trainable:
+    """A model and its trainable parameters, in ``named_parameters()`` order."""
+
+    model: nn.Module
+    names: tuple[str, ...]
+    params: tuple[nn.Parameter, ...]
+    modules: tuple[tuple[str, nn.Module], ...]  # named_modules(), walked once per call
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # scratch space for one call
+    select: Callable[[object], torch.Tensor] | None = None  # the output tensor a Jacobian differentiates
+
+    def selecting(self, select: Callable[[object], torch.Tensor]) -> Trainable:
+        """The same trainable parameters, with Jacobians of ``select(model output)``."""
+        return dataclasses.replace(self, select=select, cache={})
+
+    def outputs(self, batch: Batch) -> torch.Tensor | object:
+        """The model's output on ``batch``, or the tensor ``select`` picks from it (what a Jacobian differentiates)."""
+        out = batch(self.model)
+        return out if self.select is None else self.select(out)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Trainable:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        lazy = next((n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)), None)
+        if lazy is not None:
+            raise ValueError(
+                f"parameter '{lazy}' is not initialised yet (a lazy module such as nn.LazyLinear): run one forward "
+                "pass first, e.g. model(inputs[:1]), so that its shape is known"
+            )
+        if not named:
+            raise ValueError(
+                "the model has no trainable parameters (none with requires_grad=True): there is nothing "
+                "to differentiate; unfreeze some with p.requires_grad_(True)"
+            )
+        names, params = zip(*named, strict=True)
+        return cls(model, tuple(names), tuple(params), tuple(model.named_modules()))
+
+    @property
+    def shapes(self) -> dict[str, torch.Size]:
+        return {n: p.shape for n, p in zip(self.names, self.params, strict=True)}
+
+    @property
+    def num_params(self) -> int:
+        """P, the number of trainable scalars."""
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def largest_param(self) -> int:
+        """The number of elements of the largest trainable parameter."""
+        return max(p.numel() for p in self.params)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def frozen_state(self) -> dict[str, torch.Tensor]:
+        """Frozen parameters and buffers, by name, for ``torch.func.functional_call``."""
+        trainable = set(self.names)
+        state = {n: p for n, p in self.model.named_parameters() if n not in trainable}
+        state.update(dict(self.model.named_buffers()))
+        return state
+
+
+def check_modes(model: nn.Module | Trainable) -> None:
+    """Refuse layers whose per-sample gradients are undefined or random in the model's current mode.
+
+    BatchNorm that uses batch statistics mixes the samples of a batch, so "the gradient of sample i"
+    depends on the other samples; Dropout in training mode draws different masks in each strategy.
+    """
+    for name, m in model.modules if isinstance(model, Trainable) else model.named_modules():
+        label = f"{name or 'model'} ({type(m).__name__})"
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
+            raise UndefinedPerSampleError(
+                f"{label} normalises with batch statistics, which mixes the samples of a batch, so "
+                "per-sample gradients are not defined. Call model.eval() to use the running statistics, "
+                "or use GroupNorm / LayerNorm instead of BatchNorm."
+            )
+        if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.training and m.track_running_stats:
+            raise UndefinedPerSampleError(
+                f"{label} has track_running_stats=True in training mode: every forward pass would update its "
+                "running statistics, so computing per-sample gradients would change your model. Call model.eval() "
+                "or create it with track_running_stats=False."
+            )
+        internal_dropout = (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) or (
+            isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
+        if internal_dropout and m.training:
+            raise UndefinedPerSampleError(
+                f"{label} applies dropout={m.dropout} in training mode: it would draw different random masks in each "
+                "strategy and each sample, so results would be random and not comparable. Call model.eval() (or "
+                "create it with dropout=0) before computing per-sample gradients."
+            )
+        if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0:
+            raise UndefinedPerSampleError(
+                f"{label} is in training mode: it would draw different random numbers (masks, slopes) in each strategy "
+                "and each sample, so results would be random and not comparable. Call model.eval() "
+                "(or set p=0) before computing per-sample gradients."
+            )
+        if isinstance(m, nn.Embedding) and m.max_norm is not None:
+            raise UndefinedPerSampleError(
+                f"{label} has max_norm={m.max_norm}, which rewrites its weight in place on every forward "
+                "pass; per-sample gradients would change your model. Renormalise once yourself and "
+                "create the Embedding with max_norm=None."
+            )
+        if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
+            raise UndefinedPerSampleError(
+                f"{label} has scale_grad_by_freq=True, which scales each token's gradient by its count in the "
+                "whole batch, so the gradient of one sample would depend on the other samples. Create the "
+                "Embedding with scale_grad_by_freq=False."
+            )
+
+
+def hooked_parameter(trainable: Trainable) -> str | None:
+    """The name of a trainable parameter with a gradient hook (``p.register_hook``), if any: ``torch.autograd.grad``
+    (the loop) applies such hooks; the batched strategies compute the plain gradient and cannot."""
+    return next((n for n, p in zip(trainable.names, trainable.params, strict=True) if p._backward_hooks), None)
+
+
+@contextlib.contextmanager
+def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
+    """Leave ``model`` as it was found, and compute gradients whatever the caller's grad mode.
+
+    Inside: gradients are recorded even under the caller's ``torch.no_grad()`` or ``torch.inference_mode()`` (the
+    per-sample definition does not depend on them). On exit, even on error: every module's training flag, every
+    module's parameter and buffer objects (``torch.func`` can leave plain tensors where a module reachable under two
+    names had Parameters) and every buffer's values are as they were. A forward pass that wrote a buffer (running
+    statistics, ``spectral_norm``'s power iteration) is undone and, if nothing else failed, refused with
+    :class:`UndefinedPerSampleError`: computing per-sample gradients must not change the model.
+
+    Strategies never call ``backward()`` (so ``.grad`` is untouched) and remove their own hooks.
+    """
+    named = list(model.modules) if isinstance(model, Trainable) else list(model.named_modules())
+    flags = [(m, m.training) for _, m in named]
+    named = [(n, m) for n, m in named if not isinstance(m, torch.jit.ScriptModule)]  # TorchScript keeps its own
+    slots = [(m, dict(m._parameters), dict(m._buffers)) for _, m in named]
+    buffers = {}  # id -> (name, tensor, version, copy)
+    for name, m in named:
+        for bname, b in m._buffers.items():
+            if b is not None and id(b) not in buffers and not b.is_inference():
+                buffers[id(b)] = (f"{name}.{bname}" if name else bname, b, b._version, b.detach().clone())
+    failed = True
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            yield
+        failed = False
+    finally:
+        for m, flag in flags:
+            if m.training != flag:
+                m.training = flag
+        replaced = []
+        for (name, _), (m, params, bufs) in zip(named, slots, strict=True):
+            for attrs, saved in ((m._parameters, params), (m._buffers, bufs)):
+                if attrs.keys() != saved.keys() or any(attrs[k] is not v for k, v in saved.items()):
+                    if attrs is m._buffers:
+                        replaced.append(name)
+                    attrs.clear()
+                    attrs.update(saved)
+        written = [name for name, b, version, copy in buffers.values() if b._version != version] + replaced
+        for _name, b, version, copy in buffers.values():
+            if b._version != version:
+                with torch.no_grad():
+                    b.copy_(copy)
+    if written and not failed:
+        raise UndefinedPerSampleError(
+            f"the forward pass writes the buffer '{written[0]}' (e.g. running statistics in training mode, or "
+            "spectral_norm's power iteration), so computing per-sample gradients would change your model and each "
+            "sample would see another model. The buffer was restored. Call model.eval() first, or compute with a copy "
+            "of the model whose buffers you do not need to keep."
+        )
+
+
+def computing_gradients(fn: Callable) -> Callable:
+    """Decorator for a public entry point: its body runs with gradients recorded and outside inference mode, whatever
+    the caller's mode, so that what it allocates (results, norms) are normal tensors it may write into."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def normal_tensor(t: object) -> object:
+    """``t``, or a normal copy of it if it was created under ``torch.inference_mode()`` (autograd cannot save
+    inference tensors for backward); call inside :func:`restoring_modes` (or ``inference_mode(False)``)."""
+    if isinstance(t, torch.Tensor) and t.is_inference():
+        with torch.inference_mode(False):
+            return t.clone()
+    return t

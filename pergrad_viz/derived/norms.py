@@ -1,0 +1,231 @@
+"""Per-sample gradient norms, without materialising the (B, P) per-sample gradients where the model allows it.
+
+Shapes: B samples, P trainable scalars, T positions a layer sees per sample (tokens, or the number of
+times a shared layer is called), ``in`` / ``out`` a Linear layer's features, V x D an Embedding.
+
+With the ``hooks`` strategy (what ``"auto"`` picks unless the probe of the model says it cannot be trusted)
+the norms come from one forward pass that captures each layer's input and one backward pass to the layer
+outputs, then, per layer:
+
+* ``nn.Linear`` on (B, in): ``||dL/dW_i||^2 = ||g_i||^2 ||a_i||^2`` and ``||dL/db_i||^2 = ||g_i||^2``
+  (the "ghost norm": the outer product g_i a_i^T is never formed);
+* ``nn.Linear`` on (B, T, in), or called T times: ``sum_{t,s} (a_t . a_s)(g_t . g_s)`` from two (B, T, T)
+  Gram matrices when ``T * T < in * out``, else the layer's own (B, out, in) gradient;
+* ``nn.Embedding``: the rows a sample touches, summed per (sample, token) with ``index_add`` and squared:
+  O(B T D) work and memory, never the (B, V, D) gradient (``padding_idx`` rows are zero);
+* ``nn.Conv1d`` / ``nn.Conv2d`` (groups=1): as a Linear from each patch's C_in * k values to C_out at the L
+  output positions (the Gram form when ``L * L`` is the cheaper);
+* every other layer (closed-form rules: norms, recurrent, attention; the per-layer fallback), and every
+  layer owning a parameter tied to another layer (e.g. an Embedding and an output Linear sharing one
+  weight): that layer's per-sample gradient (B, *param.shape) from its rule, summed over calls and over
+  the layers sharing the parameter, then its norm. Still never the whole (B, P).
+
+Other strategies (and ``"auto"`` where the probe refuses ``hooks``) materialise the per-sample gradients
+with :func:`pergrad_viz.per_sample_grads` one chunk of samples at a time and take their norms.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from pergrad_viz import api
+from pergrad_viz.core.batch import Batch, Inputs, cut
+from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.memory import default_budget, result_bytes, working_bytes
+from pergrad_viz.core.trainable import Trainable, computing_gradients, normal_tensor, restoring_modes
+from pergrad_viz.engine.certify import CheckFailedError, check_norms
+from pergrad_viz.engine.probe import plan_for
+from pergrad_viz.rules import GhostRule, ghost_rule_for
+from pergrad_viz.strategies import hooks
+
+
+@computing_gradients
+def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, *,
+                          strategy: str = "auto", per_parameter: bool = False, chunk_size: int | None = None,
+                          verify: bool = True, model_kwargs: Mapping | None = None
+                          ) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The L2 norm of each sample's gradient, over all trainable parameters (or per parameter).
+
+    The gradient of sample i is the one :func:`pergrad_viz.per_sample_grads` returns: the gradient of
+    ``loss_fn(model(inputs[i:i+1]), targets[i:i+1])`` with respect to every parameter with
+    ``requires_grad``. With ``strategy="auto"`` or ``"hooks"`` on a model whose layers all have rules, the
+    (B, P) gradients are never built (see the module docstring); otherwise they are built ``chunk_size``
+    samples at a time (by default as many as fit in half of the free memory) and reduced to norms.
+
+    Args:
+        model: any ``nn.Module``; left exactly as it was (no hooks, same parameters, ``.grad`` and modes).
+        loss_fn: ``loss_fn(output, targets) -> scalar``, e.g. ``nn.CrossEntropyLoss()``.
+        inputs: (B, ...) on the model's device (integer dtype for Embedding models), or a tuple / dict of
+            tensors as :func:`pergrad_viz.per_sample_grads` takes them.
+        targets: (B, ...), or a tuple / dict of (B, ...) tensors.
+        strategy: ``"auto"`` or one of :data:`pergrad_viz.STRATEGIES`.
+        per_parameter: return ``{name: (B,)}`` norms per trainable parameter instead of the total (B,).
+        chunk_size: process at most this many samples at a time.
+        model_kwargs: more keyword arguments for the model, cut like the inputs (see ``pergrad_viz.core.batch``).
+        verify: check one randomly drawn sample's norms against that sample computed alone, as
+            :func:`pergrad_viz.per_sample_grads` does (``pergrad_viz.engine.certify``); ``False`` skips it.
+
+    Returns:
+        (B,) norms in the parameters' dtype, or ``{name: Tensor (B,)}`` in ``named_parameters()`` order
+        (trainable parameters only) if ``per_parameter``; the total is the root of the sum of their squares.
+
+    Raises:
+        ValueError: as :func:`pergrad_viz.per_sample_grads` (mismatched batch sizes, empty batch, unknown
+            strategy, no trainable parameters, bad ``chunk_size``); :class:`UnsupportedModelError` for
+            BatchNorm or Dropout in training mode, or ``strategy="hooks"`` where it cannot be trusted.
+        TypeError: ``per_parameter`` is not a bool.
+    """
+    if not isinstance(per_parameter, bool):
+        raise TypeError(f"per_parameter must be True or False, got {per_parameter!r}")
+    targets = tree_map(normal_tensor, targets)
+    trainable, resolved, inputs, chunk = api._prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
+                                                      model_kwargs)
+    squared = None
+    if resolved == "hooks":
+        try:
+            squared = _ghost_squared_norms(trainable, loss_fn, inputs, targets, chunk)
+            if verify:
+                with restoring_modes(trainable):
+                    check_norms(trainable, loss_fn, inputs, targets, squared, "hooks")
+        except (hooks.PlanMismatchError, CheckFailedError) as e:
+            if strategy != "auto":
+                raise
+            if isinstance(e, CheckFailedError):
+                plan_for(trainable, inputs).interaction = f"the samples interact: {str(e).split(' (')[0]}"
+            squared, resolved = None, "torch_func"  # each sample alone
+    if squared is None:
+        # Under auto, per_sample_grads(strategy="auto") hands over from torch_func to the loop where it must.
+        squared = _materialised_squared_norms(trainable, resolved, "auto" if strategy == "auto" else resolved,
+                                              loss_fn, inputs, targets, chunk_size, verify)
+    if per_parameter:
+        return {name: s.sqrt() for name, s in squared.items()}
+    return torch.stack(list(squared.values())).sum(0).sqrt()
+
+
+def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
+                         chunk: int) -> dict[str, torch.Tensor]:
+    """{name: (B,) squared norms}: per chunk 1 forward with hooks, 1 backward to the layer outputs."""
+    batch = inputs.size
+    squared = {n: torch.zeros(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
+    with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
+        for start in range(0, batch, chunk):
+            rows = slice(start, min(start + chunk, batch))
+            calls, grads = hooks.loss_gradients(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
+            tied = tied_names(calls)
+            summed: dict[str, torch.Tensor] = {}  # tied parameters: (B, *shape), summed over their layers
+            for layer, seen in group_calls(calls, grads).values():
+                local = layer.local
+                if tied.isdisjoint(local.values()):
+                    for local_name, sq in layer_squared_norms(layer, seen).items():
+                        squared[local[local_name]][rows] = sq
+                    continue
+                for local_name, g in dense_grads(layer, seen).items():
+                    name = local[local_name]
+                    summed[name] = g[0] if name not in summed else summed[name] + g[0]
+            for name, g in summed.items():
+                squared[name][rows] = row_squared_norms(g)
+    return squared
+
+
+def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn,
+                                inputs: Batch, targets: object, chunk_size: int | None,
+                                verify: bool = True) -> dict[str, torch.Tensor]:
+    """{name: (B,) squared norms} from :func:`pergrad_viz.per_sample_grads` with ``strategy``, one chunk of samples
+    at a time (chunks sized for ``resolved``, the strategy it runs)."""
+    batch = inputs.size
+    if chunk_size is None:
+        p = trainable.num_params
+        per_sample = result_bytes(1, p, trainable.dtype) + working_bytes(resolved, 1, 1, p, trainable.dtype)
+        chunk = max(1, min(batch, default_budget(trainable.device) // per_sample))
+    else:
+        chunk = min(chunk_size, batch)
+    squared = {n: torch.empty(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
+    for start in range(0, batch, chunk):
+        rows = slice(start, min(start + chunk, batch))
+        grads = api.per_sample_grads(trainable.model, loss_fn, inputs.rows(rows), cut(targets, rows, batch),
+                                     strategy=strategy, verify=verify)
+        for name, g in grads.items():
+            squared[name][rows] = row_squared_norms(g)
+    return squared
+
+
+# Pieces shared with pergrad_viz.derived.ntk ------------------------------------------------------------------
+
+
+def row_squared_norms(g: torch.Tensor) -> torch.Tensor:
+    """(B,) squared L2 norms of the rows of a (B, *shape) per-sample gradient; ``shape`` may be () (a 0-dim
+    parameter such as a learnable temperature gives (B,), where ``flatten(1)`` would fail)."""
+    return g.reshape(g.shape[0], -1).square().sum(1)
+
+
+# What one layer's calls saw: per call, the call and its output gradients (each (N, *output.shape) or None).
+Seen = list[tuple[hooks.Call, list]]
+
+
+def group_calls(calls: Sequence[hooks.Call], grads: Sequence[list]) -> dict[int, tuple[hooks.Layer, Seen]]:
+    """Calls that reach the output, grouped by layer: {id(module): (layer, [(call, grads)])}."""
+    grouped: dict[int, tuple[hooks.Layer, Seen]] = {}
+    for call, g in zip(calls, grads, strict=True):
+        if all(t is None for t in g):  # this call does not reach the output: it contributes nothing
+            continue
+        grouped.setdefault(id(call.layer.module), (call.layer, []))[1].append((call, g))
+    return grouped
+
+
+def tied_names(calls: Sequence[hooks.Call]) -> set[str]:
+    """Full names of the parameters that more than one layer handles (tied weights)."""
+    layers = {id(c.layer.module): c.layer for c in calls}
+    owners = Counter(name for layer in layers.values() for name in layer.local.values())
+    return {name for name, count in owners.items() if count > 1}
+
+
+def ghost_rule(layer: hooks.Layer) -> GhostRule | None:
+    """The layer's :class:`~pergrad_viz.rules.GhostRule` where its closed-form rule applies, else None."""
+    return ghost_rule_for(layer.module) if layer.kind == "rule" else None
+
+
+def ghost_kind(layer: hooks.Layer) -> str | None:
+    """``"linear"`` or ``"embedding"`` for the layers handled without their per-sample gradient, else None."""
+    ghost = ghost_rule(layer)
+    return None if ghost is None else ghost.kind
+
+
+def stack_calls(kind: str | None, layer: hooks.Layer, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
+    """All calls of a ghost-rule layer as one call on T positions (a shared layer's calls add up): for a Linear
+    a is (B, T, in) and g (N, B, T, out); for an Embedding a is the (B, T) indices and g (N, B, T, D)."""
+    seen_first = [(call.activation, call.rule_grad(gs[0])) for call, gs in seen]  # the samples first
+    return ghost_rule_for(layer.module).stack(layer.module, seen_first)
+
+
+def _empty_like_params(layer: hooks.Layer, n: int, batch: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
+    module = layer.module
+    return {ln: torch.empty(n, batch, *module.get_parameter(ln).shape, dtype=like.dtype, device=like.device)
+            for ln in layer.local}
+
+
+def dense_grads(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
+    """One layer's per-sample gradients, summed over calls: {local name: (N, B, *param.shape)}."""
+    total: dict[str, torch.Tensor] = {}
+    for call, gs in seen:
+        g = next(t for t in gs if t is not None)
+        n = g.shape[0]
+        batch = call.outputs[0].shape[call.spec.out_dims[0]] if call.spec.out_dims[0] is not None else 0
+        out = _empty_like_params(layer, n, batch, g)
+        hooks.call_grads(call, gs, out)
+        for ln, t in out.items():
+            total[ln] = t if ln not in total else total[ln].add_(t)
+    return total
+
+
+def layer_squared_norms(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
+    """{local name: (B,) squared per-sample gradient norm} of one layer; ``seen`` has N = 1."""
+    ghost = ghost_rule(layer)
+    if ghost is None:  # convolutions, norms, recurrent, fallback: this one layer's (B, *param.shape) gradient
+        return {ln: row_squared_norms(t[0]) for ln, t in dense_grads(layer, seen).items()}
+    a, g = stack_calls(ghost.kind, layer, seen)
+    return ghost.squared_norms(layer.module, a, g[0], layer.local)

@@ -1,0 +1,243 @@
+"""The empirical neural tangent kernel ``K[i, j] = J(x1_i) J(x2_j)^T``, from the layer rules.
+
+J(x) is the (Y, P) Jacobian of one sample's Y outputs with respect to the P trainable parameters, so
+``K = sum over layers of J_layer(x1_i) J_layer(x2_j)^T``. Per input set, one forward pass captures each
+layer's input and one backward pass batched over the Y one-hot output vectors (as the ``hooks``
+strategy's Jacobian) gives the output gradients g (Y, N, ...) of every layer. Then, per layer:
+
+* ``nn.Linear`` (on (N, in), (N, T, in), or called several times): never the (N, Y, out, in) Jacobian:
+  ``K[i,j,y,z] = sum_{t,s} (a_{i,t} . a_{j,s}) (g_{y,i,t} . g_{z,j,s})`` plus the bias term
+  ``(sum_t g_{y,i,t}) . (sum_s g_{z,j,s})``; for (N, in) inputs this is ``(a_i . a_j) (g_{y,i} . g_{z,j})``;
+* ``nn.Embedding``: the same with ``[idx_{i,t} == idx_{j,s}]`` in place of ``a_{i,t} . a_{j,s}``;
+* either of them when that costs more than the layer's own Jacobian (many tokens, few parameters), every
+  other layer with a rule (convolutions, LayerNorm, GroupNorm, BatchNorm in eval mode), and every layer
+  owning a parameter tied to another layer: per parameter, the (Y, N, numel) Jacobian from the rules
+  (summed over the layers sharing it), contracted over its elements.
+
+Layers without a closed-form rule contribute their Jacobians from the per-layer fallback. Models where the
+probe refuses ``hooks`` fall back to :func:`pergrad_viz.per_sample_jacobian` ``(flat=True)`` (N, Y, P) and
+``einsum('iyp,jzp->ijyz')``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pergrad_viz import api
+from pergrad_viz.core.batch import Batch, Inputs
+from pergrad_viz.core.memory import check_budget, result_bytes
+from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
+from pergrad_viz.derived.norms import Seen, dense_grads, ghost_rule, group_calls, stack_calls, tied_names
+from pergrad_viz.engine.certify import CheckFailedError, check_ntk
+from pergrad_viz.rules import ghost_rule_for
+from pergrad_viz.strategies import hooks
+
+MODES: tuple[str, ...] = ("full", "trace")
+
+# A Linear / Embedding / Conv kept in Gram form: (kind, a (N, T, in) or indices (N, T), g (Y, N, T, out), layer,
+# the calls it came from).
+Ghost = tuple[str, torch.Tensor, torch.Tensor, hooks.Layer, Seen]
+
+
+@dataclass
+class _Features:
+    """What one chunk of N inputs contributes: Y, per-layer Gram pieces, per-parameter Jacobians."""
+
+    outputs: int  # Y
+    ghost: dict[nn.Module, Ghost] = field(default_factory=dict)
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)  # full parameter name -> (Y, N, numel)
+
+    def dense_for(self, other: _Features, skip: set[nn.Module]) -> dict[str, torch.Tensor]:
+        """Per-parameter Jacobians, with the Gram-form layers not in ``skip`` built from their pieces when
+        ``other`` holds those parameters as Jacobians (a layer in Gram form for one chunk only)."""
+        dense = dict(self.dense)
+        for module, (_kind, _a, _g, layer, seen) in self.ghost.items():
+            if module not in skip and any(name in other.dense for name in layer.local.values()):
+                _add_dense(dense, layer.local, dense_grads(layer, seen))
+        return dense
+
+
+def _add_dense(dense: dict[str, torch.Tensor], local: dict[str, str], grads: dict[str, torch.Tensor]) -> None:
+    """Add one layer's {local name: (Y, N, *shape)} Jacobians to {full name: (Y, N, numel)}; tied parameters
+    add up."""
+    for local_name, g in grads.items():
+        name, flat = local[local_name], g.reshape(*g.shape[:2], -1)  # 0-dim parameters too
+        dense[name] = flat if name not in dense else dense[name] + flat
+
+
+@computing_gradients
+def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mode: str = "full",
+                  chunk_size: int | None = None, max_bytes: int | None = None, verify: bool = True) -> torch.Tensor:
+    """The empirical NTK ``K[i, j] = J(x1_i) J(x2_j)^T`` over all trainable parameters.
+
+    Args:
+        model: any ``nn.Module``; left exactly as it was (no hooks, same parameters, ``.grad`` and modes).
+        x1: (N1, ...) inputs on the model's device.
+        x2: (N2, ...) inputs with the same feature shape and dtype as ``x1``; None means ``x2 = x1``
+            (then K is computed once per pair of chunks and is exactly symmetric).
+        mode: ``"full"`` for the (N1, N2, Y, Y) kernel, ``"trace"`` for its trace over the outputs (N1, N2).
+        chunk_size: at most this many samples per forward/backward pass and per block of K.
+        max_bytes: memory budget for the kernel (default: half of the memory available on the device);
+            :class:`~pergrad_viz.MemoryBudgetError` is raised before computing when K alone exceeds it.
+        verify: check one random entry K[i, j] against the two samples' Jacobians computed alone
+            (``pergrad_viz.engine.certify``; on a mismatch K is computed from per-sample Jacobians instead); ``False``
+            skips it.
+
+    Returns:
+        (N1, N2, Y, Y) for ``"full"`` (``K[i, j, y, z] = sum_p J(x1_i)[y, p] J(x2_j)[z, p]``), or (N1, N2)
+        for ``"trace"``; Y is the number of output elements per sample (an output (N, *out) is flattened).
+
+    Raises:
+        ValueError: unknown ``mode``, ``x1`` / ``x2`` with different feature shapes, dtypes or output sizes,
+            and everything :func:`pergrad_viz.per_sample_jacobian` refuses (empty batch, wrong device or
+            dtype, no trainable parameters, bad ``chunk_size``, BatchNorm / Dropout in training mode).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: 'full' (N1, N2, Y, Y) or 'trace' (N1, N2)")
+    trainable, strategy, x1, chunk = api._prepare(model, x1, None, "auto", chunk_size)
+    if x2 is not None:
+        x2 = api.batch_of(trainable, x2)
+        if x2.signature() != x1.signature():
+            raise ValueError(
+                "x1 and x2 must hold samples of the same kind (the same shapes past the batch dimension, dtypes and "
+                f"arguments): x1 is {_describe(x1)}, x2 is {_describe(x2)}; pass x2 with shape "
+                f"{_expected(x1)}, or x2=None for K(x1, x1)"
+            )
+    full = mode == "full"
+    with restoring_modes(trainable):
+        y_count = api.output_size(trainable, x1)
+    n1, n2 = x1.size, x1.size if x2 is None else x2.size
+    check_budget(what=f"an empirical NTK of {n1} x {n2} samples" + (f" x {y_count}^2 outputs" if full else ""),
+                 result=result_bytes(n1 * n2, 1, trainable.dtype, y_count * y_count if full else 1),
+                 working=0, max_bytes=max_bytes, allocate_result=True, device=trainable.device, batch=n1,
+                 chunk=chunk)
+    if strategy == "hooks" and (x2 is None or api.resolve_strategy("auto", trainable, x2) == "hooks"):
+        try:
+            kernel = _ghost_ntk(trainable, x1, x2, full, chunk)
+            if verify:
+                with restoring_modes(trainable):
+                    check_ntk(trainable, x1, x2, kernel, full)
+            return kernel
+        except (hooks.PlanMismatchError, CheckFailedError):
+            pass  # data-dependent layer calls, or a coupling the probe did not see: each sample alone
+    return _jacobian_ntk(model, x1, x2, full, chunk_size, verify)
+
+
+def _expected(x: Batch) -> str:
+    return ", ".join(f"(N2, {', '.join(map(str, t.shape[1:]))})" for t in x.leaves())
+
+
+def _describe(x: Batch) -> str:
+    return ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in x.named_leaves())
+
+
+def _jacobian_ntk(model: nn.Module, x1: Batch, x2: Batch | None, full: bool,
+                  chunk_size: int | None, verify: bool) -> torch.Tensor:
+    """The fallback: materialise (N, Y, P) Jacobians with :func:`pergrad_viz.per_sample_jacobian` and contract.
+
+    Always with ``torch_func``: what ``"auto"`` picks for layers without rules, and what works where a layer
+    sees its input as (N*T, ...) rows.
+    """
+    j1 = api.per_sample_jacobian(model, x1, strategy="auto", flat=True, chunk_size=chunk_size, verify=verify)
+    j2 = j1 if x2 is None else api.per_sample_jacobian(model, x2, strategy="auto", flat=True,
+                                                       chunk_size=chunk_size, verify=verify)
+    _check_outputs(j1.shape[1], j2.shape[1])
+    kernel = torch.einsum("iyp,jzp->ijyz" if full else "iyp,jyp->ij", j1, j2)
+    return _symmetrise(kernel, full) if x2 is None else kernel
+
+
+def _ghost_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, full: bool, chunk: int) -> torch.Tensor:
+    rows1 = [slice(s, min(s + chunk, x1.size)) for s in range(0, x1.size, chunk)]
+    rows2 = rows1 if x2 is None else [slice(s, min(s + chunk, x2.size)) for s in range(0, x2.size, chunk)]
+    with restoring_modes(trainable):
+        f1 = [_features(trainable, x1.rows(r), full) for r in rows1]
+        f2 = f1 if x2 is None else [_features(trainable, x2.rows(r), full) for r in rows2]
+    y_count = f1[0].outputs
+    for f in f1 + f2:
+        _check_outputs(y_count, f.outputs)
+    n2 = x1.size if x2 is None else x2.size
+    shape = (x1.size, n2, y_count, y_count) if full else (x1.size, n2)
+    kernel = torch.zeros(shape, dtype=trainable.dtype, device=trainable.device)
+    for b1, (r1, a) in enumerate(zip(rows1, f1, strict=True)):
+        for b2, (r2, b) in enumerate(zip(rows2, f2, strict=True)):
+            if x2 is None and b2 < b1:  # K(x, x) is symmetric: reuse the block above the diagonal
+                block = kernel[r2, r1].transpose(0, 1)
+                kernel[r1, r2] = block.transpose(2, 3) if full else block
+            else:
+                block = _kernel(a, b, full)
+                if block is not None:  # None: no layer reaches the output in both chunks, J J^T = 0
+                    kernel[r1, r2] = block
+    return _symmetrise(kernel, full) if x2 is None else kernel
+
+
+def _features(trainable: Trainable, inputs: Batch, full: bool) -> _Features:
+    """1 forward with hooks and 1 backward batched over the Y outputs; per layer ghost pieces or a Jacobian."""
+    calls, grads, y_count = hooks.output_gradients(trainable, inputs)  # each (Y, N, ...)
+    features = _Features(y_count)
+    tied = tied_names(calls)
+    for layer, seen in group_calls(calls, grads).values():
+        ghost = ghost_rule(layer)
+        if ghost is not None and tied.isdisjoint(layer.local.values()):
+            a, g = stack_calls(ghost.kind, layer, seen)
+            if gram_is_cheaper(ghost.kind, layer.module, a.shape[1], y_count, full):
+                features.ghost[layer.module] = (ghost.kind, a, g, layer, seen)
+                continue
+        _add_dense(features.dense, layer.local, dense_grads(layer, seen))
+    return features
+
+
+def gram_is_cheaper(kind: str, module: nn.Module, tokens: int, y_count: int, full: bool) -> bool:
+    """Whether the Gram form of a ghost-rule layer (``kind``: "linear", "embedding") costs fewer multiply-adds per
+    pair (i, j) than contracting the layer's (Y, P_layer) Jacobians (T = S = ``tokens`` positions per sample)."""
+    gram, dense = ghost_rule_for(module).gram_cost(module, tokens, y_count, y_count * y_count if full else y_count)
+    return gram <= dense
+
+
+def _kernel(a: _Features, b: _Features, full: bool) -> torch.Tensor | None:
+    """The block K(a, b): (Na, Nb, Y, Y) if ``full`` else (Na, Nb), summed over the layers both saw
+    (None if there is no such layer)."""
+    out, z = ("ijyz", "z") if full else ("ij", "y")
+    both = [m for m in a.ghost if m in b.ghost]  # ordered, so that the sum is reproducible
+    terms = [_gram_kernel(a.ghost[m], b.ghost[m], full) for m in both]
+    dense_a, dense_b = a.dense_for(b, set(both)), b.dense_for(a, set(both))
+    for name in dense_a:
+        if name in dense_b:
+            terms.append(torch.einsum(f"yip,{z}jp->{out}", dense_a[name], dense_b[name]))
+    return sum(terms[1:], terms[0]) if terms else None
+
+
+def _gram_kernel(ga: Ghost, gb: Ghost, full: bool) -> torch.Tensor:
+    """Linear / Embedding term: sum_{t,s} A[i,j,t,s] (g_{y,i,t} . g_{z,j,s}) (+ the bias term)."""
+    kind, a1, g1, layer, _seen = ga
+    local = layer.local
+    a2, g2 = gb[1], gb[2]
+    out, z = ("ijyz", "z") if full else ("ij", "y")
+    term = None
+    if "weight" in local:
+        overlap = ghost_rule_for(layer.module).overlap(a1, a2, g1.dtype)  # (N1, N2, T, S)
+        if overlap.shape[2] == overlap.shape[3] == 1:  # (N, in) inputs: (a_i . a_j) (g_{y,i} . g_{z,j})
+            gg = torch.einsum(f"yio,{z}jo->{out}", g1[:, :, 0], g2[:, :, 0])
+            term = gg * overlap[:, :, 0, 0].view(*overlap.shape[:2], *(1,) * (gg.dim() - 2))
+        else:
+            term = torch.einsum(f"ijts,yito,{z}jso->{out}", overlap, g1, g2)
+    if "bias" in local:
+        bias = torch.einsum(f"yio,{z}jo->{out}", g1.sum(2), g2.sum(2))
+        term = bias if term is None else term + bias
+    return term
+
+
+def _check_outputs(y1: int, y2: int) -> None:
+    if y1 != y2:
+        raise ValueError(
+            f"the model gives {y1} outputs per sample for x1 but {y2} for x2 (or for another chunk): the "
+            "kernel needs the same Y for all inputs; pass inputs of one size (or pad them)"
+        )
+
+
+def _symmetrise(kernel: torch.Tensor, full: bool) -> torch.Tensor:
+    """(K + K^T) / 2 with K^T[i, j, y, z] = K[j, i, z, y]: exact symmetry for K(x, x)."""
+    transposed = kernel.transpose(0, 1)
+    return (kernel + (transposed.transpose(2, 3) if full else transposed)) / 2

@@ -1,0 +1,522 @@
+"""What a batched fast path may assume about a model, found by running it on a few samples.
+
+Every strategy that evaluates the model once on the whole batch (``hooks``, ``autograd_stack``,
+``batched_grad``) is only right when the samples do not interact: row i of every layer's input and
+output inside the batch equals what that layer sees when sample i runs alone. The ``hooks`` strategy
+needs more: it must know, for each layer that owns trainable parameters, along which dimension each of
+the layer's inputs and outputs holds the samples, and which layer's forward contains every use of each
+parameter. Nothing of this is assumed; it is measured on a probe:
+
+* sample a alone (twice: outputs that differ for the same inputs are a random forward, refused), sample b alone
+  (two *different* samples of the call when there are any), and the pair as a batch of two in both orders, (a, b)
+  and (b, a) (a reordering of the rows by their data shows in one of them), each a forward pass with every module
+  hooked, under a forked RNG (the caller's random state is untouched);
+* a tensor's *batch dimension* is the one dimension whose size is 1 alone and 2 in the pair (all others
+  equal); a tensor with no such dimension is *shared* (e.g. a positional embedding of ``arange(T)``); a
+  tensor that changes any other way (e.g. (B*T, d) rows) is not per-sample;
+* rows of the pair are compared with the runs alone (values, with a tolerance per feature: a small difference next
+  to one very large feature is seen), and shared tensors must not change with the samples (a batch mean has the
+  shape of a shared tensor but not its values);
+* a ``TorchFunctionMode`` notes the stack of running modules at every use of a trainable parameter.
+
+Two batch sizes mean that no coincidence of sizes (T == B, layers == B) can pass for a batch dimension.
+The result, a :class:`Plan`, is cached per model and keyed by what can change it structurally: the input's
+shape past the batch, dtype and device, every module (identity, type, forward, hooks, and its plain attributes:
+the training flag, ``self.task``, any bool / number / string a forward may branch on) and every parameter
+(identity, shape, dtype, ``requires_grad``). Each real call re-checks the shapes it captured against the
+plan, which is cheap; what no structural key can see (values that switch a branch, a reordering or coupling a
+pair does not show) is left to the per-call check (``pergrad_viz.engine.certify``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_mod
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from pergrad_viz.core.batch import Batch, as_pytree, differs
+from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.errors import UndefinedPerSampleError
+from pergrad_viz.rules import call_rule_for, rule_for, rule_takes_batch_dim
+
+SHARED = None  # the batch dimension of a tensor that holds no samples
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """One call of a layer: the batch dimension (or SHARED) and the shape without it, for every tensor leaf
+    of its inputs (``(args, kwargs)`` flattened) and of its output."""
+
+    in_dims: tuple[int | None, ...]
+    in_rest: tuple[tuple[int, ...], ...]
+    out_dims: tuple[int | None, ...]
+    out_rest: tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class LayerPlan:
+    """A module whose per-sample parameter gradients come from its own calls.
+
+    ``kind`` is ``"rule"`` (a closed-form rule on (B, ...) input and output), ``"call"`` (a closed-form rule
+    for a layer with several inputs / outputs, e.g. LSTM) or ``"fallback"`` (``torch.func`` on this layer
+    alone). ``local`` maps the parameter's name inside the module (dotted for a descendant's parameter the
+    module uses itself, e.g. MultiheadAttention's ``out_proj.weight``) to its full name.
+    """
+
+    name: str
+    kind: str
+    local: dict[str, str]
+    calls: list[CallSpec] = field(default_factory=list)
+    captures_checked: set = field(default_factory=set)  # kinds of call whose capturing forward equals the layer's
+
+
+@dataclass
+class Plan:
+    layers: dict[str, LayerPlan]  # by module name, in named_modules() order
+    interaction: str | None  # where the samples interact (None: they do not)
+    hooks_problem: str | None  # why the hooks strategy cannot be used (None: it can)
+    verified: bool  # the probe had two different samples (else interaction could not be tested)
+    copy_captures: bool = False  # set once a forward modified a captured tensor in place (ReLU(inplace=True), +=)
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    if dtype == torch.float64:
+        return 1e-7, 1e-9
+    if dtype in (torch.float16, torch.bfloat16):
+        return 2e-2, 1e-3
+    return 1e-3, 1e-5
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """Equal up to rounding: relative to each element and, for the absolute part, to ``scale`` (the magnitude of
+    each feature over the probe's runs; default: of ``a`` and ``b`` here), floored at 1% of the largest magnitude in
+    the tensor: a small difference next to one very large feature is not hidden by that feature's size."""
+    if a.shape != b.shape:
+        return False
+    if not a.is_floating_point() and not a.is_complex():
+        return bool(torch.equal(a, b))
+    if a.numel() == 0:
+        return True
+    rtol, atol = _tolerance(a.dtype)
+    size = torch.maximum(a.abs(), b.abs()) if scale is None else scale
+    size = size.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # infinities (a -inf attention mask) compare equal
+    floor = max(float(size.max()) * 1e-2, 1.0)
+    ok = (a == b) | ((a - b).abs() <= rtol * b.abs() + atol * size.clamp(min=floor))
+    return bool((ok | (a.isnan() & b.isnan())).all())
+
+
+def outputs_close(a: object, b: object) -> bool:
+    """Whether two outputs of a layer hold the same tensors, equal up to rounding (tolerance by dtype)."""
+    ta, tb = tensors_of(a), tensors_of(b)
+    return len(ta) == len(tb) and all(_close(x.detach(), y.detach()) for x, y in zip(ta, tb, strict=True))
+
+
+def tensors_of(obj: object) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a tensor, or nested tuples / lists / dicts of them and other values), in
+    ``torch.utils._pytree`` order; the common cases without the pytree machinery (it costs per call)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if type(obj) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in obj):
+        return list(obj)
+    return [t for t in tree_flatten(as_pytree(obj))[0] if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class _Record:
+    """What every module saw in one probe run: {module name: [(input leaves, output leaves)]}."""
+
+    calls: dict[str, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = field(default_factory=dict)
+
+
+class _ParameterUses(TorchFunctionMode):
+    """Notes, for every torch function that receives a watched parameter and returns a tensor, the stack of
+    module names running at that moment (attribute reads such as ``p.requires_grad`` return no tensor and
+    do not count)."""
+
+    def __init__(self, watched: dict[int, str], stack: list[str]):
+        super().__init__()
+        self.watched = watched
+        self.stack = stack
+        self.uses: dict[str, list[tuple[tuple[str, ...], str]]] = {}
+        self.paused = False  # while the probe's own hooks run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self.paused:
+            return result
+        hits = [self.watched[id(t)] for t in tensors_of((args, kwargs)) if id(t) in self.watched]
+        if hits and tensors_of(result):
+            for name in hits:
+                self.uses.setdefault(name, []).append((tuple(self.stack), getattr(func, "__name__", str(func))))
+        return result
+
+
+class _RandomOps(TorchDispatchMode):
+    """Notes the innermost running module at the first operation that draws random numbers (the operations PyTorch
+    tags ``nondeterministic_seeded``: bernoulli, rand, randn, randperm, dropout, ...)."""
+
+    def __init__(self, stack: list[str]):
+        super().__init__()
+        self.stack = stack
+        self.first: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.first is None and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+            self.first = self.stack[-1] if self.stack else ""
+        return func(*args, **kwargs)
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of a seeded operation draws: not an attention kernel with ``dropout_p=0``, a dropout with
+    ``p=0`` / ``train=False`` or RReLU with ``training=False`` (those may take random numbers but use none)."""
+    schema = func._schema.arguments
+    values = {a.name: a.default_value for a in schema if a.has_default_value()}
+    values.update({a.name: v for a, v in zip(schema, args, strict=False)})
+    values.update(kwargs)
+    if (values.get("dropout_p", None) == 0 or values.get("p", None) == 0 or values.get("train", True) is False
+            or values.get("training", True) is False):
+        return False
+    return True
+
+
+def _run(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
+         random_ops: bool = False) -> tuple[_Record, dict | str | None]:
+    """One hooked forward of ``inputs``: what every module saw, and the parameter uses (``watch``) or, with
+    ``random_ops``, the module that first drew random numbers."""
+    record = _Record()
+    stack: list[str] = []
+    names = {id(m): n for n, m in trainable.modules}
+    mode = None if watch is None else _ParameterUses(watch, stack)
+    randomness = _RandomOps(stack) if random_ops else None
+
+    def enter(module, args, kwargs):
+        stack.append(names[id(module)])
+
+    def leave(module, args, kwargs, output):
+        name = stack.pop() if stack else names[id(module)]
+        if mode is not None:
+            mode.paused = True
+        ins = [t.detach().clone() for t in tensors_of((args, kwargs))]
+        outs = [t.detach().clone() for t in tensors_of(output)]
+        if mode is not None:
+            mode.paused = False
+        record.calls.setdefault(name, []).append((ins, outs))
+
+    handles = []
+    for _, module in trainable.modules:
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    uses: dict = {}
+    try:
+        with torch.enable_grad():  # the same code paths as the real capture (no inference fast paths)
+            if randomness is not None:
+                with randomness:
+                    inputs(trainable.model)
+                return record, randomness.first
+            if mode is None:
+                inputs(trainable.model)
+            else:
+                with mode:
+                    inputs(trainable.model)
+                uses = mode.uses
+    finally:
+        for h in handles:
+            h.remove()
+    return record, uses
+
+
+def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | str:
+    """The dimension that is 1 alone and 2 in the pair; SHARED if the shapes are equal; "bad" otherwise."""
+    if alone == pair:
+        return SHARED
+    if len(alone) != len(pair):
+        return "bad"
+    diff = [d for d, (a, p) in enumerate(zip(alone, pair, strict=True)) if a != p]
+    if len(diff) == 1 and alone[diff[0]] == 1 and pair[diff[0]] == 2:
+        return diff[0]
+    return "bad"
+
+
+def _pick_pair(inputs: Batch) -> tuple[int, int, bool]:
+    """Two samples of the call (two different ones where there are), and whether they differ."""
+    other = next((j for j in range(1, inputs.size) if differs(inputs, 0, j)), None)
+    return (0, other, True) if other is not None else (0, 0, False)
+
+
+def _describe(leaf: str, name: str, module: nn.Module) -> str:
+    return f"{leaf} of layer '{name or 'model'}' ({type(module).__name__})"
+
+
+class _Probe:
+    def __init__(self, trainable: Trainable, inputs: Batch):
+        self.trainable = trainable
+        self.modules = dict(trainable.modules)
+        a, b, self.verified = _pick_pair(inputs)
+        index = torch.tensor([a, b], device=inputs.device)
+        watch = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
+        device = trainable.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG untouched
+            self.alone_a, drew = _run(trainable, inputs.sample(a), None, random_ops=True)
+            again, _ = _run(trainable, inputs.sample(a), None)
+            self.alone_b, _ = _run(trainable, inputs.sample(b), None)
+            self.pair, self.uses = _run(trainable, inputs.rows(index), watch)
+            self.swapped, _ = _run(trainable, inputs.rows(index.flip(0)), None)  # a reordering by the data shows
+        self.random = drew if drew is not None else _first_difference(self.alone_a, again)
+        self.interaction: str | None = None
+        self.specs: dict[str, list[CallSpec] | str] = {}
+
+    def spec(self, name: str) -> list[CallSpec] | str:
+        """The call specs of module ``name``, or why its tensors are not per-sample; notes interactions."""
+        if name in self.specs:
+            return self.specs[name]
+        module = self.modules[name]
+        pair = self.pair.calls.get(name, [])
+        swapped = self.swapped.calls.get(name, [])
+        alone = [self.alone_a.calls.get(name, []), self.alone_b.calls.get(name, [])]
+        result: list[CallSpec] | str
+        if len(alone[0]) != len(pair) or len(alone[1]) != len(pair) or len(swapped) != len(pair):
+            result = (f"layer '{name or 'model'}' ({type(module).__name__}) is called {len(alone[0])} time(s) for one "
+                      f"sample but {len(pair)} time(s) for two: its calls depend on the batch")
+            self.interaction = self.interaction or result
+        else:
+            result = []
+            for k, (ins, outs) in enumerate(pair):
+                spec = self._call_spec(name, module, (ins, outs), swapped[k], [a[k] for a in alone])
+                if isinstance(spec, str):
+                    result = spec
+                    break
+                result.append(spec)
+        self.specs[name] = result
+        return result
+
+    def _call_spec(self, name, module, pair, swapped, alone) -> CallSpec | str:
+        dims: list[list[int | None]] = [[], []]
+        rests: list[list[tuple[int, ...]]] = [[], []]
+        for side, what in enumerate(("an input", "an output")):
+            leaves, swapped_leaves = pair[side], swapped[side]
+            alone_leaves = [a[side] for a in alone]
+            if any(len(a) != len(leaves) for a in (*alone_leaves, swapped_leaves)):
+                return f"{_describe(what, name, module)} changes structure with the batch size"
+            for k, leaf in enumerate(leaves):
+                single = [a[k] for a in alone_leaves]
+                dim = _batch_dim(single[0].shape, leaf.shape)
+                if dim == "bad" or single[1].shape != single[0].shape or swapped_leaves[k].shape != leaf.shape:
+                    if single[0].dim() < leaf.dim():
+                        return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample "
+                                f"and {tuple(leaf.shape)} for two: it loses a dimension for a batch of one (e.g. "
+                                ".squeeze() without a dimension; use .squeeze(-1) or .flatten(1))")
+                    return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample and "
+                            f"{tuple(leaf.shape)} for two: the samples are not along one dimension of it (e.g. "
+                            "(B*T, ...) rows after a reshape)")
+                if dim is SHARED:
+                    if not all(_close(t, single[0]) for t in (leaf, single[1], swapped_leaves[k])):
+                        self.interaction = self.interaction or (
+                            f"{_describe(what, name, module)} has no batch dimension but its values depend on the "
+                            "samples (e.g. a mean over the batch)")
+                    rests[side].append(tuple(leaf.shape))
+                else:
+                    scale = _feature_scale(single)
+                    for row in (0, 1):
+                        if not (_close(leaf.narrow(dim, row, 1), single[row], scale)
+                                and _close(swapped_leaves[k].narrow(dim, 1 - row, 1), single[row], scale)):
+                            self.interaction = self.interaction or (
+                                f"{_describe(what, name, module)} differs for a sample inside a batch and alone: "
+                                "the samples interact (e.g. statistics over the batch)")
+                    rests[side].append(tuple(s for d, s in enumerate(leaf.shape) if d != dim))
+                dims[side].append(dim)
+        return CallSpec(tuple(dims[0]), tuple(rests[0]), tuple(dims[1]), tuple(rests[1]))
+
+
+def _feature_scale(single: list[torch.Tensor]) -> torch.Tensor | None:
+    """The magnitude of each feature over the samples run alone (elementwise), for :func:`_close`."""
+    if not single[0].is_floating_point() or single[0].shape != single[1].shape:
+        return None
+    return torch.maximum(single[0].abs(), single[1].abs())
+
+
+def _first_difference(first: _Record, second: _Record) -> str | None:
+    """The first module (in the order calls finish: innermost first) that, given the same inputs in two runs of the
+    same sample, gave different outputs: a forward that draws random numbers."""
+
+    def same(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
+        return len(xs) == len(ys) and all(_close(a, b) for a, b in zip(xs, ys, strict=True))
+
+    for name, calls in first.calls.items():
+        for (ins, outs), (ins2, outs2) in zip(calls, second.calls.get(name, []), strict=False):
+            if same(ins, ins2) and not same(outs, outs2):
+                return name
+    return None
+
+
+def _common_prefix(stacks: list[tuple[str, ...]]) -> tuple[str, ...]:
+    prefix = stacks[0]
+    for s in stacks[1:]:
+        n = 0
+        while n < min(len(prefix), len(s)) and prefix[n] == s[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
+
+
+def _assign(trainable: Trainable, probe: _Probe) -> tuple[dict[str, dict[str, str]], str | None]:
+    """Which module handles each trainable parameter: {module name: {local name: full name}}, or a problem."""
+    modules = dict(trainable.modules)
+    params = dict(zip(trainable.names, trainable.params, strict=True))
+    owners: dict[int, list[str]] = {}
+    for mname, m in trainable.modules:
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(mname)
+    handlers: dict[str, dict[str, str]] = {}
+
+    def why_not(name: str) -> str | None:
+        """Why module ``name`` cannot handle parameters: its tensors are not per-sample, or an output is shared."""
+        spec = probe.spec(name)
+        if isinstance(spec, str):
+            return spec
+        if any(d is SHARED for s in spec for d in s.out_dims):
+            m = modules[name]
+            return (f"layer '{name or 'model'}' ({type(m).__name__}) gives an output with no batch dimension (the same "
+                    "for every sample, e.g. a positional embedding of arange(T) broadcast over the batch), so its "
+                    "gradient cannot be split by sample there")
+        return None
+
+    for full in trainable.names:
+        p = params[full]
+        uses = probe.uses.get(full)
+        if not uses:  # never used by the forward: its gradient is zero
+            continue
+        stacks = [s for s, _func in uses]
+        innermost = {s[-1] if s else None for s in stacks}
+        own = owners.get(id(p), [])
+        if None not in innermost and all(u in own and why_not(u) is None for u in innermost):
+            chosen = sorted(innermost, key=list(modules).index)  # the owners themselves (tied: several)
+        else:
+            # The deepest module whose forward contains every use, that holds the parameter and keeps the samples
+            # apart (e.g. a Linear holding a weight-norm parametrization, not the parametrization itself).
+            prefix = _common_prefix(stacks)
+            holders = [m for m in prefix if any(q is p for q in modules[m].parameters())]
+            usable = [m for m in holders if why_not(m) is None]
+            handler = usable[-1] if usable else None
+            if handler is None or (handler == "" and "" not in own):
+                inner = [u for u in innermost if u is not None and u in own and why_not(u) is not None]
+                if inner:
+                    return {}, why_not(inner[0])
+                func = next((f for s, f in uses if not s or s[-1] not in own), uses[0][1])
+                return {}, (f"parameter '{full}' is used outside the forward of its own layer (by {func} in the "
+                            "model's forward, e.g. weights tied with F.linear(h, self.emb.weight)), so a per-layer "
+                            "rule would miss that part of the gradient")
+            chosen = [handler]
+        for h in chosen:
+            local = next(ln for ln, q in modules[h].named_parameters(remove_duplicate=False) if q is p)
+            handlers.setdefault(h, {})[local] = full
+    return handlers, None
+
+
+def _user_hooks(module: nn.Module) -> int:
+    """Forward (pre-)hooks that may change what a layer sees or gives: a closed-form rule would not know them."""
+    return (len(module._forward_hooks) + len(module._forward_pre_hooks)
+            + len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks))
+
+
+def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> str:
+    if _user_hooks(module):  # a hook may change what the layer sees or gives: only the layer itself knows
+        return "fallback"
+    own = all("." not in ln for ln in local)  # the module's own parameters (a call rule may also cover children's)
+    if own and rule_for(module) is not None and all(
+            len(s.in_dims) >= 1 and rule_takes_batch_dim(module, s.in_dims[0], len(s.in_rest[0]) + 1)
+            and all(d is SHARED for d in s.in_dims[1:]) and s.out_dims == (s.in_dims[0],) for s in specs):
+        return "rule"
+    if call_rule_for(module) is not None:
+        batch_dim = 0 if getattr(module, "batch_first", False) else 1  # (B, T, in) or (T, B, in)
+        if all(s.in_dims[:1] == (batch_dim,) and s.out_dims[:1] == (batch_dim,) and len(s.in_rest[0]) == 2
+               for s in specs):
+            return "call"
+    return "fallback"
+
+
+def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
+    with restoring_modes(trainable):  # the probe runs the model: its modes are left as they were, even on error
+        probe = _Probe(trainable, inputs)
+    if probe.random is not None:
+        module = dict(trainable.modules)[probe.random]
+        raise UndefinedPerSampleError(
+            f"{_describe('the forward', probe.random, module)} gives different outputs for the same sample in two "
+            "runs: it draws random numbers (dropout written as F.dropout(..., training=True), stochastic depth, "
+            "noise), so per-sample gradients would be random and not comparable. Call model.eval() (or turn the "
+            "randomness off) before computing per-sample gradients.")
+    for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
+        probe.spec(name)
+    handlers, hooks_problem = _assign(trainable, probe)  # handlers keep the samples apart (checked there)
+    if module_mod._global_forward_pre_hooks and hooks_problem is None:
+        hooks_problem = ("a global forward pre-hook (register_module_forward_pre_hook) changes what every layer sees, "
+                         "and a layer's replay on the per-layer fallback would apply it a second time")
+    layers: dict[str, LayerPlan] = {}
+    if hooks_problem is None:
+        for name, module in trainable.modules:
+            if name in handlers:
+                specs = probe.spec(name)
+                layers[name] = LayerPlan(name, _kind(module, handlers[name], specs), handlers[name], specs)
+    root = probe.spec("")
+    if isinstance(root, str):
+        probe.interaction = probe.interaction or root
+    elif probe.interaction is None and root and any(d != 0 for d in root[0].out_dims):
+        d = next(d for d in root[0].out_dims if d != 0)
+        where = "no batch dimension" if d is SHARED else f"the samples along dimension {d}"
+        probe.interaction = (f"the model's output has a tensor with {where}, not 0: a batched output cannot be "
+                             "split into per-sample losses or outputs by its first dimension")
+    return Plan(layers, probe.interaction, hooks_problem, probe.verified)
+
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakKeyDictionary()
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_attributes(module: nn.Module) -> tuple:
+    """The module's attributes that are plain values (bools, numbers, strings, None, tuples / lists of them): what a
+    forward may branch on (``self.task``, ``self.center``), so a plan made with other values does not describe it."""
+    items = []
+    for k, v in module.__dict__.items():
+        if isinstance(v, _PLAIN):
+            items.append((k, v))
+        elif isinstance(v, (tuple, list)) and all(isinstance(e, _PLAIN) for e in v):
+            items.append((k, tuple(v)))
+    return tuple(items)
+
+
+def _key(trainable: Trainable, inputs: Batch) -> tuple:
+    return (
+        inputs.signature(),
+        tuple((n, id(m), type(m), type(m).forward, m.__dict__.get("forward"), _user_hooks(m), _plain_attributes(m))
+              for n, m in trainable.modules),
+        tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad) for n, p in trainable.model.named_parameters()),
+    )
+
+
+def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
+    """The :class:`Plan` for ``trainable`` called on inputs like ``inputs`` (B, ...), from the cache or a probe.
+
+    A plan found on a batch whose samples were all equal is not cached once a call has different samples.
+    """
+    if "probe.plan" in trainable.cache:
+        return trainable.cache["probe.plan"]
+    inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs)
+    key = _key(trainable, inputs)
+    cached = _PLANS.get(trainable.model)
+    if cached is not None and cached[0] == key and (cached[1].verified or inputs.size == 1):
+        plan = cached[1]
+    else:
+        plan = _make_plan(trainable, inputs)
+        _PLANS[trainable.model] = (key, plan)
+    trainable.cache["probe.plan"] = plan
+    return plan

@@ -1,0 +1,472 @@
+"""Whole-dataset scans: per-sample losses, gradient norms, EL2N scores and gradient sketches, written to disk
+in dataset order, resumable, on one process or many (``torch.distributed``, e.g. under ``torchrun``).
+
+Shapes: N examples in the dataset, L layers with trainable parameters, K = ``proj_dim``.
+
+>>> scan = pv.scan(model, nn.CrossEntropyLoss(), dataset, quantities=("loss", "grad_norm", "el2n"),
+...                out="runs/scan1")
+>>> scan["grad_norm"]                     # (N,) float32, memory-mapped from runs/scan1/grad_norm.npy
+>>> scan = pv.load_scan("runs/scan1")     # the same, later
+
+Quantities (per example i, with the per-sample gradient G_i of ``loss_fn(model(x[i:i+1]), y[i:i+1])``):
+
+============  ========  ==============================================================================
+``loss``      (N,)      the loss of example i alone
+``grad_norm`` (N,)      ||G_i||_2 over every trainable parameter (ghost norms where rules allow)
+``layer_norms`` (N, L)  ||G_i||_2 restricted to each layer's own parameters (``scan.layers`` names them)
+``el2n``      (N,)      ||softmax(logits_i) - onehot(y_i)||_2 (classifiers only)
+``projection`` (N, K)   a seeded structured random projection of G_i (:mod:`pergrad_viz.scanning.sketch`):
+                        dot products of rows estimate dot products of the gradients (TracIn, TRAK)
+============  ========  ==============================================================================
+
+How it runs: the indices 0..N-1 are cut into chunks of ``chunk_size`` examples (a multiple of
+``batch_size``). Chunks not yet done are dealt to the processes in turn (rank r takes pending chunks r,
+r + W, r + 2W, ...: no example twice, no padding), each process walks its chunks with a ``DataLoader`` in
+batches that never straddle a chunk, writes its rows into the shared memory-mapped ``.npy`` files (rows are
+disjoint), flushes them and then marks the chunk done (finished chunks are synced together, at most every
+:data:`SYNC_SECONDS`). A killed run loses the chunk in flight and those finished since its last sync; a
+rerun with the same ``out`` skips finished chunks (whatever the number of processes then). A rerun with
+another model, dataset, loss or settings is refused (:class:`ScanMismatchError`; what is compared:
+:func:`pergrad_viz.scanning.store.model_fingerprint`, :func:`~pergrad_viz.scanning.store.dataset_fingerprint`,
+:func:`~pergrad_viz.scanning.store.loss_description`). Rank 0 creates the directory
+and writes the manifest (after a barrier at the end). Because every chunk is computed in the same batches
+whatever the number of processes, results with 1 and W processes agree (bit for bit on one machine).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from pergrad_viz.api import resolve_strategy
+from pergrad_viz.core.losses import LossFn, check_loss
+from pergrad_viz.core.trainable import Trainable, check_modes, restoring_modes
+from pergrad_viz.scanning import store
+from pergrad_viz.scanning.compute import GRAD_QUANTITIES, batch_quantities
+from pergrad_viz.scanning.sketch import GradientSketch, layer_blocks
+from pergrad_viz.scanning.store import ScanMismatchError
+
+__all__ = ["QUANTITIES", "Scan", "ScanMismatchError", "load_scan", "scan"]
+
+QUANTITIES: tuple[str, ...] = ("loss", "grad_norm", "layer_norms", "el2n", "projection")
+"""Valid names for ``scan(quantities=...)``, in the order they are stored."""
+
+SYNC_SECONDS = 2.0
+"""Finished chunks are flushed to disk and marked done together, at most this often (and at the end): the
+flush (msync) costs milliseconds, so a fast scan does not pay it per chunk. A killed process loses the
+chunks finished since the last sync and the one in flight."""
+
+
+class Scan(dict):
+    """``{quantity: Tensor (N, ...)}`` memory-mapped (copy-on-write: editing a tensor never changes the files),
+    with the scan's ``manifest`` (a dict) and ``layers`` (names of the ``layer_norms`` columns)."""
+
+    def __init__(self, data: dict[str, torch.Tensor], manifest: dict):
+        super().__init__(data)
+        self.manifest = manifest
+
+    @property
+    def layers(self) -> list[str]:
+        return list(self.manifest["settings"]["layers"])
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+
+def load_scan(out: str | Path, *, partial: bool = False) -> Scan:
+    """The scan written to ``out`` by :func:`scan`: ``{quantity: Tensor (N, ...)}`` in dataset order, memory-mapped.
+
+    Args:
+        out: the directory given to :func:`scan` (or ``--out`` of ``python -m pergrad_viz scan``).
+        partial: also load an unfinished scan (rows of chunks not done yet are NaN).
+
+    Raises:
+        FileNotFoundError: ``out`` does not exist or holds no scan (the message says what to pass).
+        ValueError: a damaged or foreign manifest, or an unfinished scan without ``partial=True``.
+    """
+    out = Path(out)
+    manifest = store.read_manifest(out)
+    count = manifest["chunks"]["count"]
+    done = set(manifest["chunks"]["done"]) | store.done_chunks(out)
+    if len(done) < count and not partial:
+        raise ValueError(
+            f"the scan in {out} is unfinished: {len(done)} of {count} chunks done. Rerun the same scan (same "
+            "model, dataset and settings, out= this directory) to finish it, or pass partial=True to load it "
+            "with NaN rows where chunks are missing"
+        )
+    manifest["chunks"]["done"] = sorted(done)
+    arrays = store.open_arrays(out, manifest["arrays"], mode="c")
+    return Scan({q: torch.from_numpy(a) for q, a in arrays.items()}, manifest)
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, or (0, 1) without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast(obj: object, world: int) -> object:
+    if world == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(obj: object, world: int) -> list:
+    if world == 1:
+        return [obj]
+    boxes: list = [None] * world
+    torch.distributed.all_gather_object(boxes, obj)
+    return boxes
+
+
+def _check_quantities(quantities: Sequence[str] | str, proj_dim: int | None) -> list[str]:
+    if isinstance(quantities, str):
+        quantities = [q.strip() for q in quantities.split(",") if q.strip()]
+    bad = [q for q in quantities if q not in QUANTITIES]
+    if bad or not quantities:
+        raise ValueError(f"unknown quantities {bad}; valid: {', '.join(QUANTITIES)}" if bad
+                         else f"quantities is empty; pass some of: {', '.join(QUANTITIES)}")
+    wanted = set(quantities)
+    if proj_dim is not None:
+        wanted.add("projection")
+    elif "projection" in wanted:
+        raise ValueError("quantity 'projection' needs proj_dim: pass proj_dim=K (e.g. 256 columns per example)")
+    return [q for q in QUANTITIES if q in wanted]
+
+
+def error_report(exc: BaseException) -> dict:
+    """What rank 0 tells the other processes about its failure: plain strings, which always pickle (an exception
+    or its class may not, e.g. one defined inside a function)."""
+    kind = type(exc)
+    return {"module": kind.__module__, "qualname": kind.__qualname__, "message": str(exc)}
+
+
+def rebuild_error(report: dict) -> Exception:
+    """The exception the other processes raise for rank 0's ``report``: the same type with the same message where
+    the type can be found and built from a message alone, else a RuntimeError naming it."""
+    kind = sys.modules.get(report["module"])
+    for part in report["qualname"].split("."):
+        kind = getattr(kind, part, None)
+    name = f"{report['module']}.{report['qualname']}"
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            error = kind(report["message"])
+        except Exception:  # a constructor that wants other arguments
+            error = None
+        if isinstance(error, kind) and str(error) == report["message"]:
+            return error
+    return RuntimeError(f"rank 0 failed to prepare the scan with {name}: {report['message']}")
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_dataset(dataset: object) -> int:
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        raise TypeError(
+            f"scan needs a map-style dataset (len() and dataset[i]), got {type(dataset).__name__}: an iterable "
+            "dataset has no fixed order to write rows in or resume from; wrap your data in a torch.utils.data.Dataset"
+        )
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise TypeError(f"scan needs a dataset with len(), got {type(dataset).__name__}") from None
+    if n < 1:
+        raise ValueError("the dataset is empty (len() == 0): there is nothing to scan")
+    item = dataset[0]
+    if isinstance(item, Mapping) and "labels" in item:
+        return n
+    if not isinstance(item, (tuple, list)) or len(item) < 2 or item[1] is None:
+        got = type(item).__name__ if not isinstance(item, (tuple, list)) else f"a {type(item).__name__} of {len(item)}"
+        raise ValueError(
+            f"dataset[0] is {got}, not an (input, label) pair: per-sample losses need labels. Make the dataset "
+            "yield (x, y), e.g. torch.utils.data.TensorDataset(inputs, labels), or dicts with a 'labels' entry"
+        )
+    return n
+
+
+def _new_manifest(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: object, n: int,
+                  quantities: list[str], proj_dim: int | None, seed: int, chunk_size: int,
+                  sketch: GradientSketch | None) -> dict:
+    blocks = layer_blocks(trainable)
+    dtype = np.dtype(str(trainable.dtype).removeprefix("torch."))
+    widths = {"layer_norms": (len(blocks),), "projection": (proj_dim,)}
+    arrays = {q: {"file": f"{q}.npy", "shape": [n, *widths.get(q, ())], "dtype": dtype.str} for q in quantities}
+    return {
+        "format": store.FORMAT,
+        "fingerprint": {"model": store.model_fingerprint(model), "dataset": store.dataset_fingerprint(dataset, n)},
+        "settings": {
+            "quantities": quantities,
+            "loss": store.loss_description(loss_fn),
+            "dtype": str(trainable.dtype),
+            "chunk_size": chunk_size,
+            "proj_dim": proj_dim,
+            "seed": seed if sketch is not None else None,  # only the projection is random
+            "layers": [b.label for b in blocks],
+            "projection": sketch.describe() if sketch is not None else None,
+        },
+        "arrays": arrays,
+        "chunks": {"size": chunk_size, "count": store.chunk_count(n, chunk_size), "done": []},
+        "complete": False,
+        "runs": [],
+    }
+
+
+def _prepare(out: Path, new: dict) -> tuple[dict, set[int]]:
+    """Rank 0: create ``out`` or check that it holds this very scan; returns (manifest, chunks done)."""
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"out={str(out)!r} is a file, not a directory: pass a directory path for the scan")
+    if store.manifest_path(out).exists():
+        old = store.read_manifest(out)
+        store.check_same_scan(out, old, new)
+        store.open_arrays(out, old["arrays"])  # present and of the right shapes
+        return old, set(old["chunks"]["done"]) | store.done_chunks(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(
+            f"{out} exists and is not empty, but holds no pergrad_viz scan ({store.MANIFEST} is missing): refusing "
+            "to write into it. Pass a new or empty directory as out="
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    store.create_arrays(out, new["arrays"])
+    store.write_manifest(out, new)
+    return new, set()
+
+
+def _refresh(out: Path, manifest: dict) -> None:
+    manifest["chunks"]["done"] = sorted(set(manifest["chunks"]["done"]) | store.done_chunks(out))
+    manifest["complete"] = len(manifest["chunks"]["done"]) == manifest["chunks"]["count"]
+    store.write_manifest(out, manifest)
+
+
+def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *,
+         quantities: Sequence[str] | str = ("loss", "grad_norm"), batch_size: int = 256, proj_dim: int | None = None,
+         out: str | Path, seed: int = 0, chunk_size: int | None = None, num_workers: int = 0,
+         progress: bool = True) -> Scan:
+    """Scan ``dataset`` with ``model`` and write per-example quantities to ``out``, in dataset order.
+
+    Run it in every process of a ``torch.distributed`` group (e.g. under ``torchrun``) to share the work: each
+    process computes its own chunks; every process returns the whole result.
+
+    Args:
+        model: the model, on the device to compute on; left as it was (no hooks, same parameters and modes).
+            Call ``model.eval()`` first if it has Dropout or BatchNorm (refused in training mode).
+        loss_fn: ``loss_fn(output, targets) -> scalar``, e.g. ``nn.CrossEntropyLoss()``.
+        dataset: a map-style dataset yielding ``(x, y, ...)`` items (extra fields are ignored; ``x`` may be a
+            tuple or dict of tensors, as :func:`pergrad_viz.per_sample_grads` takes inputs), or dicts whose
+            ``labels`` entry holds the targets and whose other entries are the model's keyword arguments; floating
+            inputs are cast to the model's dtype and moved to its device.
+        quantities: some of :data:`QUANTITIES` (a sequence or a comma-separated string); ``projection`` is
+            added when ``proj_dim`` is given.
+        batch_size: examples per forward/backward pass.
+        proj_dim: K, the width of the gradient sketch (:class:`pergrad_viz.scanning.sketch.GradientSketch`).
+        out: the scan's directory: created if absent, continued if it holds this scan, refused otherwise.
+        seed: seeds the projection (the same in every process).
+        chunk_size: examples per resumable chunk, a multiple of ``batch_size`` (default: as many batches as
+            make about 16 chunks, at most 64 batches).
+        num_workers: ``DataLoader`` worker processes.
+        progress: show a tqdm bar (examples per second) on rank 0.
+
+    Returns:
+        :class:`Scan`, as :func:`load_scan` gives: ``{quantity: Tensor (N, ...)}``, memory-mapped.
+
+    Raises:
+        ValueError / TypeError: bad arguments or a dataset without labels (before anything is written);
+        :class:`ScanMismatchError` when ``out`` holds a different scan; FileExistsError when ``out`` is a
+        non-empty directory that is not a scan; :class:`pergrad_viz.UnsupportedModelError` for Dropout or
+        BatchNorm in training mode.
+    """
+    check_loss(loss_fn)
+    wanted = _check_quantities(quantities, proj_dim)
+    batch_size = _positive("batch_size", batch_size)
+    n = _check_dataset(dataset)
+    if chunk_size is None:
+        chunk_size = batch_size * min(64, max(1, math.ceil(n / (16 * batch_size))))
+    chunk_size = _positive("chunk_size", chunk_size)
+    if chunk_size % batch_size:
+        raise ValueError(f"chunk_size={chunk_size} must be a multiple of batch_size={batch_size} "
+                         f"(e.g. {batch_size * max(1, round(chunk_size / batch_size))})")
+    if out is None:
+        raise ValueError("out= is required: the directory the scan writes to")
+    out = Path(out)
+    trainable = Trainable.of(model)
+    check_modes(trainable)
+    sketch = GradientSketch(trainable, proj_dim, seed) if proj_dim is not None else None
+    rank, world = _world()
+    new = _new_manifest(model, trainable, loss_fn, dataset, n, wanted, proj_dim, seed, chunk_size, sketch)
+
+    # Rank 0 prepares the directory; every rank learns the outcome (an error is raised everywhere).
+    core = {k: new[k] for k in store.MUST_MATCH}
+    peers = _gather(core, world)
+    error: Exception | None = None
+    status: tuple[dict | None, list[int]] = (None, [])
+    if rank == 0:
+        try:
+            bad = [r for r, c in enumerate(peers) if c != core]
+            if bad:
+                raise ValueError(f"process(es) {bad} see a different model, dataset or settings than rank 0: give "
+                                 "every process the same model weights, dataset and arguments")
+            manifest, done = _prepare(out, new)
+            status = (None, sorted(done))
+        except Exception as exc:
+            if world == 1:
+                raise
+            error, status = exc, (error_report(exc), [])
+    report, done_list = _broadcast(status, world)
+    if error is not None:
+        raise error  # rank 0: the original exception, with its traceback
+    if report is not None:
+        raise rebuild_error(report)
+    if rank != 0:
+        manifest = store.read_manifest(out)
+
+    count = manifest["chunks"]["count"]
+    pending = [c for c in range(count) if c not in set(done_list)]
+    mine = pending[rank::world]
+    batches = [list(range(s, min(s + batch_size, (c + 1) * chunk_size, n)))
+               for c in mine for s in range(c * chunk_size, min((c + 1) * chunk_size, n), batch_size)]
+    seconds, rows = _run(model, trainable, loss_fn, dataset, out, manifest, wanted, sketch, batches, chunk_size,
+                         num_workers, progress and rank == 0, rank, world)
+
+    if world > 1:
+        torch.distributed.barrier()
+    stats = _gather((seconds, rows), world)
+    if rank == 0:
+        now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        run = {"started": now, "world_size": world, "batch_size": batch_size, "device": str(trainable.device),
+               "threads": torch.get_num_threads(),
+               "examples": sum(r for _, r in stats), "seconds": round(max(s for s, _ in stats), 4)}
+        run["examples_per_s"] = round(run["examples"] / run["seconds"], 1) if run["seconds"] > 0 else None
+        manifest["runs"] = [*manifest.get("runs", []), run]
+        _refresh(out, manifest)
+    if world > 1:
+        torch.distributed.barrier()
+    return load_scan(out)
+
+
+def _run(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: object, out: Path, manifest: dict,
+         wanted: list[str], sketch: GradientSketch | None, batches: list[list[int]], chunk_size: int,
+         num_workers: int, progress: bool, rank: int, world: int) -> tuple[float, int]:
+    """This process's share: compute ``batches``, write rows, mark chunks done. Returns (seconds, rows)."""
+    from tqdm.auto import tqdm
+
+    if not batches:
+        return 0.0, 0
+    arrays = store.open_arrays(out, manifest["arrays"])
+    blocks = layer_blocks(trainable)
+    want = set(wanted)
+    device, dtype = trainable.device, trainable.dtype
+    loader = data_loader(dataset, batches, num_workers, pin_memory=device.type == "cuda")
+    total = sum(len(b) for b in batches)
+    n = next(iter(manifest["arrays"].values()))["shape"][0]
+    bar = tqdm(total=total, unit="ex", unit_scale=True, disable=not progress, dynamic_ncols=True,
+               desc="scan" if world == 1 else f"scan (rank 0 of {world})")
+    use_hooks = None
+    pending: list[int] = []  # finished chunks not yet flushed and marked
+    start = last_sync = time.perf_counter()
+
+    def sync() -> None:
+        nonlocal last_sync
+        if not pending:
+            return
+        for a in arrays.values():
+            a.flush()
+        finished = pending.copy()
+        pending.clear()
+        for c in finished:
+            store.mark_done(out, c)
+        if rank == 0:
+            _refresh(out, manifest)
+        last_sync = time.perf_counter()
+
+    try:
+        for indices, item in zip(batches, loader, strict=True):
+            x, y = _inputs_and_labels(item)
+            x = tree_map(lambda t: _to(t, device, dtype), x)
+            y = y.to(device, non_blocking=True) if isinstance(y, torch.Tensor) else torch.as_tensor(y, device=device)
+            if use_hooks is None:
+                use_hooks = not want & GRAD_QUANTITIES or _hooks_ok(trainable, x)
+            res = batch_quantities(model, loss_fn, x, y, want, blocks, sketch, use_hooks)
+            lo, hi = indices[0], indices[-1] + 1
+            for q in wanted:
+                arrays[q][lo:hi] = res[q].detach().cpu().numpy()
+            bar.update(len(indices))
+            if hi % chunk_size == 0 or hi == n:  # the last batch of chunk (hi - 1) // chunk_size
+                pending.append((hi - 1) // chunk_size)
+                if time.perf_counter() - last_sync >= SYNC_SECONDS:
+                    sync()
+    finally:
+        sync()  # finished chunks are kept even when a later one fails
+        bar.close()
+    return time.perf_counter() - start, total
+
+
+def _inputs_and_labels(item: object) -> tuple[object, object]:
+    """A collated batch as (inputs, labels): ``(x, y, ...)``, or a dict whose ``labels`` are the targets and whose
+    other entries the model's keyword arguments (as a Hugging Face dataset yields them)."""
+    if isinstance(item, Mapping):
+        inputs = {k: v for k, v in item.items() if k != "labels"}
+        return inputs, item["labels"]
+    return item[0], item[1]
+
+
+def _to(t: object, device: torch.device, dtype: torch.dtype) -> object:
+    """A tensor of a batch on ``device``, floating ones in the model's ``dtype``."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.to(device, non_blocking=True)
+    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+
+def data_loader(dataset: torch.utils.data.Dataset, batches: list[list[int]], num_workers: int = 0,
+                pin_memory: bool = False) -> torch.utils.data.DataLoader:
+    """The ``DataLoader`` a scan walks: exactly these batches of indices, in order. A plain ``TensorDataset``
+    is served a batch at a time (one indexing per tensor instead of one ``dataset[i]`` per example)."""
+    plain = torch.utils.data.TensorDataset
+    if isinstance(dataset, plain) and type(dataset).__getitem__ is plain.__getitem__:
+        return torch.utils.data.DataLoader(_Batches(dataset.tensors), batch_sampler=batches, num_workers=num_workers,
+                                           collate_fn=_only, pin_memory=pin_memory)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, pin_memory=pin_memory)
+
+
+class _Batches(torch.utils.data.Dataset):
+    """A TensorDataset's tensors served a batch at a time (``__getitems__``): the same batch the default
+    collate would build from its items, from one indexing per tensor."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]):
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return self.tensors[0].shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[i] for t in self.tensors)
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        index = torch.as_tensor(indices)
+        return [tuple(t[index] for t in self.tensors)]
+
+
+def _only(batch: list) -> object:
+    return batch[0]
+
+
+def _hooks_ok(trainable: Trainable, x: object) -> bool:
+    with restoring_modes(trainable):
+        return resolve_strategy("auto", trainable, x) == "hooks"

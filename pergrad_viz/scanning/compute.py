@@ -1,0 +1,161 @@
+"""What a scan computes for one batch: per-sample losses, gradient norms (total and per layer), EL2N scores
+and gradient sketches, from as few passes as the model allows.
+
+Shapes: B samples in the batch, C classes, L layers (blocks, see :mod:`pergrad_viz.scanning.sketch`), K = proj_dim.
+
+* **losses / EL2N only**: one forward pass under ``torch.no_grad()``.
+* **anything with gradients, on models the hooks strategy covers**: one forward pass with hooks and one
+  backward pass of the summed per-sample losses to the layer outputs (:mod:`pergrad_viz.strategies.hooks`),
+  shared by every quantity. Norms come from the same per-layer pieces as :func:`pergrad_viz.per_sample_grad_norms`
+  (for a Linear layer the ghost norm ||g_i|| ||a_i||; other layers their own (B, *param.shape) gradient);
+  sketches of Linear layers come from the layer input and output gradient (never the (B, out, in) gradient),
+  other layers' sketches from their own per-layer gradient. The whole (B, P) is never formed.
+* **otherwise** (models hooks cannot take, tied weights, data-dependent layer calls): the loss from a
+  no-grad forward, norms from :func:`pergrad_viz.per_sample_grad_norms`, and, with a sketch, the
+  per-sample gradients of the batch from :func:`pergrad_viz.per_sample_grads` (B x P for this batch only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pergrad_viz import api
+from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.losses import LossFn, per_sample_losses
+from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.derived.norms import (
+    dense_grads,
+    ghost_kind,
+    group_calls,
+    layer_squared_norms,
+    row_squared_norms,
+    stack_calls,
+    tied_names,
+)
+from pergrad_viz.derived.norms import per_sample_grad_norms as _grad_norms
+from pergrad_viz.engine.certify import CheckFailedError, check_norms
+from pergrad_viz.scanning.sketch import Block, GradientSketch
+from pergrad_viz.strategies import hooks
+
+GRAD_QUANTITIES = frozenset({"grad_norm", "layer_norms", "projection"})
+
+
+class _NeedsMaterialising(Exception):
+    """The hooks pass cannot serve this batch (tied parameters): materialise it instead."""
+
+
+def el2n(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """EL2N scores (B,): ||softmax(logits_i) - onehot(y_i)||_2 for logits (B, C) and class indices y (B,)."""
+    if output.dim() != 2 or y.dim() != 1 or y.is_floating_point() or y.shape[0] != output.shape[0]:
+        raise ValueError(
+            f"el2n needs class logits (B, C) and class-index labels (B,), got output {tuple(output.shape)} and labels "
+            f"{tuple(y.shape)} {y.dtype}: drop 'el2n' from quantities for models that are not classifiers"
+        )
+    p = torch.softmax(output.detach(), dim=1)
+    p[torch.arange(y.shape[0], device=y.device), y] -= 1
+    return torch.linalg.vector_norm(p, dim=1)
+
+
+def _outputs(want: set[str], output: torch.Tensor, losses: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    res = {}
+    if "loss" in want:
+        res["loss"] = losses.detach()
+    if "el2n" in want:
+        res["el2n"] = el2n(output, y)
+    return res
+
+
+def _from_squared(want: set[str], squared: dict[str, torch.Tensor], blocks: list[Block]) -> dict[str, torch.Tensor]:
+    """grad_norm (B,) and layer_norms (B, L) from {name: (B,) squared norms}."""
+    res = {}
+    per_block = torch.stack([sum(squared[n] for n in b.params) for b in blocks], dim=1)  # (B, L)
+    if "grad_norm" in want:
+        res["grad_norm"] = per_block.sum(1).sqrt()
+    if "layer_norms" in want:
+        res["layer_norms"] = per_block.sqrt()
+    return res
+
+
+def batch_quantities(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, want: set[str],
+                     blocks: list[Block], sketch: GradientSketch | None, use_hooks: bool) -> dict[str, torch.Tensor]:
+    """{quantity: (B, ...)} for one batch: ``loss`` (B,), ``grad_norm`` (B,), ``layer_norms`` (B, L),
+    ``el2n`` (B,), ``projection`` (B, K), as asked in ``want``."""
+    if not want & GRAD_QUANTITIES:
+        with torch.no_grad():
+            output = Batch.of(x, size=len(y))(model)
+            return _outputs(want, output, per_sample_losses(loss_fn, output, y), y)
+    if use_hooks:
+        try:
+            return _hooks_batch(model, loss_fn, x, y, want, blocks, sketch)
+        except (hooks.PlanMismatchError, CheckFailedError, _NeedsMaterialising):
+            pass
+    return _materialised_batch(model, loss_fn, x, y, want, blocks, sketch)
+
+
+def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, want: set[str],
+                 blocks: list[Block], sketch: GradientSketch | None) -> dict[str, torch.Tensor]:
+    trainable = Trainable.of(model)
+    batch = len(y)
+    inputs = Batch.of(x, size=batch)
+    with restoring_modes(trainable):
+        output, calls = hooks.capture(trainable, inputs)
+        if tied_names(calls):
+            raise _NeedsMaterialising
+        losses = per_sample_losses(loss_fn, output, y)  # (B,)
+        per_call = hooks.backward_to_layers(calls, losses.sum())
+    res = _outputs(want, output, losses, y)
+    kw = {"dtype": trainable.dtype, "device": trainable.device}
+    squared = {n: torch.zeros(batch, **kw) for n in trainable.names}
+    dense: dict[str, torch.Tensor] = {}  # full name -> (B, *shape), only where a sketch needs it
+    sketched: dict[int, torch.Tensor] = {}  # block index -> (B, k_b)
+    want_sketch = sketch is not None and "projection" in want
+    names = {id(m): n for n, m in trainable.modules}
+    for layer, seen in group_calls(calls, per_call).values():
+        local = layer.local
+        kind = ghost_kind(layer)
+        index = sketch.by_module.get(names[id(layer.module)]) if want_sketch else None
+        linear_sketch = (index is not None and kind == "linear" and sketch.blocks[index].kind == "kronecker"
+                         and set(sketch.blocks[index].block.params) == set(local.values()))
+        if kind is not None:
+            for ln, sq in layer_squared_norms(layer, seen).items():
+                squared[local[ln]] = sq
+        if linear_sketch:
+            a, g = stack_calls("linear", layer, seen)  # (B, T, in), (1, B, T, out)
+            sketched[index] = sketch.project_linear(index, a, g[0])
+        elif kind is None or want_sketch:
+            for ln, t in dense_grads(layer, seen).items():  # (1, B, *shape)
+                dense[local[ln]] = t[0]
+                if kind is None:
+                    squared[local[ln]] = row_squared_norms(t[0])
+    with restoring_modes(trainable):
+        check_norms(trainable, loss_fn, inputs, y, squared, "hooks")  # the per-call check (pergrad_viz.engine.certify)
+    res.update(_from_squared(want, squared, blocks))
+    if want_sketch:
+        for i, bs in enumerate(sketch.blocks):
+            if i not in sketched:
+                missing = [n for n in bs.block.params if n not in dense]  # parameters the forward never used
+                for n, shape in zip(bs.block.params, bs.block.shapes, strict=True):
+                    if n in missing:
+                        dense[n] = torch.zeros(batch, *shape, **kw)
+                sketched[i] = sketch.project_block(i, dense)
+        res["projection"] = torch.cat([sketched[i] for i in range(len(sketch.blocks))], dim=1)
+    return res
+
+
+def _materialised_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, want: set[str],
+                        blocks: list[Block], sketch: GradientSketch | None) -> dict[str, torch.Tensor]:
+    res: dict[str, torch.Tensor] = {}
+    if want & {"loss", "el2n"}:
+        with torch.no_grad():
+            output = Batch.of(x, size=len(y))(model)
+            res.update(_outputs(want, output, per_sample_losses(loss_fn, output, y), y))
+    if sketch is not None and "projection" in want:
+        grads = api.per_sample_grads(model, loss_fn, x, y)  # {name: (B, *shape)}: this batch only
+        squared = {n: row_squared_norms(g) for n, g in grads.items()}
+        res["projection"] = sketch.project_grads(grads)
+    else:
+        norms = _grad_norms(model, loss_fn, x, y, per_parameter=True)
+        squared = {n: t.square() for n, t in norms.items()}
+    res.update(_from_squared(want, squared, blocks))
+    return res
