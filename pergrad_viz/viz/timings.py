@@ -1,0 +1,272 @@
+"""Figures of benchmark timings: runtime curves against batch size or width, bars of one setting, and the
+numbers as people read them (``"13.7 ms"``, ``"89.4x"``).
+
+The figures take plain benchmark records (:class:`~pergrad_viz.bench.records.Record` or anything with its
+attributes) and know nothing of how a strategy computes them. Each returns the
+:class:`~matplotlib.figure.Figure` it drew on; pass ``ax=`` to draw into an existing axes instead.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from pergrad_viz.bench.records import FORWARD_BACKWARD
+from pergrad_viz.viz.canvas import (
+    CHAR_IN,
+    REFERENCE_STYLE,
+    REFERENCES,
+    fit_text,
+    fixed_axes,
+    method_color,
+    place_margins,
+    text_width_in,
+    title_height_in,
+)
+
+__all__ = ["bar_figure", "fmt_ratio", "fmt_seconds", "runtime_figure"]
+
+_X_AXES = {"batch_size": ("batch size B", "B"), "hidden": ("hidden width", "hidden")}
+_QUANTITY_TITLES = {"grads": "per-sample gradients", "jacobian": "per-sample output Jacobians"}
+
+
+def fmt_seconds(s: float) -> str:
+    """A duration as people read it: ``"1.5 s"``, ``"13.7 ms"``, ``"95.7 µs"``, ``"939 ns"`` (3 digits)."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"
+
+
+def fmt_ratio(r: float) -> str:
+    """A ratio as people read it: ``"1,930x"``, ``"89.4x"``, ``"0.668x"`` (never ``1.93e+03x``)."""
+    return f"{r:,.0f}x" if r >= 100 else f"{r:.3g}x"
+
+
+_fmt_seconds = fmt_seconds
+
+
+def _skip_text(timed: list[int], skipped: list[int], short: str) -> str:
+    if not skipped:
+        return ""
+    if not timed:
+        return f" (skipped at every {short})" if len(skipped) > 1 else f" (skipped at {short}={skipped[0]})"
+    if min(skipped) > max(timed):
+        return f" (skipped above {short}={max(timed)})"
+    return f" (skipped at {short}={', '.join(map(str, skipped))})"
+
+
+def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | None = None,
+                   title: str | None = None, highlight: int | None = None, width: float = 7.0,
+                   height: float = 4.0, legend: str = "right") -> Figure:
+    """Median time per call against batch size (or hidden width), log-log, one line per method.
+
+    Args:
+        records: benchmark records (:class:`pergrad_viz.bench.sweeps.Record` or anything with its attributes
+            ``strategy, quantity, batch_size, hidden, median_s, iqr_s``). Error bars span the interquartile
+            range (median ± IQR/2). The reference rows ``forward+backward`` and ``memory floor`` are drawn
+            dashed in grey. Skipped records (``median_s is None``) are not drawn but named in the legend,
+            e.g. ``loop (skipped above B=64)``.
+        x: ``"batch_size"`` or ``"hidden"``. When the records hold several values of the other one (or
+            several quantities), each line is labelled with it.
+        ax: draw into this axes (default: a new figure).
+        title: default: the quantity and the fixed setting.
+        highlight: an x value to mark with a dotted vertical line (e.g. the current batch size).
+        width, height: of a new figure, in inches (the legend inside the figure).
+        legend: ``"right"`` of the axes, or ``"below"`` them in columns (the axes then get the whole width:
+            long entries such as ``autograd_stack (skipped above B=64)`` no longer squeeze the plot).
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: no records, or an unknown ``x``.
+    """
+    records = list(records)
+    if x not in _X_AXES:
+        raise ValueError(f"x must be one of {', '.join(map(repr, _X_AXES))}, got {x!r}")
+    if not records:
+        raise ValueError("no records to plot: pass the list returned by pergrad_viz.bench.sweeps.sweep(...)")
+    other = "hidden" if x == "batch_size" else "batch_size"
+    xlabel, short = _X_AXES[x]
+    others = sorted({getattr(r, other) for r in records})
+    quantities = sorted({r.quantity for r in records})
+
+    groups: dict[tuple, list] = {}
+    for r in records:
+        groups.setdefault((r.strategy, r.quantity, getattr(r, other)), []).append(r)
+    # methods in order of first appearance, references last
+    order = sorted(groups, key=lambda k: (k[0] in REFERENCES, REFERENCES.index(k[0]) if k[0] in REFERENCES else 0))
+
+    fig, ax, new = fixed_axes(ax, (width, height))
+    labels = []
+    for key in order:
+        name, quantity, other_value = key
+        rows = sorted(groups[key], key=lambda r: getattr(r, x))
+        timed = [r for r in rows if r.median_s is not None]
+        skipped = [getattr(r, x) for r in rows if r.median_s is None]
+        label = name
+        if len(quantities) > 1:
+            label += f" [{quantity}]"
+        if len(others) > 1:
+            label += f" ({_X_AXES[other][1]}={other_value})"
+        label += _skip_text([getattr(r, x) for r in timed], skipped, short)
+        labels.append(label)
+        style: dict[str, Any] = (
+            {**REFERENCE_STYLE[name], "linestyle": "--", "linewidth": 1.2} if name in REFERENCES
+            else {"color": method_color(name), "marker": "o", "linestyle": "-", "linewidth": 1.8}
+        )
+        xs = [getattr(r, x) for r in timed]
+        ys = [r.median_s for r in timed]
+        if timed:
+            half = [(r.iqr_s or 0.0) / 2 for r in timed]
+            lower = [min(h, y * 0.95) for h, y in zip(half, ys, strict=True)]  # stay positive on a log axis
+            ax.errorbar(xs, ys, yerr=[lower, half], label=label, capsize=3, markersize=5, **style)
+        else:  # nothing timed: a legend entry all the same
+            ax.plot([], [], label=label, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    xs_all = sorted({getattr(r, x) for r in records})
+    ax.set_xticks(xs_all)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_locator(LogLocator(base=10))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_seconds(v)))
+    if len(xs_all) == 1:
+        ax.set_xlim(xs_all[0] / 1.5, xs_all[0] * 1.5)
+    if highlight is not None:
+        ax.axvline(highlight, color="0.2", linestyle=":", linewidth=1, zorder=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("median time per call")
+    ax.grid(True, which="major", alpha=0.3)
+    if title is None:
+        what = " & ".join(_QUANTITY_TITLES.get(q, q) for q in quantities)
+        fixed = f", {_X_AXES[other][1]}={others[0]}" if len(others) == 1 else ""
+        title = f"{what}: time vs {xlabel}{fixed}"
+    if legend not in ("right", "below"):
+        raise ValueError(f"legend must be 'right' or 'below', got {legend!r}")
+    if legend == "right" or not new:
+        right = min(text_width_in(labels, "small") + 0.6, width * 0.45)
+        if new:  # wrapped to the axes' width: a title centred over the axes stays inside the figure
+            title = fit_text(title, width - 0.85 - right)
+        ax.set_title(title, fontsize="medium")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        if new:
+            place_margins(fig, left=0.85, right=right, bottom=0.55, top=title_height_in(title))
+        return fig
+    entry = text_width_in(labels, "small") + 0.55  # a line sample and its label
+    ncol = max(1, min(len(labels), int((width - 0.3) // entry)))
+    rows = -(-len(labels) // ncol)
+    bottom = 0.55 + 0.2 * rows + 0.12
+    title = fit_text(title, width - 0.3)  # the whole width: centred over the axes it stays inside
+    ax.set_title(title, fontsize="medium")
+    top = title_height_in(title)
+    place_margins(fig, left=0.85, right=0.2, bottom=bottom, top=top)
+    axes_h = height - bottom - top
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.5 / axes_h), ncol=ncol,
+              frameon=False, columnspacing=1.2, handlelength=1.8, borderaxespad=0.0)
+    return fig
+
+
+def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | None = None,
+               pending: Sequence[str] = (), noisy: Collection[str] | None = None,
+               provisional: Collection[str] = (), width: float = 6.0) -> Figure:
+    """Horizontal bars of the median time of every method at one setting, annotated with the speed-up vs loop.
+
+    Args:
+        records: the records of one (quantity, batch size, hidden width), e.g.
+            ``[r for r in records if r.batch_size == 32]``. Skipped methods get no bar but their note;
+            where ``loop`` was not timed, the annotation is the time relative to forward+backward. A thin line
+            spans each bar's interquartile range (median ± IQR/2).
+        ax, title: as in :func:`runtime_figure` (default title: the quantity and the setting).
+        pending: methods still being timed: a row each, reading "timing…", so the chart keeps its size while
+            it fills in.
+        noisy: methods whose measurement was noisy: their annotation says "⚠ noisy" (default: the records
+            flagged ``noisy``).
+        provisional: methods whose numbers are from the first rounds, more rounds on their way: annotated
+            "provisional", in grey (not a warning).
+        width: figure width in inches (a new figure only).
+
+    The annotations sit to the right of the axes, inside the figure (constrained layout makes room).
+
+    Raises:
+        ValueError: no records (and nothing pending), or records of several settings.
+    """
+    records = list(records)
+    if not records and not pending:
+        raise ValueError("no records to plot: pass the records of one setting")
+    settings = {(r.quantity, r.batch_size, r.hidden) for r in records}
+    if len(settings) > 1:
+        raise ValueError(f"bar_figure shows one setting, got {len(settings)}: {sorted(settings)}; filter the "
+                         "records first, e.g. [r for r in records if r.batch_size == B and r.hidden == H]")
+    rows = len(records) + len(pending)
+    if noisy is None:
+        noisy = {r.strategy for r in records if getattr(r, "noisy", False)}
+    fig, ax, new = fixed_axes(ax, (width, 0.32 * rows + 1.05))
+    timed = [r.median_s for r in records if r.median_s is not None]
+    left = min(timed) / 3 if timed else 1e-4
+    right = max(timed) * 3 if timed else 1.0
+    beside = ax.get_yaxis_transform()  # x in axes fraction, y in data
+    names = [r.strategy for r in records] + list(pending)
+    annotations = [_bar_label(r, r.strategy in noisy, r.strategy in provisional) for r in records
+                   if r.median_s is not None]
+    margin_left = text_width_in(names, "medium") + 0.2
+    margin_right = text_width_in(annotations, "small") + 0.25
+    axes_in = fig.get_figwidth() - margin_left - margin_right if new else fig.get_figwidth() * 0.45
+    note_chars = max(16, int(axes_in * 0.97 / CHAR_IN["small"]))
+    for k, r in enumerate(records):
+        ref = r.strategy in REFERENCES
+        if r.median_s is None:  # inside the axes, on at most two lines
+            note = f"skipped: {r.note.removeprefix('skipped: ')}" if r.note else "skipped"
+            lines = textwrap.wrap(note, note_chars)
+            if len(lines) > 2:
+                lines = [lines[0], textwrap.shorten(" ".join(lines[1:]), note_chars, placeholder=" …")]
+            ax.text(0.01, k, "\n".join(lines), transform=beside, va="center", fontsize="small", color="0.35",
+                    linespacing=1.0)
+            continue
+        ax.barh(k, r.median_s - left, left=left, color=REFERENCE_STYLE[r.strategy]["color"] if ref
+                else method_color(r.strategy), hatch="//" if ref else None, alpha=0.85 if ref else 1.0, height=0.7)
+        if r.iqr_s:
+            ax.plot([max(left, r.median_s - r.iqr_s / 2), r.median_s + r.iqr_s / 2], [k, k], color="black",
+                    linewidth=1.0, solid_capstyle="butt")
+        warn, soon = r.strategy in noisy, r.strategy in provisional
+        color = "#8a5300" if warn else ("0.45" if soon else "black")
+        ax.text(1.02, k, _bar_label(r, warn, soon), transform=beside, va="center", fontsize="small", color=color,
+                clip_on=False)
+    for j in range(len(records), rows):
+        ax.text(0.01, j, "timing…", transform=beside, va="center", fontsize="small", color="0.4", style="italic")
+    ax.set_xscale("log")
+    ax.set_yticks(range(rows), [r.strategy for r in records] + list(pending))
+    ax.set_ylim(rows - 0.5, -0.5)
+    ax.set_xlim(left, right)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_seconds(v)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("median time per call (log scale; line: IQR)", fontsize="small")
+    if title is None and settings:
+        (quantity, batch, hidden), = settings
+        title = f"{_QUANTITY_TITLES.get(quantity, quantity)}, B={batch}, hidden={hidden}"
+    left, right = margin_left, margin_right
+    if title:
+        title = fit_text(title, fig.get_figwidth() - left - right + 2 * min(left, right)) if new else title
+        ax.set_title(title, fontsize="medium")
+    ax.grid(True, axis="x", alpha=0.3)
+    if new:
+        place_margins(fig, left=left, right=right, bottom=0.5, top=title_height_in(title))
+    return fig
+
+
+def _bar_label(r: Any, noisy: bool, provisional: bool) -> str:
+    """A bar's annotation: its time, its speed-up over the loop (or its time over forward+backward), a flag."""
+    if r.speedup_vs_loop is not None:
+        extra = "loop" if r.strategy == "loop" else f"{fmt_ratio(r.speedup_vs_loop)} vs loop"
+    elif r.vs_forward_backward is not None and r.strategy != FORWARD_BACKWARD:
+        extra = f"{fmt_ratio(r.vs_forward_backward)} fwd+bwd"
+    else:
+        extra = ""
+    flag = " ⚠ noisy" if noisy else (" provisional" if provisional else "")
+    return fmt_seconds(r.median_s) + (f" ({extra})" if extra else "") + flag
