@@ -1,4 +1,4 @@
-"""The figures of pergrad_viz.viz.plots, checked headless (Agg): lines, labels, scales, boundaries, colour limits."""
+"""The figures of pergrad_viz.viz, checked headless (Agg): lines, labels, scales, boundaries, colour limits."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from pergrad_viz.bench.sweeps import FORWARD_BACKWARD, MEMORY_FLOOR, Record  # noqa: E402
+from pergrad_viz import viz  # noqa: E402
+from pergrad_viz.bench.records import FORWARD_BACKWARD, MEMORY_FLOOR, Record  # noqa: E402
 from pergrad_viz.tutorial.networks import MLP  # noqa: E402
-from pergrad_viz.viz import plots  # noqa: E402
 
 
 def rec(strategy: str, batch: int, median: float | None, *, hidden: int = 20, quantity: str = "grads",
@@ -41,7 +41,7 @@ def legend_texts(ax) -> list[str]:
 
 
 def test_runtime_figure_lines_scales_and_skips():
-    fig = plots.runtime_figure(sweep_records(), highlight=16)
+    fig = viz.runtime_figure(sweep_records(), highlight=16)
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
@@ -62,38 +62,38 @@ def test_runtime_figure_lines_scales_and_skips():
 def test_runtime_figure_names_a_method_skipped_everywhere_and_other_axis():
     records = [rec("loop", 8, None, hidden=h, note="skipped") for h in (8, 16)]
     records += [rec("hooks", 8, 1e-3 * h, hidden=h) for h in (8, 16)]
-    ax = plots.runtime_figure(records, x="hidden").axes[0]
+    ax = viz.runtime_figure(records, x="hidden").axes[0]
     assert ax.get_xlabel() == "hidden width"
     assert legend_texts(ax) == ["loop (skipped at every hidden)", "hooks"]
     mixed = [*sweep_records(), *[rec("hooks", b, 1e-3, hidden=64) for b in (1, 4)]]
-    labels = legend_texts(plots.runtime_figure(mixed).axes[0])
+    labels = legend_texts(viz.runtime_figure(mixed).axes[0])
     assert "hooks (hidden=20)" in labels and "hooks (hidden=64)" in labels
 
 
 def test_runtime_figure_draws_into_given_axes_and_rejects_bad_input():
     fig = Figure()
     ax = fig.add_subplot()
-    assert plots.runtime_figure(sweep_records(), ax=ax, title="T") is fig
+    assert viz.runtime_figure(sweep_records(), ax=ax, title="T") is fig
     assert ax.get_title() == "T"
     with pytest.raises(ValueError, match="no records"):
-        plots.runtime_figure([])
+        viz.runtime_figure([])
     with pytest.raises(ValueError, match="x must be"):
-        plots.runtime_figure(sweep_records(), x="width")
+        viz.runtime_figure(sweep_records(), x="width")
 
 
 def test_bar_figure_bars_and_speedups():
     one = [r for r in sweep_records() if r.batch_size == 4]
-    ax = plots.bar_figure(one).axes[0]
+    ax = viz.bar_figure(one).axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["loop", "hooks", FORWARD_BACKWARD, MEMORY_FLOOR]
     assert len(ax.patches) == 4 and ax.get_xscale() == "log"
     texts = [t.get_text() for t in ax.texts]
     assert any("5x vs loop" in t for t in texts), texts
     skipped = [r for r in sweep_records() if r.batch_size == 16]
-    ax = plots.bar_figure(skipped).axes[0]
+    ax = viz.bar_figure(skipped).axes[0]
     assert len(ax.patches) == 3  # no bar for the skipped loop, but its note
     assert any(t.get_text().startswith("skipped: 16 backward passes") for t in ax.texts)
     with pytest.raises(ValueError, match="one setting"):
-        plots.bar_figure(sweep_records())
+        viz.bar_figure(sweep_records())
 
 
 # ------------------------------------------------------------------------------------------------ heatmap
@@ -101,13 +101,13 @@ def test_bar_figure_bars_and_speedups():
 
 def test_param_boundaries_in_named_parameters_order_trainable_only():
     model = MLP(784, 20, 10)
-    assert plots.param_boundaries(model) == [("fc1.weight", 0, 15680), ("fc1.bias", 15680, 15700),
+    assert viz.param_boundaries(model) == [("fc1.weight", 0, 15680), ("fc1.bias", 15680, 15700),
                                              ("fc2.weight", 15700, 15900), ("fc2.bias", 15900, 15910)]
     model.fc1.bias.requires_grad_(False)
-    assert [n for n, *_ in plots.param_boundaries(model)] == ["fc1.weight", "fc2.weight", "fc2.bias"]
+    assert [n for n, *_ in viz.param_boundaries(model)] == ["fc1.weight", "fc2.weight", "fc2.bias"]
     grads = {"a": torch.zeros(5, 3, 4), "b": torch.zeros(5, 2)}
-    assert plots.param_boundaries(grads, lead=1) == [("a", 0, 12), ("b", 12, 14)]
-    assert plots.param_boundaries([("w", (2, 3)), ("b", (2,))]) == [("w", 0, 6), ("b", 6, 8)]
+    assert viz.param_boundaries(grads, lead=1) == [("a", 0, 12), ("b", 12, 14)]
+    assert viz.param_boundaries([("w", (2, 3)), ("b", (2,))]) == [("w", 0, 6), ("b", 6, 8)]
 
 
 SYNTH = [("big", 0, 9000), ("mid", 9000, 10000), ("tiny", 10000, 10007)]
@@ -117,7 +117,7 @@ def test_heatmap_boundaries_exact_after_downsampling():
     rng = np.random.default_rng(0)
     data = rng.normal(size=(6, 10007)).astype(np.float32)
     data[2, 4321] = 100.0  # a spike that pooling must keep, in the right place
-    fig = plots.gradient_heatmap(data, SYNTH, max_cols=500, min_layer_frac=0)
+    fig = viz.gradient_heatmap(data, SYNTH, max_cols=500, min_layer_frac=0)
     ax = fig.axes[0]
     vlines = sorted(line.get_xdata()[0] for line in ax.get_lines())
     assert vlines == [9000, 10000]  # exact parameter indices, although the columns were pooled
@@ -135,7 +135,7 @@ def test_heatmap_boundaries_exact_after_downsampling():
 
 def test_heatmap_widens_small_layers_and_keeps_order():
     data = np.ones((3, 10007), dtype=np.float32)
-    ax = plots.gradient_heatmap(data, dict((n, (a, b)) for n, a, b in SYNTH), min_layer_frac=0.05).axes[0]
+    ax = viz.gradient_heatmap(data, dict((n, (a, b)) for n, a, b in SYNTH), min_layer_frac=0.05).axes[0]
     extents = [tuple(im.get_extent()[:2]) for im in ax.images]
     assert extents[0][0] == 0 and extents[-1][1] == 10007
     for (_, x1), (y0, _) in zip(extents, extents[1:], strict=False):
@@ -148,18 +148,18 @@ def test_heatmap_widens_small_layers_and_keeps_order():
 
 def test_heatmap_colour_limits_symmetric_robust_and_tensor_input():
     values = torch.linspace(-1, 3, 4000).reshape(4, 1000)
-    ax = plots.gradient_heatmap(values, [("w", 0, 1000)], percentile=99.0).axes[0]
+    ax = viz.gradient_heatmap(values, [("w", 0, 1000)], percentile=99.0).axes[0]
     lo, hi = ax.images[0].get_clim()
     assert lo == -hi and hi == pytest.approx(np.percentile(np.abs(values.numpy()), 99.0), rel=1e-5)
-    assert ax.images[0].get_cmap().name == plots.DIVERGING
-    ax = plots.gradient_heatmap(torch.zeros(7), None).axes[0]  # 1-D and all zero: one row, a non-empty scale
+    assert ax.images[0].get_cmap().name == viz.DIVERGING
+    ax = viz.gradient_heatmap(torch.zeros(7), None).axes[0]  # 1-D and all zero: one row, a non-empty scale
     assert ax.images[0].get_clim() == (-1.0, 1.0)
 
 
 def test_heatmap_rows_pooled_and_highlight():
     data = np.zeros((3000, 50), dtype=np.float32)
     data[1234, 7] = -5.0
-    ax = plots.gradient_heatmap(data, max_rows=1000, highlight_row=1234).axes[0]
+    ax = viz.gradient_heatmap(data, max_rows=1000, highlight_row=1234).axes[0]
     arr = np.asarray(ax.images[0].get_array())
     assert arr.shape[0] <= 1000 and arr.min() == -5.0
     assert ax.get_ylim() == (3000, 0)
@@ -168,11 +168,11 @@ def test_heatmap_rows_pooled_and_highlight():
 
 def test_heatmap_rejects_wrong_boundaries():
     with pytest.raises(ValueError, match="P=10"):
-        plots.gradient_heatmap(np.zeros((2, 10)), [("a", 0, 6)])
+        viz.gradient_heatmap(np.zeros((2, 10)), [("a", 0, 6)])
     with pytest.raises(ValueError, match="without gaps"):
-        plots.gradient_heatmap(np.zeros((2, 10)), [("a", 0, 4), ("b", 5, 10)])
+        viz.gradient_heatmap(np.zeros((2, 10)), [("a", 0, 4), ("b", 5, 10)])
     with pytest.raises(ValueError, match=r"\(B, P\)"):
-        plots.gradient_heatmap(np.zeros((2, 3, 10)))
+        viz.gradient_heatmap(np.zeros((2, 3, 10)))
 
 
 # ------------------------------------------------------------------------------------------------ images
@@ -184,7 +184,7 @@ def image_axes(fig: Figure) -> list:
 
 def test_first_layer_images_count_colours_and_input():
     grads = torch.randn(10, 784)
-    fig = plots.first_layer_images(grads, image=torch.randn(784), titles=[f"c{k}" for k in range(10)], ncols=4)
+    fig = viz.first_layer_images(grads, image=torch.randn(784), titles=[f"c{k}" for k in range(10)], ncols=4)
     axes = image_axes(fig)
     assert len(axes) == 11
     assert axes[0].get_title() == "input" and axes[0].images[0].get_cmap().name == "gray"
@@ -197,22 +197,33 @@ def test_first_layer_images_count_colours_and_input():
 
 
 def test_first_layer_images_3d_without_input_and_errors():
-    fig = plots.first_layer_images(np.random.default_rng(0).normal(size=(5, 28, 28)), ncols=3)
+    fig = viz.first_layer_images(np.random.default_rng(0).normal(size=(5, 28, 28)), ncols=3)
     assert len(image_axes(fig)) == 5 and [a.get_title() for a in image_axes(fig)] == list("01234")
     with pytest.raises(ValueError, match="square"):
-        plots.first_layer_images(np.zeros((3, 780)))
+        viz.first_layer_images(np.zeros((3, 780)))
     with pytest.raises(ValueError, match="titles"):
-        plots.first_layer_images(np.zeros((3, 784)), titles=["a"])
+        viz.first_layer_images(np.zeros((3, 784)), titles=["a"])
     with pytest.raises(ValueError, match="pixels"):
-        plots.first_layer_images(np.zeros((3, 784)), image=np.zeros(10))
+        viz.first_layer_images(np.zeros((3, 784)), image=np.zeros(10))
 
 
 def test_png_and_no_global_figures():
     before = plt.get_fignums()
-    fig = plots.runtime_figure(sweep_records())
-    png = plots.to_png(fig, dpi=40)
+    fig = viz.runtime_figure(sweep_records())
+    png = viz.to_png(fig, dpi=40)
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     assert not fig.axes  # cleared after rendering
-    plots.gradient_heatmap(np.ones((2, 5)))
-    plots.first_layer_images(np.ones((2, 784)))
+    viz.gradient_heatmap(np.ones((2, 5)))
+    viz.first_layer_images(np.ones((2, 784)))
     assert plt.get_fignums() == before
+
+
+def test_every_figure_is_exported_and_the_old_module_gives_the_same_objects():
+    import pergrad_viz.viz.plots as plots  # the module of version 0.1's figures, kept for old code
+    from pergrad_viz.core.layout import param_boundaries
+
+    assert all(hasattr(viz, name) for name in viz.__all__)
+    assert {name for name in viz.__all__ if name.endswith("_figure")} >= {
+        "runtime_figure", "bar_figure", "clipping_figure", "outer_product_figure", "factor_figure", "token_figure"}
+    assert all(getattr(plots, name) is getattr(viz, name) for name in plots.__all__)
+    assert viz.param_boundaries is param_boundaries

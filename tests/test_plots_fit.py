@@ -15,8 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
-from pergrad_viz.bench.sweeps import FORWARD_BACKWARD, MEMORY_FLOOR, Record  # noqa: E402
-from pergrad_viz.viz import plots  # noqa: E402
+from pergrad_viz import viz  # noqa: E402
+from pergrad_viz.bench.records import FORWARD_BACKWARD, MEMORY_FLOOR, Record  # noqa: E402
 
 LONG = "per-sample gradients at batch size B=256, hidden width 512: a title long enough to need two lines or more"
 
@@ -82,41 +82,41 @@ def figures() -> dict[str, Callable[[], Figure]]:
     small = [("fc1.weight", 0, 39200), ("fc1.bias", 39200, 39250), ("fc2.weight", 39250, 39750),
              ("fc2.bias", 39750, 39760)]  # hidden width 50
     return {
-        "bars": lambda: plots.bar_figure(records(), title=LONG, noisy=("torch_func",)),
-        "bars pending": lambda: plots.bar_figure(records()[:2], pending=("loop", FORWARD_BACKWARD), title=LONG),
-        "runtime": lambda: plots.runtime_figure(sweep, highlight=256, title=LONG, width=6.4, height=3.4),
-        "heatmap": lambda: plots.gradient_heatmap(rng.normal(size=(16, 407050)).astype(np.float32), bounds, title=LONG,
+        "bars": lambda: viz.bar_figure(records(), title=LONG, noisy=("torch_func",)),
+        "bars pending": lambda: viz.bar_figure(records()[:2], pending=("loop", FORWARD_BACKWARD), title=LONG),
+        "runtime": lambda: viz.runtime_figure(sweep, highlight=256, title=LONG, width=6.4, height=3.4),
+        "heatmap": lambda: viz.gradient_heatmap(rng.normal(size=(16, 407050)).astype(np.float32), bounds, title=LONG,
                                           max_cols=600),
-        "heatmap rows": lambda: plots.gradient_heatmap(rng.normal(size=(10, 1000)), [("w", 0, 1000)], title=LONG,
+        "heatmap rows": lambda: viz.gradient_heatmap(rng.normal(size=(10, 1000)), [("w", 0, 1000)], title=LONG,
                                                row_labels=["T-shirt/top", "Ankle boot", *"abcdefgh"]),
-        "images": lambda: plots.first_layer_images(rng.normal(size=(9, 784)), image=rng.normal(size=784), suptitle=LONG,
+        "images": lambda: viz.first_layer_images(rng.normal(size=(9, 784)), image=rng.normal(size=784), suptitle=LONG,
                                            titles=[f"unit {k}" for k in range(9)], image_title="input (Ankle boot)"),
-        "rule": lambda: plots.outer_product_figure(rng.normal(size=784), rng.normal(size=512), gradient_norm=3.0,
+        "rule": lambda: viz.outer_product_figure(rng.normal(size=784), rng.normal(size=512), gradient_norm=3.0,
                                                    title=LONG),
-        "clip": lambda: plots.clipping_figure(rng.gamma(2, 10, 256), {"fc1": rng.gamma(2, 9, 256),
+        "clip": lambda: viz.clipping_figure(rng.gamma(2, 10, 256), {"fc1": rng.gamma(2, 9, 256),
                                                                       "fc2": rng.gamma(2, 3, 256)},
                                               20.0, sums=(480.0, 95.0), title=LONG, width=8.0),
-        "histogram": lambda: plots.norm_histogram(rng.gamma(2, 1, 256), rng.gamma(2, 0.4, 256), 1.0),
+        "histogram": lambda: viz.norm_histogram(rng.gamma(2, 1, 256), rng.gamma(2, 0.4, 256), 1.0),
         # as the explorer draws them (explorer/view.py WIDTHS)
-        "explorer bars": lambda: plots.bar_figure(records(), title=LONG, noisy=("torch_func",), provisional=("hooks",),
+        "explorer bars": lambda: viz.bar_figure(records(), title=LONG, noisy=("torch_func",), provisional=("hooks",),
                                           width=6.3),
-        "explorer runtime": lambda: plots.runtime_figure(sweep, highlight=256, title=LONG, width=7.0, height=3.6,
+        "explorer runtime": lambda: viz.runtime_figure(sweep, highlight=256, title=LONG, width=7.0, height=3.6,
                                                  legend="below"),
-        "explorer heatmap": lambda: plots.gradient_heatmap(rng.normal(size=(256, 39760)).astype(np.float32), small,
+        "explorer heatmap": lambda: viz.gradient_heatmap(rng.normal(size=(256, 39760)).astype(np.float32), small,
                                                    title=LONG, figsize=(7.4, 3.4), highlight_row=255,
                                                    max_cols=560),
-        "explorer images": lambda: plots.first_layer_images(rng.normal(size=(9, 784)), image=rng.normal(size=784),
+        "explorer images": lambda: viz.first_layer_images(rng.normal(size=(9, 784)), image=rng.normal(size=784),
                                                     suptitle=LONG, titles=[f"unit {k}" for k in range(9)],
                                                     image_title="input (Ankle boot)", cell=1.15),
-        "explorer rule": lambda: plots.outer_product_figure(rng.normal(size=784), rng.normal(size=512),
+        "explorer rule": lambda: viz.outer_product_figure(rng.normal(size=784), rng.normal(size=512),
                                                             gradient_norm=3.0, title=LONG, width=6.9),
-        "explorer factors": lambda: plots.factor_figure(rng.normal(size=(16, 16)), rng.normal(size=(16, 32)),
+        "explorer factors": lambda: viz.factor_figure(rng.normal(size=(16, 16)), rng.normal(size=(16, 32)),
                                                         rng.normal(size=(16, 32)), names=(LONG[:60], LONG[:50], "x"),
                                                         gradient_norm=1.0, difference=1e-8, title=LONG, width=6.9),
-        "explorer tokens": lambda: plots.token_figure(rng.integers(0, 16, 16), rng.normal(size=(10, 16)), grid=(4, 4),
+        "explorer tokens": lambda: viz.token_figure(rng.integers(0, 16, 16), rng.normal(size=(10, 16)), grid=(4, 4),
                                                       row_labels=["T-shirt/top", "Ankle boot", *"abcdefgh"],
                                                       title=LONG, matrix_title="m", xlabel="x", width=7.4),
-        "explorer clip": lambda: plots.clipping_figure(rng.gamma(2, 10, 256), {"fc1": rng.gamma(2, 9, 256),
+        "explorer clip": lambda: viz.clipping_figure(rng.gamma(2, 10, 256), {"fc1": rng.gamma(2, 9, 256),
                                                                        "fc2": rng.gamma(2, 3, 256)},
                                                20.0, sums=(480.0, 95.0), title=LONG, width=6.5),
     }
@@ -130,7 +130,7 @@ def test_text_fits_inside_the_figure(name):
 
 
 def test_skipped_notes_stay_inside_the_axes():
-    fig = plots.bar_figure(records(), title=LONG, width=6.3)
+    fig = viz.bar_figure(records(), title=LONG, width=6.3)
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     ax = fig.axes[0]
@@ -150,19 +150,19 @@ def test_runtime_legend_below_leaves_the_plot_its_width():
                                                                                       "batched_grad")]
     sweep += [Record(n, "grads", b, 20, 1e-3, 1e-4, 1000) for b in (1, 16) for n in ("autograd_stack",
                                                                                     "batched_grad")]
-    fig = plots.runtime_figure(sweep, width=7.0, height=3.6, legend="below",
+    fig = viz.runtime_figure(sweep, width=7.0, height=3.6, legend="below",
                                title="per-sample gradients: time vs batch size at hidden width 20 (dotted: B=256)")
     ax = fig.axes[0]
     assert ax.get_position().width * 7.0 > 5.5  # the axes keep most of the width
     assert ax.get_title().count("\n") <= 1  # at most two lines
     assert "autograd_stack (skipped above B=16)" in [t.get_text() for t in ax.get_legend().get_texts()]
     with pytest.raises(ValueError, match="legend"):
-        plots.runtime_figure(sweep, legend="left")
+        viz.runtime_figure(sweep, legend="left")
 
 
 def test_the_threshold_is_named_in_the_legend_not_on_a_bar():
     rng = np.random.default_rng(1)
-    fig = plots.clipping_figure(rng.gamma(2, 10, 32), {"fc1": rng.gamma(2, 9, 32)}, 20.0)
+    fig = viz.clipping_figure(rng.gamma(2, 10, 32), {"fc1": rng.gamma(2, 9, 32)}, 20.0)
     top = fig.axes[0]
     assert not [t for t in top.texts if "C =" in t.get_text()]
     assert "the threshold C = 20" in [t.get_text() for t in top.get_legend().get_texts()]
@@ -174,7 +174,7 @@ def test_the_threshold_is_named_in_the_legend_not_on_a_bar():
 
 
 def test_hidden_units_are_labelled_with_whole_numbers():
-    fig = plots.outer_product_figure(torch.rand(784), torch.randn(20), width=6.9)
+    fig = viz.outer_product_figure(torch.rand(784), torch.randn(20), width=6.9)
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     outer = next(ax for ax in fig.axes if ax.images and ax.images[0].get_array().shape == (20, 784))
@@ -185,7 +185,7 @@ def test_hidden_units_are_labelled_with_whole_numbers():
 
 
 def test_the_chosen_sample_is_marked_at_any_batch_size():
-    fig = plots.gradient_heatmap(np.random.default_rng(0).normal(size=(128, 500)), highlight_row=77,
+    fig = viz.gradient_heatmap(np.random.default_rng(0).normal(size=(128, 500)), highlight_row=77,
                                  figsize=(7.4, 3.4))
     ax = fig.axes[0]
     marks = [line for line in ax.get_lines() if line.get_marker() in (">", "<")]
@@ -194,14 +194,14 @@ def test_the_chosen_sample_is_marked_at_any_batch_size():
 
 
 def test_durations_and_ratios_read_as_people_write_them():
-    assert plots.fmt_ratio(1930.4) == "1,930x" and plots.fmt_ratio(89.44) == "89.4x"
-    assert plots.fmt_ratio(0.6684) == "0.668x"
-    assert plots.fmt_seconds(939e-9) == "939 ns" and plots.fmt_seconds(9.57e-5) == "95.7 µs"
-    assert plots.fmt_seconds(0.0137) == "13.7 ms" and plots.fmt_seconds(1.5) == "1.5 s"
+    assert viz.fmt_ratio(1930.4) == "1,930x" and viz.fmt_ratio(89.44) == "89.4x"
+    assert viz.fmt_ratio(0.6684) == "0.668x"
+    assert viz.fmt_seconds(939e-9) == "939 ns" and viz.fmt_seconds(9.57e-5) == "95.7 µs"
+    assert viz.fmt_seconds(0.0137) == "13.7 ms" and viz.fmt_seconds(1.5) == "1.5 s"
 
 
 def test_bar_figure_pending_rows_and_noisy_note():
-    fig = plots.bar_figure(records()[:2], pending=("loop", FORWARD_BACKWARD), noisy=("hooks",))
+    fig = viz.bar_figure(records()[:2], pending=("loop", FORWARD_BACKWARD), noisy=("hooks",))
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["hooks", "torch_func", "loop", FORWARD_BACKWARD]
     texts = [t.get_text() for t in ax.texts]
@@ -210,13 +210,21 @@ def test_bar_figure_pending_rows_and_noisy_note():
     assert "B=256" in ax.get_title() and "hidden=512" in ax.get_title()
 
 
+def test_bar_figure_reads_the_noisy_field_of_the_records():
+    rows = records()[:2]
+    rows[1].noisy = True
+    rows[0].note = "noisy in the note alone is not a flag"
+    texts = [t.get_text() for t in viz.bar_figure(rows).axes[0].texts]
+    assert texts[0].endswith("vs loop)") and texts[1].endswith("⚠ noisy"), texts
+
+
 def test_histogram_bins_aligned_to_c_and_clipped_norms_left_of_the_line():
-    edges = plots.aligned_edges(3.7, 1.0, bins=30)
+    edges = viz.aligned_edges(3.7, 1.0, bins=30)
     assert np.any(np.isclose(edges, 1.0)) and edges[0] == 0 and edges[-1] >= 3.7
-    counts = plots.right_closed_counts(torch.tensor([1.0, 1.0 + 1e-7, 0.999999, 1.1]), edges)
+    counts = viz.right_closed_counts(torch.tensor([1.0, 1.0 + 1e-7, 0.999999, 1.1]), edges)
     at_c = int(np.argmin(np.abs(edges - 1.0)))
     assert counts[at_c - 1] == 3 and counts[at_c] == 1  # exactly C (up to rounding): the bin ending at C
-    fig = plots.norm_histogram(torch.tensor([0.5, 2.0, 3.0]), torch.tensor([0.5, 1.0, 1.0]), 1.0)
+    fig = viz.norm_histogram(torch.tensor([0.5, 2.0, 3.0]), torch.tensor([0.5, 1.0, 1.0]), 1.0)
     ax = fig.axes[0]
     after = ax.containers[1]
     right_edges = [p.get_x() + p.get_width() for p in after if p.get_height() > 0]
@@ -225,7 +233,7 @@ def test_histogram_bins_aligned_to_c_and_clipped_norms_left_of_the_line():
 
 def test_clipping_figure_counts_and_sums():
     total = torch.tensor([0.5, 1.0, 2.0, 4.0])
-    fig = plots.clipping_figure(total, {"fc1": total * 0.8, "fc2": total * 0.6}, 1.0, sums=(7.0, 2.5))
+    fig = viz.clipping_figure(total, {"fc1": total * 0.8, "fc2": total * 0.6}, 1.0, sums=(7.0, 2.5))
     top, bottom = fig.axes[:2]
     assert "clipped: 2 of 4 samples (50%)" in top.get_title() and "||sum clipped|| = 2.5" in top.get_title()
     kept, scaled = top.containers[:2]
@@ -235,7 +243,7 @@ def test_clipping_figure_counts_and_sums():
 
 def test_outer_product_figure_shows_the_identity_with_both_numbers():
     a, g = torch.rand(784), torch.randn(20)
-    fig = plots.outer_product_figure(a, g, gradient_norm=float(torch.outer(g, a).norm()))
+    fig = viz.outer_product_figure(a, g, gradient_norm=float(torch.outer(g, a).norm()))
     text = " ".join(t.get_text() for t in fig.texts)
     g_norm, a_norm = float(g.norm()), float(a.norm())
     assert f"{g_norm:.5g} x {a_norm:.5g} = {g_norm * a_norm:.5g}" in text
@@ -243,4 +251,4 @@ def test_outer_product_figure_shows_the_identity_with_both_numbers():
     outer = next(ax for ax in fig.axes if ax.images and ax.images[0].get_array().shape == (20, 784))
     assert np.allclose(outer.images[0].get_array(), np.outer(g.numpy(), a.numpy()))
     with pytest.raises(ValueError, match="image"):
-        plots.outer_product_figure(torch.rand(10), g)
+        viz.outer_product_figure(torch.rand(10), g)

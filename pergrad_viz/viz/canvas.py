@@ -54,13 +54,6 @@ def method_color(name: str) -> str:
     return PALETTE[k % len(PALETTE)]
 
 
-def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
-    if ax is not None:
-        return ax.figure, ax
-    fig = Figure(figsize=figsize, layout="constrained")
-    return fig, fig.add_subplot()
-
-
 def fixed_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes, bool]:
     """``ax``'s figure, or a new figure of ``figsize`` inches without a layout engine (its margins are set with
     :func:`place_margins`: a constrained layout would double the time to draw it). The flag: the figure is new."""

@@ -48,9 +48,6 @@ def fmt_ratio(r: float) -> str:
     return f"{r:,.0f}x" if r >= 100 else f"{r:.3g}x"
 
 
-_fmt_seconds = fmt_seconds
-
-
 def _skip_text(timed: list[int], skipped: list[int], short: str) -> str:
     if not skipped:
         return ""
@@ -67,7 +64,7 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
     """Median time per call against batch size (or hidden width), log-log, one line per method.
 
     Args:
-        records: benchmark records (:class:`pergrad_viz.bench.sweeps.Record` or anything with its attributes
+        records: benchmark records (:class:`pergrad_viz.bench.records.Record` or anything with its attributes
             ``strategy, quantity, batch_size, hidden, median_s, iqr_s``). Error bars span the interquartile
             range (median ± IQR/2). The reference rows ``forward+backward`` and ``memory floor`` are drawn
             dashed in grey. Skipped records (``median_s is None``) are not drawn but named in the legend,
@@ -136,7 +133,7 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.yaxis.set_major_locator(LogLocator(base=10))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_seconds(v)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_seconds(v)))
     if len(xs_all) == 1:
         ax.set_xlim(xs_all[0] / 1.5, xs_all[0] * 1.5)
     if highlight is not None:
@@ -179,7 +176,7 @@ def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | N
     """Horizontal bars of the median time of every method at one setting, annotated with the speed-up vs loop.
 
     Args:
-        records: the records of one (quantity, batch size, hidden width), e.g.
+        records: the :class:`~pergrad_viz.bench.records.Record` s of one (quantity, batch size, hidden width), e.g.
             ``[r for r in records if r.batch_size == 32]``. Skipped methods get no bar but their note;
             where ``loop`` was not timed, the annotation is the time relative to forward+backward. A thin line
             spans each bar's interquartile range (median ± IQR/2).
@@ -187,12 +184,12 @@ def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | N
         pending: methods still being timed: a row each, reading "timing…", so the chart keeps its size while
             it fills in.
         noisy: methods whose measurement was noisy: their annotation says "⚠ noisy" (default: the records
-            flagged ``noisy``).
+            whose field :attr:`~pergrad_viz.bench.records.Record.noisy` is set).
         provisional: methods whose numbers are from the first rounds, more rounds on their way: annotated
             "provisional", in grey (not a warning).
         width: figure width in inches (a new figure only).
 
-    The annotations sit to the right of the axes, inside the figure (constrained layout makes room).
+    The annotations sit to the right of the axes, inside the figure (its margins make room).
 
     Raises:
         ValueError: no records (and nothing pending), or records of several settings.
@@ -206,7 +203,7 @@ def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | N
                          "records first, e.g. [r for r in records if r.batch_size == B and r.hidden == H]")
     rows = len(records) + len(pending)
     if noisy is None:
-        noisy = {r.strategy for r in records if getattr(r, "noisy", False)}
+        noisy = {r.strategy for r in records if r.noisy}
     fig, ax, new = fixed_axes(ax, (width, 0.32 * rows + 1.05))
     timed = [r.median_s for r in records if r.median_s is not None]
     left = min(timed) / 3 if timed else 1e-4
@@ -244,7 +241,7 @@ def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | N
     ax.set_yticks(range(rows), [r.strategy for r in records] + list(pending))
     ax.set_ylim(rows - 0.5, -0.5)
     ax.set_xlim(left, right)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_seconds(v)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_seconds(v)))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("median time per call (log scale; line: IQR)", fontsize="small")
     if title is None and settings:
