@@ -28,6 +28,7 @@ from pergrad_viz.tutorial.networks import MLP, SmallCNN
 from tests.helpers import flatten_ref, ref_grads
 
 scan_mod = importlib.import_module("pergrad_viz.scanning.api")  # the module (pv.scan is the function)
+runner = importlib.import_module("pergrad_viz.scanning.runner")
 ALL = ("loss", "grad_norm", "layer_norms", "el2n")
 REPO = Path(__file__).resolve().parent.parent
 
@@ -227,7 +228,7 @@ def test_interrupted_scan_resumes_to_the_same_result(tmp_path, monkeypatch):
             raise Interrupted("simulated interruption")
 
     monkeypatch.setattr(store, "mark_done", stop_after_two)
-    monkeypatch.setattr(scan_mod, "SYNC_SECONDS", 0.0)  # mark every chunk as soon as it is finished
+    monkeypatch.setattr(runner, "SYNC_SECONDS", 0.0)  # mark every chunk as soon as it is finished
     with pytest.raises(Interrupted):
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "s", **kw)
     with pytest.raises(ValueError, match="unfinished: 2 of 5 chunks done.*partial=True"):
@@ -366,17 +367,17 @@ def test_rank_zero_errors_reach_every_process(tmp_path, monkeypatch):
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     sent = []
-    monkeypatch.setattr(scan_mod, "_world", lambda: (0, 2))
-    monkeypatch.setattr(scan_mod, "_gather", lambda obj, world: [obj] * world)
-    monkeypatch.setattr(scan_mod, "_broadcast", lambda obj, world: sent.append(obj) or obj)
+    monkeypatch.setattr(runner, "world", lambda: (0, 2))
+    monkeypatch.setattr(runner, "gather", lambda obj, world: [obj] * world)
+    monkeypatch.setattr(runner, "broadcast", lambda obj, world: sent.append(obj) or obj)
     with pytest.raises(FileExistsError, match="not empty") as info:
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=foreign, progress=False)
     assert "_prepare" in {frame.name for frame in traceback.extract_tb(info.tb)}
     report = sent[0][0]
     assert report["qualname"] == "FileExistsError"
 
-    monkeypatch.setattr(scan_mod, "_world", lambda: (1, 2))  # rank 1 hears of rank 0's failure
-    monkeypatch.setattr(scan_mod, "_broadcast", lambda obj, world: (report, []))
+    monkeypatch.setattr(runner, "world", lambda: (1, 2))  # rank 1 hears of rank 0's failure
+    monkeypatch.setattr(runner, "broadcast", lambda obj, world: (report, []))
     with pytest.raises(FileExistsError, match="not empty"):
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=foreign, progress=False)
 
@@ -384,9 +385,9 @@ def test_rank_zero_errors_reach_every_process(tmp_path, monkeypatch):
         def __init__(self, path, why):
             super().__init__(f"{path}: {why}")
 
-    rebuilt = scan_mod.rebuild_error(scan_mod.error_report(NeedsTwo("d", "broken")))
+    rebuilt = runner.rebuild_error(runner.error_report(NeedsTwo("d", "broken")))
     assert type(rebuilt) is RuntimeError and "NeedsTwo" in str(rebuilt) and "d: broken" in str(rebuilt)
-    rebuilt = scan_mod.rebuild_error(scan_mod.error_report(scan_mod.ScanMismatchError("other model")))
+    rebuilt = runner.rebuild_error(runner.error_report(scan_mod.ScanMismatchError("other model")))
     assert type(rebuilt) is scan_mod.ScanMismatchError and str(rebuilt) == "other model"
 
 

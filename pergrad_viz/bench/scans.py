@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from pergrad_viz.cli.scan import load_model
-from pergrad_viz.scanning.api import data_loader, scan
+from pergrad_viz.scanning.api import scan
+from pergrad_viz.scanning.runner import data_loader
 from pergrad_viz.tutorial import datasets
 
 GRAD_NORMS = "loss,grad_norm,layer_norms,el2n"
