@@ -19,12 +19,11 @@ from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz.bench.scans import format_table, throughput, torchrun_command
-from pergrad_viz.cli.scan import load_model
 from pergrad_viz.scanning import store
 from pergrad_viz.scanning.sketch import GradientSketch, allocate, layer_blocks
-from pergrad_viz.tutorial import datasets
+from pergrad_viz.tutorial import fashion_mnist
 from pergrad_viz.tutorial.data import load_sample
-from pergrad_viz.tutorial.networks import MLP, SmallCNN
+from pergrad_viz.tutorial.networks import MLP, SmallCNN, load_model
 from tests.helpers import flatten_ref, ref_grads
 
 scan_mod = importlib.import_module("pergrad_viz.scanning.api")  # the module (pv.scan is the function)
@@ -448,17 +447,17 @@ def test_model_left_as_found_and_results_are_copy_on_write(tmp_path):
 
 
 def test_fashion_mnist_dataset(tmp_path, capsys, monkeypatch):
-    ds = datasets.fashion_mnist("test", limit=10, source=tmp_path)  # no Debian files there: the bundled sample
+    ds = fashion_mnist.fashion_mnist("test", limit=10, source=tmp_path)  # no Debian files there: the bundled sample
     err = capsys.readouterr().err
     assert "bundled sample" in err and "make data" in err
     x, y = ds[0]
     want_x, want_y = load_sample(10, train=False, flatten=False)
     assert len(ds) == 10 and x.shape == (1, 28, 28) and torch.equal(ds.tensors[0], want_x)
     assert torch.equal(ds.tensors[1], want_y)
-    if not (datasets.DEBIAN_SOURCE / "t10k-images-idx3-ubyte.gz").is_file():
+    if not (fashion_mnist.DEBIAN_SOURCE / "t10k-images-idx3-ubyte.gz").is_file():
         pytest.skip("Debian's dataset-fashion-mnist is not installed (`make data`)")
     monkeypatch.setenv("PERGRAD_VIZ_CACHE", str(tmp_path / "cache"))
-    full = datasets.fashion_mnist("test")
+    full = fashion_mnist.fashion_mnist("test")
     assert len(full) == 10000 and torch.equal(full.tensors[0][:10], want_x)
 
 
@@ -474,7 +473,7 @@ def test_two_processes_under_torchrun_match_one(tmp_path):
     two = pv.load_scan(tmp_path / "two")
     assert two.manifest["runs"][-1]["world_size"] == 2
     model = load_model("mlp", None)
-    ds = datasets.fashion_mnist("train", limit=90, source=None)
+    ds = fashion_mnist.fashion_mnist("train", limit=90, source=None)
     one = pv.scan(model, nn.CrossEntropyLoss(), ds, quantities=ALL, proj_dim=32, batch_size=15, chunk_size=15,
                   out=tmp_path / "one", progress=False)
     assert two.manifest["fingerprint"] == one.manifest["fingerprint"]

@@ -22,6 +22,8 @@ from torch import nn
 
 from pergrad_viz.api import output_size, per_sample_grads, per_sample_jacobian, resolve_strategy
 from pergrad_viz.bench import peers as peer_libs
+from pergrad_viz.bench import problems
+from pergrad_viz.bench.problems import setting
 from pergrad_viz.bench.records import (
     FORWARD_BACKWARD,
     FRESH,
@@ -35,8 +37,6 @@ from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.memory import result_bytes
 from pergrad_viz.core.trainable import Trainable, check_modes
 from pergrad_viz.strategies import MODULES, STRATEGIES
-from pergrad_viz.tutorial.data import load_sample
-from pergrad_viz.tutorial.networks import MLP
 
 # torch.utils.benchmark imports cpp_extension, which logs a CUDA_HOME warning on CPU-only machines.
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -55,21 +55,6 @@ def backward_work(strategy: str, quantity: str, batch: int, outputs: int) -> int
     if strategy == "loop":
         return passes
     return passes * batch if strategy in SLOW else 0
-
-
-def setting(batch: int, hidden: int, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-            seed: int = 0) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
-    """The benchmark problem: (MLP(784, hidden, 10), MSE reduction='sum', X (B, 784), one-hot Y (B, 10)).
-
-    Images are the first ``batch`` of the bundled training sample (repeated if more are asked for).
-    """
-    torch.manual_seed(seed)
-    model = MLP(784, hidden, 10).to(device=device, dtype=dtype)
-    x, labels = load_sample(min(batch, 1000), train=True)
-    reps = -(-batch // x.shape[0])
-    x, labels = x.repeat(reps, 1)[:batch], labels.repeat(reps)[:batch]
-    y = nn.functional.one_hot(labels, 10).to(dtype)
-    return model, nn.MSELoss(reduction="sum"), x.to(device, dtype), y.to(device)
 
 
 def _flat(result: dict[str, torch.Tensor] | torch.Tensor, batch: int) -> torch.Tensor:
@@ -127,15 +112,13 @@ def model_sweep(model_name: str, batch_sizes: Sequence[int] = (32,), *, strategi
                 dtype: torch.dtype = torch.float32, progress: bool = True) -> list[Record]:
     """Per-sample gradients of a real architecture (:mod:`pergrad_viz.bench.problems`): every strategy, a hand-written
     ``vmap(grad(functional_call))`` (concatenated to (B, P)), peers where they run, and the reference rows."""
-    from pergrad_viz.bench import problems as bench_models
-
     per_setting = len(strategies) + len(peers) + 2 * norms + 5
     bar = _progress(len(batch_sizes) * per_setting, enabled=progress)
     records: list[Record] = []
     try:
         for batch in batch_sizes:
-            model, loss_fn, x, y = bench_models.problem(model_name, batch, device=device, dtype=dtype)
-            hand = ("hand vmap", functools.partial(bench_models.hand_written_vmap, model, loss_fn, x, y),
+            model, loss_fn, x, y = problems.problem(model_name, batch, device=device, dtype=dtype)
+            hand = ("hand vmap", functools.partial(problems.hand_written_vmap, model, loss_fn, x, y),
                     "vmap(grad(functional_call)) + torch.cat, as users write it")
             records += compare(model, loss_fn, x, y, quantity="grads", strategies=strategies, peers=peers,
                                slow_limit=slow_limit, min_run_time=min_run_time, flat=flat, out_buffer=out_buffer,
