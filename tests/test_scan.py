@@ -28,6 +28,7 @@ from tests.helpers import flatten_ref, ref_grads
 
 scan_mod = importlib.import_module("pergrad_viz.scanning.api")  # the module (pv.scan is the function)
 runner = importlib.import_module("pergrad_viz.scanning.runner")
+remote = importlib.import_module("pergrad_viz.scanning.remote")
 ALL = ("loss", "grad_norm", "layer_norms", "el2n")
 REPO = Path(__file__).resolve().parent.parent
 
@@ -357,10 +358,18 @@ def test_loss_description_is_the_same_in_another_process():
     assert len(outs) == 1 and "[code " in outs.pop()
 
 
+class NeedsTwo(Exception):
+    """An exception whose constructor takes two arguments: ``type(message)`` cannot rebuild it."""
+
+    def __init__(self, path, why):
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = path, why
+
+
 def test_rank_zero_errors_reach_every_process(tmp_path, monkeypatch):
     """Under torch.distributed rank 0 prepares the directory: it re-raises its own exception (traceback kept),
-    the other ranks raise the same type and message, or a RuntimeError naming it when the type cannot be
-    rebuilt from a message."""
+    the other ranks raise the same exception (type, args, attributes; rank 0's traceback chained as the cause),
+    or, for a type they cannot import, the same type from its message or a RuntimeError naming it."""
     model, ds = _model(MLP), _data(8, flat=True)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -377,17 +386,73 @@ def test_rank_zero_errors_reach_every_process(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "world", lambda: (1, 2))  # rank 1 hears of rank 0's failure
     monkeypatch.setattr(runner, "broadcast", lambda obj, world: (report, []))
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(FileExistsError, match="not empty") as info:
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=foreign, progress=False)
+    assert isinstance(info.value.__cause__, remote.RemoteTraceback) and "_prepare" in str(info.value.__cause__)
 
-    class NeedsTwo(Exception):
+    def prepare(out, new):
+        raise NeedsTwo(out, "broken")
+
+    monkeypatch.setattr(scan_mod, "_prepare", prepare)
+    monkeypatch.setattr(runner, "world", lambda: (0, 2))
+    monkeypatch.setattr(runner, "broadcast", lambda obj, world: sent.append(obj) or obj)
+    with pytest.raises(NeedsTwo) as info:
+        pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "new", progress=False)
+    assert "prepare" in {frame.name for frame in traceback.extract_tb(info.tb)}  # rank 0: the exception itself
+    report = sent[-1][0]
+    monkeypatch.setattr(runner, "world", lambda: (1, 2))
+    monkeypatch.setattr(runner, "broadcast", lambda obj, world: (report, []))
+    with pytest.raises(NeedsTwo) as info:
+        pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "new", progress=False)
+    assert (info.value.path, info.value.why) == (tmp_path / "new", "broken")
+    assert str(info.value) == f"{tmp_path / 'new'}: broken" and "in prepare" in str(info.value.__cause__)
+
+    class LocalNeedsTwo(Exception):  # defined in a function: no other process can import it
         def __init__(self, path, why):
             super().__init__(f"{path}: {why}")
 
-    rebuilt = runner.rebuild_error(runner.error_report(NeedsTwo("d", "broken")))
-    assert type(rebuilt) is RuntimeError and "NeedsTwo" in str(rebuilt) and "d: broken" in str(rebuilt)
-    rebuilt = runner.rebuild_error(runner.error_report(scan_mod.ScanMismatchError("other model")))
+    rebuilt = remote.rebuild_error(remote.error_report(LocalNeedsTwo("d", "broken")))
+    assert type(rebuilt) is RuntimeError and "LocalNeedsTwo" in str(rebuilt) and "d: broken" in str(rebuilt)
+    rebuilt = remote.rebuild_error({**remote.error_report(scan_mod.ScanMismatchError("other model")), "pickled": None})
     assert type(rebuilt) is scan_mod.ScanMismatchError and str(rebuilt) == "other model"
+
+
+class FailsAt(torch.utils.data.Dataset):
+    """(x, y) pairs of ``dataset``; item ``bad`` raises :class:`NeedsTwo`."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, bad: int):
+        self.dataset, self.bad = dataset, bad
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        if i == self.bad:
+            raise NeedsTwo(f"item {i}", "unreadable")
+        return self.dataset[i]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_errors_inside_a_scan_reach_the_user_as_themselves(tmp_path, num_workers):
+    """An exception raised while scanning (in the loss, or loading a batch, in a DataLoader worker too) reaches
+    the caller as itself, whatever its constructor takes: torch's DataLoader alone would raise a RuntimeError
+    for a worker's NeedsTwo. A worker's traceback is chained as the cause."""
+    model, ds = _model(MLP), _data(40, flat=True)
+    assert 9 not in {round(k * 39 / 15) for k in range(16)}  # not one of the items the fingerprint reads
+    with pytest.raises(NeedsTwo) as info:
+        pv.scan(model, nn.CrossEntropyLoss(), FailsAt(ds, 9), batch_size=4, out=tmp_path / "data",
+                num_workers=num_workers, progress=False)
+    assert (info.value.path, info.value.why) == ("item 9", "unreadable")
+    where = str(info.value.__cause__) if num_workers else "".join(traceback.format_tb(info.tb))
+    assert "in __getitem__" in where
+
+    def loss_fn(output, target):
+        raise NeedsTwo("loss", "diverged")
+
+    with pytest.raises(NeedsTwo) as info:
+        pv.scan(model, loss_fn, ds, quantities="loss", batch_size=4, out=tmp_path / "loss", num_workers=num_workers,
+                progress=False)
+    assert info.value.why == "diverged" and "loss_fn" in {frame.name for frame in traceback.extract_tb(info.tb)}
 
 
 def test_bad_inputs_get_clear_errors(tmp_path):

@@ -1,5 +1,8 @@
 """Benchmark sweeps: strategies (and optional peers) x batch sizes x hidden widths on the tutorial
-``MLP(784, hidden, 10)`` with real sample images, timed with ``torch.utils.benchmark``.
+``MLP(784, hidden, 10)`` with real sample images (:func:`sweep`), or on the real architectures of
+:mod:`pergrad_viz.bench.problems` (:func:`model_sweep`), timed side by side in interleaved rounds
+(:func:`compare`, :func:`pergrad_viz.bench.timing.time_interleaved`; on CUDA synchronised before every clock
+reading).
 
 Results are plain :class:`Record` s; every ratio in a sweep comes from timings of that same run.
 Two reference rows come with each setting: ``forward+backward`` (one ordinary batched loss backward
@@ -13,7 +16,6 @@ same call allocating its result (page faults and all) beside ``auto`` writing in
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,14 +34,11 @@ from pergrad_viz.bench.records import (
     Record,
     check_cost,
 )
-from pergrad_viz.bench.timing import time_interleaved
+from pergrad_viz.bench.timing import synchronizer, time_interleaved
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.memory import result_bytes
 from pergrad_viz.core.trainable import Trainable, check_modes
 from pergrad_viz.strategies import MODULES, STRATEGIES
-
-# torch.utils.benchmark imports cpp_extension, which logs a CUDA_HOME warning on CPU-only machines.
-logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 QUANTITIES = ("grads", "jacobian")
 SLOW = tuple(name for name, module in MODULES.items() if module.SLOW_BASELINE)  # B (x Y) backward passes
@@ -78,7 +77,7 @@ def sweep(quantity: str = "grads", batch_sizes: Sequence[int] = (2, 32, 128), hi
         slow_limit: ``loop``, ``autograd_stack`` and ``batched_grad`` are skipped (with a note saying
             so) when they would push more than this many samples through backward passes per call
             (see :func:`backward_work`).
-        min_run_time: seconds of timing per method and setting (``blocked_autorange``).
+        min_run_time: seconds of timing per method and setting, over all rounds (see :func:`compare`).
         flat, out_buffer: ask for one (B, P) tensor; with ``out_buffer`` into a preallocated one (``out=``).
         chunk_sizes, norms: extra rows, see :func:`compare`.
         check: compare every result with the first one computed (``max_abs_diff``).
@@ -227,7 +226,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     # All methods and both reference rows in interleaved rounds: a stall of the machine hits them alike.
     bar.set_postfix_str(f"B={batch}: {len(timed)} methods, {rounds} interleaved rounds")
     timings = time_interleaved({label: fn for label, (fn, _, _) in timed.items()}, rounds=rounds,
-                               min_block_s=min_run_time / rounds)
+                               min_block_s=min_run_time / rounds, synchronize=synchronizer(trainable.device))
     bar.update(len(timed))
     records: dict[str, Record] = {}
     for label, (_fn, size, fields) in timed.items():

@@ -3,13 +3,13 @@ takes, and the loop that computes a process's batches and writes their rows.
 
 Rank r takes pending chunks r, r + W, r + 2W, ... (:func:`my_batches`: no example twice, no padding) and walks
 them with a ``DataLoader`` in batches that never straddle a chunk (:func:`run`). Rank 0 prepares the scan's
-directory; the other processes learn the outcome, an error included (:func:`prepare_on_rank_zero`). Without a
-process group, (rank, world) is (0, 1) and nothing is sent.
+directory; the other processes learn the outcome, an error included (:func:`prepare_on_rank_zero`; errors cross
+processes as themselves, :mod:`pergrad_viz.scanning.remote`). Without a process group, (rank, world) is (0, 1)
+and nothing is sent.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map
 from pergrad_viz.api import resolve_strategy
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable, restoring_modes
-from pergrad_viz.scanning import store
+from pergrad_viz.scanning import remote, store
 from pergrad_viz.scanning.compute import GRAD_QUANTITIES, batch_quantities
 from pergrad_viz.scanning.sketch import GradientSketch, layer_blocks
 
@@ -62,30 +62,6 @@ def barrier(world: int) -> None:
         torch.distributed.barrier()
 
 
-def error_report(exc: BaseException) -> dict:
-    """What rank 0 tells the other processes about its failure: plain strings, which always pickle (an exception
-    or its class may not, e.g. one defined inside a function)."""
-    kind = type(exc)
-    return {"module": kind.__module__, "qualname": kind.__qualname__, "message": str(exc)}
-
-
-def rebuild_error(report: dict) -> Exception:
-    """The exception the other processes raise for rank 0's ``report``: the same type with the same message where
-    the type can be found and built from a message alone, else a RuntimeError naming it."""
-    kind = sys.modules.get(report["module"])
-    for part in report["qualname"].split("."):
-        kind = getattr(kind, part, None)
-    name = f"{report['module']}.{report['qualname']}"
-    if isinstance(kind, type) and issubclass(kind, Exception):
-        try:
-            error = kind(report["message"])
-        except Exception:  # a constructor that wants other arguments
-            error = None
-        if isinstance(error, kind) and str(error) == report["message"]:
-            return error
-    return RuntimeError(f"rank 0 failed to prepare the scan with {name}: {report['message']}")
-
-
 def prepare_on_rank_zero(rank: int, world: int, core: dict, prepare: Callable[[], tuple[dict, set[int]]]
                          ) -> tuple[dict | None, list[int]]:
     """Rank 0 checks that every process sees the same ``core`` (the manifest's fields that must match) and runs
@@ -106,12 +82,12 @@ def prepare_on_rank_zero(rank: int, world: int, core: dict, prepare: Callable[[]
         except Exception as exc:
             if world == 1:
                 raise
-            error, status = exc, (error_report(exc), [])
+            error, status = exc, (remote.error_report(exc), [])
     report, done_list = broadcast(status, world)
     if error is not None:
         raise error  # rank 0: the original exception, with its traceback
     if report is not None:
-        raise rebuild_error(report)
+        raise remote.rebuild_error(report)  # the same exception where it can be carried, rank 0's traceback chained
     return manifest, done_list
 
 
@@ -162,6 +138,8 @@ def run(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: object
 
     try:
         for indices, item in zip(batches, loader, strict=True):
+            if isinstance(item, remote.WorkerFailure):
+                item.reraise()
             x, y = _inputs_and_labels(item)
             x = tree_map(lambda t: _to(t, device, dtype), x)
             y = y.to(device, non_blocking=True) if isinstance(y, torch.Tensor) else torch.as_tensor(y, device=device)
@@ -202,12 +180,18 @@ def _to(t: object, device: torch.device, dtype: torch.dtype) -> object:
 def data_loader(dataset: torch.utils.data.Dataset, batches: list[list[int]], num_workers: int = 0,
                 pin_memory: bool = False) -> torch.utils.data.DataLoader:
     """The ``DataLoader`` a scan walks: exactly these batches of indices, in order. A plain ``TensorDataset``
-    is served a batch at a time (one indexing per tensor instead of one ``dataset[i]`` per example)."""
+    is served a batch at a time (one indexing per tensor instead of one ``dataset[i]`` per example). With
+    ``num_workers`` a batch whose loading failed arrives as a :class:`~pergrad_viz.scanning.remote.WorkerFailure`
+    (its ``reraise()`` raises the worker's exception as itself), not as torch's ``type(message)``."""
     plain = torch.utils.data.TensorDataset
+    served, collate = dataset, None  # None: torch's default collate
     if isinstance(dataset, plain) and type(dataset).__getitem__ is plain.__getitem__:
-        return torch.utils.data.DataLoader(_Batches(dataset.tensors), batch_sampler=batches, num_workers=num_workers,
-                                           collate_fn=_only, pin_memory=pin_memory)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, pin_memory=pin_memory)
+        served, collate = _Batches(dataset.tensors), remote.first
+    if num_workers > 0:
+        served = remote.GuardedBatches(served, collate or torch.utils.data.default_collate)
+        collate = remote.first
+    return torch.utils.data.DataLoader(served, batch_sampler=batches, num_workers=num_workers, collate_fn=collate,
+                                       pin_memory=pin_memory)
 
 
 class _Batches(torch.utils.data.Dataset):
@@ -226,10 +210,6 @@ class _Batches(torch.utils.data.Dataset):
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, ...]]:
         index = torch.as_tensor(indices)
         return [tuple(t[index] for t in self.tensors)]
-
-
-def _only(batch: list) -> object:
-    return batch[0]
 
 
 def _hooks_ok(trainable: Trainable, x: object) -> bool:
