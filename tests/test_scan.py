@@ -390,22 +390,22 @@ def test_rank_zero_errors_reach_every_process(tmp_path, monkeypatch):
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=foreign, progress=False)
     assert isinstance(info.value.__cause__, remote.RemoteTraceback) and "_prepare" in str(info.value.__cause__)
 
-    def prepare(out, new):
+    def create_arrays(out, arrays):
         raise NeedsTwo(out, "broken")
 
-    monkeypatch.setattr(scan_mod, "_prepare", prepare)
+    monkeypatch.setattr(store, "create_arrays", create_arrays)
     monkeypatch.setattr(runner, "world", lambda: (0, 2))
     monkeypatch.setattr(runner, "broadcast", lambda obj, world: sent.append(obj) or obj)
     with pytest.raises(NeedsTwo) as info:
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "new", progress=False)
-    assert "prepare" in {frame.name for frame in traceback.extract_tb(info.tb)}  # rank 0: the exception itself
+    assert "create_arrays" in {frame.name for frame in traceback.extract_tb(info.tb)}  # rank 0: the exception itself
     report = sent[-1][0]
     monkeypatch.setattr(runner, "world", lambda: (1, 2))
     monkeypatch.setattr(runner, "broadcast", lambda obj, world: (report, []))
     with pytest.raises(NeedsTwo) as info:
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "new", progress=False)
     assert (info.value.path, info.value.why) == (tmp_path / "new", "broken")
-    assert str(info.value) == f"{tmp_path / 'new'}: broken" and "in prepare" in str(info.value.__cause__)
+    assert str(info.value) == f"{tmp_path / 'new'}: broken" and "in create_arrays" in str(info.value.__cause__)
 
     class LocalNeedsTwo(Exception):  # defined in a function: no other process can import it
         def __init__(self, path, why):

@@ -38,6 +38,7 @@ from pergrad_viz.bench.timing import synchronizer, time_interleaved
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.memory import result_bytes
 from pergrad_viz.core.trainable import Trainable, check_modes
+from pergrad_viz.derived.norms import per_sample_grad_norms
 from pergrad_viz.strategies import MODULES, STRATEGIES
 
 QUANTITIES = ("grads", "jacobian")
@@ -280,8 +281,6 @@ def _methods(quantity, model, loss_fn, inputs, targets, trainable, strategies, p
         except Exception as e:  # e.g. a layer the peer does not support
             methods.append(_Method(name, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}"))
     if norms and quantity == "grads":
-        from pergrad_viz.derived.norms import per_sample_grad_norms
-
         methods.append(_Method("grad norms", lambda: per_sample_grad_norms(model, loss_fn, inputs, targets),
                                "pv.per_sample_grad_norms: (B,) norms", kind="norms"))
         methods.append(_Method("grads + norm", lambda: per_sample_grads(model, loss_fn, inputs, targets, flat=True)
