@@ -226,7 +226,7 @@ def test_the_printed_legend_names_the_reference_of_max_diff(capsys):
 def test_a_missing_sample_is_one_clear_error_before_any_progress_bar(monkeypatch, capsys):
     from pergrad_viz.tutorial import data
 
-    monkeypatch.setattr(data, "_missing_files", lambda dataset, root: [root / "FashionMNIST" / "raw" / "x"])
+    monkeypatch.setattr(data, "missing_files", lambda dataset, root: [root / "FashionMNIST" / "raw" / "x"])
     assert main(["bench", "--batch-sizes", "2", "--hidden", "8", "--min-run-time", "0.001"]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("error: fashion-mnist not found")
@@ -362,7 +362,7 @@ def test_the_targets_report_reads_every_goal_from_its_own_table(monkeypatch):
              bt.FRESH_FLOOR: 0.2, "scan: grad norms": 1.25}
     settings = {goal.setting for goal in bt.GOALS}
     fake = {s: [_record(label, t) for label, t in times.items()] for s in settings}
-    monkeypatch.setattr(bt, "_settings", lambda *args: fake)
+    monkeypatch.setattr(bt, "measure_tables", lambda *args: fake)
     text = bt.report(min_run_time=0.01)
     goal_lines = text[text.index("## targets"):].splitlines()[3:]
     assert len(goal_lines) >= len(bt.GOALS) + len(bt.NOT_HERE)

@@ -19,15 +19,16 @@ from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz.bench.scans import format_table, throughput, torchrun_command
-from pergrad_viz.cli.scan import load_model
 from pergrad_viz.scanning import store
 from pergrad_viz.scanning.sketch import GradientSketch, allocate, layer_blocks
-from pergrad_viz.tutorial import datasets
+from pergrad_viz.tutorial import fashion_mnist
 from pergrad_viz.tutorial.data import load_sample
-from pergrad_viz.tutorial.networks import MLP, SmallCNN
+from pergrad_viz.tutorial.networks import MLP, SmallCNN, load_model
 from tests.helpers import flatten_ref, ref_grads
 
 scan_mod = importlib.import_module("pergrad_viz.scanning.api")  # the module (pv.scan is the function)
+runner = importlib.import_module("pergrad_viz.scanning.runner")
+remote = importlib.import_module("pergrad_viz.scanning.remote")
 ALL = ("loss", "grad_norm", "layer_norms", "el2n")
 REPO = Path(__file__).resolve().parent.parent
 
@@ -227,7 +228,7 @@ def test_interrupted_scan_resumes_to_the_same_result(tmp_path, monkeypatch):
             raise Interrupted("simulated interruption")
 
     monkeypatch.setattr(store, "mark_done", stop_after_two)
-    monkeypatch.setattr(scan_mod, "SYNC_SECONDS", 0.0)  # mark every chunk as soon as it is finished
+    monkeypatch.setattr(runner, "SYNC_SECONDS", 0.0)  # mark every chunk as soon as it is finished
     with pytest.raises(Interrupted):
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "s", **kw)
     with pytest.raises(ValueError, match="unfinished: 2 of 5 chunks done.*partial=True"):
@@ -357,37 +358,101 @@ def test_loss_description_is_the_same_in_another_process():
     assert len(outs) == 1 and "[code " in outs.pop()
 
 
+class NeedsTwo(Exception):
+    """An exception whose constructor takes two arguments: ``type(message)`` cannot rebuild it."""
+
+    def __init__(self, path, why):
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = path, why
+
+
 def test_rank_zero_errors_reach_every_process(tmp_path, monkeypatch):
     """Under torch.distributed rank 0 prepares the directory: it re-raises its own exception (traceback kept),
-    the other ranks raise the same type and message, or a RuntimeError naming it when the type cannot be
-    rebuilt from a message."""
+    the other ranks raise the same exception (type, args, attributes; rank 0's traceback chained as the cause),
+    or, for a type they cannot import, the same type from its message or a RuntimeError naming it."""
     model, ds = _model(MLP), _data(8, flat=True)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     sent = []
-    monkeypatch.setattr(scan_mod, "_world", lambda: (0, 2))
-    monkeypatch.setattr(scan_mod, "_gather", lambda obj, world: [obj] * world)
-    monkeypatch.setattr(scan_mod, "_broadcast", lambda obj, world: sent.append(obj) or obj)
+    monkeypatch.setattr(runner, "world", lambda: (0, 2))
+    monkeypatch.setattr(runner, "gather", lambda obj, world: [obj] * world)
+    monkeypatch.setattr(runner, "broadcast", lambda obj, world: sent.append(obj) or obj)
     with pytest.raises(FileExistsError, match="not empty") as info:
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=foreign, progress=False)
     assert "_prepare" in {frame.name for frame in traceback.extract_tb(info.tb)}
     report = sent[0][0]
     assert report["qualname"] == "FileExistsError"
 
-    monkeypatch.setattr(scan_mod, "_world", lambda: (1, 2))  # rank 1 hears of rank 0's failure
-    monkeypatch.setattr(scan_mod, "_broadcast", lambda obj, world: (report, []))
-    with pytest.raises(FileExistsError, match="not empty"):
+    monkeypatch.setattr(runner, "world", lambda: (1, 2))  # rank 1 hears of rank 0's failure
+    monkeypatch.setattr(runner, "broadcast", lambda obj, world: (report, []))
+    with pytest.raises(FileExistsError, match="not empty") as info:
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=foreign, progress=False)
+    assert isinstance(info.value.__cause__, remote.RemoteTraceback) and "_prepare" in str(info.value.__cause__)
 
-    class NeedsTwo(Exception):
+    def create_arrays(out, arrays):
+        raise NeedsTwo(out, "broken")
+
+    monkeypatch.setattr(store, "create_arrays", create_arrays)
+    monkeypatch.setattr(runner, "world", lambda: (0, 2))
+    monkeypatch.setattr(runner, "broadcast", lambda obj, world: sent.append(obj) or obj)
+    with pytest.raises(NeedsTwo) as info:
+        pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "new", progress=False)
+    assert "create_arrays" in {frame.name for frame in traceback.extract_tb(info.tb)}  # rank 0: the exception itself
+    report = sent[-1][0]
+    monkeypatch.setattr(runner, "world", lambda: (1, 2))
+    monkeypatch.setattr(runner, "broadcast", lambda obj, world: (report, []))
+    with pytest.raises(NeedsTwo) as info:
+        pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "new", progress=False)
+    assert (info.value.path, info.value.why) == (tmp_path / "new", "broken")
+    assert str(info.value) == f"{tmp_path / 'new'}: broken" and "in create_arrays" in str(info.value.__cause__)
+
+    class LocalNeedsTwo(Exception):  # defined in a function: no other process can import it
         def __init__(self, path, why):
             super().__init__(f"{path}: {why}")
 
-    rebuilt = scan_mod.rebuild_error(scan_mod.error_report(NeedsTwo("d", "broken")))
-    assert type(rebuilt) is RuntimeError and "NeedsTwo" in str(rebuilt) and "d: broken" in str(rebuilt)
-    rebuilt = scan_mod.rebuild_error(scan_mod.error_report(scan_mod.ScanMismatchError("other model")))
+    rebuilt = remote.rebuild_error(remote.error_report(LocalNeedsTwo("d", "broken")))
+    assert type(rebuilt) is RuntimeError and "LocalNeedsTwo" in str(rebuilt) and "d: broken" in str(rebuilt)
+    rebuilt = remote.rebuild_error({**remote.error_report(scan_mod.ScanMismatchError("other model")), "pickled": None})
     assert type(rebuilt) is scan_mod.ScanMismatchError and str(rebuilt) == "other model"
+
+
+class FailsAt(torch.utils.data.Dataset):
+    """(x, y) pairs of ``dataset``; item ``bad`` raises :class:`NeedsTwo`."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, bad: int):
+        self.dataset, self.bad = dataset, bad
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        if i == self.bad:
+            raise NeedsTwo(f"item {i}", "unreadable")
+        return self.dataset[i]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_errors_inside_a_scan_reach_the_user_as_themselves(tmp_path, num_workers):
+    """An exception raised while scanning (in the loss, or loading a batch, in a DataLoader worker too) reaches
+    the caller as itself, whatever its constructor takes: torch's DataLoader alone would raise a RuntimeError
+    for a worker's NeedsTwo. A worker's traceback is chained as the cause."""
+    model, ds = _model(MLP), _data(40, flat=True)
+    assert 9 not in {round(k * 39 / 15) for k in range(16)}  # not one of the items the fingerprint reads
+    with pytest.raises(NeedsTwo) as info:
+        pv.scan(model, nn.CrossEntropyLoss(), FailsAt(ds, 9), batch_size=4, out=tmp_path / "data",
+                num_workers=num_workers, progress=False)
+    assert (info.value.path, info.value.why) == ("item 9", "unreadable")
+    where = str(info.value.__cause__) if num_workers else "".join(traceback.format_tb(info.tb))
+    assert "in __getitem__" in where
+
+    def loss_fn(output, target):
+        raise NeedsTwo("loss", "diverged")
+
+    with pytest.raises(NeedsTwo) as info:
+        pv.scan(model, loss_fn, ds, quantities="loss", batch_size=4, out=tmp_path / "loss", num_workers=num_workers,
+                progress=False)
+    assert info.value.why == "diverged" and "loss_fn" in {frame.name for frame in traceback.extract_tb(info.tb)}
 
 
 def test_bad_inputs_get_clear_errors(tmp_path):
@@ -447,17 +512,17 @@ def test_model_left_as_found_and_results_are_copy_on_write(tmp_path):
 
 
 def test_fashion_mnist_dataset(tmp_path, capsys, monkeypatch):
-    ds = datasets.fashion_mnist("test", limit=10, source=tmp_path)  # no Debian files there: the bundled sample
+    ds = fashion_mnist.fashion_mnist("test", limit=10, source=tmp_path)  # no Debian files there: the bundled sample
     err = capsys.readouterr().err
     assert "bundled sample" in err and "make data" in err
     x, y = ds[0]
     want_x, want_y = load_sample(10, train=False, flatten=False)
     assert len(ds) == 10 and x.shape == (1, 28, 28) and torch.equal(ds.tensors[0], want_x)
     assert torch.equal(ds.tensors[1], want_y)
-    if not (datasets.DEBIAN_SOURCE / "t10k-images-idx3-ubyte.gz").is_file():
+    if not (fashion_mnist.DEBIAN_SOURCE / "t10k-images-idx3-ubyte.gz").is_file():
         pytest.skip("Debian's dataset-fashion-mnist is not installed (`make data`)")
     monkeypatch.setenv("PERGRAD_VIZ_CACHE", str(tmp_path / "cache"))
-    full = datasets.fashion_mnist("test")
+    full = fashion_mnist.fashion_mnist("test")
     assert len(full) == 10000 and torch.equal(full.tensors[0][:10], want_x)
 
 
@@ -473,7 +538,7 @@ def test_two_processes_under_torchrun_match_one(tmp_path):
     two = pv.load_scan(tmp_path / "two")
     assert two.manifest["runs"][-1]["world_size"] == 2
     model = load_model("mlp", None)
-    ds = datasets.fashion_mnist("train", limit=90, source=None)
+    ds = fashion_mnist.fashion_mnist("train", limit=90, source=None)
     one = pv.scan(model, nn.CrossEntropyLoss(), ds, quantities=ALL, proj_dim=32, batch_size=15, chunk_size=15,
                   out=tmp_path / "one", progress=False)
     assert two.manifest["fingerprint"] == one.manifest["fingerprint"]

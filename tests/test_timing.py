@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pergrad_viz.bench import timing
 
@@ -193,3 +194,61 @@ def test_extra_rounds_policy():
     assert p.extra_rounds([busy], rounds_done=5, spent_s=1.0, round_s=0.05) == 0
     with pytest.raises(ValueError, match="rounds"):
         next(timing.time_adaptive({}, patience=timing.Patience(rounds=5, max_rounds=3)))
+
+
+# ------------------------------------------------------------------------------------------ CUDA synchronisation
+
+
+class SyncedClock(FakeClock):
+    """A fake clock that logs its readings, beside the synchronisations and the calls, in one list."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[str] = []
+
+    def __call__(self) -> float:
+        self.events.append("clock")
+        return self.now
+
+    def method(self, name: str, cost: float):
+        fn = super().method(name, cost)
+
+        def logged():
+            self.events.append(name)
+            fn()
+        return logged
+
+
+def _every_reading_synchronised(events: list[str]) -> bool:
+    return all(i > 0 and events[i - 1] == "sync" for i, e in enumerate(events) if e == "clock")
+
+
+def test_cuda_is_synchronised_before_every_clock_reading(monkeypatch):
+    """With CUDA in use in the process, kernels run after the call returns: the clock must wait for them. Every
+    reading of the clock (in the first pass, the extra rounds and the budget of time_adaptive) follows a
+    torch.cuda.synchronize() (here a fake that logs; CUDA reported initialised)."""
+    clock = SyncedClock()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: clock.events.append("sync"))
+    timing.time_interleaved({"a": clock.method("a", 0.01), "b": clock.method("b", 0.02)}, rounds=3,
+                            min_block_s=0.0, clock=clock)
+    assert clock.events.count("clock") == 2 * (2 + 2 * 3) and _every_reading_synchronised(clock.events)
+    assert clock.events[:4] == ["sync", "clock", "a", "sync"]  # the work is synchronised before the clock stops
+
+    clock.events.clear()
+    fns = {"a": seq_method(clock, "a", lambda k: 0.01 * (1, 3)[k % 2])}
+    passes = run_adaptive(fns, clock, rounds=3, max_rounds=9, budget_s=10.0)
+    assert len(passes) >= 2 and clock.events.count("clock") > 8 and _every_reading_synchronised(clock.events)
+
+
+def test_synchronizer_follows_the_device(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    timing.synchronizer("cpu")()
+    timing.synchronizer(torch.device("cuda", 1))()
+    assert calls == [torch.device("cuda", 1)]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # CUDA never used here: nothing to wait for
+    timing.synchronizer()()
+    timing.time_interleaved({"a": FakeClock().method("a", 0.01)}, rounds=2, min_block_s=0.0, clock=FakeClock())
+    assert calls == [torch.device("cuda", 1)]

@@ -43,7 +43,7 @@ from torch import nn
 import pergrad_viz as pv
 from pergrad_viz import viz
 from pergrad_viz.tutorial.data import CLASS_NAMES
-from pergrad_viz.tutorial.datasets import fashion_mnist
+from pergrad_viz.tutorial.fashion_mnist import fashion_mnist
 from pergrad_viz.tutorial.label_noise import flip_labels, precision_at_k, random_precision, train
 from pergrad_viz.tutorial.networks import SmallCNN
 

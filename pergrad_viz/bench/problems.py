@@ -3,7 +3,8 @@
 Every problem is ``(model, loss_fn, inputs (B, ...), targets (B,))`` with ``CrossEntropyLoss(reduction='sum')``
 over 10 classes (so that Opacus' and BackPACK's per-sample gradients are the plain per-sample gradients):
 
-* ``mlp``: the tutorial's ``MLP(784, 20, 10)`` on (B, 784) bundled Fashion-MNIST images;
+* ``mlp``: the tutorial's ``MLP(784, 20, 10)`` on (B, 784) bundled Fashion-MNIST images (those of
+  :func:`setting`, the sweeps' problem: the same MLP with MSE on one-hot labels);
 * ``resnet18``: torchvision's ResNet-18 in eval mode (BatchNorm on its running statistics), (B, 3, 32, 32);
 * ``mobilenet``: torchvision's MobileNetV3-Small in eval mode, (B, 3, 32, 32);
 * ``transformer``: a 2-layer ``nn.TransformerEncoder`` (d_model 64, 4 heads, feed-forward 128, batch-first, eval)
@@ -38,6 +39,8 @@ from torch import nn
 
 from pergrad_viz.core.losses import causal_lm_loss
 from pergrad_viz.tutorial import hf_models as zoo_hf
+from pergrad_viz.tutorial.data import load_sample
+from pergrad_viz.tutorial.networks import MLP, LSTMClassifier, TransformerClassifier
 
 FINE_TUNED: tuple[str, ...] = tuple(zoo_hf.BUILDERS)
 MODELS: tuple[str, ...] = ("mlp", "resnet18", "mobilenet", "transformer", "lstm", *FINE_TUNED)
@@ -46,31 +49,19 @@ BATCH: dict[str, int] = dict.fromkeys(FINE_TUNED, 16)
 """The batch size ``bench --model NAME`` uses without ``--batch-sizes`` where it is not 32."""
 
 
-class TransformerClassifier(nn.Module):
-    """(B, T, d) -> TransformerEncoder -> mean over T -> Linear -> (B, classes)."""
+def setting(batch: int, hidden: int, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+            seed: int = 0) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    """The benchmark problem: (MLP(784, hidden, 10), MSE reduction='sum', X (B, 784), one-hot Y (B, 10)).
 
-    def __init__(self, d_model: int = 64, heads: int = 4, feedforward: int = 128, layers: int = 2,
-                 classes: int = CLASSES):
-        super().__init__()
-        layer = nn.TransformerEncoderLayer(d_model, heads, feedforward, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d_model, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x).mean(1))
-
-
-class LSTMClassifier(nn.Module):
-    """(B, T, in) -> 2-layer LSTM -> last step -> Linear -> (B, classes)."""
-
-    def __init__(self, features: int = 32, hidden: int = 64, layers: int = 2, classes: int = CLASSES):
-        super().__init__()
-        self.lstm = nn.LSTM(features, hidden, layers, batch_first=True)
-        self.head = nn.Linear(hidden, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.lstm(x)
-        return self.head(out[:, -1])
+    Images are the first ``batch`` of the bundled training sample (repeated if more are asked for).
+    """
+    torch.manual_seed(seed)
+    model = MLP(784, hidden, 10).to(device=device, dtype=dtype)
+    x, labels = load_sample(min(batch, 1000), train=True)
+    reps = -(-batch // x.shape[0])
+    x, labels = x.repeat(reps, 1)[:batch], labels.repeat(reps)[:batch]
+    y = nn.functional.one_hot(labels, 10).to(dtype)
+    return model, nn.MSELoss(reduction="sum"), x.to(device, dtype), y.to(device)
 
 
 def problem(name: str, batch: int, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -83,8 +74,6 @@ def problem(name: str, batch: int, *, device: str | torch.device = "cpu", dtype:
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     if name == "mlp":
-        from pergrad_viz.bench.sweeps import setting
-
         model, _, x, _ = setting(batch, 20, device=device, dtype=dtype, seed=seed)
         y = torch.randint(0, CLASSES, (batch,), generator=generator)
     else:

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pergrad_viz.cli.scan import load_model
-from pergrad_viz.scanning.api import data_loader, scan
-from pergrad_viz.tutorial import datasets
+from pergrad_viz.scanning.api import scan
+from pergrad_viz.scanning.runner import data_loader
+from pergrad_viz.tutorial import fashion_mnist
+from pergrad_viz.tutorial.networks import load_model
 
 GRAD_NORMS = "loss,grad_norm,layer_norms,el2n"
 METHODS: dict[str, tuple[str, bool]] = {  # label -> (quantities, with projection)
@@ -51,8 +52,8 @@ def torchrun_command(nproc: int, scan_args: list[str], port: int | None = None) 
 
 
 def _dataset(data: str, split: str, n: int | None) -> torch.utils.data.TensorDataset:
-    source = datasets.DEBIAN_SOURCE if data == "fashion-mnist" else None
-    return datasets.fashion_mnist(split, limit=n, source=source, quiet=True)
+    source = fashion_mnist.DEBIAN_SOURCE if data == "fashion-mnist" else None
+    return fashion_mnist.fashion_mnist(split, limit=n, source=source, quiet=True)
 
 
 def _plain(model: nn.Module, dataset: torch.utils.data.Dataset, batch_size: int) -> float:

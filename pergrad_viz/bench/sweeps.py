@@ -1,5 +1,8 @@
 """Benchmark sweeps: strategies (and optional peers) x batch sizes x hidden widths on the tutorial
-``MLP(784, hidden, 10)`` with real sample images, timed with ``torch.utils.benchmark``.
+``MLP(784, hidden, 10)`` with real sample images (:func:`sweep`), or on the real architectures of
+:mod:`pergrad_viz.bench.problems` (:func:`model_sweep`), timed side by side in interleaved rounds
+(:func:`compare`, :func:`pergrad_viz.bench.timing.time_interleaved`; on CUDA synchronised before every clock
+reading).
 
 Results are plain :class:`Record` s; every ratio in a sweep comes from timings of that same run.
 Two reference rows come with each setting: ``forward+backward`` (one ordinary batched loss backward
@@ -13,7 +16,6 @@ same call allocating its result (page faults and all) beside ``auto`` writing in
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ from torch import nn
 
 from pergrad_viz.api import output_size, per_sample_grads, per_sample_jacobian, resolve_strategy
 from pergrad_viz.bench import peers as peer_libs
+from pergrad_viz.bench import problems
+from pergrad_viz.bench.problems import setting
 from pergrad_viz.bench.records import (
     FORWARD_BACKWARD,
     FRESH,
@@ -30,16 +34,12 @@ from pergrad_viz.bench.records import (
     Record,
     check_cost,
 )
-from pergrad_viz.bench.timing import time_interleaved
+from pergrad_viz.bench.timing import synchronizer, time_interleaved
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.memory import result_bytes
 from pergrad_viz.core.trainable import Trainable, check_modes
+from pergrad_viz.derived.norms import per_sample_grad_norms
 from pergrad_viz.strategies import MODULES, STRATEGIES
-from pergrad_viz.tutorial.data import load_sample
-from pergrad_viz.tutorial.networks import MLP
-
-# torch.utils.benchmark imports cpp_extension, which logs a CUDA_HOME warning on CPU-only machines.
-logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 QUANTITIES = ("grads", "jacobian")
 SLOW = tuple(name for name, module in MODULES.items() if module.SLOW_BASELINE)  # B (x Y) backward passes
@@ -55,21 +55,6 @@ def backward_work(strategy: str, quantity: str, batch: int, outputs: int) -> int
     if strategy == "loop":
         return passes
     return passes * batch if strategy in SLOW else 0
-
-
-def setting(batch: int, hidden: int, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-            seed: int = 0) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
-    """The benchmark problem: (MLP(784, hidden, 10), MSE reduction='sum', X (B, 784), one-hot Y (B, 10)).
-
-    Images are the first ``batch`` of the bundled training sample (repeated if more are asked for).
-    """
-    torch.manual_seed(seed)
-    model = MLP(784, hidden, 10).to(device=device, dtype=dtype)
-    x, labels = load_sample(min(batch, 1000), train=True)
-    reps = -(-batch // x.shape[0])
-    x, labels = x.repeat(reps, 1)[:batch], labels.repeat(reps)[:batch]
-    y = nn.functional.one_hot(labels, 10).to(dtype)
-    return model, nn.MSELoss(reduction="sum"), x.to(device, dtype), y.to(device)
 
 
 def _flat(result: dict[str, torch.Tensor] | torch.Tensor, batch: int) -> torch.Tensor:
@@ -93,7 +78,7 @@ def sweep(quantity: str = "grads", batch_sizes: Sequence[int] = (2, 32, 128), hi
         slow_limit: ``loop``, ``autograd_stack`` and ``batched_grad`` are skipped (with a note saying
             so) when they would push more than this many samples through backward passes per call
             (see :func:`backward_work`).
-        min_run_time: seconds of timing per method and setting (``blocked_autorange``).
+        min_run_time: seconds of timing per method and setting, over all rounds (see :func:`compare`).
         flat, out_buffer: ask for one (B, P) tensor; with ``out_buffer`` into a preallocated one (``out=``).
         chunk_sizes, norms: extra rows, see :func:`compare`.
         check: compare every result with the first one computed (``max_abs_diff``).
@@ -127,15 +112,13 @@ def model_sweep(model_name: str, batch_sizes: Sequence[int] = (32,), *, strategi
                 dtype: torch.dtype = torch.float32, progress: bool = True) -> list[Record]:
     """Per-sample gradients of a real architecture (:mod:`pergrad_viz.bench.problems`): every strategy, a hand-written
     ``vmap(grad(functional_call))`` (concatenated to (B, P)), peers where they run, and the reference rows."""
-    from pergrad_viz.bench import problems as bench_models
-
     per_setting = len(strategies) + len(peers) + 2 * norms + 5
     bar = _progress(len(batch_sizes) * per_setting, enabled=progress)
     records: list[Record] = []
     try:
         for batch in batch_sizes:
-            model, loss_fn, x, y = bench_models.problem(model_name, batch, device=device, dtype=dtype)
-            hand = ("hand vmap", functools.partial(bench_models.hand_written_vmap, model, loss_fn, x, y),
+            model, loss_fn, x, y = problems.problem(model_name, batch, device=device, dtype=dtype)
+            hand = ("hand vmap", functools.partial(problems.hand_written_vmap, model, loss_fn, x, y),
                     "vmap(grad(functional_call)) + torch.cat, as users write it")
             records += compare(model, loss_fn, x, y, quantity="grads", strategies=strategies, peers=peers,
                                slow_limit=slow_limit, min_run_time=min_run_time, flat=flat, out_buffer=out_buffer,
@@ -244,7 +227,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     # All methods and both reference rows in interleaved rounds: a stall of the machine hits them alike.
     bar.set_postfix_str(f"B={batch}: {len(timed)} methods, {rounds} interleaved rounds")
     timings = time_interleaved({label: fn for label, (fn, _, _) in timed.items()}, rounds=rounds,
-                               min_block_s=min_run_time / rounds)
+                               min_block_s=min_run_time / rounds, synchronize=synchronizer(trainable.device))
     bar.update(len(timed))
     records: dict[str, Record] = {}
     for label, (_fn, size, fields) in timed.items():
@@ -298,8 +281,6 @@ def _methods(quantity, model, loss_fn, inputs, targets, trainable, strategies, p
         except Exception as e:  # e.g. a layer the peer does not support
             methods.append(_Method(name, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}"))
     if norms and quantity == "grads":
-        from pergrad_viz.derived.norms import per_sample_grad_norms
-
         methods.append(_Method("grad norms", lambda: per_sample_grad_norms(model, loss_fn, inputs, targets),
                                "pv.per_sample_grad_norms: (B,) norms", kind="norms"))
         methods.append(_Method("grads + norm", lambda: per_sample_grads(model, loss_fn, inputs, targets, flat=True)

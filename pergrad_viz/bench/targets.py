@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pergrad_viz import bench
 from pergrad_viz.bench import problems as bench_models
-from pergrad_viz.bench.records import FORWARD_BACKWARD, MEMORY_FLOOR, Record
+from pergrad_viz.bench.records import FORWARD_BACKWARD, FRESH, MEMORY_FLOOR, Record, check_cost, format_table
+from pergrad_viz.bench.sweeps import compare
 
 FRESH_FLOOR = "fresh floor"  # allocating a result-sized tensor and writing it once (page faults included)
 
@@ -81,39 +81,39 @@ class _Tables(dict):
     def __setitem__(self, setting: str, records: list[Record]) -> None:
         super().__setitem__(setting, records)
         if self.emit is not None:
-            self.emit(f"## {setting}\n{bench.format_table(records)}\n")
+            self.emit(f"## {setting}\n{format_table(records)}\n")
 
 
-def _settings(min_run_time: float, scan_examples: int = 2048, models: tuple[str, ...] | None = None,
-              emit: Callable[[str], None] | None = None) -> dict[str, list[Record]]:
+def measure_tables(min_run_time: float, scan_examples: int = 2048, models: tuple[str, ...] | None = None,
+                   emit: Callable[[str], None] | None = None) -> dict[str, list[Record]]:
     """The tables the goals are read from: {setting: records}, each timed in its own interleaved rounds
     (``models``: the ``bench --model`` models to measure, default all)."""
     tables: dict[str, list[Record]] = _Tables(emit)
     kw = {"min_run_time": min_run_time}
-    model, loss, x, y = bench.setting(64, 20)
-    tables["MLP(784, 20, 10) grads B=64"] = bench.compare(model, loss, x, y, strategies=["loop", "auto"], **kw)
-    model, loss, x, y = bench.setting(2, 20)
+    model, loss, x, y = bench_models.setting(64, 20)
+    tables["MLP(784, 20, 10) grads B=64"] = compare(model, loss, x, y, strategies=["loop", "auto"], **kw)
+    model, loss, x, y = bench_models.setting(2, 20)
     jacrev = (HAND, lambda m=model, a=x: bench_models.hand_written_jacrev(m, a), "vmap(jacrev(functional_call))")
-    tables["MLP(784, 20, 10) jacobian B=2"] = bench.compare(model, loss, x, y, quantity="jacobian",
+    tables["MLP(784, 20, 10) jacobian B=2"] = compare(model, loss, x, y, quantity="jacobian",
                                                           strategies=["loop", "auto"], extras=[jacrev], **kw)
-    model, loss, x, y = bench.setting(64, 512)
-    tables["MLP(784, 512, 10) grads B=64"] = bench.compare(model, loss, x, y, strategies=["auto"], out_buffer=True,
+    model, loss, x, y = bench_models.setting(64, 512)
+    tables["MLP(784, 512, 10) grads B=64"] = compare(model, loss, x, y, strategies=["auto"], out_buffer=True,
                                                          norms=True, **kw)
     for name in bench_models.MODELS if models is None else models:
         model, loss, x, y = bench_models.problem(name, 32)
         full = name in FULL_MODELS
-        records = bench.compare(model, loss, x, y, strategies=["loop", "torch_func", "auto"] if full else ["auto"],
+        records = compare(model, loss, x, y, strategies=["loop", "torch_func", "auto"] if full else ["auto"],
                                 flat=True, norms=full, extras=[_hand(model, loss, x, y)], slow_limit=10**9, **kw)
         tables[f"{name} grads B=32"] = records
         if name == "resnet18":
             # torch_func against the same vmap written by hand, the two alone in their rounds: between the loop's
             # and the other methods' 1.33 GiB results, these 2-second calls swing by 30% (IQR) in the table above.
-            tables["resnet18 vmaps alone B=32"] = bench.compare(
+            tables["resnet18 vmaps alone B=32"] = compare(
                 model, loss, x, y, strategies=["torch_func"], flat=True, extras=[_hand(model, loss, x, y)],
                 slow_limit=10**9, **kw)
             # The same model and batch again: into a preallocated buffer, and fresh.
             nbytes = next(r.result_bytes for r in records if r.strategy == MEMORY_FLOOR)
-            tables["resnet18 grads B=32 out="] = bench.compare(
+            tables["resnet18 grads B=32 out="] = compare(
                 model, loss, x, y, strategies=["auto"], out_buffer=True, extras=[_fresh_floor(nbytes, torch.float32)],
                 **kw)
     if scan_examples:
@@ -137,7 +137,7 @@ def _scan_table(model: str, examples: int) -> list[Record]:
 
 
 def _fresh_over_out(rows: dict[str, Record]) -> float | None:
-    return _over(bench.FRESH, "auto")(rows)
+    return _over(FRESH, "auto")(rows)
 
 
 # Issue 21 ("Performance III"), its table in order; then the per-call check's budget (issue 16); then the goals of
@@ -155,9 +155,9 @@ GOALS = [
     Goal("transformer grads B=32", "grad norms / forward+backward", _over("grad norms", FORWARD_BACKWARD), 1.1,
          False),
     Goal("resnet18 grads B=32", "grad norms / forward+backward", _over("grad norms", FORWARD_BACKWARD), 1.1, False),
-    Goal("MLP(784, 20, 10) grads B=64", "check cost (auto - auto verify=False) / auto", bench.check_cost, 0.25, False),
-    Goal("transformer grads B=32", "check cost (auto - auto verify=False) / auto", bench.check_cost, 0.10, False),
-    Goal("resnet18 grads B=32", "check cost (auto - auto verify=False) / auto", bench.check_cost, 0.10, False),
+    Goal("MLP(784, 20, 10) grads B=64", "check cost (auto - auto verify=False) / auto", check_cost, 0.25, False),
+    Goal("transformer grads B=32", "check cost (auto - auto verify=False) / auto", check_cost, 0.10, False),
+    Goal("resnet18 grads B=32", "check cost (auto - auto verify=False) / auto", check_cost, 0.10, False),
     Goal("MLP(784, 20, 10) grads B=64", "auto / forward+backward", _over("auto", FORWARD_BACKWARD), 1.3, False),
     Goal("MLP(784, 512, 10) grads B=64", "grad norms / forward+backward", _over("grad norms", FORWARD_BACKWARD),
          1.1, False),
@@ -182,11 +182,11 @@ def report(min_run_time: float = 0.5, scan_examples: int = 2048, models: tuple[s
     (then each table goes to ``emit`` as soon as it is measured). ``scan_examples`` = 0: no scan tables;
     ``models``: a subset of the ``bench --model`` models; goals without their table print "not measured"."""
     start = time.perf_counter()
-    tables = _settings(min_run_time, scan_examples, models, emit)
+    tables = measure_tables(min_run_time, scan_examples, models, emit)
     lines = []
     if emit is None:
         for setting, records in tables.items():
-            lines += [f"## {setting}", bench.format_table(records), ""]
+            lines += [f"## {setting}", format_table(records), ""]
     rows_of = {s: {r.strategy: r for r in records} for s, records in tables.items()}
     header = f"{'setting':30s} {'ratio (same table, same rounds)':50s} {'measured':>9s} {'goal':>8s}  met"
     lines += ["## targets", header, "-" * len(header)]

@@ -23,13 +23,16 @@ and of seconds (a :class:`Patience`), and only what is still uncertain then is f
 
 A median counts as uncertain when the half-width of its 95% confidence interval, ``1.57 IQR / sqrt(n)``
 (the notches of a box plot: McGill, Tukey and Larsen 1978), is more than ``Patience.threshold`` of it.
-Pure functions of the callables given; nothing here knows of strategies, widgets or plots (``bench`` and the
-explorer build on it).
+On CUDA, work is queued and the clock would stop before it ran: every clock reading is preceded by a
+synchronisation (:func:`synchronizer`: ``torch.cuda.synchronize`` whenever CUDA is in use in the process, unless a
+``synchronize`` is given). Pure functions of the callables given; nothing here knows of strategies, widgets or
+plots (``bench`` and the explorer build on it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -37,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 __all__ = [
     "NOISE_THRESHOLD",
@@ -46,6 +50,7 @@ __all__ = [
     "headroom_threads",
     "plan_tiers",
     "summarize",
+    "synchronizer",
     "time_adaptive",
     "time_interleaved",
 ]
@@ -100,6 +105,24 @@ def summarize(samples: Sequence[float], *, number: int = 1, noise_threshold: flo
     return Timing(median, iqr, q1, q3, tuple(float(v) for v in values), number, noisy)
 
 
+def synchronizer(device: torch.device | str | None = None) -> Callable[[], None]:
+    """What to call before each clock reading so that the clock sees the work done: for a CUDA ``device``,
+    ``torch.cuda.synchronize(device)``; without a device, ``torch.cuda.synchronize()`` (the current device) when
+    CUDA has been initialised in this process (so some work may be queued there); otherwise nothing."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return _nothing
+        return functools.partial(torch.cuda.synchronize, device)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.synchronize
+    return _nothing
+
+
+def _nothing() -> None:
+    pass
+
+
 def _block_number(estimate_s: float, min_block_s: float, max_number: int) -> int:
     """Calls per block so that a block lasts at least ``min_block_s`` (1 for a slow call)."""
     if not math.isfinite(estimate_s):
@@ -134,7 +157,9 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], *, rounds: int = 5
         prior: ``{name: [seconds per call, ...]}`` already measured for a method (e.g. an expensive first call
             that was timed anyway): counted as its first rounds, which it then sits out.
         check: called before every block; raise from it to abandon the measurement (e.g. the setting it was
-            for is stale). synchronize: called before each clock reading (e.g. ``torch.cuda.synchronize``).
+            for is stale).
+        synchronize: called before each clock reading; default :func:`synchronizer` ``()``, which synchronises
+            CUDA whenever it is in use in this process.
         clock: seconds, monotonic.
 
     Returns:
@@ -143,7 +168,7 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], *, rounds: int = 5
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     names = list(fns)
-    sync = synchronize or (lambda: None)
+    sync = synchronize or synchronizer()
     poll = check or (lambda: None)
     known = dict(estimates or {})
     earlier = {name: list((prior or {}).get(name, ())) for name in names}
@@ -237,8 +262,10 @@ def time_adaptive(fns: Mapping[str, Callable[[], object]], *, patience: Patience
     """
     if patience.rounds < 1 or patience.max_rounds < patience.rounds:
         raise ValueError(f"need 1 <= rounds <= max_rounds, got {patience.rounds} and {patience.max_rounds}")
-    later = {k: v for k, v in options.items() if k in ("check", "synchronize", "max_number")}
-    result = time_interleaved(fns, rounds=patience.rounds, min_block_s=min_block_s, clock=clock, **options)
+    sync = options.pop("synchronize", None) or synchronizer()
+    later = {k: v for k, v in options.items() if k in ("check", "max_number")}
+    result = time_interleaved(fns, rounds=patience.rounds, min_block_s=min_block_s, clock=clock, synchronize=sync,
+                              **options)
     done, block, spent = patience.rounds, min_block_s, 0.0
     while True:
         block = min(max(block * patience.block_growth, min_block_s), max(patience.max_block_s, min_block_s))
@@ -248,10 +275,12 @@ def time_adaptive(fns: Mapping[str, Callable[[], object]], *, patience: Patience
             yield {n: dataclasses.replace(t, noisy=not patience.settled(t)) for n, t in result.items()}, True
             return
         yield result, False
+        sync()
         start = clock()
         result = time_interleaved(fns, rounds=done + extra, min_block_s=block, clock=clock, warmup=False,
                                   estimates={n: t.median_s for n, t in result.items()},
-                                  prior={n: list(t.samples) for n, t in result.items()}, **later)
+                                  prior={n: list(t.samples) for n, t in result.items()}, synchronize=sync, **later)
+        sync()
         spent += clock() - start
         done += extra
 

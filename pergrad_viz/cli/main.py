@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.set_num_threads(N) first (default: torch's own setting)")
     b.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="dtype of the model and inputs (default: float32)")
-    b.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    b.add_argument("--device", default="cpu", help="cpu or cuda; on cuda every clock reading is preceded by "
+                                                "torch.cuda.synchronize() (default: cpu)")
     b.add_argument("--csv", metavar="FILE", help="also write the records as CSV (default: no file)")
     b.add_argument("--plot", metavar="FILE.png",
                    help="also save a log-log plot of time against batch size, MLP sweep only (default: no plot)")

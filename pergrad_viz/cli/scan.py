@@ -25,6 +25,7 @@ import torch
 
 from pergrad_viz.cli.args import HelpFormatter, positive_ints
 from pergrad_viz.scanning.api import QUANTITIES
+from pergrad_viz.tutorial.networks import load_model
 
 MODELS = ("mlp", "cnn")
 DATA = ("fashion-mnist", "fashion-mnist-sample")
@@ -121,27 +122,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(run=run_scan_bench)
 
 
-def load_model(name: str, checkpoint: str | None, hidden: int = 20, seed: int = 0) -> torch.nn.Module:
-    """MLP(784, hidden, 10) or SmallCNN, from a checkpoint (a state_dict, or a dict holding one under
-    'state_dict' / 'model') or seeded; in eval mode."""
-    from pergrad_viz.tutorial.networks import MLP, SmallCNN
-
-    torch.manual_seed(seed)
-    model = MLP(784, hidden, 10) if name == "mlp" else SmallCNN()
-    if checkpoint:
-        try:
-            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise SystemExit(f"error: --checkpoint {checkpoint} does not exist") from None
-        if isinstance(state, dict) and ("state_dict" in state or "model" in state):
-            state = state.get("state_dict", state.get("model"))
-        try:
-            model.load_state_dict(state)
-        except (RuntimeError, TypeError) as exc:
-            raise SystemExit(f"error: {checkpoint} does not fit --model {name}: {exc}") from None
-    return model.eval()
-
-
 def _distributed(device: str) -> tuple[int, int, str]:
     """Join the torchrun group when there is one (gloo on CPU, NCCL on CUDA); returns (rank, world, device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -160,7 +140,7 @@ def _distributed(device: str) -> tuple[int, int, str]:
 
 def run_scan(args: argparse.Namespace) -> int:
     from pergrad_viz.scanning.api import scan
-    from pergrad_viz.tutorial import datasets
+    from pergrad_viz.tutorial import fashion_mnist
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -171,8 +151,8 @@ def run_scan(args: argparse.Namespace) -> int:
         if rank == 0 and not args.checkpoint:
             print(f"note: no --checkpoint: scanning an untrained {args.model} (torch.manual_seed({args.model_seed}))",
                   file=sys.stderr)
-        source = datasets.DEBIAN_SOURCE if args.data == "fashion-mnist" else None
-        dataset = datasets.fashion_mnist(args.split, limit=args.limit, source=source, quiet=rank != 0)
+        source = fashion_mnist.DEBIAN_SOURCE if args.data == "fashion-mnist" else None
+        dataset = fashion_mnist.fashion_mnist(args.split, limit=args.limit, source=source, quiet=rank != 0)
         try:
             result = scan(model, torch.nn.CrossEntropyLoss(), dataset, quantities=args.quantities,
                           batch_size=args.batch_size, proj_dim=args.proj_dim, out=args.out, seed=args.seed,

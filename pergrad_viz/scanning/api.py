@@ -24,7 +24,8 @@ How it runs: the indices 0..N-1 are cut into chunks of ``chunk_size`` examples (
 r + W, r + 2W, ...: no example twice, no padding), each process walks its chunks with a ``DataLoader`` in
 batches that never straddle a chunk, writes its rows into the shared memory-mapped ``.npy`` files (rows are
 disjoint), flushes them and then marks the chunk done (finished chunks are synced together, at most every
-:data:`SYNC_SECONDS`). A killed run loses the chunk in flight and those finished since its last sync; a
+:data:`~pergrad_viz.scanning.runner.SYNC_SECONDS`; how the chunks are shared and walked:
+:mod:`pergrad_viz.scanning.runner`). A killed run loses the chunk in flight and those finished since its last sync; a
 rerun with the same ``out`` skips finished chunks (whatever the number of processes then). A rerun with
 another model, dataset, loss or settings is refused (:class:`ScanMismatchError`; what is compared:
 :func:`pergrad_viz.scanning.store.model_fingerprint`, :func:`~pergrad_viz.scanning.store.dataset_fingerprint`,
@@ -37,21 +38,15 @@ from __future__ import annotations
 
 import datetime
 import math
-import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from pergrad_viz.api import resolve_strategy
 from pergrad_viz.core.losses import LossFn, check_loss
-from pergrad_viz.core.trainable import Trainable, check_modes, restoring_modes
-from pergrad_viz.scanning import store
-from pergrad_viz.scanning.compute import GRAD_QUANTITIES, batch_quantities
+from pergrad_viz.core.trainable import Trainable, check_modes
+from pergrad_viz.scanning import runner, store
 from pergrad_viz.scanning.sketch import GradientSketch, layer_blocks
 from pergrad_viz.scanning.store import ScanMismatchError
 
@@ -59,12 +54,6 @@ __all__ = ["QUANTITIES", "Scan", "ScanMismatchError", "load_scan", "scan"]
 
 QUANTITIES: tuple[str, ...] = ("loss", "grad_norm", "layer_norms", "el2n", "projection")
 """Valid names for ``scan(quantities=...)``, in the order they are stored."""
-
-SYNC_SECONDS = 2.0
-"""Finished chunks are flushed to disk and marked done together, at most this often (and at the end): the
-flush (msync) costs milliseconds, so a fast scan does not pay it per chunk. A killed process loses the
-chunks finished since the last sync and the one in flight."""
-
 
 class Scan(dict):
     """``{quantity: Tensor (N, ...)}`` memory-mapped (copy-on-write: editing a tensor never changes the files),
@@ -109,30 +98,6 @@ def load_scan(out: str | Path, *, partial: bool = False) -> Scan:
     return Scan({q: torch.from_numpy(a) for q, a in arrays.items()}, manifest)
 
 
-def _world() -> tuple[int, int]:
-    """(rank, world size) of the default process group, or (0, 1) without one."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _broadcast(obj: object, world: int) -> object:
-    if world == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(obj: object, world: int) -> list:
-    if world == 1:
-        return [obj]
-    boxes: list = [None] * world
-    torch.distributed.all_gather_object(boxes, obj)
-    return boxes
-
-
 def _check_quantities(quantities: Sequence[str] | str, proj_dim: int | None) -> list[str]:
     if isinstance(quantities, str):
         quantities = [q.strip() for q in quantities.split(",") if q.strip()]
@@ -146,30 +111,6 @@ def _check_quantities(quantities: Sequence[str] | str, proj_dim: int | None) -> 
     elif "projection" in wanted:
         raise ValueError("quantity 'projection' needs proj_dim: pass proj_dim=K (e.g. 256 columns per example)")
     return [q for q in QUANTITIES if q in wanted]
-
-
-def error_report(exc: BaseException) -> dict:
-    """What rank 0 tells the other processes about its failure: plain strings, which always pickle (an exception
-    or its class may not, e.g. one defined inside a function)."""
-    kind = type(exc)
-    return {"module": kind.__module__, "qualname": kind.__qualname__, "message": str(exc)}
-
-
-def rebuild_error(report: dict) -> Exception:
-    """The exception the other processes raise for rank 0's ``report``: the same type with the same message where
-    the type can be found and built from a message alone, else a RuntimeError naming it."""
-    kind = sys.modules.get(report["module"])
-    for part in report["qualname"].split("."):
-        kind = getattr(kind, part, None)
-    name = f"{report['module']}.{report['qualname']}"
-    if isinstance(kind, type) and issubclass(kind, Exception):
-        try:
-            error = kind(report["message"])
-        except Exception:  # a constructor that wants other arguments
-            error = None
-        if isinstance(error, kind) and str(error) == report["message"]:
-            return error
-    return RuntimeError(f"rank 0 failed to prepare the scan with {name}: {report['message']}")
 
 
 def _positive(name: str, value: object) -> int:
@@ -202,33 +143,6 @@ def _check_dataset(dataset: object) -> int:
     return n
 
 
-def _new_manifest(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: object, n: int,
-                  quantities: list[str], proj_dim: int | None, seed: int, chunk_size: int,
-                  sketch: GradientSketch | None) -> dict:
-    blocks = layer_blocks(trainable)
-    dtype = np.dtype(str(trainable.dtype).removeprefix("torch."))
-    widths = {"layer_norms": (len(blocks),), "projection": (proj_dim,)}
-    arrays = {q: {"file": f"{q}.npy", "shape": [n, *widths.get(q, ())], "dtype": dtype.str} for q in quantities}
-    return {
-        "format": store.FORMAT,
-        "fingerprint": {"model": store.model_fingerprint(model), "dataset": store.dataset_fingerprint(dataset, n)},
-        "settings": {
-            "quantities": quantities,
-            "loss": store.loss_description(loss_fn),
-            "dtype": str(trainable.dtype),
-            "chunk_size": chunk_size,
-            "proj_dim": proj_dim,
-            "seed": seed if sketch is not None else None,  # only the projection is random
-            "layers": [b.label for b in blocks],
-            "projection": sketch.describe() if sketch is not None else None,
-        },
-        "arrays": arrays,
-        "chunks": {"size": chunk_size, "count": store.chunk_count(n, chunk_size), "done": []},
-        "complete": False,
-        "runs": [],
-    }
-
-
 def _prepare(out: Path, new: dict) -> tuple[dict, set[int]]:
     """Rank 0: create ``out`` or check that it holds this very scan; returns (manifest, chunks done)."""
     if out.exists() and not out.is_dir():
@@ -247,12 +161,6 @@ def _prepare(out: Path, new: dict) -> tuple[dict, set[int]]:
     store.create_arrays(out, new["arrays"])
     store.write_manifest(out, new)
     return new, set()
-
-
-def _refresh(out: Path, manifest: dict) -> None:
-    manifest["chunks"]["done"] = sorted(set(manifest["chunks"]["done"]) | store.done_chunks(out))
-    manifest["complete"] = len(manifest["chunks"]["done"]) == manifest["chunks"]["count"]
-    store.write_manifest(out, manifest)
 
 
 def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *,
@@ -308,45 +216,23 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
     trainable = Trainable.of(model)
     check_modes(trainable)
     sketch = GradientSketch(trainable, proj_dim, seed) if proj_dim is not None else None
-    rank, world = _world()
-    new = _new_manifest(model, trainable, loss_fn, dataset, n, wanted, proj_dim, seed, chunk_size, sketch)
+    rank, world = runner.world()
+    new = store.new_manifest(model, loss_fn, dataset, n, quantities=wanted, dtype=trainable.dtype,
+                             layers=[b.label for b in layer_blocks(trainable)], proj_dim=proj_dim, seed=seed,
+                             chunk_size=chunk_size, projection=sketch.describe() if sketch is not None else None)
 
     # Rank 0 prepares the directory; every rank learns the outcome (an error is raised everywhere).
     core = {k: new[k] for k in store.MUST_MATCH}
-    peers = _gather(core, world)
-    error: Exception | None = None
-    status: tuple[dict | None, list[int]] = (None, [])
-    if rank == 0:
-        try:
-            bad = [r for r, c in enumerate(peers) if c != core]
-            if bad:
-                raise ValueError(f"process(es) {bad} see a different model, dataset or settings than rank 0: give "
-                                 "every process the same model weights, dataset and arguments")
-            manifest, done = _prepare(out, new)
-            status = (None, sorted(done))
-        except Exception as exc:
-            if world == 1:
-                raise
-            error, status = exc, (error_report(exc), [])
-    report, done_list = _broadcast(status, world)
-    if error is not None:
-        raise error  # rank 0: the original exception, with its traceback
-    if report is not None:
-        raise rebuild_error(report)
+    manifest, done = runner.prepare_on_rank_zero(rank, world, core, lambda: _prepare(out, new))
     if rank != 0:
         manifest = store.read_manifest(out)
 
-    count = manifest["chunks"]["count"]
-    pending = [c for c in range(count) if c not in set(done_list)]
-    mine = pending[rank::world]
-    batches = [list(range(s, min(s + batch_size, (c + 1) * chunk_size, n)))
-               for c in mine for s in range(c * chunk_size, min((c + 1) * chunk_size, n), batch_size)]
-    seconds, rows = _run(model, trainable, loss_fn, dataset, out, manifest, wanted, sketch, batches, chunk_size,
-                         num_workers, progress and rank == 0, rank, world)
+    batches = runner.my_batches(done, manifest["chunks"]["count"], chunk_size, batch_size, n, rank, world)
+    seconds, rows = runner.run(model, trainable, loss_fn, dataset, out, manifest, wanted, sketch, batches,
+                               chunk_size, num_workers, progress and rank == 0, rank, world)
 
-    if world > 1:
-        torch.distributed.barrier()
-    stats = _gather((seconds, rows), world)
+    runner.barrier(world)
+    stats = runner.gather((seconds, rows), world)
     if rank == 0:
         now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         run = {"started": now, "world_size": world, "batch_size": batch_size, "device": str(trainable.device),
@@ -354,119 +240,6 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
                "examples": sum(r for _, r in stats), "seconds": round(max(s for s, _ in stats), 4)}
         run["examples_per_s"] = round(run["examples"] / run["seconds"], 1) if run["seconds"] > 0 else None
         manifest["runs"] = [*manifest.get("runs", []), run]
-        _refresh(out, manifest)
-    if world > 1:
-        torch.distributed.barrier()
+        store.refresh_manifest(out, manifest)
+    runner.barrier(world)
     return load_scan(out)
-
-
-def _run(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: object, out: Path, manifest: dict,
-         wanted: list[str], sketch: GradientSketch | None, batches: list[list[int]], chunk_size: int,
-         num_workers: int, progress: bool, rank: int, world: int) -> tuple[float, int]:
-    """This process's share: compute ``batches``, write rows, mark chunks done. Returns (seconds, rows)."""
-    from tqdm.auto import tqdm
-
-    if not batches:
-        return 0.0, 0
-    arrays = store.open_arrays(out, manifest["arrays"])
-    blocks = layer_blocks(trainable)
-    want = set(wanted)
-    device, dtype = trainable.device, trainable.dtype
-    loader = data_loader(dataset, batches, num_workers, pin_memory=device.type == "cuda")
-    total = sum(len(b) for b in batches)
-    n = next(iter(manifest["arrays"].values()))["shape"][0]
-    bar = tqdm(total=total, unit="ex", unit_scale=True, disable=not progress, dynamic_ncols=True,
-               desc="scan" if world == 1 else f"scan (rank 0 of {world})")
-    use_hooks = None
-    pending: list[int] = []  # finished chunks not yet flushed and marked
-    start = last_sync = time.perf_counter()
-
-    def sync() -> None:
-        nonlocal last_sync
-        if not pending:
-            return
-        for a in arrays.values():
-            a.flush()
-        finished = pending.copy()
-        pending.clear()
-        for c in finished:
-            store.mark_done(out, c)
-        if rank == 0:
-            _refresh(out, manifest)
-        last_sync = time.perf_counter()
-
-    try:
-        for indices, item in zip(batches, loader, strict=True):
-            x, y = _inputs_and_labels(item)
-            x = tree_map(lambda t: _to(t, device, dtype), x)
-            y = y.to(device, non_blocking=True) if isinstance(y, torch.Tensor) else torch.as_tensor(y, device=device)
-            if use_hooks is None:
-                use_hooks = not want & GRAD_QUANTITIES or _hooks_ok(trainable, x)
-            res = batch_quantities(model, loss_fn, x, y, want, blocks, sketch, use_hooks)
-            lo, hi = indices[0], indices[-1] + 1
-            for q in wanted:
-                arrays[q][lo:hi] = res[q].detach().cpu().numpy()
-            bar.update(len(indices))
-            if hi % chunk_size == 0 or hi == n:  # the last batch of chunk (hi - 1) // chunk_size
-                pending.append((hi - 1) // chunk_size)
-                if time.perf_counter() - last_sync >= SYNC_SECONDS:
-                    sync()
-    finally:
-        sync()  # finished chunks are kept even when a later one fails
-        bar.close()
-    return time.perf_counter() - start, total
-
-
-def _inputs_and_labels(item: object) -> tuple[object, object]:
-    """A collated batch as (inputs, labels): ``(x, y, ...)``, or a dict whose ``labels`` are the targets and whose
-    other entries the model's keyword arguments (as a Hugging Face dataset yields them)."""
-    if isinstance(item, Mapping):
-        inputs = {k: v for k, v in item.items() if k != "labels"}
-        return inputs, item["labels"]
-    return item[0], item[1]
-
-
-def _to(t: object, device: torch.device, dtype: torch.dtype) -> object:
-    """A tensor of a batch on ``device``, floating ones in the model's ``dtype``."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    t = t.to(device, non_blocking=True)
-    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-
-
-def data_loader(dataset: torch.utils.data.Dataset, batches: list[list[int]], num_workers: int = 0,
-                pin_memory: bool = False) -> torch.utils.data.DataLoader:
-    """The ``DataLoader`` a scan walks: exactly these batches of indices, in order. A plain ``TensorDataset``
-    is served a batch at a time (one indexing per tensor instead of one ``dataset[i]`` per example)."""
-    plain = torch.utils.data.TensorDataset
-    if isinstance(dataset, plain) and type(dataset).__getitem__ is plain.__getitem__:
-        return torch.utils.data.DataLoader(_Batches(dataset.tensors), batch_sampler=batches, num_workers=num_workers,
-                                           collate_fn=_only, pin_memory=pin_memory)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, pin_memory=pin_memory)
-
-
-class _Batches(torch.utils.data.Dataset):
-    """A TensorDataset's tensors served a batch at a time (``__getitems__``): the same batch the default
-    collate would build from its items, from one indexing per tensor."""
-
-    def __init__(self, tensors: tuple[torch.Tensor, ...]):
-        self.tensors = tensors
-
-    def __len__(self) -> int:
-        return self.tensors[0].shape[0]
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
-        return tuple(t[i] for t in self.tensors)
-
-    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, ...]]:
-        index = torch.as_tensor(indices)
-        return [tuple(t[index] for t in self.tensors)]
-
-
-def _only(batch: list) -> object:
-    return batch[0]
-
-
-def _hooks_ok(trainable: Trainable, x: object) -> bool:
-    with restoring_modes(trainable):
-        return resolve_strategy("auto", trainable, x) == "hooks"

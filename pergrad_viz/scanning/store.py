@@ -173,6 +173,35 @@ def chunk_count(n: int, chunk_size: int) -> int:
     return math.ceil(n / chunk_size)
 
 
+def new_manifest(model: nn.Module, loss_fn: object, dataset: object, n: int, *, quantities: list[str],
+                 dtype: torch.dtype, layers: list[str], proj_dim: int | None, seed: int, chunk_size: int,
+                 projection: list[dict] | None) -> dict:
+    """The manifest of a scan about to start: what is scanned (fingerprints), how (settings), the arrays' files,
+    shapes and dtypes, the chunks (none done yet) and the runs (none yet). ``layers`` names the ``layer_norms``
+    columns; ``projection`` describes the gradient sketch (None without one)."""
+    np_dtype = np.dtype(str(dtype).removeprefix("torch."))
+    widths = {"layer_norms": (len(layers),), "projection": (proj_dim,)}
+    arrays = {q: {"file": f"{q}.npy", "shape": [n, *widths.get(q, ())], "dtype": np_dtype.str} for q in quantities}
+    return {
+        "format": FORMAT,
+        "fingerprint": {"model": model_fingerprint(model), "dataset": dataset_fingerprint(dataset, n)},
+        "settings": {
+            "quantities": quantities,
+            "loss": loss_description(loss_fn),
+            "dtype": str(dtype),
+            "chunk_size": chunk_size,
+            "proj_dim": proj_dim,
+            "seed": seed if projection is not None else None,  # only the projection is random
+            "layers": layers,
+            "projection": projection,
+        },
+        "arrays": arrays,
+        "chunks": {"size": chunk_size, "count": chunk_count(n, chunk_size), "done": []},
+        "complete": False,
+        "runs": [],
+    }
+
+
 def manifest_path(out: Path) -> Path:
     return out / MANIFEST
 
@@ -203,6 +232,13 @@ def write_manifest(out: Path, manifest: Mapping) -> None:
     tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
     os.replace(tmp, path)
+
+
+def refresh_manifest(out: Path, manifest: dict) -> None:
+    """Copy the chunk markers into ``manifest`` (``chunks.done``, ``complete``) and write it."""
+    manifest["chunks"]["done"] = sorted(set(manifest["chunks"]["done"]) | done_chunks(out))
+    manifest["complete"] = len(manifest["chunks"]["done"]) == manifest["chunks"]["count"]
+    write_manifest(out, manifest)
 
 
 def differences(old: Mapping, new: Mapping) -> list[str]:

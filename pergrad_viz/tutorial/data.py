@@ -83,7 +83,7 @@ def _dataset_class(dataset: str) -> type:
     return getattr(torchvision.datasets, _TORCHVISION_CLASS[dataset])
 
 
-def _missing_files(dataset: str, root: Path) -> list[Path]:
+def missing_files(dataset: str, root: Path) -> list[Path]:
     """The raw files torchvision needs that are absent (empty when the dataset can be read)."""
     folder = root / _TORCHVISION_CLASS[dataset]
     if all((folder / "processed" / name).is_file() for name in _LEGACY_FILES):
@@ -190,7 +190,7 @@ def load_sample(
     if download:
         # torchvision skips the download when the files are there already.
         _dataset_class(dataset)(root=str(root_path), train=train, download=True)
-    missing = _missing_files(dataset, root_path)
+    missing = missing_files(dataset, root_path)
     if missing:
         raise _not_found(dataset, root_path, missing)
 

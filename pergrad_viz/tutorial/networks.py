@@ -3,9 +3,11 @@
 * :class:`MLP` – ``MLP(784, 20, 10)``: Linear -> ReLU -> Linear on flattened 28x28 images.
 * :func:`bias_free_net` – the bias-free ``2 -> 16 -> 2`` network of the classic per-sample gradient question.
 * :class:`SmallCNN` – two convolutions (stride, padding, groups) and GroupNorm, for 1x28x28 images.
-* :func:`token_transformer`, :func:`token_lstm` – a token Embedding, then a small ``nn.TransformerEncoder`` or
-  ``nn.LSTM`` classifier (the benchmark's, :mod:`pergrad_viz.bench.problems`), for (B, T) token ids such as
+* :class:`TransformerClassifier`, :class:`LSTMClassifier` – small sequence classifiers on (B, T, d) features (the
+  benchmark's ``transformer`` and ``lstm``, :mod:`pergrad_viz.bench.problems`).
+* :func:`token_transformer`, :func:`token_lstm` – a token Embedding, then one of those, for (B, T) token ids such as
   :func:`image_tokens` of an image.
+* :func:`load_model` – ``MLP`` or ``SmallCNN`` by name, seeded or from a checkpoint (``python -m pergrad_viz scan``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,33 @@ def image_tokens(images: torch.Tensor, *, mean: float = 0.2860, std: float = 0.3
     return (levels * vocab).long().clamp(0, vocab - 1)
 
 
+class TransformerClassifier(nn.Module):
+    """(B, T, d) -> TransformerEncoder -> mean over T -> Linear -> (B, classes)."""
+
+    def __init__(self, d_model: int = 64, heads: int = 4, feedforward: int = 128, layers: int = 2,
+                 classes: int = 10):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model, heads, feedforward, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(1))
+
+
+class LSTMClassifier(nn.Module):
+    """(B, T, in) -> 2-layer LSTM -> last step -> Linear -> (B, classes)."""
+
+    def __init__(self, features: int = 32, hidden: int = 64, layers: int = 2, classes: int = 10):
+        super().__init__()
+        self.lstm = nn.LSTM(features, hidden, layers, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
 class TokenClassifier(nn.Module):
     """(B, T) token ids -> ``embed`` (an Embedding) -> ``body`` ((B, T, d) -> (B, classes))."""
 
@@ -100,8 +129,6 @@ class TokenClassifier(nn.Module):
 def token_transformer(d_model: int = 32, *, vocab: int = VOCAB, classes: int = 10) -> TokenClassifier:
     """Embedding(vocab, d_model) -> 1-layer TransformerEncoder (4 heads, or 1 where d_model is not a multiple of 4;
     feed-forward 2 d_model, no dropout, eval mode) -> mean over tokens -> Linear: (B, T) -> (B, classes)."""
-    from pergrad_viz.bench.problems import TransformerClassifier
-
     heads = 4 if d_model % 4 == 0 else 1
     model = TokenClassifier(nn.Embedding(vocab, d_model),
                             TransformerClassifier(d_model, heads, 2 * d_model, layers=1, classes=classes))
@@ -111,6 +138,23 @@ def token_transformer(d_model: int = 32, *, vocab: int = VOCAB, classes: int = 1
 def token_lstm(hidden: int = 32, *, vocab: int = VOCAB, features: int = 16, classes: int = 10) -> TokenClassifier:
     """Embedding(vocab, features) -> 1-layer batch-first LSTM(features -> hidden) -> last step -> Linear:
     (B, T) -> (B, classes)."""
-    from pergrad_viz.bench.problems import LSTMClassifier
-
     return TokenClassifier(nn.Embedding(vocab, features), LSTMClassifier(features, hidden, layers=1, classes=classes))
+
+
+def load_model(name: str, checkpoint: str | None, hidden: int = 20, seed: int = 0) -> nn.Module:
+    """MLP(784, hidden, 10) (``name="mlp"``) or SmallCNN, from a checkpoint (a state_dict, or a dict holding one
+    under 'state_dict' / 'model') or seeded; in eval mode."""
+    torch.manual_seed(seed)
+    model = MLP(784, hidden, 10) if name == "mlp" else SmallCNN()
+    if checkpoint:
+        try:
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise SystemExit(f"error: --checkpoint {checkpoint} does not exist") from None
+        if isinstance(state, dict) and ("state_dict" in state or "model" in state):
+            state = state.get("state_dict", state.get("model"))
+        try:
+            model.load_state_dict(state)
+        except (RuntimeError, TypeError) as exc:
+            raise SystemExit(f"error: {checkpoint} does not fit --model {name}: {exc}") from None
+    return model.eval()
