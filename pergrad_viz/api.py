@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from pergrad_viz.core.batch import Batch, Inputs, cut
 from pergrad_viz.core.losses import LossFn, check_loss
-from pergrad_viz.core.memory import check_budget, empty_result, result_bytes, working_bytes
+from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
 from pergrad_viz.core.trainable import (
     Trainable,
     check_modes,
@@ -23,10 +23,12 @@ from pergrad_viz.core.trainable import (
     normal_tensor,
     restoring_modes,
 )
+from pergrad_viz.engine.capture import PlanMismatchError, check_supported
 from pergrad_viz.engine.certify import CheckFailedError, check_grads, check_jacobian
 from pergrad_viz.engine.probe import plan_for
 from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
-from pergrad_viz.strategies import MODULES, STRATEGIES, hooks, torch_func
+from pergrad_viz.strategies import REGISTRY, STRATEGIES, Strategy, working_bytes
+from pergrad_viz.strategies.torch_func import VmapError
 
 Result = dict[str, torch.Tensor] | torch.Tensor
 
@@ -78,15 +80,15 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
             "which picks it), or pass the module as it was before scripting.")
     if strategy == "auto":
         try:
-            hooks.check_supported(trainable, inputs)
+            check_supported(trainable, inputs)
             return "hooks"
         except UndefinedPerSampleError:
             raise
         except UnsupportedModelError:
             return "torch_func"
     if strategy == "hooks":
-        hooks.check_supported(trainable, inputs)
-    elif MODULES[strategy].BATCHED_FORWARD and inputs is not None:
+        check_supported(trainable, inputs)
+    elif REGISTRY[strategy].batched_forward and inputs is not None:
         interaction = plan_for(trainable, inputs).interaction
         if interaction is not None:
             raise UnsupportedModelError(
@@ -199,7 +201,7 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)
             rows = views if chunk == batch else {n: v[start:stop] for n, v in views.items()}
-            run_chunk(MODULES[strategy], slice(start, stop), rows)
+            run_chunk(REGISTRY[strategy], slice(start, stop), rows)
     return result
 
 
@@ -224,7 +226,7 @@ def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: Batch
 
     def checked(strategy: str) -> Result:
         result = run(strategy)
-        if check is not None and MODULES[strategy].BATCHED_FORWARD:
+        if check is not None and REGISTRY[strategy].batched_forward:
             with restoring_modes(trainable):
                 check(result, strategy)
         return result
@@ -237,12 +239,12 @@ def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: Batch
         except CheckFailedError as e:
             plan_for(trainable, inputs).interaction = f"the samples interact: {str(e).split(' (')[0]}"
             resolved = "torch_func"
-        except hooks.PlanMismatchError:
+        except PlanMismatchError:
             resolved = "torch_func"
     if resolved == "torch_func":
         try:
             return run("torch_func")
-        except torch_func.VmapError:
+        except VmapError:
             return run("loop")  # torch.func cannot run this model (vmap or grad): the loop runs what PyTorch runs
     return run(resolved)
 
@@ -311,11 +313,11 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
                                        largest_param=trainable.largest_param),
                  max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
 
-    def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
+    def run_chunk(chosen: Strategy, rows: slice, views: dict[str, torch.Tensor]) -> None:
         if rows.stop - rows.start == batch:
-            module.grads(trainable, loss_fn, inputs, targets, views)
+            chosen.grads(trainable, loss_fn, inputs, targets, views)
         else:
-            module.grads(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), views)
+            chosen.grads(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), views)
 
     def check(result: Result, used: str) -> None:
         check_grads(trainable, loss_fn, inputs, targets, _rows(result, trainable, 1), used)
@@ -367,8 +369,8 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
                  working=working_bytes(strategy, chunk, batch, p, trainable.dtype, y_count, trainable.largest_param),
                  max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
 
-    def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
-        module.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
+    def run_chunk(chosen: Strategy, rows: slice, views: dict[str, torch.Tensor]) -> None:
+        chosen.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
 
     def check(result: Result, used: str) -> None:
         check_jacobian(trainable, inputs, _rows(result, trainable, 2), used)

@@ -35,13 +35,14 @@ from torch.utils._pytree import tree_map
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, Inputs, cut
 from pergrad_viz.core.losses import LossFn
-from pergrad_viz.core.memory import default_budget, result_bytes, working_bytes
+from pergrad_viz.core.memory import default_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, normal_tensor, restoring_modes
 from pergrad_viz.engine.capture import Layer, PlanMismatchError, loss_gradients
 from pergrad_viz.engine.certify import CheckFailedError, check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.probe import plan_for
 from pergrad_viz.rules import GhostRule, ghost_rule_for
+from pergrad_viz.strategies import working_bytes
 
 
 @computing_gradients

@@ -15,9 +15,6 @@ from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies.outputs import write
 
-SLOW_BASELINE = True  # a baseline: skipped by the benchmarks above their size limit
-BATCHED_FORWARD = True  # one forward pass over the whole batch: refused where samples interact
-
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
     """The vmapped backward builds a chunk's result before the copy, and (chunk*Y)^2 one-hot grad outputs."""

@@ -22,9 +22,6 @@ from pergrad_viz.engine.capture import (  # noqa: F401  (check_supported, descri
 )
 from pergrad_viz.engine.grouping import apply_rules
 
-SLOW_BASELINE = False  # timed at every size by the benchmarks
-BATCHED_FORWARD = True  # one forward pass over the whole batch: refused where samples interact
-
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
     """Rules write into the result; a temporary of one parameter's per-sample size (a convolution's einsum, the
