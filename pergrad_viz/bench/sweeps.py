@@ -33,7 +33,8 @@ from pergrad_viz.bench.records import (
 from pergrad_viz.bench.timing import time_interleaved
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.memory import result_bytes
-from pergrad_viz.core.trainable import Trainable, check_modes
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.core.validate import check_modes
 from pergrad_viz.strategies import REGISTRY, STRATEGIES
 from pergrad_viz.tutorial.data import load_sample
 from pergrad_viz.tutorial.networks import MLP

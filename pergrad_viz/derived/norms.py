@@ -33,10 +33,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz import api
-from pergrad_viz.core.batch import Batch, Inputs, cut
+from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import default_budget, result_bytes
-from pergrad_viz.core.trainable import Trainable, computing_gradients, normal_tensor, restoring_modes
+from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.engine.capture import Layer, PlanMismatchError, loss_gradients
 from pergrad_viz.engine.certify import CheckFailedError, check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
@@ -84,7 +84,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
     if not isinstance(per_parameter, bool):
         raise TypeError(f"per_parameter must be True or False, got {per_parameter!r}")
     targets = tree_map(normal_tensor, targets)
-    trainable, resolved, inputs, chunk = api._prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
+    trainable, resolved, inputs, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
                                                       model_kwargs)
     squared = None
     if resolved == "hooks":

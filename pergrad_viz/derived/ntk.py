@@ -30,6 +30,7 @@ from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, Inputs
 from pergrad_viz.core.memory import check_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
+from pergrad_viz.core.validate import batch_of
 from pergrad_viz.derived.norms import ghost_rule, stack_calls
 from pergrad_viz.engine.capture import Layer, PlanMismatchError, output_gradients
 from pergrad_viz.engine.certify import CheckFailedError, check_ntk
@@ -98,9 +99,9 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: 'full' (N1, N2, Y, Y) or 'trace' (N1, N2)")
-    trainable, strategy, x1, chunk = api._prepare(model, x1, None, "auto", chunk_size)
+    trainable, strategy, x1, chunk = api.prepare(model, x1, None, "auto", chunk_size)
     if x2 is not None:
-        x2 = api.batch_of(trainable, x2)
+        x2 = batch_of(trainable, x2)
         if x2.signature() != x1.signature():
             raise ValueError(
                 "x1 and x2 must hold samples of the same kind (the same shapes past the batch dimension, dtypes and "
