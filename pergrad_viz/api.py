@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
+from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
@@ -100,11 +101,7 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
     with restoring_modes(trainable):  # also: the result is a normal tensor under the caller's inference_mode
         if flat:
             result = empty_result((*lead, trainable.num_params), **kw) if out is None else out
-            views, offset = {}, 0
-            for name, shape in trainable.shapes.items():
-                n = shape.numel()
-                views[name] = result[..., offset:offset + n].view(*lead, *shape)
-                offset += n
+            views = flat_views(result, trainable.shapes, lead)
         else:
             result = {name: empty_result((*lead, *shape), **kw) for name, shape in trainable.shapes.items()}
             views = result
@@ -165,11 +162,7 @@ def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Te
     """{name: (B, [Y,] *param.shape)} views of a dict or flat result (``lead``: 1 for gradients, 2 for Jacobians)."""
     if isinstance(result, dict):
         return result
-    views, offset = {}, 0
-    for name, shape in trainable.shapes.items():
-        views[name] = result[..., offset:offset + shape.numel()].view(*result.shape[:lead], *shape)
-        offset += shape.numel()
-    return views
+    return flat_views(result, trainable.shapes, tuple(result.shape[:lead]))
 
 
 @computing_gradients

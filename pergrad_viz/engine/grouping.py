@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pergrad_viz.core.ownership import tied
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.capture import Call, Layer
 from pergrad_viz.rules import call_rule_for
@@ -98,8 +99,7 @@ def group_calls(calls: Sequence[Call], grads: Sequence[list]) -> dict[int, tuple
 def tied_names(calls: Sequence[Call]) -> set[str]:
     """Full names of the parameters that more than one layer handles (tied weights)."""
     layers = {id(c.layer.module): c.layer for c in calls}
-    owners = Counter(name for layer in layers.values() for name in layer.local.values())
-    return {name for name, count in owners.items() if count > 1}
+    return tied(layer.local for layer in layers.values())
 
 
 def _empty_like_params(layer: Layer, n: int, batch: int, like: torch.Tensor) -> dict[str, torch.Tensor]:

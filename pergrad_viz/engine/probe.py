@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from pergrad_viz.core.batch import Batch, as_pytree, differs
+from pergrad_viz.core.ownership import assign
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.errors import UndefinedPerSampleError
 from pergrad_viz.rules import call_rule_for, rule_for, rule_takes_batch_dim
@@ -356,29 +357,11 @@ def _first_difference(first: _Record, second: _Record) -> str | None:
     return None
 
 
-def _common_prefix(stacks: list[tuple[str, ...]]) -> tuple[str, ...]:
-    prefix = stacks[0]
-    for s in stacks[1:]:
-        n = 0
-        while n < min(len(prefix), len(s)) and prefix[n] == s[n]:
-            n += 1
-        prefix = prefix[:n]
-    return prefix
-
-
-def _assign(trainable: Trainable, probe: _Probe) -> tuple[dict[str, dict[str, str]], str | None]:
-    """Which module handles each trainable parameter: {module name: {local name: full name}}, or a problem."""
-    modules = dict(trainable.modules)
-    params = dict(zip(trainable.names, trainable.params, strict=True))
-    owners: dict[int, list[str]] = {}
-    for mname, m in trainable.modules:
-        for p in m._parameters.values():
-            if p is not None:
-                owners.setdefault(id(p), []).append(mname)
-    handlers: dict[str, dict[str, str]] = {}
+def _why_not(probe: _Probe, modules: dict[str, nn.Module]):
+    """``why_not(name)``: why module ``name`` cannot handle parameters (its tensors are not per-sample, or an output is
+    shared), or None."""
 
     def why_not(name: str) -> str | None:
-        """Why module ``name`` cannot handle parameters: its tensors are not per-sample, or an output is shared."""
         spec = probe.spec(name)
         if isinstance(spec, str):
             return spec
@@ -389,36 +372,7 @@ def _assign(trainable: Trainable, probe: _Probe) -> tuple[dict[str, dict[str, st
                     "gradient cannot be split by sample there")
         return None
 
-    for full in trainable.names:
-        p = params[full]
-        uses = probe.uses.get(full)
-        if not uses:  # never used by the forward: its gradient is zero
-            continue
-        stacks = [s for s, _func in uses]
-        innermost = {s[-1] if s else None for s in stacks}
-        own = owners.get(id(p), [])
-        if None not in innermost and all(u in own and why_not(u) is None for u in innermost):
-            chosen = sorted(innermost, key=list(modules).index)  # the owners themselves (tied: several)
-        else:
-            # The deepest module whose forward contains every use, that holds the parameter and keeps the samples
-            # apart (e.g. a Linear holding a weight-norm parametrization, not the parametrization itself).
-            prefix = _common_prefix(stacks)
-            holders = [m for m in prefix if any(q is p for q in modules[m].parameters())]
-            usable = [m for m in holders if why_not(m) is None]
-            handler = usable[-1] if usable else None
-            if handler is None or (handler == "" and "" not in own):
-                inner = [u for u in innermost if u is not None and u in own and why_not(u) is not None]
-                if inner:
-                    return {}, why_not(inner[0])
-                func = next((f for s, f in uses if not s or s[-1] not in own), uses[0][1])
-                return {}, (f"parameter '{full}' is used outside the forward of its own layer (by {func} in the "
-                            "model's forward, e.g. weights tied with F.linear(h, self.emb.weight)), so a per-layer "
-                            "rule would miss that part of the gradient")
-            chosen = [handler]
-        for h in chosen:
-            local = next(ln for ln, q in modules[h].named_parameters(remove_duplicate=False) if q is p)
-            handlers.setdefault(h, {})[local] = full
-    return handlers, None
+    return why_not
 
 
 def _user_hooks(module: nn.Module) -> int:
@@ -455,7 +409,8 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
             "randomness off) before computing per-sample gradients.")
     for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
         probe.spec(name)
-    handlers, hooks_problem = _assign(trainable, probe)  # handlers keep the samples apart (checked there)
+    # Handlers keep the samples apart (checked by why_not).
+    handlers, hooks_problem = assign(trainable, probe.uses, _why_not(probe, dict(trainable.modules)))
     if module_mod._global_forward_pre_hooks and hooks_problem is None:
         hooks_problem = ("a global forward pre-hook (register_module_forward_pre_hook) changes what every layer sees, "
                          "and a layer's replay on the per-layer fallback would apply it a second time")
