@@ -40,7 +40,7 @@ from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring
 from pergrad_viz.engine.capture import Layer, PlanMismatchError, loss_gradients
 from pergrad_viz.engine.certify import CheckFailedError, check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
-from pergrad_viz.engine.probe import plan_for
+from pergrad_viz.engine.probe import LayerKind, plan_for
 from pergrad_viz.rules import GhostRule, ghost_rule_for
 from pergrad_viz.strategies import working_bytes
 
@@ -166,7 +166,7 @@ def row_squared_norms(g: torch.Tensor) -> torch.Tensor:
 
 def ghost_rule(layer: Layer) -> GhostRule | None:
     """The layer's :class:`~pergrad_viz.rules.GhostRule` where its closed-form rule applies, else None."""
-    return ghost_rule_for(layer.module) if layer.kind == "rule" else None
+    return ghost_rule_for(layer.module) if layer.kind is LayerKind.RULE else None
 
 
 def ghost_kind(layer: Layer) -> str | None:
@@ -175,7 +175,7 @@ def ghost_kind(layer: Layer) -> str | None:
     return None if ghost is None else ghost.kind
 
 
-def stack_calls(kind: str | None, layer: Layer, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_calls(layer: Layer, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
     """All calls of a ghost-rule layer as one call on T positions (a shared layer's calls add up): for a Linear
     a is (B, T, in) and g (N, B, T, out); for an Embedding a is the (B, T) indices and g (N, B, T, D)."""
     seen_first = [(call.activation, call.rule_grad(gs[0])) for call, gs in seen]  # the samples first
@@ -187,5 +187,5 @@ def layer_squared_norms(layer: Layer, seen: Seen) -> dict[str, torch.Tensor]:
     ghost = ghost_rule(layer)
     if ghost is None:  # convolutions, norms, recurrent, fallback: this one layer's (B, *param.shape) gradient
         return {ln: row_squared_norms(t[0]) for ln, t in dense_grads(layer, seen).items()}
-    a, g = stack_calls(ghost.kind, layer, seen)
+    a, g = stack_calls(layer, seen)
     return ghost.squared_norms(layer.module, a, g[0], layer.local)

@@ -183,7 +183,7 @@ def _features(trainable: Trainable, inputs: Batch, full: bool) -> _Features:
     for layer, seen in group_calls(calls, grads).values():
         ghost = ghost_rule(layer)
         if ghost is not None and tied.isdisjoint(layer.local.values()):
-            a, g = stack_calls(ghost.kind, layer, seen)
+            a, g = stack_calls(layer, seen)
             if gram_is_cheaper(ghost.kind, layer.module, a.shape[1], y_count, full):
                 features.ghost[layer.module] = (ghost.kind, a, g, layer, seen)
                 continue

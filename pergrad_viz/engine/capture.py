@@ -29,7 +29,16 @@ from pergrad_viz.core.batch import Batch, as_pytree, from_pytree
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, summed_per_sample_loss
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.engine.probe import SHARED, CallSpec, LayerPlan, Plan, outputs_close, plan_for, tensors_of
+from pergrad_viz.engine.probe import (
+    SHARED,
+    CallSpec,
+    LayerKind,
+    LayerPlan,
+    Plan,
+    outputs_close,
+    plan_for,
+    tensors_of,
+)
 from pergrad_viz.errors import UnsupportedModelError
 from pergrad_viz.rules import Captured, capture_for, rule_for
 
@@ -50,12 +59,12 @@ class Layer:
         return self.plan.local
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> LayerKind:
         return self.plan.kind
 
     @property
     def rule(self):
-        return rule_for(self.module) if self.kind == "rule" else None
+        return rule_for(self.module) if self.kind is LayerKind.RULE else None
 
 
 @dataclass
@@ -123,7 +132,7 @@ def check_supported(trainable: Trainable, inputs: Batch | None = None) -> None:
 def describe(trainable: Trainable, inputs: Batch) -> dict[str, str]:
     """{layer name: 'rule' | 'call' | 'fallback'}: how each layer's per-sample gradients are computed."""
     plan = plan_for(trainable, inputs)
-    return {name: lp.kind for name, lp in plan.layers.items()}
+    return {name: lp.kind.value for name, lp in plan.layers.items()}
 
 
 def _mismatch(layer: Layer, name: str, why: str) -> PlanMismatchError:
@@ -170,14 +179,14 @@ def _capturing_forward(layer: Layer, capture, pending: list[Captured | None]):
     own = type(module).forward
 
     def forward(*args, **kwargs):
-        result = capture(module, args, kwargs) if layer.kind == "call" else None
+        result = capture(module, args, kwargs) if layer.kind is LayerKind.CALL else None
         signature = _call_signature(args, kwargs) if result is not None else None
         if result is not None and signature not in layer.plan.captures_checked:
             want = own(module, *args, **kwargs)  # with grad, as in this pass (no_grad may take a fast path)
             if outputs_close(result[0], want):
                 layer.plan.captures_checked.add(signature)
             else:
-                layer.plan.kind = "fallback"
+                layer.plan.kind = LayerKind.FALLBACK
                 result = None
         if result is None:
             pending.append(None)
@@ -227,7 +236,7 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
         before_hooks[id(module)].append((args, kwargs))
 
     # Layers whose call rule runs a forward of its own: an instance attribute for the duration of this pass.
-    captures = {name: capture_for(layer.module) for name, layer in layers.items() if layer.kind == "call"}
+    captures = {name: capture_for(layer.module) for name, layer in layers.items() if layer.kind is LayerKind.CALL}
     patched = [(layers[name], capture) for name, capture in captures.items() if capture is not None]
     handles = [layer.module.register_forward_hook(hook, with_kwargs=True) for layer in layers.values()]
     for layer in layers.values():

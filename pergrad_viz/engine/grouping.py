@@ -15,6 +15,7 @@ from torch import nn
 from pergrad_viz.core.ownership import tied
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.capture import Call, Layer
+from pergrad_viz.engine.probe import LayerKind
 from pergrad_viz.rules import call_rule_for
 from pergrad_viz.rules.fallback import per_sample_vjp
 
@@ -35,12 +36,12 @@ def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
             t.zero_()
         return
     grads, captured_grads = grads[:len(call.outputs)], grads[len(call.outputs):]
-    if layer.kind == "rule":
+    if layer.kind is LayerKind.RULE:
         layer.rule(layer.module, call.activation, call.rule_grad(grads[0]), out)
         return
     full = [torch.zeros(n, *o.shape, dtype=o.dtype, device=o.device) if g is None else g
             for g, o in zip(grads, call.outputs, strict=True)]
-    if layer.kind == "call":
+    if layer.kind is LayerKind.CALL:
         args, kwargs = call.inputs
         if kwargs:  # e.g. lstm(x, hx=h): the rule takes every argument in the order of forward's signature
             bound = _signature(type(layer.module)).bind(layer.module, *args, **kwargs)

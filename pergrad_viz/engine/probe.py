@@ -30,6 +30,7 @@ pair does not show) is left to the per-call check (``pergrad_viz.engine.certify`
 
 from __future__ import annotations
 
+import enum
 import weakref
 from dataclasses import dataclass, field
 
@@ -49,6 +50,20 @@ from pergrad_viz.rules import call_rule_for, rule_for, rule_takes_batch_dim
 SHARED = None  # the batch dimension of a tensor that holds no samples
 
 
+class Unbatched(enum.Enum):
+    """A tensor whose shape changes with the batch other than along one dimension (e.g. (B*T, d) rows)."""
+
+    NOT_PER_SAMPLE = "not per-sample"
+
+
+class LayerKind(enum.StrEnum):
+    """How a layer's per-sample parameter gradients are computed (see :class:`LayerPlan`)."""
+
+    RULE = "rule"
+    CALL = "call"
+    FALLBACK = "fallback"
+
+
 @dataclass(frozen=True)
 class CallSpec:
     """One call of a layer: the batch dimension (or SHARED) and the shape without it, for every tensor leaf
@@ -64,14 +79,14 @@ class CallSpec:
 class LayerPlan:
     """A module whose per-sample parameter gradients come from its own calls.
 
-    ``kind`` is ``"rule"`` (a closed-form rule on (B, ...) input and output), ``"call"`` (a closed-form rule
-    for a layer with several inputs / outputs, e.g. LSTM) or ``"fallback"`` (``torch.func`` on this layer
+    ``kind`` is ``RULE`` (a closed-form rule on (B, ...) input and output), ``CALL`` (a closed-form rule
+    for a layer with several inputs / outputs, e.g. LSTM) or ``FALLBACK`` (``torch.func`` on this layer
     alone). ``local`` maps the parameter's name inside the module (dotted for a descendant's parameter the
     module uses itself, e.g. MultiheadAttention's ``out_proj.weight``) to its full name.
     """
 
     name: str
-    kind: str
+    kind: LayerKind
     local: dict[str, str]
     calls: list[CallSpec] = field(default_factory=list)
     captures_checked: set = field(default_factory=set)  # kinds of call whose capturing forward equals the layer's
@@ -234,16 +249,16 @@ def _run(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
     return record, uses
 
 
-def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | str:
-    """The dimension that is 1 alone and 2 in the pair; SHARED if the shapes are equal; "bad" otherwise."""
+def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | Unbatched:
+    """The dimension that is 1 alone and 2 in the pair; SHARED if the shapes are equal; NOT_PER_SAMPLE otherwise."""
     if alone == pair:
         return SHARED
     if len(alone) != len(pair):
-        return "bad"
+        return Unbatched.NOT_PER_SAMPLE
     diff = [d for d, (a, p) in enumerate(zip(alone, pair, strict=True)) if a != p]
     if len(diff) == 1 and alone[diff[0]] == 1 and pair[diff[0]] == 2:
         return diff[0]
-    return "bad"
+    return Unbatched.NOT_PER_SAMPLE
 
 
 def _pick_pair(inputs: Batch) -> tuple[int, int, bool]:
@@ -309,7 +324,8 @@ class _Probe:
             for k, leaf in enumerate(leaves):
                 single = [a[k] for a in alone_leaves]
                 dim = _batch_dim(single[0].shape, leaf.shape)
-                if dim == "bad" or single[1].shape != single[0].shape or swapped_leaves[k].shape != leaf.shape:
+                if (dim is Unbatched.NOT_PER_SAMPLE or single[1].shape != single[0].shape
+                        or swapped_leaves[k].shape != leaf.shape):
                     if single[0].dim() < leaf.dim():
                         return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample "
                                 f"and {tuple(leaf.shape)} for two: it loses a dimension for a batch of one (e.g. "
@@ -381,20 +397,20 @@ def _user_hooks(module: nn.Module) -> int:
             + len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks))
 
 
-def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> str:
+def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> LayerKind:
     if _user_hooks(module):  # a hook may change what the layer sees or gives: only the layer itself knows
-        return "fallback"
+        return LayerKind.FALLBACK
     own = all("." not in ln for ln in local)  # the module's own parameters (a call rule may also cover children's)
     if own and rule_for(module) is not None and all(
             len(s.in_dims) >= 1 and rule_takes_batch_dim(module, s.in_dims[0], len(s.in_rest[0]) + 1)
             and all(d is SHARED for d in s.in_dims[1:]) and s.out_dims == (s.in_dims[0],) for s in specs):
-        return "rule"
+        return LayerKind.RULE
     if call_rule_for(module) is not None:
         batch_dim = 0 if getattr(module, "batch_first", False) else 1  # (B, T, in) or (T, B, in)
         if all(s.in_dims[:1] == (batch_dim,) and s.out_dims[:1] == (batch_dim,) and len(s.in_rest[0]) == 2
                for s in specs):
-            return "call"
-    return "fallback"
+            return LayerKind.CALL
+    return LayerKind.FALLBACK
 
 
 def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:

@@ -114,7 +114,7 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
             for ln, sq in layer_squared_norms(layer, seen).items():
                 squared[local[ln]] = sq
         if linear_sketch:
-            a, g = stack_calls("linear", layer, seen)  # (B, T, in), (1, B, T, out)
+            a, g = stack_calls(layer, seen)  # (B, T, in), (1, B, T, out)
             sketched[index] = sketch.project_linear(index, a, g[0])
         elif kind is None or want_sketch:
             for ln, t in dense_grads(layer, seen).items():  # (1, B, *shape)
