@@ -29,15 +29,14 @@ from pergrad_viz.core.batch import Batch, as_pytree, from_pytree
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, summed_per_sample_loss
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.observe import outputs_close, tensors_of
 from pergrad_viz.engine.probe import (
     SHARED,
     CallSpec,
     LayerKind,
     LayerPlan,
     Plan,
-    outputs_close,
     plan_for,
-    tensors_of,
 )
 from pergrad_viz.errors import UnsupportedModelError
 from pergrad_viz.rules import Captured, capture_for, rule_for

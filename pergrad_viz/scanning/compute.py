@@ -24,8 +24,13 @@ from pergrad_viz import api
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable, restoring_modes
-from pergrad_viz.derived.norms import ghost_kind, layer_squared_norms, row_squared_norms, stack_calls
-from pergrad_viz.derived.norms import per_sample_grad_norms as _grad_norms
+from pergrad_viz.derived.norms import (
+    ghost_kind,
+    layer_squared_norms,
+    per_sample_grad_norms,
+    row_squared_norms,
+    stack_calls,
+)
 from pergrad_viz.engine.capture import PlanMismatchError, backward_to_layers, capture
 from pergrad_viz.engine.certify import CheckFailedError, check_norms
 from pergrad_viz.engine.grouping import dense_grads, group_calls, tied_names
@@ -148,7 +153,7 @@ def _materialised_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: t
         squared = {n: row_squared_norms(g) for n, g in grads.items()}
         res["projection"] = sketch.project_grads(grads)
     else:
-        norms = _grad_norms(model, loss_fn, x, y, per_parameter=True)
+        norms = per_sample_grad_norms(model, loss_fn, x, y, per_parameter=True)
         squared = {n: t.square() for n, t in norms.items()}
     res.update(_from_squared(want, squared, blocks))
     return res
