@@ -13,14 +13,10 @@ import torch
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.engine.capture import (  # noqa: F401  (check_supported, describe: this strategy's public names)
-    PlanMismatchError,
-    check_supported,
-    describe,
-    loss_gradients,
-    output_gradients,
-)
+from pergrad_viz.engine.capture import describe, loss_gradients, output_gradients
 from pergrad_viz.engine.grouping import apply_rules
+
+__all__ = ["describe", "grads", "jacobian", "working_bytes"]  # describe: how each layer is handled (the explorer's)
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
