@@ -10,23 +10,20 @@ from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
-from pergrad_viz.core.batch import Batch, Inputs, cut
-from pergrad_viz.core.losses import LossFn, check_loss
-from pergrad_viz.core.memory import check_budget, empty_result, result_bytes, working_bytes
-from pergrad_viz.core.trainable import (
-    Trainable,
-    check_modes,
-    computing_gradients,
-    hooked_parameter,
-    normal_tensor,
-    restoring_modes,
-)
+from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
+from pergrad_viz.core.layout import flat_views
+from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
+from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
+from pergrad_viz.core.validate import batch_of, check_chunk, check_loss, check_modes, check_out, check_strategy_name
+from pergrad_viz.engine.capture import PlanMismatchError, check_supported
 from pergrad_viz.engine.certify import CheckFailedError, check_grads, check_jacobian
 from pergrad_viz.engine.probe import plan_for
 from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
-from pergrad_viz.strategies import MODULES, STRATEGIES, hooks, torch_func
+from pergrad_viz.strategies import REGISTRY, STRATEGIES, Strategy, working_bytes
+from pergrad_viz.strategies.torch_func import VmapError
 
 Result = dict[str, torch.Tensor] | torch.Tensor
 
@@ -45,7 +42,7 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
     Raises ValueError for an unknown name; :class:`UnsupportedModelError` when ``hooks``, ``autograd_stack`` or
     ``batched_grad`` (one batched forward pass) would not give the per-sample definition for these inputs.
     """
-    _check_strategy_name(strategy)
+    check_strategy_name(strategy, STRATEGIES)
     trainable = model if isinstance(model, Trainable) else Trainable.of(model)
     if inputs is not None:
         inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs).map(normal_tensor)
@@ -78,15 +75,15 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
             "which picks it), or pass the module as it was before scripting.")
     if strategy == "auto":
         try:
-            hooks.check_supported(trainable, inputs)
+            check_supported(trainable, inputs)
             return "hooks"
         except UndefinedPerSampleError:
             raise
         except UnsupportedModelError:
             return "torch_func"
     if strategy == "hooks":
-        hooks.check_supported(trainable, inputs)
-    elif MODULES[strategy].BATCHED_FORWARD and inputs is not None:
+        check_supported(trainable, inputs)
+    elif REGISTRY[strategy].batched_forward and inputs is not None:
         interaction = plan_for(trainable, inputs).interaction
         if interaction is not None:
             raise UnsupportedModelError(
@@ -97,90 +94,6 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
     return strategy
 
 
-def _check_strategy_name(strategy: str) -> None:
-    if strategy != "auto" and strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, STRATEGIES)))
-
-
-def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model_kwargs: Mapping | None = None
-             ) -> Batch:
-    """The call's :class:`~pergrad_viz.core.batch.Batch`, checked: B from the targets (or the first input tensor), every
-    target tensor with B samples, some input tensor with B samples, every tensor on the parameters' device, floating
-    inputs in the parameters' dtype."""
-    size = None
-    if targets is not None:
-        target_tensors = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
-        if not target_tensors:
-            raise TypeError(f"targets must be a torch.Tensor of shape (B, ...) or a tuple / dict of them, got "
-                            f"{type(targets).__name__}")
-        if target_tensors[0].dim() == 0:
-            raise ValueError("batch sizes differ: targets has a scalar; pass one target per input sample (B, ...)")
-        size = target_tensors[0].shape[0]
-        sizes = {int(t.shape[0]) if t.dim() else 0 for t in target_tensors}
-        if len(sizes) > 1:
-            raise ValueError(f"the target tensors hold different numbers of samples {sorted(sizes)}: pass one target "
-                             "per sample in each (same first dimension)")
-    batch = inputs if isinstance(inputs, Batch) else Batch.of(inputs, model_kwargs, size).map(normal_tensor)
-    tensors = batch.named_leaves()
-    if targets is not None and not batch.leaves():
-        if len(tensors) == 1 and tensors[0][1].dim():
-            raise ValueError(
-                f"batch sizes differ: inputs has {tensors[0][1].shape[0]} samples, targets has {size} samples; "
-                "pass one target per input sample (same first dimension)")
-        firsts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
-        raise ValueError(
-            f"batch sizes differ: targets hold {size} samples but no input tensor has {size} as its first dimension "
-            f"({firsts}); pass one target per input sample (same first dimension)"
-        )
-    if targets is not None and tensors and tensors[0][1].device != target_tensors[0].device:
-        inputs_device = tensors[0][1].device
-        raise ValueError(f"targets are on {target_tensors[0].device} but inputs are on {inputs_device}; move them "
-                         f"with targets.to({str(inputs_device)!r})")
-    device = trainable.device
-    for name, t in tensors + [("targets", t) for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]:
-        if t.device != device:
-            are = "are" if name in ("inputs", "targets") else "is"
-            raise ValueError(
-                f"{name} {are} on {t.device} but the model's parameters are on {device}; move one of them, e.g. "
-                f"{name}.to({str(device)!r}) or model.to({str(t.device)!r})"
-            )
-    for name, t in tensors:
-        if t.is_floating_point() and t.dtype != trainable.dtype and t.dim() and t.shape[0] == batch.size:
-            are = "are" if name == "inputs" else "is"
-            raise ValueError(
-                f"{name} {are} {t.dtype} but the model's parameters are {trainable.dtype}; "
-                f"cast one of them, e.g. {name}.to({trainable.dtype}) or model.to({t.dtype})"
-            )
-    return batch
-
-
-def _check_chunk(chunk_size: int | None, batch: int) -> int:
-    if chunk_size is None:
-        return batch
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int (samples per chunk) or None, got {chunk_size!r}")
-    return min(chunk_size, batch)
-
-
-def _check_out(out: torch.Tensor, shape: tuple[int, ...], trainable: Trainable, flat: bool) -> None:
-    if not flat:
-        raise ValueError("out= is a flat buffer: pass flat=True with it (or drop out= to get a dict)")
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    problems = []
-    if tuple(out.shape) != shape:
-        problems.append(f"shape {tuple(out.shape)} instead of {shape}")
-    if out.dtype != trainable.dtype:
-        problems.append(f"dtype {out.dtype} instead of {trainable.dtype}")
-    if out.device != trainable.device:
-        problems.append(f"device {out.device} instead of {trainable.device}")
-    if problems:
-        raise ValueError(
-            "out= does not fit the result: " + "; ".join(problems) + ". Allocate it with "
-            f"torch.empty({shape}, dtype={trainable.dtype}, device={str(trainable.device)!r})"
-        )
-
-
 def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, chunk: int, outputs: int | None,
          flat: bool, out: torch.Tensor | None) -> Result:
     lead = (batch,) if outputs is None else (batch, outputs)
@@ -188,29 +101,27 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
     with restoring_modes(trainable):  # also: the result is a normal tensor under the caller's inference_mode
         if flat:
             result = empty_result((*lead, trainable.num_params), **kw) if out is None else out
-            views, offset = {}, 0
-            for name, shape in trainable.shapes.items():
-                n = shape.numel()
-                views[name] = result[..., offset:offset + n].view(*lead, *shape)
-                offset += n
+            views = flat_views(result, trainable.shapes, lead)
         else:
             result = {name: empty_result((*lead, *shape), **kw) for name, shape in trainable.shapes.items()}
             views = result
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)
             rows = views if chunk == batch else {n: v[start:stop] for n, v in views.items()}
-            run_chunk(MODULES[strategy], slice(start, stop), rows)
+            run_chunk(REGISTRY[strategy], slice(start, stop), rows)
     return result
 
 
-def _prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
-             loss_fn: object = None, model_kwargs: Mapping | None = None) -> tuple[Trainable, str, Batch, int]:
+def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
+            loss_fn: object = None, model_kwargs: Mapping | None = None) -> tuple[Trainable, str, Batch, int]:
+    """A call checked (``pergrad_viz.core.validate``) and planned: ``(trainable, resolved strategy, batch (B, ...),
+    samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``)."""
     if loss_fn is not None:
         check_loss(loss_fn)
-    _check_strategy_name(strategy)  # before anything is checked or run
+    check_strategy_name(strategy, STRATEGIES)  # before anything is checked or run
     trainable = Trainable.of(model)
     batch = batch_of(trainable, inputs, targets, model_kwargs)
-    chunk = _check_chunk(chunk_size, batch.size)
+    chunk = check_chunk(chunk_size, batch.size)
     return trainable, resolve_strategy(strategy, trainable, batch), batch, chunk
 
 
@@ -224,7 +135,7 @@ def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: Batch
 
     def checked(strategy: str) -> Result:
         result = run(strategy)
-        if check is not None and MODULES[strategy].BATCHED_FORWARD:
+        if check is not None and REGISTRY[strategy].batched_forward:
             with restoring_modes(trainable):
                 check(result, strategy)
         return result
@@ -237,12 +148,12 @@ def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: Batch
         except CheckFailedError as e:
             plan_for(trainable, inputs).interaction = f"the samples interact: {str(e).split(' (')[0]}"
             resolved = "torch_func"
-        except hooks.PlanMismatchError:
+        except PlanMismatchError:
             resolved = "torch_func"
     if resolved == "torch_func":
         try:
             return run("torch_func")
-        except torch_func.VmapError:
+        except VmapError:
             return run("loop")  # torch.func cannot run this model (vmap or grad): the loop runs what PyTorch runs
     return run(resolved)
 
@@ -251,11 +162,7 @@ def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Te
     """{name: (B, [Y,] *param.shape)} views of a dict or flat result (``lead``: 1 for gradients, 2 for Jacobians)."""
     if isinstance(result, dict):
         return result
-    views, offset = {}, 0
-    for name, shape in trainable.shapes.items():
-        views[name] = result[..., offset:offset + shape.numel()].view(*result.shape[:lead], *shape)
-        offset += shape.numel()
-    return views
+    return flat_views(result, trainable.shapes, tuple(result.shape[:lead]))
 
 
 @computing_gradients
@@ -300,10 +207,10 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     """
     requested = strategy
     targets = tree_map(normal_tensor, targets)
-    trainable, strategy, inputs, chunk = _prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs)
+    trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs)
     batch = inputs.size
     if out is not None:
-        _check_out(out, (batch, trainable.num_params), trainable, flat)
+        check_out(out, (batch, trainable.num_params), trainable, flat)
     p = trainable.num_params
     check_budget(what=f"per-sample gradients of {batch} samples x {p:,} parameters",
                  result=result_bytes(batch, p, trainable.dtype),
@@ -311,11 +218,11 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
                                        largest_param=trainable.largest_param),
                  max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
 
-    def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
+    def run_chunk(chosen: Strategy, rows: slice, views: dict[str, torch.Tensor]) -> None:
         if rows.stop - rows.start == batch:
-            module.grads(trainable, loss_fn, inputs, targets, views)
+            chosen.grads(trainable, loss_fn, inputs, targets, views)
         else:
-            module.grads(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), views)
+            chosen.grads(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), views)
 
     def check(result: Result, used: str) -> None:
         check_grads(trainable, loss_fn, inputs, targets, _rows(result, trainable, 1), used)
@@ -352,7 +259,7 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
         elements per sample (an output (B, *out) is flattened).
     """
     requested = strategy
-    trainable, strategy, inputs, chunk = _prepare(model, inputs, None, strategy, chunk_size,
+    trainable, strategy, inputs, chunk = prepare(model, inputs, None, strategy, chunk_size,
                                                   model_kwargs=model_kwargs)
     if output is not None:
         trainable = trainable.selecting(output)
@@ -361,14 +268,14 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
         y_count = output_size(trainable, inputs)
     p = trainable.num_params
     if out is not None:
-        _check_out(out, (batch, y_count, p), trainable, flat)
+        check_out(out, (batch, y_count, p), trainable, flat)
     check_budget(what=f"per-sample Jacobians of {batch} samples x {y_count} outputs x {p:,} parameters",
                  result=result_bytes(batch, p, trainable.dtype, y_count),
                  working=working_bytes(strategy, chunk, batch, p, trainable.dtype, y_count, trainable.largest_param),
                  max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
 
-    def run_chunk(module, rows: slice, views: dict[str, torch.Tensor]) -> None:
-        module.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
+    def run_chunk(chosen: Strategy, rows: slice, views: dict[str, torch.Tensor]) -> None:
+        chosen.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
 
     def check(result: Result, used: str) -> None:
         check_jacobian(trainable, inputs, _rows(result, trainable, 2), used)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.strategies import MODULES
+from pergrad_viz.strategies import REGISTRY, hooks
 from pergrad_viz.strategies.torch_func import VmapError
 from pergrad_viz.tutorial import networks as models
 
@@ -499,14 +500,14 @@ def test_auto_resolves_and_dispatches(quantity, name, expected, monkeypatch):
     model, x, y, loss, b_j = build(name)
     assert pv.resolve_strategy("auto", Trainable.of(model)) == expected
     called = []
-    for s, module in MODULES.items():
-        original = getattr(module, quantity)
+    for s, strategy in REGISTRY.items():
+        original = getattr(strategy, quantity)
 
         def spy(*args, _s=s, _orig=original):
             called.append(_s)
             return _orig(*args)
 
-        monkeypatch.setattr(module, quantity, spy)
+        monkeypatch.setitem(REGISTRY, s, dataclasses.replace(strategy, **{quantity: spy}))
     got = compute(quantity, model, x, y, loss, b_j)
     assert set(called) == {expected}
     assert_dict_close(got, reference(name, quantity), RTOL, ATOL)
@@ -516,12 +517,12 @@ def test_a_custom_parameterised_module_goes_through_the_per_layer_fallback():
     model = nn.Sequential(nn.Linear(4, 5), Scale(5), nn.Linear(5, 2)).double()
     x, y = torch.randn(4, 4, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
     assert pv.resolve_strategy("auto", model, x) == "hooks"
-    assert MODULES["hooks"].describe(Trainable.of(model), x) == {"0": "rule", "1": "fallback", "2": "rule"}
+    assert hooks.describe(Trainable.of(model), x) == {"0": "rule", "1": "fallback", "2": "rule"}
     loss = nn.CrossEntropyLoss()
     assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy="hooks"), ref_grads(model, loss, x, y),
                       RTOL, ATOL)
     model[1].requires_grad_(False)  # frozen: nothing for hooks to compute there
-    assert MODULES["hooks"].describe(Trainable.of(model), x) == {"0": "rule", "2": "rule"}
+    assert hooks.describe(Trainable.of(model), x) == {"0": "rule", "2": "rule"}
     assert_dict_close(pv.per_sample_grads(model, loss, x, y, strategy="hooks"), ref_grads(model, loss, x, y),
                       RTOL, ATOL)
 
@@ -533,7 +534,7 @@ def test_subclass_overriding_forward_has_no_rule():
 
     model = nn.Sequential(DoubledLinear(3, 2)).double()
     x, y = torch.randn(3, 3, dtype=torch.float64), torch.tensor([0, 1, 1])
-    assert MODULES["hooks"].describe(Trainable.of(model), x) == {"0": "fallback"}
+    assert hooks.describe(Trainable.of(model), x) == {"0": "fallback"}
     loss = nn.CrossEntropyLoss()
     assert_dict_close(pv.per_sample_grads(model, loss, x, y), ref_grads(model, loss, x, y), RTOL, ATOL)
 
@@ -691,5 +692,5 @@ def test_layer_without_the_batch_first(strategy):
     loss = nn.CrossEntropyLoss()
     if strategy == "auto":
         assert pv.resolve_strategy("auto", model, x) == "hooks"
-        assert MODULES["hooks"].describe(Trainable.of(model), x) == {"fc": "rule"}
+        assert hooks.describe(Trainable.of(model), x) == {"fc": "rule"}
     assert_both_agree_with_the_loop(model, loss, x, y, strategy)

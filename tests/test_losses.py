@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad_viz.core import losses
+from pergrad_viz.core import losses, validate
 from pergrad_viz.core.losses import per_sample_losses
 
 B = 5
@@ -162,9 +162,9 @@ def test_broadcasting_shapes_go_the_generic_path(reduction):
 
 def test_a_loss_class_or_reduction_none_is_refused_with_the_fix():
     with pytest.raises(TypeError, match=r"pass an instance, e\.g\. MSELoss\(\)"):
-        losses.check_loss(nn.MSELoss)
+        validate.check_loss(nn.MSELoss)
     with pytest.raises(ValueError, match=r"reduction='none'.*use reduction='sum'"):
-        losses.check_loss(nn.MSELoss(reduction="none"))
+        validate.check_loss(nn.MSELoss(reduction="none"))
     with pytest.raises(ValueError, match=r"shape \(3,\) for one sample instead of a scalar"):
         per_sample_losses(lambda o, t: (o - t).pow(2).sum(0), randn(B, 3), randn(B, 3))
 

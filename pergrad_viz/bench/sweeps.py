@@ -37,12 +37,13 @@ from pergrad_viz.bench.records import (
 from pergrad_viz.bench.timing import synchronizer, time_interleaved
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.memory import result_bytes
-from pergrad_viz.core.trainable import Trainable, check_modes
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.core.validate import check_modes
 from pergrad_viz.derived.norms import per_sample_grad_norms
-from pergrad_viz.strategies import MODULES, STRATEGIES
+from pergrad_viz.strategies import REGISTRY, STRATEGIES
 
 QUANTITIES = ("grads", "jacobian")
-SLOW = tuple(name for name, module in MODULES.items() if module.SLOW_BASELINE)  # B (x Y) backward passes
+SLOW = tuple(name for name, s in REGISTRY.items() if s.slow_baseline)  # B (x Y) backward passes
 
 
 def backward_work(strategy: str, quantity: str, batch: int, outputs: int) -> int:
@@ -265,7 +266,7 @@ def _methods(quantity, model, loss_fn, inputs, targets, trainable, strategies, p
             methods.append(_Method(name, None, f"skipped: {work:,} sample-backward passes > slow_limit={slow_limit:,}"))
             continue
         methods.append(_Method(name, _strategy_call(quantity, name, model, loss_fn, inputs, targets, flat, out), note))
-        if name == "auto" and MODULES[strategy].BATCHED_FORWARD:
+        if name == "auto" and REGISTRY[strategy].batched_forward:
             methods.append(_Method(UNCHECKED, _strategy_call(quantity, name, model, loss_fn, inputs, targets, flat, out,
                                                              verify=False), "auto without the per-call check"))
         if name == "auto" and out is not None:

@@ -163,3 +163,12 @@ def from_pytree(output: object) -> object:
         fields = {k: v for k, v in output.items() if k != "__dataclass__"}
         return output["__dataclass__"].kind(**fields)
     return output
+
+
+def normal_tensor(t: object) -> object:
+    """``t``, or a normal copy of it if it was created under ``torch.inference_mode()`` (autograd cannot save
+    inference tensors for backward); call inside :func:`restoring_modes` (or ``inference_mode(False)``)."""
+    if isinstance(t, torch.Tensor) and t.is_inference():
+        with torch.inference_mode(False):
+            return t.clone()
+    return t

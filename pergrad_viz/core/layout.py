@@ -7,6 +7,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 
 def param_boundaries(model_or_named_shapes: Any, *, lead: int = 0) -> list[tuple[str, int, int]]:
     """``[(name, start, stop), ...]``: each trainable parameter's columns in a flat (..., P) result.
@@ -29,3 +31,15 @@ def param_boundaries(model_or_named_shapes: Any, *, lead: int = 0) -> list[tuple
         out.append((name, start, start + n))
         start += n
     return out
+
+
+def flat_outputs(output: torch.Tensor) -> torch.Tensor:
+    """(B, *out) -> (B, Y) with Y = prod(out)."""
+    return output.reshape(output.shape[0], -1)
+
+
+def flat_views(flat: torch.Tensor, shapes: Mapping[str, torch.Size], lead: tuple[int, ...]
+               ) -> dict[str, torch.Tensor]:
+    """``{name: (*lead, *shape)}`` views of each parameter's columns of a flat ``(*lead, P)`` tensor, in the order
+    of ``shapes`` (:func:`param_boundaries`); writing into a view writes into ``flat``."""
+    return {name: flat[..., start:stop].view(*lead, *shapes[name]) for name, start, stop in param_boundaries(shapes)}

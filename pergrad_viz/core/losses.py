@@ -27,24 +27,6 @@ _ELEMENTWISE = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss
 _CLASS_INDEX = (nn.CrossEntropyLoss, nn.NLLLoss)
 
 
-def check_loss(loss_fn: object) -> None:
-    """Refuse what cannot give one scalar loss per sample: a loss class instead of an instance, and
-    ``reduction='none'`` (one loss per element). The same rule for every strategy."""
-    if isinstance(loss_fn, type):
-        raise TypeError(
-            f"loss_fn is the class {loss_fn.__name__}, not a loss: pass an instance, e.g. {loss_fn.__name__}() "
-            f"or {loss_fn.__name__}(reduction='sum')"
-        )
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {type(loss_fn).__name__}")
-    if getattr(loss_fn, "reduction", None) == "none":
-        raise ValueError(
-            f"{type(loss_fn).__name__}(reduction='none') returns one loss per element, but a per-sample gradient "
-            "needs one scalar loss per sample: use reduction='sum' or reduction='mean' (the per-sample gradient is "
-            "the gradient of loss_fn(model(x[i:i+1]), y[i:i+1]))"
-        )
-
-
 def _class_targets_fit(loss_fn: object, output: torch.Tensor, targets: torch.Tensor) -> bool:
     """Class-index targets (B, d1, ...) for logits (B, C, d1, ...), or (CrossEntropyLoss) class probabilities
     of the logits' shape: no broadcasting anywhere."""

@@ -43,16 +43,6 @@ def result_bytes(batch: int, num_params: int, dtype: torch.dtype, outputs: int =
     return batch * outputs * num_params * dtype.itemsize
 
 
-def working_bytes(strategy: str, chunk: int, batch: int, num_params: int, dtype: torch.dtype,
-                  outputs: int = 1, largest_param: int | None = None) -> int:
-    """Extra memory a strategy needs beyond the result, for one chunk of ``chunk`` samples: each strategy module
-    declares its own estimate (``working_bytes(chunk, num_params, largest_param, itemsize, outputs)``)."""
-    from pergrad_viz.strategies import MODULES
-
-    largest = num_params if largest_param is None else largest_param
-    return MODULES[strategy].working_bytes(chunk, num_params, largest, dtype.itemsize, outputs)
-
-
 def check_budget(*, what: str, result: int, working: int, max_bytes: int | None, allocate_result: bool,
                  device: torch.device, batch: int, chunk: int) -> None:
     """Raise :class:`MemoryBudgetError` when result (if allocated here) + working memory exceed the budget."""

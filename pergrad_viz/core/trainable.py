@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pergrad_viz.core.validate import check_model
 from pergrad_viz.errors import UndefinedPerSampleError
 
 if TYPE_CHECKING:
     from pergrad_viz.core.batch import Batch
 
-_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-_RANDOM_IN_TRAINING = (*_DROPOUT, nn.RReLU)  # draw random numbers on every forward in training mode
 
 
 @dataclass(frozen=True)
@@ -44,20 +43,7 @@ class Trainable:
 
     @classmethod
     def of(cls, model: nn.Module) -> Trainable:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        lazy = next((n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)), None)
-        if lazy is not None:
-            raise ValueError(
-                f"parameter '{lazy}' is not initialised yet (a lazy module such as nn.LazyLinear): run one forward "
-                "pass first, e.g. model(inputs[:1]), so that its shape is known"
-            )
-        if not named:
-            raise ValueError(
-                "the model has no trainable parameters (none with requires_grad=True): there is nothing "
-                "to differentiate; unfreeze some with p.requires_grad_(True)"
-            )
+        named = check_model(model)
         names, params = zip(*named, strict=True)
         return cls(model, tuple(names), tuple(params), tuple(model.named_modules()))
 
@@ -89,54 +75,6 @@ class Trainable:
         state = {n: p for n, p in self.model.named_parameters() if n not in trainable}
         state.update(dict(self.model.named_buffers()))
         return state
-
-
-def check_modes(model: nn.Module | Trainable) -> None:
-    """Refuse layers whose per-sample gradients are undefined or random in the model's current mode.
-
-    BatchNorm that uses batch statistics mixes the samples of a batch, so "the gradient of sample i"
-    depends on the other samples; Dropout in training mode draws different masks in each strategy.
-    """
-    for name, m in model.modules if isinstance(model, Trainable) else model.named_modules():
-        label = f"{name or 'model'} ({type(m).__name__})"
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
-            raise UndefinedPerSampleError(
-                f"{label} normalises with batch statistics, which mixes the samples of a batch, so "
-                "per-sample gradients are not defined. Call model.eval() to use the running statistics, "
-                "or use GroupNorm / LayerNorm instead of BatchNorm."
-            )
-        if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.training and m.track_running_stats:
-            raise UndefinedPerSampleError(
-                f"{label} has track_running_stats=True in training mode: every forward pass would update its "
-                "running statistics, so computing per-sample gradients would change your model. Call model.eval() "
-                "or create it with track_running_stats=False."
-            )
-        internal_dropout = (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) or (
-            isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
-        if internal_dropout and m.training:
-            raise UndefinedPerSampleError(
-                f"{label} applies dropout={m.dropout} in training mode: it would draw different random masks in each "
-                "strategy and each sample, so results would be random and not comparable. Call model.eval() (or "
-                "create it with dropout=0) before computing per-sample gradients."
-            )
-        if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0:
-            raise UndefinedPerSampleError(
-                f"{label} is in training mode: it would draw different random numbers (masks, slopes) in each strategy "
-                "and each sample, so results would be random and not comparable. Call model.eval() "
-                "(or set p=0) before computing per-sample gradients."
-            )
-        if isinstance(m, nn.Embedding) and m.max_norm is not None:
-            raise UndefinedPerSampleError(
-                f"{label} has max_norm={m.max_norm}, which rewrites its weight in place on every forward "
-                "pass; per-sample gradients would change your model. Renormalise once yourself and "
-                "create the Embedding with max_norm=None."
-            )
-        if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
-            raise UndefinedPerSampleError(
-                f"{label} has scale_grad_by_freq=True, which scales each token's gradient by its count in the "
-                "whole batch, so the gradient of one sample would depend on the other samples. Create the "
-                "Embedding with scale_grad_by_freq=False."
-            )
 
 
 def hooked_parameter(trainable: Trainable) -> str | None:
@@ -208,12 +146,3 @@ def computing_gradients(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return wrapper
-
-
-def normal_tensor(t: object) -> object:
-    """``t``, or a normal copy of it if it was created under ``torch.inference_mode()`` (autograd cannot save
-    inference tensors for backward); call inside :func:`restoring_modes` (or ``inference_mode(False)``)."""
-    if isinstance(t, torch.Tensor) and t.is_inference():
-        with torch.inference_mode(False):
-            return t.clone()
-    return t

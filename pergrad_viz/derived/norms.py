@@ -26,22 +26,23 @@ with :func:`pergrad_viz.per_sample_grads` one chunk of samples at a time and tak
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz import api
-from pergrad_viz.core.batch import Batch, Inputs, cut
+from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
 from pergrad_viz.core.losses import LossFn
-from pergrad_viz.core.memory import default_budget, result_bytes, working_bytes
-from pergrad_viz.core.trainable import Trainable, computing_gradients, normal_tensor, restoring_modes
+from pergrad_viz.core.memory import default_budget, result_bytes
+from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
+from pergrad_viz.engine.capture import Layer, PlanMismatchError, loss_gradients
 from pergrad_viz.engine.certify import CheckFailedError, check_norms
-from pergrad_viz.engine.probe import plan_for
+from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
+from pergrad_viz.engine.probe import LayerKind, plan_for
 from pergrad_viz.rules import GhostRule, ghost_rule_for
-from pergrad_viz.strategies import hooks
+from pergrad_viz.strategies import working_bytes
 
 
 @computing_gradients
@@ -83,7 +84,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
     if not isinstance(per_parameter, bool):
         raise TypeError(f"per_parameter must be True or False, got {per_parameter!r}")
     targets = tree_map(normal_tensor, targets)
-    trainable, resolved, inputs, chunk = api._prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
+    trainable, resolved, inputs, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
                                                       model_kwargs)
     squared = None
     if resolved == "hooks":
@@ -92,7 +93,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
             if verify:
                 with restoring_modes(trainable):
                     check_norms(trainable, loss_fn, inputs, targets, squared, "hooks")
-        except (hooks.PlanMismatchError, CheckFailedError) as e:
+        except (PlanMismatchError, CheckFailedError) as e:
             if strategy != "auto":
                 raise
             if isinstance(e, CheckFailedError):
@@ -115,7 +116,7 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, t
     with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
         for start in range(0, batch, chunk):
             rows = slice(start, min(start + chunk, batch))
-            calls, grads = hooks.loss_gradients(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
+            calls, grads = loss_gradients(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
             tied = tied_names(calls)
             summed: dict[str, torch.Tensor] = {}  # tied parameters: (B, *shape), summed over their layers
             for layer, seen in group_calls(calls, grads).values():
@@ -163,69 +164,28 @@ def row_squared_norms(g: torch.Tensor) -> torch.Tensor:
     return g.reshape(g.shape[0], -1).square().sum(1)
 
 
-# What one layer's calls saw: per call, the call and its output gradients (each (N, *output.shape) or None).
-Seen = list[tuple[hooks.Call, list]]
-
-
-def group_calls(calls: Sequence[hooks.Call], grads: Sequence[list]) -> dict[int, tuple[hooks.Layer, Seen]]:
-    """Calls that reach the output, grouped by layer: {id(module): (layer, [(call, grads)])}."""
-    grouped: dict[int, tuple[hooks.Layer, Seen]] = {}
-    for call, g in zip(calls, grads, strict=True):
-        if all(t is None for t in g):  # this call does not reach the output: it contributes nothing
-            continue
-        grouped.setdefault(id(call.layer.module), (call.layer, []))[1].append((call, g))
-    return grouped
-
-
-def tied_names(calls: Sequence[hooks.Call]) -> set[str]:
-    """Full names of the parameters that more than one layer handles (tied weights)."""
-    layers = {id(c.layer.module): c.layer for c in calls}
-    owners = Counter(name for layer in layers.values() for name in layer.local.values())
-    return {name for name, count in owners.items() if count > 1}
-
-
-def ghost_rule(layer: hooks.Layer) -> GhostRule | None:
+def ghost_rule(layer: Layer) -> GhostRule | None:
     """The layer's :class:`~pergrad_viz.rules.GhostRule` where its closed-form rule applies, else None."""
-    return ghost_rule_for(layer.module) if layer.kind == "rule" else None
+    return ghost_rule_for(layer.module) if layer.kind is LayerKind.RULE else None
 
 
-def ghost_kind(layer: hooks.Layer) -> str | None:
+def ghost_kind(layer: Layer) -> str | None:
     """``"linear"`` or ``"embedding"`` for the layers handled without their per-sample gradient, else None."""
     ghost = ghost_rule(layer)
     return None if ghost is None else ghost.kind
 
 
-def stack_calls(kind: str | None, layer: hooks.Layer, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_calls(layer: Layer, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
     """All calls of a ghost-rule layer as one call on T positions (a shared layer's calls add up): for a Linear
     a is (B, T, in) and g (N, B, T, out); for an Embedding a is the (B, T) indices and g (N, B, T, D)."""
     seen_first = [(call.activation, call.rule_grad(gs[0])) for call, gs in seen]  # the samples first
     return ghost_rule_for(layer.module).stack(layer.module, seen_first)
 
 
-def _empty_like_params(layer: hooks.Layer, n: int, batch: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
-    module = layer.module
-    return {ln: torch.empty(n, batch, *module.get_parameter(ln).shape, dtype=like.dtype, device=like.device)
-            for ln in layer.local}
-
-
-def dense_grads(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
-    """One layer's per-sample gradients, summed over calls: {local name: (N, B, *param.shape)}."""
-    total: dict[str, torch.Tensor] = {}
-    for call, gs in seen:
-        g = next(t for t in gs if t is not None)
-        n = g.shape[0]
-        batch = call.outputs[0].shape[call.spec.out_dims[0]] if call.spec.out_dims[0] is not None else 0
-        out = _empty_like_params(layer, n, batch, g)
-        hooks.call_grads(call, gs, out)
-        for ln, t in out.items():
-            total[ln] = t if ln not in total else total[ln].add_(t)
-    return total
-
-
-def layer_squared_norms(layer: hooks.Layer, seen: Seen) -> dict[str, torch.Tensor]:
+def layer_squared_norms(layer: Layer, seen: Seen) -> dict[str, torch.Tensor]:
     """{local name: (B,) squared per-sample gradient norm} of one layer; ``seen`` has N = 1."""
     ghost = ghost_rule(layer)
     if ghost is None:  # convolutions, norms, recurrent, fallback: this one layer's (B, *param.shape) gradient
         return {ln: row_squared_norms(t[0]) for ln, t in dense_grads(layer, seen).items()}
-    a, g = stack_calls(ghost.kind, layer, seen)
+    a, g = stack_calls(layer, seen)
     return ghost.squared_norms(layer.module, a, g[0], layer.local)

@@ -30,16 +30,18 @@ from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, Inputs
 from pergrad_viz.core.memory import check_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
-from pergrad_viz.derived.norms import Seen, dense_grads, ghost_rule, group_calls, stack_calls, tied_names
+from pergrad_viz.core.validate import batch_of
+from pergrad_viz.derived.norms import ghost_rule, stack_calls
+from pergrad_viz.engine.capture import Layer, PlanMismatchError, output_gradients
 from pergrad_viz.engine.certify import CheckFailedError, check_ntk
+from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.rules import ghost_rule_for
-from pergrad_viz.strategies import hooks
 
 MODES: tuple[str, ...] = ("full", "trace")
 
 # A Linear / Embedding / Conv kept in Gram form: (kind, a (N, T, in) or indices (N, T), g (Y, N, T, out), layer,
 # the calls it came from).
-Ghost = tuple[str, torch.Tensor, torch.Tensor, hooks.Layer, Seen]
+Ghost = tuple[str, torch.Tensor, torch.Tensor, Layer, Seen]
 
 
 @dataclass
@@ -97,9 +99,9 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: 'full' (N1, N2, Y, Y) or 'trace' (N1, N2)")
-    trainable, strategy, x1, chunk = api._prepare(model, x1, None, "auto", chunk_size)
+    trainable, strategy, x1, chunk = api.prepare(model, x1, None, "auto", chunk_size)
     if x2 is not None:
-        x2 = api.batch_of(trainable, x2)
+        x2 = batch_of(trainable, x2)
         if x2.signature() != x1.signature():
             raise ValueError(
                 "x1 and x2 must hold samples of the same kind (the same shapes past the batch dimension, dtypes and "
@@ -121,7 +123,7 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
                 with restoring_modes(trainable):
                     check_ntk(trainable, x1, x2, kernel, full)
             return kernel
-        except (hooks.PlanMismatchError, CheckFailedError):
+        except (PlanMismatchError, CheckFailedError):
             pass  # data-dependent layer calls, or a coupling the probe did not see: each sample alone
     return _jacobian_ntk(model, x1, x2, full, chunk_size, verify)
 
@@ -175,13 +177,13 @@ def _ghost_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, full: bool, ch
 
 def _features(trainable: Trainable, inputs: Batch, full: bool) -> _Features:
     """1 forward with hooks and 1 backward batched over the Y outputs; per layer ghost pieces or a Jacobian."""
-    calls, grads, y_count = hooks.output_gradients(trainable, inputs)  # each (Y, N, ...)
+    calls, grads, y_count = output_gradients(trainable, inputs)  # each (Y, N, ...)
     features = _Features(y_count)
     tied = tied_names(calls)
     for layer, seen in group_calls(calls, grads).values():
         ghost = ghost_rule(layer)
         if ghost is not None and tied.isdisjoint(layer.local.values()):
-            a, g = stack_calls(ghost.kind, layer, seen)
+            a, g = stack_calls(layer, seen)
             if gram_is_cheaper(ghost.kind, layer.module, a.shape[1], y_count, full):
                 features.ghost[layer.module] = (ghost.kind, a, g, layer, seen)
                 continue

@@ -30,22 +30,36 @@ pair does not show) is left to the per-call check (``pergrad_viz.engine.certify`
 
 from __future__ import annotations
 
+import enum
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from pergrad_viz.core.batch import Batch, as_pytree, differs
+from pergrad_viz.core.batch import Batch, differs
+from pergrad_viz.core.ownership import assign
 from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.engine.observe import close, first_difference, observe
 from pergrad_viz.errors import UndefinedPerSampleError
 from pergrad_viz.rules import call_rule_for, rule_for, rule_takes_batch_dim
 
 SHARED = None  # the batch dimension of a tensor that holds no samples
+
+
+class Unbatched(enum.Enum):
+    """A tensor whose shape changes with the batch other than along one dimension (e.g. (B*T, d) rows)."""
+
+    NOT_PER_SAMPLE = "not per-sample"
+
+
+class LayerKind(enum.StrEnum):
+    """How a layer's per-sample parameter gradients are computed (see :class:`LayerPlan`)."""
+
+    RULE = "rule"
+    CALL = "call"
+    FALLBACK = "fallback"
 
 
 @dataclass(frozen=True)
@@ -63,14 +77,14 @@ class CallSpec:
 class LayerPlan:
     """A module whose per-sample parameter gradients come from its own calls.
 
-    ``kind`` is ``"rule"`` (a closed-form rule on (B, ...) input and output), ``"call"`` (a closed-form rule
-    for a layer with several inputs / outputs, e.g. LSTM) or ``"fallback"`` (``torch.func`` on this layer
+    ``kind`` is ``RULE`` (a closed-form rule on (B, ...) input and output), ``CALL`` (a closed-form rule
+    for a layer with several inputs / outputs, e.g. LSTM) or ``FALLBACK`` (``torch.func`` on this layer
     alone). ``local`` maps the parameter's name inside the module (dotted for a descendant's parameter the
     module uses itself, e.g. MultiheadAttention's ``out_proj.weight``) to its full name.
     """
 
     name: str
-    kind: str
+    kind: LayerKind
     local: dict[str, str]
     calls: list[CallSpec] = field(default_factory=list)
     captures_checked: set = field(default_factory=set)  # kinds of call whose capturing forward equals the layer's
@@ -85,164 +99,16 @@ class Plan:
     copy_captures: bool = False  # set once a forward modified a captured tensor in place (ReLU(inplace=True), +=)
 
 
-def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    if dtype == torch.float64:
-        return 1e-7, 1e-9
-    if dtype in (torch.float16, torch.bfloat16):
-        return 2e-2, 1e-3
-    return 1e-3, 1e-5
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
-    """Equal up to rounding: relative to each element and, for the absolute part, to ``scale`` (the magnitude of
-    each feature over the probe's runs; default: of ``a`` and ``b`` here), floored at 1% of the largest magnitude in
-    the tensor: a small difference next to one very large feature is not hidden by that feature's size."""
-    if a.shape != b.shape:
-        return False
-    if not a.is_floating_point() and not a.is_complex():
-        return bool(torch.equal(a, b))
-    if a.numel() == 0:
-        return True
-    rtol, atol = _tolerance(a.dtype)
-    size = torch.maximum(a.abs(), b.abs()) if scale is None else scale
-    size = size.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # infinities (a -inf attention mask) compare equal
-    floor = max(float(size.max()) * 1e-2, 1.0)
-    ok = (a == b) | ((a - b).abs() <= rtol * b.abs() + atol * size.clamp(min=floor))
-    return bool((ok | (a.isnan() & b.isnan())).all())
-
-
-def outputs_close(a: object, b: object) -> bool:
-    """Whether two outputs of a layer hold the same tensors, equal up to rounding (tolerance by dtype)."""
-    ta, tb = tensors_of(a), tensors_of(b)
-    return len(ta) == len(tb) and all(_close(x.detach(), y.detach()) for x, y in zip(ta, tb, strict=True))
-
-
-def tensors_of(obj: object) -> list[torch.Tensor]:
-    """The tensors in ``obj`` (a tensor, or nested tuples / lists / dicts of them and other values), in
-    ``torch.utils._pytree`` order; the common cases without the pytree machinery (it costs per call)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if type(obj) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in obj):
-        return list(obj)
-    return [t for t in tree_flatten(as_pytree(obj))[0] if isinstance(t, torch.Tensor)]
-
-
-@dataclass
-class _Record:
-    """What every module saw in one probe run: {module name: [(input leaves, output leaves)]}."""
-
-    calls: dict[str, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = field(default_factory=dict)
-
-
-class _ParameterUses(TorchFunctionMode):
-    """Notes, for every torch function that receives a watched parameter and returns a tensor, the stack of
-    module names running at that moment (attribute reads such as ``p.requires_grad`` return no tensor and
-    do not count)."""
-
-    def __init__(self, watched: dict[int, str], stack: list[str]):
-        super().__init__()
-        self.watched = watched
-        self.stack = stack
-        self.uses: dict[str, list[tuple[tuple[str, ...], str]]] = {}
-        self.paused = False  # while the probe's own hooks run
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        if self.paused:
-            return result
-        hits = [self.watched[id(t)] for t in tensors_of((args, kwargs)) if id(t) in self.watched]
-        if hits and tensors_of(result):
-            for name in hits:
-                self.uses.setdefault(name, []).append((tuple(self.stack), getattr(func, "__name__", str(func))))
-        return result
-
-
-class _RandomOps(TorchDispatchMode):
-    """Notes the innermost running module at the first operation that draws random numbers (the operations PyTorch
-    tags ``nondeterministic_seeded``: bernoulli, rand, randn, randperm, dropout, ...)."""
-
-    def __init__(self, stack: list[str]):
-        super().__init__()
-        self.stack = stack
-        self.first: str | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.first is None and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
-            self.first = self.stack[-1] if self.stack else ""
-        return func(*args, **kwargs)
-
-
-def _draws(func, args: tuple, kwargs: dict) -> bool:
-    """Whether this call of a seeded operation draws: not an attention kernel with ``dropout_p=0``, a dropout with
-    ``p=0`` / ``train=False`` or RReLU with ``training=False`` (those may take random numbers but use none)."""
-    schema = func._schema.arguments
-    values = {a.name: a.default_value for a in schema if a.has_default_value()}
-    values.update({a.name: v for a, v in zip(schema, args, strict=False)})
-    values.update(kwargs)
-    if (values.get("dropout_p", None) == 0 or values.get("p", None) == 0 or values.get("train", True) is False
-            or values.get("training", True) is False):
-        return False
-    return True
-
-
-def _run(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
-         random_ops: bool = False) -> tuple[_Record, dict | str | None]:
-    """One hooked forward of ``inputs``: what every module saw, and the parameter uses (``watch``) or, with
-    ``random_ops``, the module that first drew random numbers."""
-    record = _Record()
-    stack: list[str] = []
-    names = {id(m): n for n, m in trainable.modules}
-    mode = None if watch is None else _ParameterUses(watch, stack)
-    randomness = _RandomOps(stack) if random_ops else None
-
-    def enter(module, args, kwargs):
-        stack.append(names[id(module)])
-
-    def leave(module, args, kwargs, output):
-        name = stack.pop() if stack else names[id(module)]
-        if mode is not None:
-            mode.paused = True
-        ins = [t.detach().clone() for t in tensors_of((args, kwargs))]
-        outs = [t.detach().clone() for t in tensors_of(output)]
-        if mode is not None:
-            mode.paused = False
-        record.calls.setdefault(name, []).append((ins, outs))
-
-    handles = []
-    for _, module in trainable.modules:
-        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
-        handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
-    uses: dict = {}
-    try:
-        with torch.enable_grad():  # the same code paths as the real capture (no inference fast paths)
-            if randomness is not None:
-                with randomness:
-                    inputs(trainable.model)
-                return record, randomness.first
-            if mode is None:
-                inputs(trainable.model)
-            else:
-                with mode:
-                    inputs(trainable.model)
-                uses = mode.uses
-    finally:
-        for h in handles:
-            h.remove()
-    return record, uses
-
-
-def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | str:
-    """The dimension that is 1 alone and 2 in the pair; SHARED if the shapes are equal; "bad" otherwise."""
+def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | Unbatched:
+    """The dimension that is 1 alone and 2 in the pair; SHARED if the shapes are equal; NOT_PER_SAMPLE otherwise."""
     if alone == pair:
         return SHARED
     if len(alone) != len(pair):
-        return "bad"
+        return Unbatched.NOT_PER_SAMPLE
     diff = [d for d, (a, p) in enumerate(zip(alone, pair, strict=True)) if a != p]
     if len(diff) == 1 and alone[diff[0]] == 1 and pair[diff[0]] == 2:
         return diff[0]
-    return "bad"
+    return Unbatched.NOT_PER_SAMPLE
 
 
 def _pick_pair(inputs: Batch) -> tuple[int, int, bool]:
@@ -264,12 +130,12 @@ class _Probe:
         watch = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
         device = trainable.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG untouched
-            self.alone_a, drew = _run(trainable, inputs.sample(a), None, random_ops=True)
-            again, _ = _run(trainable, inputs.sample(a), None)
-            self.alone_b, _ = _run(trainable, inputs.sample(b), None)
-            self.pair, self.uses = _run(trainable, inputs.rows(index), watch)
-            self.swapped, _ = _run(trainable, inputs.rows(index.flip(0)), None)  # a reordering by the data shows
-        self.random = drew if drew is not None else _first_difference(self.alone_a, again)
+            self.alone_a, drew = observe(trainable, inputs.sample(a), None, random_ops=True)
+            again, _ = observe(trainable, inputs.sample(a), None)
+            self.alone_b, _ = observe(trainable, inputs.sample(b), None)
+            self.pair, self.uses = observe(trainable, inputs.rows(index), watch)
+            self.swapped, _ = observe(trainable, inputs.rows(index.flip(0)), None)  # a reordering by the data shows
+        self.random = drew if drew is not None else first_difference(self.alone_a, again)
         self.interaction: str | None = None
         self.specs: dict[str, list[CallSpec] | str] = {}
 
@@ -308,7 +174,8 @@ class _Probe:
             for k, leaf in enumerate(leaves):
                 single = [a[k] for a in alone_leaves]
                 dim = _batch_dim(single[0].shape, leaf.shape)
-                if dim == "bad" or single[1].shape != single[0].shape or swapped_leaves[k].shape != leaf.shape:
+                if (dim is Unbatched.NOT_PER_SAMPLE or single[1].shape != single[0].shape
+                        or swapped_leaves[k].shape != leaf.shape):
                     if single[0].dim() < leaf.dim():
                         return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample "
                                 f"and {tuple(leaf.shape)} for two: it loses a dimension for a batch of one (e.g. "
@@ -317,7 +184,7 @@ class _Probe:
                             f"{tuple(leaf.shape)} for two: the samples are not along one dimension of it (e.g. "
                             "(B*T, ...) rows after a reshape)")
                 if dim is SHARED:
-                    if not all(_close(t, single[0]) for t in (leaf, single[1], swapped_leaves[k])):
+                    if not all(close(t, single[0]) for t in (leaf, single[1], swapped_leaves[k])):
                         self.interaction = self.interaction or (
                             f"{_describe(what, name, module)} has no batch dimension but its values depend on the "
                             "samples (e.g. a mean over the batch)")
@@ -325,8 +192,8 @@ class _Probe:
                 else:
                     scale = _feature_scale(single)
                     for row in (0, 1):
-                        if not (_close(leaf.narrow(dim, row, 1), single[row], scale)
-                                and _close(swapped_leaves[k].narrow(dim, 1 - row, 1), single[row], scale)):
+                        if not (close(leaf.narrow(dim, row, 1), single[row], scale)
+                                and close(swapped_leaves[k].narrow(dim, 1 - row, 1), single[row], scale)):
                             self.interaction = self.interaction or (
                                 f"{_describe(what, name, module)} differs for a sample inside a batch and alone: "
                                 "the samples interact (e.g. statistics over the batch)")
@@ -336,49 +203,17 @@ class _Probe:
 
 
 def _feature_scale(single: list[torch.Tensor]) -> torch.Tensor | None:
-    """The magnitude of each feature over the samples run alone (elementwise), for :func:`_close`."""
+    """The magnitude of each feature over the samples run alone (elementwise), for ``observe.close``."""
     if not single[0].is_floating_point() or single[0].shape != single[1].shape:
         return None
     return torch.maximum(single[0].abs(), single[1].abs())
 
 
-def _first_difference(first: _Record, second: _Record) -> str | None:
-    """The first module (in the order calls finish: innermost first) that, given the same inputs in two runs of the
-    same sample, gave different outputs: a forward that draws random numbers."""
-
-    def same(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
-        return len(xs) == len(ys) and all(_close(a, b) for a, b in zip(xs, ys, strict=True))
-
-    for name, calls in first.calls.items():
-        for (ins, outs), (ins2, outs2) in zip(calls, second.calls.get(name, []), strict=False):
-            if same(ins, ins2) and not same(outs, outs2):
-                return name
-    return None
-
-
-def _common_prefix(stacks: list[tuple[str, ...]]) -> tuple[str, ...]:
-    prefix = stacks[0]
-    for s in stacks[1:]:
-        n = 0
-        while n < min(len(prefix), len(s)) and prefix[n] == s[n]:
-            n += 1
-        prefix = prefix[:n]
-    return prefix
-
-
-def _assign(trainable: Trainable, probe: _Probe) -> tuple[dict[str, dict[str, str]], str | None]:
-    """Which module handles each trainable parameter: {module name: {local name: full name}}, or a problem."""
-    modules = dict(trainable.modules)
-    params = dict(zip(trainable.names, trainable.params, strict=True))
-    owners: dict[int, list[str]] = {}
-    for mname, m in trainable.modules:
-        for p in m._parameters.values():
-            if p is not None:
-                owners.setdefault(id(p), []).append(mname)
-    handlers: dict[str, dict[str, str]] = {}
+def _why_not(probe: _Probe, modules: dict[str, nn.Module]):
+    """``why_not(name)``: why module ``name`` cannot handle parameters (its tensors are not per-sample, or an output is
+    shared), or None."""
 
     def why_not(name: str) -> str | None:
-        """Why module ``name`` cannot handle parameters: its tensors are not per-sample, or an output is shared."""
         spec = probe.spec(name)
         if isinstance(spec, str):
             return spec
@@ -389,36 +224,7 @@ def _assign(trainable: Trainable, probe: _Probe) -> tuple[dict[str, dict[str, st
                     "gradient cannot be split by sample there")
         return None
 
-    for full in trainable.names:
-        p = params[full]
-        uses = probe.uses.get(full)
-        if not uses:  # never used by the forward: its gradient is zero
-            continue
-        stacks = [s for s, _func in uses]
-        innermost = {s[-1] if s else None for s in stacks}
-        own = owners.get(id(p), [])
-        if None not in innermost and all(u in own and why_not(u) is None for u in innermost):
-            chosen = sorted(innermost, key=list(modules).index)  # the owners themselves (tied: several)
-        else:
-            # The deepest module whose forward contains every use, that holds the parameter and keeps the samples
-            # apart (e.g. a Linear holding a weight-norm parametrization, not the parametrization itself).
-            prefix = _common_prefix(stacks)
-            holders = [m for m in prefix if any(q is p for q in modules[m].parameters())]
-            usable = [m for m in holders if why_not(m) is None]
-            handler = usable[-1] if usable else None
-            if handler is None or (handler == "" and "" not in own):
-                inner = [u for u in innermost if u is not None and u in own and why_not(u) is not None]
-                if inner:
-                    return {}, why_not(inner[0])
-                func = next((f for s, f in uses if not s or s[-1] not in own), uses[0][1])
-                return {}, (f"parameter '{full}' is used outside the forward of its own layer (by {func} in the "
-                            "model's forward, e.g. weights tied with F.linear(h, self.emb.weight)), so a per-layer "
-                            "rule would miss that part of the gradient")
-            chosen = [handler]
-        for h in chosen:
-            local = next(ln for ln, q in modules[h].named_parameters(remove_duplicate=False) if q is p)
-            handlers.setdefault(h, {})[local] = full
-    return handlers, None
+    return why_not
 
 
 def _user_hooks(module: nn.Module) -> int:
@@ -427,20 +233,20 @@ def _user_hooks(module: nn.Module) -> int:
             + len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks))
 
 
-def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> str:
+def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> LayerKind:
     if _user_hooks(module):  # a hook may change what the layer sees or gives: only the layer itself knows
-        return "fallback"
+        return LayerKind.FALLBACK
     own = all("." not in ln for ln in local)  # the module's own parameters (a call rule may also cover children's)
     if own and rule_for(module) is not None and all(
             len(s.in_dims) >= 1 and rule_takes_batch_dim(module, s.in_dims[0], len(s.in_rest[0]) + 1)
             and all(d is SHARED for d in s.in_dims[1:]) and s.out_dims == (s.in_dims[0],) for s in specs):
-        return "rule"
+        return LayerKind.RULE
     if call_rule_for(module) is not None:
         batch_dim = 0 if getattr(module, "batch_first", False) else 1  # (B, T, in) or (T, B, in)
         if all(s.in_dims[:1] == (batch_dim,) and s.out_dims[:1] == (batch_dim,) and len(s.in_rest[0]) == 2
                for s in specs):
-            return "call"
-    return "fallback"
+            return LayerKind.CALL
+    return LayerKind.FALLBACK
 
 
 def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
@@ -455,7 +261,8 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
             "randomness off) before computing per-sample gradients.")
     for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
         probe.spec(name)
-    handlers, hooks_problem = _assign(trainable, probe)  # handlers keep the samples apart (checked there)
+    # Handlers keep the samples apart (checked by why_not).
+    handlers, hooks_problem = assign(trainable, probe.uses, _why_not(probe, dict(trainable.modules)))
     if module_mod._global_forward_pre_hooks and hooks_problem is None:
         hooks_problem = ("a global forward pre-hook (register_module_forward_pre_hook) changes what every layer sees, "
                          "and a layer's replay on the per-layer fallback would apply it a second time")

@@ -62,245 +62,46 @@ lookup); ``supports=`` may narrow it to some configurations of the layer. Layers
 have no rule go through the per-layer fallback (``pergrad_viz.rules.fallback``).
 """
 
-from __future__ import annotations
+from pergrad_viz.rules.registry import (
+    CallRule,
+    Captured,
+    GhostRule,
+    ModuleType,
+    Rule,
+    call_rule_for,
+    capture_for,
+    class_path,
+    ghost_rule_for,
+    join_positions,
+    lazy_paths,
+    register,
+    register_call,
+    register_ghost,
+    rule_for,
+    rule_takes_batch_dim,
+)
 
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
-from typing import Protocol
-
-import torch
-from torch import nn
-
-Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], None]
-CallRule = Callable[..., None]
-
-
-@dataclass
-class Captured:
-    """What a layer's own capturing forward kept of one call: ``internals``, tensors inside the layer
-    (graph-connected) whose gradients its call rule needs, and ``state``, anything else it needs (detached)."""
-
-    internals: list[torch.Tensor]
-    state: object = None
-
-
-class GhostRule(Protocol):
-    """Norms and kernels of a layer with per-sample weight gradient sum_t outer(g_t, a_t), from Gram matrices.
-
-    Shapes: B samples, T positions (tokens, or repeated calls of a shared layer), N = 1 for loss gradients and
-    N = Y for output Jacobians.
-    """
-
-    kind: str
-
-    @staticmethod
-    def applies(module: nn.Module) -> bool:
-        """Whether this layer's configuration has the outer-product form (else its dense rule is used)."""
-
-    @staticmethod
-    def stack(module: nn.Module, seen: Sequence[tuple[torch.Tensor, torch.Tensor]]
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All calls ``[(activation (B, ...), grad_output (N, B, ...))]`` as one call on T positions: ``(a, g)``
-        with a (B, T, ...) and g (N, B, T, out) (rows the layer ignores, e.g. ``padding_idx``, zeroed)."""
-
-    @staticmethod
-    def squared_norms(module: nn.Module, a: torch.Tensor, g: torch.Tensor, local: Collection[str]
-                      ) -> dict[str, torch.Tensor]:
-        """{local name: (B,) squared norm of the per-sample gradient}, from ``stack``'s a and g[0] (B, T, out)."""
-
-    @staticmethod
-    def overlap(a1: torch.Tensor, a2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(N1, N2, T, S): what the weight's kernel term multiplies g_t . g_s by (a_t . a_s for Linear)."""
-
-    @staticmethod
-    def gram_cost(module: nn.Module, tokens: int, y_count: int, pairs: int) -> tuple[int, int]:
-        """Multiply-adds per pair of samples of the Gram form and of contracting the layer's Jacobians."""
-
-
-class _Registry:
-    """Entries by module type, and by class path (``"package.module.Class"``) until a module of that class is
-    looked up (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.types: dict[type[nn.Module], object] = {}
-        self.paths: dict[str, tuple[object, Callable | None]] = {}  # path -> (entry, forward_like)
-        self.refused: set[type] = set()  # lazily registered classes whose forward is not the one the rule knows
-
-    def add(self, target: type[nn.Module] | str, entry: object, forward_like: Callable | None = None) -> None:
-        if isinstance(target, str):
-            self.paths[target] = (entry, forward_like)
-        else:
-            self.types[target] = entry
-            _FORWARDS.setdefault(target, target.forward)
-
-    def resolve(self, cls: type) -> bool:
-        """Whether ``cls`` has an entry (resolving a lazy one on first sight)."""
-        if cls in self.types:
-            return True
-        if not self.paths or cls in self.refused:
-            return False
-        pending = self.paths.pop(class_path(cls), None)
-        if pending is None:
-            return False
-        entry, forward_like = pending
-        if _own_forward(cls, forward_like):
-            self.add(cls, entry)
-            return True
-        self.refused.add(cls)
-        return False
-
-
-def class_path(cls: type) -> str:
-    """``"package.module.Class"``: how a class is named for lazy registration."""
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _own_forward(cls: type, forward_like: Callable | None) -> bool:
-    """Whether ``cls.forward`` is the one written in ``cls``'s own body (not inherited, not patched on) and, given
-    ``forward_like``, compiles to the same code."""
-    forward = cls.__dict__.get("forward")
-    code = getattr(forward, "__code__", None)
-    if code is None or forward.__qualname__ != f"{cls.__qualname__}.forward" or forward.__module__ != cls.__module__:
-        return False
-    if forward_like is None:
-        return True
-    like = forward_like.__code__
-    return (code.co_flags & _CODE_FLAGS) == (like.co_flags & _CODE_FLAGS) and all(
-        getattr(code, a) == getattr(like, a) for a in (
-            "co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_posonlyargcount",
-            "co_kwonlyargcount"))
-
-
-# What a code object's flags say about how it runs (the __future__ flags of its module, e.g. annotations, do not).
-_CODE_FLAGS = (1 << 16) - 1
-
-
-_RULES = _Registry()
-_CALL_RULES = _Registry()
-_GHOST_RULES = _Registry()
-
-ModuleType = type[nn.Module] | str  # a type, or a class path registered lazily
-
-
-def register(*module_types: ModuleType, features: Callable[[nn.Module], int] | None = None,
-             supports: Callable[[nn.Module], bool] | None = None, forward_like: Callable | None = None
-             ) -> Callable[[Rule], Rule]:
-    """Decorator: use the decorated rule for these module types (and subclasses that keep their forward);
-    ``features``: for a position-wise layer, how many trailing input dimensions its parameters act on (see the
-    module docstring); without it the samples must be on the input's first dimension. ``supports(module)``: whether
-    the rule covers that layer's configuration (else the per-layer fallback); ``forward_like``: for class paths,
-    the forward the rule was written for (see the module docstring)."""
-
-    def deco(rule: Rule) -> Rule:
-        rule.features = features
-        rule.supports = supports or (lambda module: True)
-        for t in module_types:
-            _RULES.add(t, rule, forward_like)
-        return rule
-
-    return deco
-
-
-def register_call(*module_types: ModuleType, supports: Callable[[nn.Module], bool] | None = None,
-                  capture: Callable | None = None, forward_like: Callable | None = None
-                  ) -> Callable[[CallRule], CallRule]:
-    """Decorator: use the decorated call rule (several inputs / outputs) for these module types; ``supports(module)``
-    says whether it covers that layer's configuration (else the layer goes through the per-layer fallback);
-    ``capture``: the layer's forward as the rule needs it run (see the module docstring)."""
-
-    def deco(rule: CallRule) -> CallRule:
-        rule.supports = supports or (lambda module: True)
-        rule.capture = capture
-        for t in module_types:
-            _CALL_RULES.add(t, rule, forward_like)
-        return rule
-
-    return deco
-
-
-def register_ghost(*module_types: ModuleType, forward_like: Callable | None = None) -> Callable[[type], type]:
-    """Class decorator: the :class:`GhostRule` of these module types (used only where their closed-form rule is)."""
-
-    def deco(cls: type) -> type:
-        for t in module_types:
-            _GHOST_RULES.add(t, cls, forward_like)
-        return cls
-
-    return deco
-
-
-def ghost_rule_for(module: nn.Module) -> GhostRule | None:
-    """The :class:`GhostRule` for ``module``, or None (also where it does not apply to this configuration)."""
-    ghost = _lookup(_GHOST_RULES, module)
-    return ghost if ghost is not None and ghost.applies(module) else None
-
-
-def join_positions(acts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ghost rule's calls as one: activations (B, T_k, ...) joined along T (dim 1), gradients (N, B, T_k, ...)
-    along dim 2."""
-    if len(acts) == 1:
-        return acts[0], grads[0]
-    return torch.cat(list(acts), dim=1), torch.cat(list(grads), dim=2)
-
-
-# The forward each registered type had when its rule was registered: a rule knows that forward only.
-_FORWARDS: dict[type[nn.Module], Callable] = {}
-
-
-def _lookup(registry: _Registry, module: nn.Module):
-    """The entry for ``module``'s type or its nearest registered base, if ``module`` runs that type's forward."""
-    if "forward" in module.__dict__:  # an instance's own forward (module.forward = ...): no rule knows it
-        return None
-    for base in type(module).__mro__:
-        if base in registry.refused:
-            return None
-        if registry.resolve(base):
-            return registry.types[base] if type(module).forward is _FORWARDS[base] else None
-    return None
-
-
-def rule_for(module: nn.Module) -> Rule | None:
-    """The single-tensor rule for ``module``, or None (also where it does not support the layer's configuration).
-    A subclass that overrides ``forward`` gets no rule."""
-    rule = _lookup(_RULES, module)
-    return rule if rule is not None and rule.supports(module) else None
-
-
-def rule_takes_batch_dim(module: nn.Module, dim: int | None, ndim: int) -> bool:
-    """Whether ``module``'s single-tensor rule holds for an input of ``ndim`` dimensions with the samples on
-    dimension ``dim`` (moved to the front for the rule): dimension 0 always; for a position-wise layer, any
-    dimension before the ones its parameters act on."""
-    rule = rule_for(module)
-    if rule is None or dim is None:
-        return False
-    return dim == 0 or (rule.features is not None and dim < ndim - rule.features(module))
-
-
-def call_rule_for(module: nn.Module) -> CallRule | None:
-    """The call rule (several inputs / outputs) for ``module``, or None (also where it does not support the
-    layer's configuration)."""
-    rule = _lookup(_CALL_RULES, module)
-    return rule if rule is not None and rule.supports(module) else None
-
-
-def capture_for(module: nn.Module) -> Callable | None:
-    """The capturing forward of ``module``'s call rule (see the module docstring), or None."""
-    rule = call_rule_for(module)
-    return None if rule is None else rule.capture
-
-
-def supported_types() -> tuple[str, ...]:
-    """Names of the module types that have a closed-form rule."""
-    return tuple(sorted({t.__name__ for t in (*_RULES.types, *_CALL_RULES.types)}))
-
-
-def lazy_paths() -> tuple[str, ...]:
-    """Class paths registered lazily and not yet resolved (their packages need not be installed)."""
-    return tuple(sorted({*_RULES.paths, *_CALL_RULES.paths, *_GHOST_RULES.paths}))
-
+__all__ = [
+    "CallRule",
+    "Captured",
+    "GhostRule",
+    "ModuleType",
+    "Rule",
+    "call_rule_for",
+    "capture_for",
+    "class_path",
+    "ghost_rule_for",
+    "join_positions",
+    "lazy_paths",
+    "register",
+    "register_call",
+    "register_ghost",
+    "rule_for",
+    "rule_takes_batch_dim",
+]
 
 # The rules register themselves on import; the integrations register by class path and import neither package.
-from pergrad_viz.rules import (  # noqa: E402,F401
+from pergrad_viz.rules import (  # noqa: F401
     activations,
     attention,
     conv,
@@ -309,4 +110,4 @@ from pergrad_viz.rules import (  # noqa: E402,F401
     normalization,
     recurrent,
 )
-from pergrad_viz.rules.integrations import timm, transformers  # noqa: E402,F401
+from pergrad_viz.rules.integrations import timm, transformers  # noqa: F401

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pergrad_viz.rules import register
+from pergrad_viz.rules.registry import register
 
 
 @register(nn.PReLU)

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad_viz.rules import Captured, register_call
 from pergrad_viz.rules.linear import token_outer_sum
+from pergrad_viz.rules.registry import Captured, register_call
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 

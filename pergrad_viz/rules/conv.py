@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad_viz.rules import join_positions, register, register_ghost
 from pergrad_viz.rules.linear import LinearGhost
+from pergrad_viz.rules.registry import join_positions, register, register_ghost
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 

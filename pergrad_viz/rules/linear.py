@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pergrad_viz.rules import join_positions, register, register_ghost
+from pergrad_viz.rules.registry import join_positions, register, register_ghost
 
 
 @register(nn.Linear, features=lambda module: 1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad_viz.rules import register
+from pergrad_viz.rules.registry import register
 
 
 def affine_sums(xhat: torch.Tensor, grad_output: torch.Tensor, positions: int, out: dict[str, torch.Tensor],

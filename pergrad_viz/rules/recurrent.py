@@ -22,9 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from pergrad_viz.rules import register_call
-
-_GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
+from pergrad_viz.rules.registry import register_call
 
 
 @dataclass

@@ -44,8 +44,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pergrad_viz.core.losses import LossFn, check_loss
-from pergrad_viz.core.trainable import Trainable, check_modes
+from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.core.validate import check_loss, check_modes
 from pergrad_viz.scanning import runner, store
 from pergrad_viz.scanning.sketch import GradientSketch, layer_blocks
 from pergrad_viz.scanning.store import ScanMismatchError

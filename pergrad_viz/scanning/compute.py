@@ -5,7 +5,7 @@ Shapes: B samples in the batch, C classes, L layers (blocks, see :mod:`pergrad_v
 
 * **losses / EL2N only**: one forward pass under ``torch.no_grad()``.
 * **anything with gradients, on models the hooks strategy covers**: one forward pass with hooks and one
-  backward pass of the summed per-sample losses to the layer outputs (:mod:`pergrad_viz.strategies.hooks`),
+  backward pass of the summed per-sample losses to the layer outputs (:mod:`pergrad_viz.engine.capture`),
   shared by every quantity. Norms come from the same per-layer pieces as :func:`pergrad_viz.per_sample_grad_norms`
   (for a Linear layer the ghost norm ||g_i|| ||a_i||; other layers their own (B, *param.shape) gradient);
   sketches of Linear layers come from the layer input and output gradient (never the (B, out, in) gradient),
@@ -25,18 +25,16 @@ from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.norms import (
-    dense_grads,
     ghost_kind,
-    group_calls,
     layer_squared_norms,
+    per_sample_grad_norms,
     row_squared_norms,
     stack_calls,
-    tied_names,
 )
-from pergrad_viz.derived.norms import per_sample_grad_norms as _grad_norms
+from pergrad_viz.engine.capture import PlanMismatchError, backward_to_layers, capture
 from pergrad_viz.engine.certify import CheckFailedError, check_norms
+from pergrad_viz.engine.grouping import dense_grads, group_calls, tied_names
 from pergrad_viz.scanning.sketch import Block, GradientSketch
-from pergrad_viz.strategies import hooks
 
 GRAD_QUANTITIES = frozenset({"grad_norm", "layer_norms", "projection"})
 
@@ -88,7 +86,7 @@ def batch_quantities(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     if use_hooks:
         try:
             return _hooks_batch(model, loss_fn, x, y, want, blocks, sketch)
-        except (hooks.PlanMismatchError, CheckFailedError, _NeedsMaterialising):
+        except (PlanMismatchError, CheckFailedError, _NeedsMaterialising):
             pass
     return _materialised_batch(model, loss_fn, x, y, want, blocks, sketch)
 
@@ -99,11 +97,11 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
     batch = len(y)
     inputs = Batch.of(x, size=batch)
     with restoring_modes(trainable):
-        output, calls = hooks.capture(trainable, inputs)
+        output, calls = capture(trainable, inputs)
         if tied_names(calls):
             raise _NeedsMaterialising
         losses = per_sample_losses(loss_fn, output, y)  # (B,)
-        per_call = hooks.backward_to_layers(calls, losses.sum())
+        per_call = backward_to_layers(calls, losses.sum())
     res = _outputs(want, output, losses, y)
     kw = {"dtype": trainable.dtype, "device": trainable.device}
     squared = {n: torch.zeros(batch, **kw) for n in trainable.names}
@@ -121,7 +119,7 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
             for ln, sq in layer_squared_norms(layer, seen).items():
                 squared[local[ln]] = sq
         if linear_sketch:
-            a, g = stack_calls("linear", layer, seen)  # (B, T, in), (1, B, T, out)
+            a, g = stack_calls(layer, seen)  # (B, T, in), (1, B, T, out)
             sketched[index] = sketch.project_linear(index, a, g[0])
         elif kind is None or want_sketch:
             for ln, t in dense_grads(layer, seen).items():  # (1, B, *shape)
@@ -155,7 +153,7 @@ def _materialised_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: t
         squared = {n: row_squared_norms(g) for n, g in grads.items()}
         res["projection"] = sketch.project_grads(grads)
     else:
-        norms = _grad_norms(model, loss_fn, x, y, per_parameter=True)
+        norms = per_sample_grad_norms(model, loss_fn, x, y, per_parameter=True)
         squared = {n: t.square() for n, t in norms.items()}
     res.update(_from_squared(want, squared, blocks))
     return res

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pergrad_viz.core.ownership import first_owners
 from pergrad_viz.core.trainable import Trainable
 
 __all__ = ["Block", "BlockSketch", "GradientSketch", "layer_blocks"]
@@ -87,13 +88,8 @@ def layer_blocks(model: nn.Module | Trainable) -> list[Block]:
     """The model's blocks: per module that owns trainable parameters (first owner of a shared one)."""
     trainable = model if isinstance(model, Trainable) else Trainable.of(model)
     full = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
-    taken: set[int] = set()
     blocks = []
-    for mname, module in trainable.modules:
-        own = [(ln, p) for ln, p in module.named_parameters(recurse=False) if id(p) in full and id(p) not in taken]
-        if not own:
-            continue
-        taken.update(id(p) for _, p in own)
+    for mname, module, own in first_owners(trainable):
         locs = tuple(ln for ln, _ in own)
         linear = None
         if isinstance(module, nn.Linear) and "weight" in locs and set(locs) <= {"weight", "bias"}:

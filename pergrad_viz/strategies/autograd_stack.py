@@ -10,12 +10,10 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.strategies.outputs import flat_outputs, write
-
-SLOW_BASELINE = True  # a baseline: skipped by the benchmarks above their size limit
-BATCHED_FORWARD = True  # one forward pass over the whole batch: refused where samples interact
+from pergrad_viz.strategies.outputs import write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:

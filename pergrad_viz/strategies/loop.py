@@ -13,9 +13,6 @@ from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies.outputs import write
 
-SLOW_BASELINE = True  # a baseline: skipped by the benchmarks above their size limit
-BATCHED_FORWARD = False  # each sample alone
-
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
     """One sample's gradients at a time, written straight into the result: nothing of result size."""

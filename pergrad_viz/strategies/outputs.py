@@ -15,8 +15,3 @@ def write(out: dict[str, torch.Tensor], names: Sequence[str], grads: Sequence[to
             out[name][index].zero_()
         else:
             out[name][index].copy_(g.to_dense() if g.is_sparse else g)  # e.g. nn.Embedding(sparse=True)
-
-
-def flat_outputs(output: torch.Tensor) -> torch.Tensor:
-    """(B, *out) -> (B, Y) with Y = prod(out)."""
-    return output.reshape(output.shape[0], -1)

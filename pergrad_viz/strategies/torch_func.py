@@ -23,9 +23,6 @@ from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.errors import UnsupportedModelError
 
-SLOW_BASELINE = False  # vectorised: timed at every size by the benchmarks
-BATCHED_FORWARD = False  # each sample alone: right even where samples would interact in a batch
-
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
     """vmap builds a chunk's result in fresh tensors before it is copied into the caller's."""

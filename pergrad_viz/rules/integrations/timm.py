@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad_viz.rules import register
 from pergrad_viz.rules.normalization import layer_norm, per_channel, running_normalised
+from pergrad_viz.rules.registry import register
 
 PATHS = ("timm.layers.norm.LayerNorm", "timm.layers.norm.LayerNorm2d", "timm.layers.norm_act.BatchNormAct2d",
          "timm.layers.layer_scale.LayerScale", "timm.layers.layer_scale.LayerScale2d")

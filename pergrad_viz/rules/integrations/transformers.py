@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pergrad_viz.rules import register, register_ghost
 from pergrad_viz.rules.linear import LinearInOutGhost, linear_in_out
 from pergrad_viz.rules.normalization import affine_sums
+from pergrad_viz.rules.registry import register, register_ghost
 
 # ----------------------------------------------------------------------------------------------------------- Conv1D
 

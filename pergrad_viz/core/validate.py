@@ -1,0 +1,198 @@
+"""Every check of a call, each refusal naming the fix: the model (:func:`check_model`, :func:`check_modes`), the loss
+(:func:`check_loss`), the strategy's name, the inputs and targets (:func:`batch_of`), ``chunk_size`` and ``out=``.
+
+Run before anything large is allocated and, for the model's modes, before the model runs (a forward pass in a mode
+that mixes the samples would also change its buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from pergrad_viz.core.batch import Batch, Inputs, normal_tensor
+from pergrad_viz.errors import UndefinedPerSampleError
+
+if TYPE_CHECKING:
+    from pergrad_viz.core.trainable import Trainable
+
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_RANDOM_IN_TRAINING = (*_DROPOUT, nn.RReLU)  # draw random numbers on every forward in training mode
+
+
+def check_model(model: object) -> list[tuple[str, nn.Parameter]]:
+    """The model's trainable parameters ``[(name, parameter)]`` in ``named_parameters()`` order, refusing what is not
+    a module, a lazy parameter not initialised yet, and a model with nothing to differentiate."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    lazy = next((n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)), None)
+    if lazy is not None:
+        raise ValueError(
+            f"parameter '{lazy}' is not initialised yet (a lazy module such as nn.LazyLinear): run one forward "
+            "pass first, e.g. model(inputs[:1]), so that its shape is known"
+        )
+    if not named:
+        raise ValueError(
+            "the model has no trainable parameters (none with requires_grad=True): there is nothing "
+            "to differentiate; unfreeze some with p.requires_grad_(True)"
+        )
+    return named
+
+
+def check_modes(model: nn.Module | Trainable) -> None:
+    """Refuse layers whose per-sample gradients are undefined or random in the model's current mode.
+
+    BatchNorm that uses batch statistics mixes the samples of a batch, so "the gradient of sample i"
+    depends on the other samples; Dropout in training mode draws different masks in each strategy.
+    """
+    for name, m in model.named_modules() if isinstance(model, nn.Module) else model.modules:
+        label = f"{name or 'model'} ({type(m).__name__})"
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
+            raise UndefinedPerSampleError(
+                f"{label} normalises with batch statistics, which mixes the samples of a batch, so "
+                "per-sample gradients are not defined. Call model.eval() to use the running statistics, "
+                "or use GroupNorm / LayerNorm instead of BatchNorm."
+            )
+        if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.training and m.track_running_stats:
+            raise UndefinedPerSampleError(
+                f"{label} has track_running_stats=True in training mode: every forward pass would update its "
+                "running statistics, so computing per-sample gradients would change your model. Call model.eval() "
+                "or create it with track_running_stats=False."
+            )
+        internal_dropout = (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) or (
+            isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
+        if internal_dropout and m.training:
+            raise UndefinedPerSampleError(
+                f"{label} applies dropout={m.dropout} in training mode: it would draw different random masks in each "
+                "strategy and each sample, so results would be random and not comparable. Call model.eval() (or "
+                "create it with dropout=0) before computing per-sample gradients."
+            )
+        if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0:
+            raise UndefinedPerSampleError(
+                f"{label} is in training mode: it would draw different random numbers (masks, slopes) in each strategy "
+                "and each sample, so results would be random and not comparable. Call model.eval() "
+                "(or set p=0) before computing per-sample gradients."
+            )
+        if isinstance(m, nn.Embedding) and m.max_norm is not None:
+            raise UndefinedPerSampleError(
+                f"{label} has max_norm={m.max_norm}, which rewrites its weight in place on every forward "
+                "pass; per-sample gradients would change your model. Renormalise once yourself and "
+                "create the Embedding with max_norm=None."
+            )
+        if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
+            raise UndefinedPerSampleError(
+                f"{label} has scale_grad_by_freq=True, which scales each token's gradient by its count in the "
+                "whole batch, so the gradient of one sample would depend on the other samples. Create the "
+                "Embedding with scale_grad_by_freq=False."
+            )
+
+
+def check_loss(loss_fn: object) -> None:
+    """Refuse what cannot give one scalar loss per sample: a loss class instead of an instance, and
+    ``reduction='none'`` (one loss per element). The same rule for every strategy."""
+    if isinstance(loss_fn, type):
+        raise TypeError(
+            f"loss_fn is the class {loss_fn.__name__}, not a loss: pass an instance, e.g. {loss_fn.__name__}() "
+            f"or {loss_fn.__name__}(reduction='sum')"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {type(loss_fn).__name__}")
+    if getattr(loss_fn, "reduction", None) == "none":
+        raise ValueError(
+            f"{type(loss_fn).__name__}(reduction='none') returns one loss per element, but a per-sample gradient "
+            "needs one scalar loss per sample: use reduction='sum' or reduction='mean' (the per-sample gradient is "
+            "the gradient of loss_fn(model(x[i:i+1]), y[i:i+1]))"
+        )
+
+
+def check_strategy_name(strategy: str, valid: Sequence[str]) -> None:
+    """Refuse a strategy name that is neither ``"auto"`` nor one of ``valid`` (:data:`pergrad_viz.STRATEGIES`)."""
+    if strategy != "auto" and strategy not in valid:
+        raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, valid)))
+
+
+def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model_kwargs: Mapping | None = None
+             ) -> Batch:
+    """The call's :class:`~pergrad_viz.core.batch.Batch`, checked: B from the targets (or the first input tensor), every
+    target tensor with B samples, some input tensor with B samples, every tensor on the parameters' device, floating
+    inputs in the parameters' dtype."""
+    size = None
+    if targets is not None:
+        target_tensors = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
+        if not target_tensors:
+            raise TypeError(f"targets must be a torch.Tensor of shape (B, ...) or a tuple / dict of them, got "
+                            f"{type(targets).__name__}")
+        if target_tensors[0].dim() == 0:
+            raise ValueError("batch sizes differ: targets has a scalar; pass one target per input sample (B, ...)")
+        size = target_tensors[0].shape[0]
+        sizes = {int(t.shape[0]) if t.dim() else 0 for t in target_tensors}
+        if len(sizes) > 1:
+            raise ValueError(f"the target tensors hold different numbers of samples {sorted(sizes)}: pass one target "
+                             "per sample in each (same first dimension)")
+    batch = inputs if isinstance(inputs, Batch) else Batch.of(inputs, model_kwargs, size).map(normal_tensor)
+    tensors = batch.named_leaves()
+    if targets is not None and not batch.leaves():
+        if len(tensors) == 1 and tensors[0][1].dim():
+            raise ValueError(
+                f"batch sizes differ: inputs has {tensors[0][1].shape[0]} samples, targets has {size} samples; "
+                "pass one target per input sample (same first dimension)")
+        firsts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
+        raise ValueError(
+            f"batch sizes differ: targets hold {size} samples but no input tensor has {size} as its first dimension "
+            f"({firsts}); pass one target per input sample (same first dimension)"
+        )
+    if targets is not None and tensors and tensors[0][1].device != target_tensors[0].device:
+        inputs_device = tensors[0][1].device
+        raise ValueError(f"targets are on {target_tensors[0].device} but inputs are on {inputs_device}; move them "
+                         f"with targets.to({str(inputs_device)!r})")
+    device = trainable.device
+    for name, t in tensors + [("targets", t) for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]:
+        if t.device != device:
+            are = "are" if name in ("inputs", "targets") else "is"
+            raise ValueError(
+                f"{name} {are} on {t.device} but the model's parameters are on {device}; move one of them, e.g. "
+                f"{name}.to({str(device)!r}) or model.to({str(t.device)!r})"
+            )
+    for name, t in tensors:
+        if t.is_floating_point() and t.dtype != trainable.dtype and t.dim() and t.shape[0] == batch.size:
+            are = "are" if name == "inputs" else "is"
+            raise ValueError(
+                f"{name} {are} {t.dtype} but the model's parameters are {trainable.dtype}; "
+                f"cast one of them, e.g. {name}.to({trainable.dtype}) or model.to({t.dtype})"
+            )
+    return batch
+
+
+def check_chunk(chunk_size: int | None, batch: int) -> int:
+    """The samples per chunk: ``chunk_size`` (a positive int) capped at B, or B for None."""
+    if chunk_size is None:
+        return batch
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int (samples per chunk) or None, got {chunk_size!r}")
+    return min(chunk_size, batch)
+
+
+def check_out(out: torch.Tensor, shape: tuple[int, ...], trainable: Trainable, flat: bool) -> None:
+    """Refuse an ``out=`` buffer that is not a flat tensor of ``shape`` ((B, P) or (B, Y, P)) in the parameters'
+    dtype and device, or that comes without ``flat=True``."""
+    if not flat:
+        raise ValueError("out= is a flat buffer: pass flat=True with it (or drop out= to get a dict)")
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    problems = []
+    if tuple(out.shape) != shape:
+        problems.append(f"shape {tuple(out.shape)} instead of {shape}")
+    if out.dtype != trainable.dtype:
+        problems.append(f"dtype {out.dtype} instead of {trainable.dtype}")
+    if out.device != trainable.device:
+        problems.append(f"device {out.device} instead of {trainable.device}")
+    if problems:
+        raise ValueError(
+            "out= does not fit the result: " + "; ".join(problems) + ". Allocate it with "
+            f"torch.empty({shape}, dtype={trainable.dtype}, device={str(trainable.device)!r})"
+        )

@@ -1,0 +1,365 @@
+"""Forward hooks capture each layer's inputs and outputs; one backward pass gives the gradients with
+respect to the layer outputs; per layer, a closed-form rule (``pergrad_viz.rules``) or, for a layer without
+one, the per-layer fallback (``torch.func`` on that layer alone) turns both into per-sample parameter
+gradients.
+
+For per-sample gradients the backward pass is a single ordinary one (of the summed per-sample losses).
+For output Jacobians it is batched over the Y one-hot output vectors only (``is_grads_batched``), never
+over B x Y: each vector selects output j of *every* sample at once, since samples do not interact.
+
+What the rules may assume is measured, not assumed (``pergrad_viz.engine.probe``): samples that do not interact,
+where each layer's tensors hold the samples, and which layer's forward contains every use of each
+trainable parameter. Every call checks the shapes it captured against that plan.
+
+A layer whose call rule has a capturing forward (``nn.MultiheadAttention``: its q / k / v projections) runs that
+forward during the pass instead of its own, set as an instance attribute for the pass and removed after it, also
+on error; the backward pass then gives the gradients of the tensors it kept as well.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from pergrad_viz.core.batch import Batch, as_pytree, from_pytree
+from pergrad_viz.core.layout import flat_outputs
+from pergrad_viz.core.losses import LossFn, summed_per_sample_loss
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.observe import outputs_close, tensors_of
+from pergrad_viz.engine.probe import (
+    SHARED,
+    CallSpec,
+    LayerKind,
+    LayerPlan,
+    Plan,
+    plan_for,
+)
+from pergrad_viz.errors import UnsupportedModelError
+from pergrad_viz.rules import Captured, capture_for, rule_for
+
+
+class PlanMismatchError(UnsupportedModelError):
+    """A call captured shapes the probe did not see (data-dependent behaviour): the rules cannot be trusted."""
+
+
+@dataclass
+class Layer:
+    """A module that handles some trainable parameters, and how."""
+
+    module: nn.Module
+    plan: LayerPlan
+
+    @property
+    def local(self) -> dict[str, str]:
+        return self.plan.local
+
+    @property
+    def kind(self) -> LayerKind:
+        return self.plan.kind
+
+    @property
+    def rule(self):
+        return rule_for(self.module) if self.kind is LayerKind.RULE else None
+
+
+@dataclass
+class Call:
+    """One call of a layer: its inputs (args, kwargs) detached, and its output tensors (graph-connected)."""
+
+    layer: Layer
+    inputs: tuple[tuple, dict]
+    input_tensors: list[torch.Tensor]  # the tensors of ``inputs``, in order
+    outputs: list[torch.Tensor]
+    spec: CallSpec
+    versions: tuple[int, ...] = ()
+    captured: Captured | None = None  # what the layer's capturing forward kept (see pergrad_viz.rules)
+
+    @property
+    def internals(self) -> list[torch.Tensor]:
+        """Tensors inside the layer whose gradients its call rule needs (graph-connected), after the outputs."""
+        return [] if self.captured is None else self.captured.internals
+
+    @property
+    def activation(self) -> torch.Tensor:
+        """The first tensor argument with the samples first (B, ...): what a single-tensor rule sees (a
+        position-wise layer may hold them on another dimension, see ``pergrad_viz.rules``)."""
+        a, dim = self.input_tensors[0], self.spec.in_dims[0]
+        return a if not dim else a.movedim(dim, 0)
+
+    def rule_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The output's gradient (N, *output.shape) with the samples first, (N, B, ...): a single-tensor rule's."""
+        dim = self.spec.out_dims[0]
+        return grad if not dim else grad.movedim(dim + 1, 1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.input_tensors + self.outputs
+
+    def modified_in_place(self) -> bool:
+        return tuple(t._version for t in self.tensors()) != self.versions
+
+
+def _layers(trainable: Trainable, plan: Plan) -> dict[str, Layer]:
+    modules = dict(trainable.modules)
+    return {name: Layer(modules[name], lp) for name, lp in plan.layers.items()}
+
+
+def _problem(trainable: Trainable, inputs: Batch) -> str | None:
+    plan = plan_for(trainable, inputs)
+    if plan.interaction is not None:
+        return plan.interaction
+    return plan.hooks_problem
+
+
+def check_supported(trainable: Trainable, inputs: Batch | None = None) -> None:
+    """Raise :class:`UnsupportedModelError` when the hooks strategy cannot give the per-sample definition for
+    ``trainable`` on inputs like ``inputs`` (B, ...); without inputs nothing is probed (every layer is covered by
+    a rule or the per-layer fallback)."""
+    if inputs is None:
+        return
+    problem = _problem(trainable, inputs)
+    if problem is not None:
+        raise UnsupportedModelError(
+            f"the hooks strategy cannot be used here: {problem}. Use strategy='torch_func' (or 'auto', which "
+            "picks it), which computes each sample alone."
+        )
+
+
+def describe(trainable: Trainable, inputs: Batch) -> dict[str, str]:
+    """{layer name: 'rule' | 'call' | 'fallback'}: how each layer's per-sample gradients are computed."""
+    plan = plan_for(trainable, inputs)
+    return {name: lp.kind.value for name, lp in plan.layers.items()}
+
+
+def _mismatch(layer: Layer, name: str, why: str) -> PlanMismatchError:
+    return PlanMismatchError(
+        f"layer '{name or 'model'}' ({type(layer.module).__name__}) {why} in this call, unlike in the probe of "
+        "this model: its behaviour depends on the data, so the per-layer rules cannot be trusted. Use "
+        "strategy='torch_func' (or 'auto', which switches to it)."
+    )
+
+
+def _check_call(layer: Layer, name: str, index: int, ins: list[torch.Tensor], outs: list[torch.Tensor],
+                batch: int) -> CallSpec:
+    specs = layer.plan.calls
+    if index >= len(specs):
+        raise _mismatch(layer, name, f"is called more than {len(specs)} time(s)")
+    spec = specs[index]
+    for tensors, dims, rests in ((ins, spec.in_dims, spec.in_rest), (outs, spec.out_dims, spec.out_rest)):
+        if len(tensors) != len(dims):
+            raise _mismatch(layer, name, "has a different number of tensors")
+        for t, d, rest in zip(tensors, dims, rests, strict=True):
+            want = rest if d is SHARED else (*rest[:d], batch, *rest[d:])
+            if tuple(t.shape) != tuple(want):
+                raise _mismatch(layer, name, f"sees a tensor of shape {tuple(t.shape)} instead of {tuple(want)}")
+    return spec
+
+
+def _call_signature(args: tuple, kwargs: dict) -> tuple:
+    """What selects a layer's code path: each argument's kind (a tensor's dtype and rank, None, a flag's value)."""
+
+    def kind(v: object) -> object:
+        if isinstance(v, torch.Tensor):
+            return (v.dtype, v.dim())
+        return v if isinstance(v, (bool, int, float, str, type(None))) else type(v)
+
+    return tuple(map(kind, args)), tuple((k, kind(v)) for k, v in sorted(kwargs.items()))
+
+
+def _capturing_forward(layer: Layer, capture, pending: list[Captured | None]):
+    """The layer's forward as its call rule needs it run (``capture``, from ``capture_for``); each call leaves what
+    it kept (or None) in ``pending`` for the forward hook. Once per plan and kind of call (masks, flags), its
+    outputs are checked against the layer's own forward; if they differ, the layer takes the per-layer fallback
+    from then on."""
+    module = layer.module
+    own = type(module).forward
+
+    def forward(*args, **kwargs):
+        result = capture(module, args, kwargs) if layer.kind is LayerKind.CALL else None
+        signature = _call_signature(args, kwargs) if result is not None else None
+        if result is not None and signature not in layer.plan.captures_checked:
+            want = own(module, *args, **kwargs)  # with grad, as in this pass (no_grad may take a fast path)
+            if outputs_close(result[0], want):
+                layer.plan.captures_checked.add(signature)
+            else:
+                layer.plan.kind = LayerKind.FALLBACK
+                result = None
+        if result is None:
+            pending.append(None)
+            return own(module, *args, **kwargs)
+        pending.append(result[1])
+        return result[0]
+
+    return forward
+
+
+def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool
+             ) -> tuple[torch.Tensor, list[Call]]:
+    calls: list[Call] = []
+    counts: Counter[str] = Counter()
+    batch = inputs.size
+    names = {id(layer.module): name for name, layer in layers.items()}
+    pending: dict[int, list[Captured | None]] = {}  # per capturing layer, what its forward kept, until its hook
+    before_hooks: dict[int, list[tuple]] = {}  # per layer with forward pre-hooks: its calls' arguments before them
+
+    def detach(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().clone() if copy else t.detach()
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
+        name = names[id(module)]
+        layer = layers[name]
+        if id(module) in before_hooks:  # the call's arguments as given, before the layer's own pre-hooks changed them
+            args, kwargs = before_hooks[id(module)].pop()
+        ins = tensors_of(args) if not kwargs else tensors_of((args, kwargs))
+        handed, outputs = _handed_downstream(output, copy)
+        spec = _check_call(layer, name, counts[name], ins, outputs, batch)
+        counts[name] += 1
+        if not kwargs and len(ins) == len(args):  # the common case: tensors only, positional
+            saved_ins = [detach(t) for t in ins]
+            saved = (tuple(saved_ins), {})
+        else:
+            saved = tree_map(detach, (args, kwargs))
+            saved_ins = tensors_of(saved)
+        captured = pending[id(module)].pop() if id(module) in pending else None
+        call = Call(layer, saved, saved_ins, outputs, spec, captured=captured)
+        call.versions = tuple(t._version for t in call.tensors())
+        calls.append(call)
+        return handed
+
+    def remember_arguments(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        before_hooks[id(module)].append((args, kwargs))
+
+    # Layers whose call rule runs a forward of its own: an instance attribute for the duration of this pass.
+    captures = {name: capture_for(layer.module) for name, layer in layers.items() if layer.kind is LayerKind.CALL}
+    patched = [(layers[name], capture) for name, capture in captures.items() if capture is not None]
+    handles = [layer.module.register_forward_hook(hook, with_kwargs=True) for layer in layers.values()]
+    for layer in layers.values():
+        if layer.module._forward_pre_hooks:  # the per-layer fallback replays the call, pre-hooks included
+            before_hooks[id(layer.module)] = []
+            handles.append(layer.module.register_forward_pre_hook(remember_arguments, with_kwargs=True, prepend=True))
+    try:
+        for layer, capture in patched:
+            pending[id(layer.module)] = []
+            layer.module.forward = _capturing_forward(layer, capture, pending[id(layer.module)])
+        output = inputs(trainable.model)
+    finally:
+        for layer, _ in patched:
+            layer.module.__dict__.pop("forward", None)
+        for h in handles:
+            h.remove()
+    for name, layer in layers.items():
+        if 0 < counts[name] < len(layer.plan.calls):
+            raise _mismatch(layer, name, f"is called {counts[name]} time(s), not {len(layer.plan.calls)},")
+    return output, calls
+
+
+def _handed_downstream(output: object, copy: bool) -> tuple[object, list[torch.Tensor]]:
+    """What the layer hands downstream instead of ``output``, and the tensors whose gradients are its call's output
+    gradients: for each output tensor that requires grad, a new alias of it (``copy``: the alias, then a clone of it
+    for downstream, so that in-place operations downstream cannot change it). The gradient at the alias holds only
+    what flows back from downstream, never a path inside the layer from one of its outputs to another (an LSTMCell's
+    ``h = o * tanh(c)``, a layer returning ``(z, tanh(z))``), which the layer's own backward counts once more."""
+    if isinstance(output, torch.Tensor):
+        if not output.requires_grad:
+            return (output.clone() if copy else output), [output]
+        alias = output.view_as(output)
+        return (alias.clone() if copy else alias), [alias]
+    aliases: list[torch.Tensor] = []
+
+    def hand(t: object) -> object:
+        if not isinstance(t, torch.Tensor):
+            return t
+        alias = t.view_as(t) if t.requires_grad else t
+        aliases.append(alias)
+        return alias.clone() if copy else alias
+
+    handed = from_pytree(tree_map(hand, as_pytree(output)))
+    if len(aliases) != len(tensors_of(output)):  # a container pytree cannot rebuild: leave the output as it is
+        return None, tensors_of(output)
+    return handed, aliases
+
+
+def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Call]]:
+    """One forward pass of ``inputs`` (B, ...) with every layer's calls captured (and checked against the plan)."""
+    plan = plan_for(trainable, inputs)
+    if plan.interaction is not None or plan.hooks_problem is not None:
+        check_supported(trainable, inputs)
+    layers = trainable.cache.get("hooks.layers")
+    if layers is None:
+        layers = trainable.cache["hooks.layers"] = _layers(trainable, plan)
+    output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
+    if not plan.copy_captures and any(c.modified_in_place() for c in calls):  # ReLU(inplace=True), `out += x`
+        plan.copy_captures = True  # known from now on for this model and input signature: one forward pass
+        output, calls = _forward(trainable, inputs, layers, copy=True)
+    return output, calls
+
+
+def backward_to_layers(calls: list[Call], total: torch.Tensor) -> list[list]:
+    """The gradients of the scalar ``total`` with respect to every captured layer output (1 backward pass, to the
+    layer outputs only): per call, per output tensor, a (1, *output.shape) gradient or None."""
+    tensors, where = _grad_targets(calls)
+    if not tensors:
+        return _regroup(calls, [], (), batched=False)
+    grads = torch.autograd.grad(total, tensors, allow_unused=True)
+    return _regroup(calls, where, grads, batched=False)
+
+
+def _grad_targets(calls: list[Call]) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """The output tensors (then the captured internals) that carry gradients, and (call index, index) for each."""
+    tensors, where = [], []
+    for i, call in enumerate(calls):
+        for k, t in enumerate(call.outputs + call.internals):
+            if t.requires_grad:
+                tensors.append(t)
+                where.append((i, k))
+    return tensors, where
+
+
+def _regroup(calls: list[Call], where: list[tuple[int, int]], grads: tuple, batched: bool) -> list[list]:
+    """Per call, per output leaf (then per captured internal): (N, *leaf.shape) gradients (None where the leaf gets
+    none)."""
+    per_call: list[list] = [[None] * (len(c.outputs) + len(c.internals)) for c in calls]
+    for (i, k), g in zip(where, grads, strict=True):
+        if g is not None:
+            per_call[i][k] = g if batched else g.unsqueeze(0)
+    return per_call
+
+
+def loss_gradients(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object
+                   ) -> tuple[list[Call], list[list]]:
+    """1 forward with hooks, 1 backward of the summed per-sample losses to the layer outputs only.
+
+    Returns (calls, grads): per call, per output tensor, a (1, *output.shape) gradient or None.
+    """
+    output, calls = capture(trainable, inputs)
+    if not any(t.requires_grad for c in calls for t in c.outputs):  # no layer with trainable parameters reached
+        return calls, _regroup(calls, [], (), batched=False)
+    return calls, backward_to_layers(calls, summed_per_sample_loss(loss_fn, output, targets))
+
+
+def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], list[list], int]:
+    """1 forward with hooks, 1 backward batched over the Y one-hot output vectors to the layer outputs.
+
+    Returns (calls, grads, Y): per call, per output tensor, a (Y, *output.shape) gradient or None.
+    """
+    output, calls = capture(trainable, inputs)
+    outputs = flat_outputs(output if trainable.select is None else trainable.select(output))  # (B, Y)
+    batch, y_count = outputs.shape
+    tensors, where = _grad_targets(calls)
+    if not tensors:
+        return calls, _regroup(calls, [], (), batched=True), y_count
+    one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
+    try:
+        grads = torch.autograd.grad(outputs, tensors, grad_outputs=one_hot, is_grads_batched=True,
+                                    allow_unused=True, retain_graph=True)
+    except (RuntimeError, NotImplementedError):  # a backward without a batching rule: one output at a time
+        rows = [torch.autograd.grad(outputs, tensors, grad_outputs=one_hot[j], allow_unused=True,
+                                    retain_graph=True) for j in range(y_count)]
+        grads = tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows])
+                      for k in range(len(tensors)))
+    return calls, _regroup(calls, where, grads, batched=True), y_count

@@ -1,0 +1,177 @@
+"""The probe's runs (:mod:`pergrad_viz.engine.probe`): one forward pass with every module hooked, recording what each
+module saw and, on request, where the forward used each trainable parameter or first drew random numbers; and how
+two runs' tensors are compared (equal up to rounding, a tolerance per dtype)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from pergrad_viz.core.batch import Batch, as_pytree
+from pergrad_viz.core.trainable import Trainable
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    if dtype == torch.float64:
+        return 1e-7, 1e-9
+    if dtype in (torch.float16, torch.bfloat16):
+        return 2e-2, 1e-3
+    return 1e-3, 1e-5
+
+
+def close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """Equal up to rounding: relative to each element and, for the absolute part, to ``scale`` (the magnitude of
+    each feature over the probe's runs; default: of ``a`` and ``b`` here), floored at 1% of the largest magnitude in
+    the tensor: a small difference next to one very large feature is not hidden by that feature's size."""
+    if a.shape != b.shape:
+        return False
+    if not a.is_floating_point() and not a.is_complex():
+        return bool(torch.equal(a, b))
+    if a.numel() == 0:
+        return True
+    rtol, atol = _tolerance(a.dtype)
+    size = torch.maximum(a.abs(), b.abs()) if scale is None else scale
+    size = size.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # infinities (a -inf attention mask) compare equal
+    floor = max(float(size.max()) * 1e-2, 1.0)
+    ok = (a == b) | ((a - b).abs() <= rtol * b.abs() + atol * size.clamp(min=floor))
+    return bool((ok | (a.isnan() & b.isnan())).all())
+
+
+def outputs_close(a: object, b: object) -> bool:
+    """Whether two outputs of a layer hold the same tensors, equal up to rounding (tolerance by dtype)."""
+    ta, tb = tensors_of(a), tensors_of(b)
+    return len(ta) == len(tb) and all(close(x.detach(), y.detach()) for x, y in zip(ta, tb, strict=True))
+
+
+def tensors_of(obj: object) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a tensor, or nested tuples / lists / dicts of them and other values), in
+    ``torch.utils._pytree`` order; the common cases without the pytree machinery (it costs per call)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if type(obj) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in obj):
+        return list(obj)
+    return [t for t in tree_flatten(as_pytree(obj))[0] if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class Record:
+    """What every module saw in one probe run: {module name: [(input leaves, output leaves)]}."""
+
+    calls: dict[str, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = field(default_factory=dict)
+
+
+class _ParameterUses(TorchFunctionMode):
+    """Notes, for every torch function that receives a watched parameter and returns a tensor, the stack of
+    module names running at that moment (attribute reads such as ``p.requires_grad`` return no tensor and
+    do not count)."""
+
+    def __init__(self, watched: dict[int, str], stack: list[str]):
+        super().__init__()
+        self.watched = watched
+        self.stack = stack
+        self.uses: dict[str, list[tuple[tuple[str, ...], str]]] = {}
+        self.paused = False  # while the probe's own hooks run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self.paused:
+            return result
+        hits = [self.watched[id(t)] for t in tensors_of((args, kwargs)) if id(t) in self.watched]
+        if hits and tensors_of(result):
+            for name in hits:
+                self.uses.setdefault(name, []).append((tuple(self.stack), getattr(func, "__name__", str(func))))
+        return result
+
+
+class _RandomOps(TorchDispatchMode):
+    """Notes the innermost running module at the first operation that draws random numbers (the operations PyTorch
+    tags ``nondeterministic_seeded``: bernoulli, rand, randn, randperm, dropout, ...)."""
+
+    def __init__(self, stack: list[str]):
+        super().__init__()
+        self.stack = stack
+        self.first: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.first is None and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+            self.first = self.stack[-1] if self.stack else ""
+        return func(*args, **kwargs)
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of a seeded operation draws: not an attention kernel with ``dropout_p=0``, a dropout with
+    ``p=0`` / ``train=False`` or RReLU with ``training=False`` (those may take random numbers but use none)."""
+    schema = func._schema.arguments
+    values = {a.name: a.default_value for a in schema if a.has_default_value()}
+    values.update({a.name: v for a, v in zip(schema, args, strict=False)})
+    values.update(kwargs)
+    if (values.get("dropout_p", None) == 0 or values.get("p", None) == 0 or values.get("train", True) is False
+            or values.get("training", True) is False):
+        return False
+    return True
+
+
+def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
+         random_ops: bool = False) -> tuple[Record, dict | str | None]:
+    """One hooked forward of ``inputs``: what every module saw, and the parameter uses (``watch``) or, with
+    ``random_ops``, the module that first drew random numbers."""
+    record = Record()
+    stack: list[str] = []
+    names = {id(m): n for n, m in trainable.modules}
+    mode = None if watch is None else _ParameterUses(watch, stack)
+    randomness = _RandomOps(stack) if random_ops else None
+
+    def enter(module, args, kwargs):
+        stack.append(names[id(module)])
+
+    def leave(module, args, kwargs, output):
+        name = stack.pop() if stack else names[id(module)]
+        if mode is not None:
+            mode.paused = True
+        ins = [t.detach().clone() for t in tensors_of((args, kwargs))]
+        outs = [t.detach().clone() for t in tensors_of(output)]
+        if mode is not None:
+            mode.paused = False
+        record.calls.setdefault(name, []).append((ins, outs))
+
+    handles = []
+    for _, module in trainable.modules:
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    uses: dict = {}
+    try:
+        with torch.enable_grad():  # the same code paths as the real capture (no inference fast paths)
+            if randomness is not None:
+                with randomness:
+                    inputs(trainable.model)
+                return record, randomness.first
+            if mode is None:
+                inputs(trainable.model)
+            else:
+                with mode:
+                    inputs(trainable.model)
+                uses = mode.uses
+    finally:
+        for h in handles:
+            h.remove()
+    return record, uses
+
+
+def first_difference(first: Record, second: Record) -> str | None:
+    """The first module (in the order calls finish: innermost first) that, given the same inputs in two runs of the
+    same sample, gave different outputs: a forward that draws random numbers."""
+
+    def same(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
+        return len(xs) == len(ys) and all(close(a, b) for a, b in zip(xs, ys, strict=True))
+
+    for name, calls in first.calls.items():
+        for (ins, outs), (ins2, outs2) in zip(calls, second.calls.get(name, []), strict=False):
+            if same(ins, ins2) and not same(outs, outs2):
+                return name
+    return None
