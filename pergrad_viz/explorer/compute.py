@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from pergrad_viz import bench
+from pergrad_viz.bench.records import Record
 from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.explorer.state import QUANTITY_NAMES, REFERENCES, ClipView, Computed, Setting, Verdict, View
 from pergrad_viz.strategies.hooks import describe as describe_layers
 
-__all__ = ["boundaries", "checked_samples", "clipping", "how", "judge", "loop_rows", "noisy", "norms", "notes",
+__all__ = ["checked_samples", "clipping", "how", "judge", "loop_rows", "noisy", "norms", "notes",
            "verdict", "with_records"]
 
 
@@ -73,7 +73,7 @@ def judge(setting: Setting, data: Computed, diffs: dict[str, float], *, toleranc
     return Verdict(not failed, worst, tolerance, n, setting.batch, text, tuple(checked), tuple(failed))
 
 
-def with_records(view: View, data: Computed, records: Sequence[bench.Record], pending: tuple[str, ...], reused: int,
+def with_records(view: View, data: Computed, records: Sequence[Record], pending: tuple[str, ...], reused: int,
                  provisional: tuple[str, ...], stage: str, dtype: torch.dtype) -> View:
     """``view`` with the records timed so far, its verdict extended by their differences from the loop."""
     verdict_ = view.verdict
@@ -141,20 +141,11 @@ def loop_rows(model: nn.Module, loss_fn: Callable, x: object, y: object, idx: to
     return torch.stack(rows)
 
 
-def boundaries(model: nn.Module) -> list[tuple[str, int, int]]:
-    out, start = [], 0
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            out.append((name, start, start + p.numel()))
-            start += p.numel()
-    return out
-
-
-def noisy(records: Sequence[bench.Record]) -> tuple[str, ...]:
+def noisy(records: Sequence[Record]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(r.strategy for r in records if r.noisy))
 
 
-def notes(setting: Setting, records: Sequence[bench.Record], provisional: Sequence[str] = ()) -> tuple[str, ...]:
+def notes(setting: Setting, records: Sequence[Record], provisional: Sequence[str] = ()) -> tuple[str, ...]:
     """The lines a learner must see: the slow baselines skipped (and why, and how to time them), the numbers
     still being measured (provisional: not a warning), the noisy measurements."""
     lines = []

@@ -59,7 +59,7 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
         quantity: ``"grads"`` (per-sample gradients, (B, P)) or ``"jacobian"`` (output Jacobians, (B, Y, P)).
         slow_limit: ``loop``, ``autograd_stack`` and ``batched_grad`` are skipped, with a visible note, where
             they would push more than this many samples through backward passes per call (the loop: B for
-            gradients, B x Y for Jacobians; the other two B times that, see ``bench.backward_work``); the
+            gradients, B x Y for Jacobians; the other two B times that, see ``bench.sweeps.backward_work``); the
             explorer's "time slow methods up to" control starts here.
         rounds: interleaved timing rounds per method (fewer, down to 3, for expensive ones).
         sweep_batches: how many batch sizes (up to the current one) are timed for the scaling curve.

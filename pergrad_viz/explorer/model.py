@@ -39,10 +39,12 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from pergrad_viz import bench
 from pergrad_viz.api import per_sample_grads, per_sample_jacobian, resolve_strategy
 from pergrad_viz.bench import timing
+from pergrad_viz.bench.records import FORWARD_BACKWARD, MEMORY_FLOOR, Record
+from pergrad_viz.bench.sweeps import backward_work
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.layout import param_boundaries
 from pergrad_viz.core.memory import check_held, result_bytes
 from pergrad_viz.errors import human_bytes
 from pergrad_viz.explorer import compute
@@ -223,12 +225,12 @@ class ExplorerModel:
                 view = dataclasses.replace(view, verdict=data.verdict)
                 yield view
                 poll()
-            records: list[bench.Record] = []
+            records: list[Record] = []
             for records, pending, reused, provisional in self._time_setting(setting, data, poll):
                 view = self._with_records(view, data, records, pending, reused, provisional, stage="timing")
                 yield view
             scaling = self.scaling_batches(setting.batch)[:-1]
-            others: list[bench.Record] = []
+            others: list[Record] = []
             for k, b in enumerate(scaling):
                 view = dataclasses.replace(view, scaling_pending=tuple(scaling[k:]))
                 yield view
@@ -279,7 +281,7 @@ class ExplorerModel:
         start = time.perf_counter()
         grads = per_sample_grads(model, loss_fn, x, y, strategy="hooks", flat=True)  # (B, P)
         hooks_s = time.perf_counter() - start
-        bounds = compute.boundaries(model)
+        bounds = param_boundaries(model)
         total, layers = compute.norms(grads, bounds)
         data = Computed(model, loss_fn, x, y, labels, grads, bounds, total, layers, None, hooks_s=hooks_s,
                         how=compute.how(model, x))
@@ -308,7 +310,7 @@ class ExplorerModel:
     def _clipping(setting: Setting, data: Computed) -> ClipView:
         return compute.clipping(setting, data)
 
-    def _with_records(self, view: View, data: Computed, records: Sequence[bench.Record], pending: tuple[str, ...],
+    def _with_records(self, view: View, data: Computed, records: Sequence[Record], pending: tuple[str, ...],
                       reused: int, provisional: tuple[str, ...], stage: str) -> View:
         return compute.with_records(view, data, records, pending, reused, provisional, stage, self.dtype)
 
@@ -323,7 +325,7 @@ class ExplorerModel:
             return None
         outputs = self.outputs(setting) if setting.quantity == "jacobian" else 1
         strategy = "hooks" if name == "auto" else name
-        work = bench.backward_work(strategy, setting.quantity, setting.batch, outputs)
+        work = backward_work(strategy, setting.quantity, setting.batch, outputs)
         limit = self.slow_limit if setting.slow_limit is None else setting.slow_limit
         if work > limit:
             return f"skipped: {work:,} sample-backward passes > slow_limit={limit:,}"
@@ -341,8 +343,8 @@ class ExplorerModel:
             return torch.autograd.grad(loss_fn(batch(model), y), params)
 
         floor = torch.zeros(shape, dtype=self.dtype, device=self.device)  # its pages touched now, not when timed
-        calls: dict[str, Callable[[], object]] = {bench.FORWARD_BACKWARD: forward_backward,
-                                                  bench.MEMORY_FLOOR: lambda: floor.fill_(0.5)}
+        calls: dict[str, Callable[[], object]] = {FORWARD_BACKWARD: forward_backward,
+                                            MEMORY_FLOOR: lambda: floor.fill_(0.5)}
         for name in setting.strategies:
             if setting.quantity == "grads":
                 calls[name] = (lambda s=name: per_sample_grads(model, loss_fn, x, y, strategy=s, flat=True))
@@ -351,9 +353,9 @@ class ExplorerModel:
         return calls
 
     def _time_setting(self, setting: Setting, data: Computed, poll: Callable[[], None], rounds: int | None = None
-                      ) -> Iterator[tuple[list[bench.Record], tuple[str, ...], int, tuple[str, ...]]]:
+                      ) -> Iterator[tuple[list[Record], tuple[str, ...], int, tuple[str, ...]]]:
         """Time the setting's methods (:meth:`.session.TimingSession.time_setting`)."""
-        skipped = [bench.Record(s, setting.quantity, setting.batch, setting.hidden, None, None,
+        skipped = [Record(s, setting.quantity, setting.batch, setting.hidden, None, None,
                                 self._result_size(setting), note=note)
                    for s in setting.strategies if (note := self._skip_note(setting, s)) is not None]
         return self.session.time_setting(

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
-from pergrad_viz import bench
+from pergrad_viz.bench.records import Record
 from pergrad_viz.errors import human_bytes
 from pergrad_viz.explorer.specs import TOKENS_NOTE, ModelSpec
 from pergrad_viz.explorer.state import QUANTITY_NAMES, RuleView, Setting, View
@@ -170,7 +170,7 @@ TABLE_COLUMNS = ("method", "median", "IQR", "vs loop", "vs fwd+bwd", "vs floor",
                  "note")
 
 
-def table_row(r: bench.Record) -> tuple[str, ...]:
+def table_row(r: Record) -> tuple[str, ...]:
     def ratio(x: float | None) -> str:
         return "-" if x is None else plots.fmt_ratio(x)
 

@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from pergrad_viz import bench
 from pergrad_viz.bench import timing
+from pergrad_viz.bench.records import MEMORY_FLOOR, Record
 from pergrad_viz.explorer.state import ANCHOR, REFERENCES, Computed, Setting, TimingKey
 
 __all__ = ["TimingSession"]
 
 Calls = dict[str, Callable[[], object]]
-Progress = tuple[list[bench.Record], tuple[str, ...], int, tuple[str, ...]]
+Progress = tuple[list[Record], tuple[str, ...], int, tuple[str, ...]]
 
 
 class TimingSession:
@@ -45,14 +45,14 @@ class TimingSession:
         self.dtype = dtype
         self.device = device
         self.threads = threads
-        self.cache: dict[TimingKey, bench.Record] = {}
+        self.cache: dict[TimingKey, Record] = {}
 
     def key(self, setting: Setting, method: str) -> TimingKey:
         return TimingKey(setting.model, setting.quantity, setting.batch, setting.hidden, method, str(self.dtype),
                          str(self.device), self.threads)
 
     def time_setting(self, setting: Setting, data: Computed, poll: Callable[[], None], *, methods: Sequence[str],
-                     skipped: Sequence[bench.Record], result_bytes: int, prepare: Callable[[], Calls],
+                     skipped: Sequence[Record], result_bytes: int, prepare: Callable[[], Calls],
                      describe_auto: Callable[[], str], rounds: int | None = None) -> Iterator[Progress]:
         """Time the setting's ``methods`` tier by tier; yields (records so far, methods pending, records reused,
         methods provisional). ``skipped``: the records of the methods skipped as too slow (shown last);
@@ -62,7 +62,7 @@ class TimingSession:
         use fewer, and fewer extra rounds)."""
         most = self.rounds if rounds is None else rounds
         skipped = list(skipped)
-        done: dict[str, bench.Record] = {}
+        done: dict[str, Record] = {}
         for name in methods:
             hit = self.cache.get(self.key(setting, name))
             if hit is not None:
@@ -114,7 +114,7 @@ class TimingSession:
                         why = (f"median ±{t.uncertainty:.0%} after {len(t.samples)} rounds" if t.noisy
                                else "the load changed while timing (forward+backward moved)")
                         note = "; ".join(filter(None, [note, f"noisy: {why}"]))
-                    record = bench.Record(m, setting.quantity, setting.batch, setting.hidden, t.median_s, t.iqr_s,
+                    record = Record(m, setting.quantity, setting.batch, setting.hidden, t.median_s, t.iqr_s,
                                           result_bytes, max_abs_diff=diffs.get(m), note=note, noisy=noisy)
                     record.vs_forward_backward = ratios[m]
                     done[m] = record
@@ -161,10 +161,10 @@ class TimingSession:
         return estimates, diffs, prior
 
 
-def relate(done: dict[str, bench.Record], ratios: dict[str, float]) -> None:
+def relate(done: dict[str, Record], ratios: dict[str, float]) -> None:
     """Speed-up vs the loop and time vs the memory floor, as ratios of each one's ratio to the anchor of its
     own tier: comparable across tiers even if the load changed between them."""
-    loop, floor = ratios.get("loop"), ratios.get(bench.MEMORY_FLOOR)
+    loop, floor = ratios.get("loop"), ratios.get(MEMORY_FLOOR)
     for name, r in done.items():
         if r.skipped or name not in ratios:
             continue
@@ -172,7 +172,7 @@ def relate(done: dict[str, bench.Record], ratios: dict[str, float]) -> None:
         r.vs_memory_floor = ratios[name] / floor if floor else None
 
 
-def ordered(done: dict[str, bench.Record], skipped: list[bench.Record]) -> list[bench.Record]:
+def ordered(done: dict[str, Record], skipped: list[Record]) -> list[Record]:
     """The strategies timed so far, fastest first (cheap tiers finish first, so the chart grows downwards), then
     the references, then the skipped ones."""
     strategies = sorted((r for name, r in done.items() if name not in REFERENCES), key=lambda r: r.median_s)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pergrad_viz import bench
+from pergrad_viz.bench.records import FORWARD_BACKWARD, MEMORY_FLOOR, Record
 from pergrad_viz.explorer.specs import describe_width
 from pergrad_viz.strategies import STRATEGIES
 
@@ -20,8 +20,8 @@ __all__ = ["ANCHOR", "QUANTITIES", "QUANTITY_NAMES", "REFERENCES", "ClipView", "
 
 QUANTITIES = ("grads", "jacobian")
 QUANTITY_NAMES = {"grads": "per-sample gradients", "jacobian": "output Jacobian"}
-REFERENCES = (bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR)
-ANCHOR = bench.FORWARD_BACKWARD  # timed in every tier: ratios within a tier, drift between tiers
+REFERENCES = (FORWARD_BACKWARD, MEMORY_FLOOR)
+ANCHOR = FORWARD_BACKWARD  # timed in every tier: ratios within a tier, drift between tiers
 
 
 class Stale(Exception):
@@ -184,9 +184,9 @@ class View:
     verdict: Verdict | None
     sample: SampleView
     clipping: ClipView
-    records: tuple[bench.Record, ...] = ()
+    records: tuple[Record, ...] = ()
     pending: tuple[str, ...] = ()
-    scaling_records: tuple[bench.Record, ...] = ()
+    scaling_records: tuple[Record, ...] = ()
     provisional: tuple[str, ...] = ()
     noisy: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()

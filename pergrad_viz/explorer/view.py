@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import ipywidgets as w
 from matplotlib.figure import Figure
 
-from pergrad_viz import bench
+from pergrad_viz.bench.records import Record
 from pergrad_viz.explorer import panels
 from pergrad_viz.explorer.model import ExplorerModel
 from pergrad_viz.explorer.page import Page, arrange
@@ -306,11 +306,11 @@ class Explorer(w.VBox):
     # ------------------------------------------------------------------------------------------ for code
 
     @property
-    def records(self) -> list[bench.Record]:
+    def records(self) -> list[Record]:
         return list(self.view.records) if self.view is not None else []
 
     @property
-    def scaling_records(self) -> list[bench.Record]:
+    def scaling_records(self) -> list[Record]:
         return list(self.view.scaling_records) if self.view is not None else []
 
     @property
