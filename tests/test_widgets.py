@@ -314,6 +314,7 @@ def test_explorer_on_the_users_own_model():
                           **{**OPTIONS, "default_batch": 4, "hidden_widths": (8,)})
     assert ex.error == "" and ex.view.verdict.ok and ex.view.setting.model == "yours"
     assert ex.model_dropdown.layout.display == "none" and ex.hidden_slider.layout.display == "none"
+    assert all(s.layout.display != "none" for s in (ex.batch_slider, ex.sample_slider, ex.clip_slider))
     assert "your model (Sequential)" in ex.width_help.value
     assert ex.batch_slider.options == (1, 2, 4) and ex.view.grads.shape == (4, sum(p.numel() for p in
                                                                                      net.parameters()))

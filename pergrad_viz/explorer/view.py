@@ -73,16 +73,19 @@ class Explorer(w.VBox):
         self._rerun = False  # the next job times again even if the setting is shown already
         self._lock = threading.RLock()  # one job applies its views at a time
 
-        slider = {"continuous_update": False, "style": {"description_width": "initial"},
-                  "layout": w.Layout(width="360px")}
+
+        def slider() -> dict:  # a layout of its own each: hiding the width slider hides no other
+            return {"continuous_update": False, "style": {"description_width": "initial"},
+                    "layout": w.Layout(width="360px")}
+
         self.batch_slider = w.SelectionSlider(options=list(batch_sizes), value=default.batch,
-                                              description="batch size", **slider)
+                                              description="batch size", **slider())
         spec = self.specs[default.model]
         self.model_dropdown = w.Dropdown(options=[(s.title, key) for key, s in self.specs.items()],
                                          value=default.model, description="model",
                                          style={"description_width": "initial"}, layout=w.Layout(width="460px"))
         self.hidden_slider = w.SelectionSlider(options=list(hidden_widths), value=default.hidden,
-                                               description=spec.width_name or "width", **slider)
+                                               description=spec.width_name or "width", **slider())
         self.width_help = w.HTML("", layout=w.Layout(margin="0 0 0 12px"))
         self.quantity_toggle = w.ToggleButtons(options=list(QUANTITY_OPTIONS), value=default.quantity,
                                                style={"button_width": "auto"},
@@ -92,9 +95,9 @@ class Explorer(w.VBox):
                                                 layout=w.Layout(width="auto", margin="0 14px 0 0"))
                                for name in strategies}
         self.sample_slider = w.IntSlider(value=default.sample, min=0, max=max(default.batch - 1, 0),
-                                         description="sample", **slider)
+                                         description="sample", **slider())
         self.clip_slider = w.FloatLogSlider(value=default.clip, base=10, min=-1, max=3, step=0.05,
-                                            description="clipping threshold C", readout_format=".3g", **slider)
+                                            description="clipping threshold C", readout_format=".3g", **slider())
         self.rerun_button = w.Button(description="rerun timings", icon="refresh",
                                      tooltip="time this setting again (noisy numbers are never kept)",
                                      layout=w.Layout(width="auto", margin="0 18px 0 0"))
