@@ -64,7 +64,8 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
         rounds: interleaved timing rounds per method (fewer, down to 3, for expensive ones).
         sweep_batches: how many batch sizes (up to the current one) are timed for the scaling curve.
         device: where to compute the menu's networks (yours stays where it is). dpi: pixels per inch of the figures.
-        threads: intra-op threads while computing (default: all cores but one).
+        threads: intra-op threads while computing (default: all cores but one); set for each step of the work
+            and the process's own count restored after it.
         background: work in a background thread (False: in the control's callback, e.g. for tests).
         compute: start on the default setting now.
         model_options: more :class:`~.model.ExplorerModel` options (``min_block_s``, ``tier_budget_s`` ...).

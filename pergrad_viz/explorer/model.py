@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -49,7 +48,7 @@ from pergrad_viz.core.memory import check_held, result_bytes
 from pergrad_viz.errors import human_bytes
 from pergrad_viz.explorer import compute
 from pergrad_viz.explorer.sample import inputs_of, sample_view
-from pergrad_viz.explorer.session import Calls, TimingSession
+from pergrad_viz.explorer.session import Calls, TimingSession, clock, synchronizer
 from pergrad_viz.explorer.specs import MENU, ModelSpec
 from pergrad_viz.explorer.state import (
     QUANTITIES,
@@ -92,7 +91,8 @@ class ExplorerModel:
             as noisy.
         sweep_batches: batch sizes on the scaling curve (up to the current one).
         threads: intra-op threads while computing (default: one core left free, see
-            :func:`pergrad_viz.bench.timing.headroom_threads`).
+            :func:`pergrad_viz.bench.timing.headroom_threads`); set for each step of :meth:`stages` and the
+            process's own count restored after it.
         verdict_samples, verdict_samples_jacobian: the results are compared with the loop on all samples up to
             this many (for gradients / for Jacobians), else on this many spread evenly over the batch.
     """
@@ -208,43 +208,41 @@ class ExplorerModel:
     def stages(self, setting: Setting, check: Callable[[], None] | None = None) -> Iterator[View]:
         """Views of ``setting``, progressively: ``"gradients"`` first, a ``"timing"`` view per tier of methods
         timed, ``"done"`` last. ``check`` is called between steps (and between timed blocks): raise
-        :class:`Stale` from it to abandon the setting."""
-        poll = check or (lambda: None)
+        :class:`Stale` from it to abandon the setting. Each step runs with :attr:`threads` intra-op threads, the
+        process's own count restored before each view is yielded (:meth:`.session.TimingSession.stepwise`)."""
         self.check(setting)
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            data = self._gradients(setting)
-            view = View(setting, "gradients", data.grads, data.boundaries, data.labels, data.verdict,
-                        self._sample(setting, data), self._clipping(setting, data),
-                        pending=tuple(self._methods(setting)), layers=data.how)
+        yield from self.session.stepwise(self._stages(setting, check or (lambda: None)))
+
+    def _stages(self, setting: Setting, poll: Callable[[], None]) -> Iterator[View]:
+        data = self._gradients(setting)
+        view = View(setting, "gradients", data.grads, data.boundaries, data.labels, data.verdict,
+                    self._sample(setting, data), self._clipping(setting, data),
+                    pending=tuple(self._methods(setting)), layers=data.how)
+        yield view
+        poll()
+        if data.verdict is None:
+            data.verdict = self._verdict(setting, data)
+            view = dataclasses.replace(view, verdict=data.verdict)
             yield view
             poll()
-            if data.verdict is None:
-                data.verdict = self._verdict(setting, data)
-                view = dataclasses.replace(view, verdict=data.verdict)
-                yield view
-                poll()
-            records: list[Record] = []
-            for records, pending, reused, provisional in self._time_setting(setting, data, poll):
-                view = self._with_records(view, data, records, pending, reused, provisional, stage="timing")
-                yield view
-            scaling = self.scaling_batches(setting.batch)[:-1]
-            others: list[Record] = []
-            for k, b in enumerate(scaling):
-                view = dataclasses.replace(view, scaling_pending=tuple(scaling[k:]))
-                yield view
-                poll()
-                sub = dataclasses.replace(setting, batch=b)
-                *_, (last, *_rest) = self._time_setting(sub, self._gradients(sub, keep=False), poll,
-                                                         rounds=self.session.min_rounds)
-                others += last
-            view = dataclasses.replace(view, stage="done", scaling_pending=(),
-                                       scaling_records=tuple(sorted([*others, *records], key=lambda r: r.batch_size)))
-            view = dataclasses.replace(view, noisy=compute.noisy(view.scaling_records))
+        records: list[Record] = []
+        for records, pending, reused, provisional in self._time_setting(setting, data, poll):
+            view = self._with_records(view, data, records, pending, reused, provisional, stage="timing")
             yield view
-        finally:
-            torch.set_num_threads(previous)
+        scaling = self.scaling_batches(setting.batch)[:-1]
+        others: list[Record] = []
+        for k, b in enumerate(scaling):
+            view = dataclasses.replace(view, scaling_pending=tuple(scaling[k:]))
+            yield view
+            poll()
+            sub = dataclasses.replace(setting, batch=b)
+            *_, (last, *_rest) = self._time_setting(sub, self._gradients(sub, keep=False), poll,
+                                                     rounds=self.session.min_rounds)
+            others += last
+        view = dataclasses.replace(view, stage="done", scaling_pending=(),
+                                   scaling_records=tuple(sorted([*others, *records], key=lambda r: r.batch_size)))
+        view = dataclasses.replace(view, noisy=compute.noisy(view.scaling_records))
+        yield view
 
     def with_sample(self, view: View, *, sample: int | None = None, clip: float | None = None) -> View:
         """``view`` with another sample or clipping threshold: no gradients computed again, nothing timed.
@@ -260,6 +258,10 @@ class ExplorerModel:
         if setting.clip != view.setting.clip:
             changes["clipping"] = self._clipping(setting, data)
         return dataclasses.replace(view, **changes)
+
+    def release(self) -> None:
+        """Let go of the arrays kept for sample and clip changes (the timings stay cached)."""
+        self._data = {}
 
     def forget(self, setting: Setting) -> None:
         """Drop the cached timings of ``setting``'s batch sizes (the scaling curve's too): time them again."""
@@ -278,9 +280,10 @@ class ExplorerModel:
         if cached is not None:
             return cached
         model, loss_fn, x, y, labels = self.problem(setting)
-        start = time.perf_counter()
+        sync = synchronizer(model, self.device)
+        start = clock(sync)
         grads = per_sample_grads(model, loss_fn, x, y, strategy="hooks", flat=True)  # (B, P)
-        hooks_s = time.perf_counter() - start
+        hooks_s = clock(sync) - start
         bounds = param_boundaries(model)
         total, layers = compute.norms(grads, bounds)
         data = Computed(model, loss_fn, x, y, labels, grads, bounds, total, layers, None, hooks_s=hooks_s,

@@ -26,7 +26,7 @@ from pergrad_viz.viz import plots
 if TYPE_CHECKING:
     from pergrad_viz.explorer.view import Explorer
 
-__all__ = ["PANELS", "Page", "arrange"]
+__all__ = ["PANELS", "Page", "arrange", "close_all"]
 
 PANELS = ("heatmap", "images", "rule", "clip", "bars", "runtime")
 BAR_INTERVAL_S = 0.5  # while timing, the bar chart is redrawn at most this often
@@ -193,3 +193,18 @@ def arrange(ex: Explorer) -> list[w.Widget]:
         heading("Which rule computes each layer"),
         ex.layers_html,
     ]
+
+
+def close_all(root: w.Widget) -> None:
+    """Close every widget under ``root`` (its children, theirs, their layouts and styles), not ``root`` itself:
+    ipywidgets keeps each open widget, and the callbacks it holds, alive until it is closed."""
+    seen, stack = {id(root)}, [root]
+    while stack:
+        widget = stack.pop()
+        for name in widget.keys:
+            value = getattr(widget, name, None)
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(item, w.Widget) and id(item) not in seen:
+                    seen.add(id(item))
+                    stack.append(item)
+                    item.close()

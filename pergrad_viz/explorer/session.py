@@ -4,22 +4,31 @@
 Timings are cached by everything that affects them (:class:`~pergrad_viz.explorer.state.TimingKey`: model,
 quantity, batch size, width, method, dtype, device, threads); a noisy one (its median still uncertain after the
 extra rounds, or the anchor drifted between tiers) is flagged (``Record.noisy``) and never cached.
+
+The process is the user's: the explorer's thread count is set for each step of its work and the user's restored
+after it (:meth:`TimingSession.stepwise`), never left changed while the explorer waits or draws; on CUDA every
+clock reading waits for the device first (:func:`synchronizer`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
+from torch import nn
 
 from pergrad_viz.bench import timing
 from pergrad_viz.bench.records import MEMORY_FLOOR, Record
 from pergrad_viz.explorer.state import ANCHOR, REFERENCES, Computed, Setting, TimingKey
 
-__all__ = ["TimingSession"]
+__all__ = ["TimingSession", "clock", "intra_op_threads", "synchronizer"]
+
+T = TypeVar("T")
 
 Calls = dict[str, Callable[[], object]]
 Progress = tuple[list[Record], tuple[str, ...], int, tuple[str, ...]]
@@ -47,6 +56,20 @@ class TimingSession:
         self.threads = threads
         self.cache: dict[TimingKey, Record] = {}
 
+    def stepwise(self, steps: Iterator[T]) -> Iterator[T]:
+        """``steps`` (a generator), each step run with :attr:`threads` intra-op threads and the process's own
+        count restored before it is yielded: the user's cells, run meanwhile, keep theirs."""
+        try:
+            while True:
+                with intra_op_threads(self.threads):
+                    try:
+                        item = next(steps)
+                    except StopIteration:
+                        return
+                yield item
+        finally:
+            steps.close()
+
     def key(self, setting: Setting, method: str) -> TimingKey:
         return TimingKey(setting.model, setting.quantity, setting.batch, setting.hidden, method, str(self.dtype),
                          str(self.device), self.threads)
@@ -62,6 +85,7 @@ class TimingSession:
         use fewer, and fewer extra rounds)."""
         most = self.rounds if rounds is None else rounds
         skipped = list(skipped)
+        sync = synchronizer(data.model, self.device)
         done: dict[str, Record] = {}
         for name in methods:
             hit = self.cache.get(self.key(setting, name))
@@ -74,7 +98,7 @@ class TimingSession:
             return
         calls = prepare()
         warm = [*todo, *([ANCHOR] if ANCHOR not in todo else [])]
-        estimates, diffs, prior = self.warm_up(setting, data, calls, warm, poll)
+        estimates, diffs, prior = self.warm_up(setting, data, calls, warm, poll, sync)
         anchor_ref: timing.Timing | None = None
         if ANCHOR in done:
             anchor_ref = timing.summarize([done[ANCHOR].median_s])
@@ -97,12 +121,12 @@ class TimingSession:
                                        budget_s=max(0.0, patience_left), threshold=self.noise_threshold)
             extra_since: float | None = None
             for result, final in timing.time_adaptive(fns, patience=patience, estimates=estimates,
-                                                      min_block_s=self.min_block_s, check=poll,
+                                                      min_block_s=self.min_block_s, check=poll, synchronize=sync,
                                                       prior={m: prior[m] for m in fns if m in prior}):
                 if not final and extra_since is None:
-                    extra_since = time.perf_counter()
+                    extra_since = clock(sync)
                 elif final and extra_since is not None:
-                    patience_left -= time.perf_counter() - extra_since
+                    patience_left -= clock(sync) - extra_since
                 anchor = result[ANCHOR]
                 drift = final and anchor_ref is not None and timing.drifted(anchor_ref, anchor, self.drift)
                 for m in tier:
@@ -130,12 +154,13 @@ class TimingSession:
                         self.cache[self.key(setting, m)] = dataclasses.replace(done[m])
                 yield ordered(done, skipped), tuple(p for p in methods if p in pending), reused, ()
 
-    def warm_up(self, setting: Setting, data: Computed, calls: Calls, names: list[str], poll: Callable[[], None]
+    def warm_up(self, setting: Setting, data: Computed, calls: Calls, names: list[str], poll: Callable[[], None],
+                sync: Callable[[], None] | None = None
                 ) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
         """One call of each method: its cost (to plan the tiers and size the blocks) and, for strategies, its
         max |difference| from the loop on the checked samples (``data.reference``). Returns (estimates,
         differences, prior): a call that took at least ``prior_min_s`` counts as the method's first round (timing it
-        again would cost more than it tells)."""
+        again would cost more than it tells). ``sync``: called before each clock reading (CUDA)."""
         estimates: dict[str, float] = {}
         diffs: dict[str, float] = {}
         prior: dict[str, list[float]] = {}
@@ -148,9 +173,9 @@ class TimingSession:
                     prior[m] = [data.hooks_s]
                 continue
             poll()
-            start = time.perf_counter()
+            start = clock(sync)
             out = calls[m]()
-            estimates[m] = time.perf_counter() - start
+            estimates[m] = clock(sync) - start
             if estimates[m] >= self.prior_min_s:
                 prior[m] = [estimates[m]]
             if m in REFERENCES:
@@ -177,3 +202,40 @@ def ordered(done: dict[str, Record], skipped: list[Record]) -> list[Record]:
     the references, then the skipped ones."""
     strategies = sorted((r for name, r in done.items() if name not in REFERENCES), key=lambda r: r.median_s)
     return [*strategies, *(done[n] for n in REFERENCES if n in done), *skipped]
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count at ``threads`` inside the block, as it was before after it (torch's setting
+    is the process's: the block should not wait for anyone)."""
+    previous = torch.get_num_threads()
+    if threads == previous:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def synchronizer(model: nn.Module, device: str | torch.device) -> Callable[[], None] | None:
+    """What to call before each clock reading: ``torch.cuda.synchronize`` on every CUDA device of ``model``'s
+    parameters and buffers and ``device`` (None when none is a CUDA device)."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers())} | {torch.device(device)}
+    cuda = sorted((d for d in devices if d.type == "cuda"), key=str)
+    if not cuda:
+        return None
+
+    def sync() -> None:
+        for d in cuda:
+            torch.cuda.synchronize(d)
+
+    return sync
+
+
+def clock(sync: Callable[[], None] | None = None) -> float:
+    """``time.perf_counter()``, after ``sync()`` (the device's queued work done) where given."""
+    if sync is not None:
+        sync()
+    return time.perf_counter()

@@ -26,15 +26,16 @@ from matplotlib.figure import Figure
 from pergrad_viz.bench.records import Record
 from pergrad_viz.explorer import panels
 from pergrad_viz.explorer.model import ExplorerModel
-from pergrad_viz.explorer.page import Page, arrange
+from pergrad_viz.explorer.page import Page, arrange, close_all
 from pergrad_viz.explorer.state import QUANTITIES, QUANTITY_NAMES, Setting, Stale, View
-from pergrad_viz.explorer.worker import Worker
+from pergrad_viz.explorer.worker import Job, Worker
 
 __all__ = ["Explorer"]
 
 QUANTITY_OPTIONS = tuple((QUANTITY_NAMES[q], q) for q in QUANTITIES)
 DPI = 96  # CSS pixels per inch: a figure of 8 in shows 768 px wide, drawn at that size
 SLOW_LIMITS = (256, 1024, 4096, 16384, 65536)  # the slow-methods control's options (and the explorer's default)
+CLOSE_TIMEOUT_S = 60.0  # close() waits this long at most for the worker (it stops between two timed blocks)
 
 
 class Explorer(w.VBox):
@@ -52,6 +53,10 @@ class Explorer(w.VBox):
         records, scaling_records: the view's records; status: its verdict line and notes as plain text;
         max_difference: the verdict's max |difference|; error: the last error's text ("" when the last
         setting worked); drawn: {panel: times drawn}; busy: work pending or running.
+
+    Threads: the kernel's thread writes the controls only; the worker's computes, times (it alone touches the
+    timing cache: "rerun timings" hands it a job) and writes the output panes. :meth:`close` stops the worker,
+    joins it and closes every widget: a closed explorer is garbage collected.
     """
 
     def __init__(self, model: ExplorerModel, *, batch_sizes: Sequence[int], hidden_widths: Sequence[int],
@@ -70,7 +75,7 @@ class Explorer(w.VBox):
         self.page = Page(self.specs, dpi, stale=self._stale)
         self.drawn = self.page.drawn
         self._suspended = False
-        self._rerun = False  # the next job times again even if the setting is shown already
+        self._closed = False
         self._lock = threading.RLock()  # one job applies its views at a time
 
 
@@ -175,9 +180,7 @@ class Explorer(w.VBox):
             self._suspended = suspended
 
     def _on_rerun(self, _button) -> None:
-        self.model.forget(self.setting)
-        self._rerun = True
-        self.refresh()
+        self.refresh(rerun=True)  # the worker forgets the timings: it alone touches the cache
 
     def set(self, *, batch: int | None = None, hidden: int | None = None, quantity: str | None = None,
             strategies: Sequence[str] | None = None, sample: int | None = None, clip: float | None = None,
@@ -214,15 +217,17 @@ class Explorer(w.VBox):
             self._suspended = False
         self.refresh()
 
-    def refresh(self) -> None:
-        """Work out the current setting: in the background worker (returns at once), or here when the explorer
-        was built with ``background=False``. Errors are shown in the widget (and kept in :attr:`error`)."""
-        setting = self.setting
-        self._progress("busy", setting, f"computing the gradients at {setting.describe()} …")
+    def refresh(self, *, rerun: bool = False) -> None:
+        """Work out the current setting (``rerun``: time it again): in the background worker (returns at once; the
+        worker says "busy" when it starts on it), or here when the explorer was built with ``background=False``.
+        Errors are shown in the widget (and kept in :attr:`error`)."""
+        if self._closed:
+            return
+        job = Job(self.setting, rerun=rerun)
         if self._worker is not None:
-            self._worker.submit(setting)
+            self._worker.submit(job)
         else:
-            self._run(setting)
+            self._run(job)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the worker has nothing pending or running (True), or ``timeout`` seconds passed."""
@@ -234,47 +239,57 @@ class Explorer(w.VBox):
 
     # ------------------------------------------------------------------------------------------ work
 
-    def _run(self, setting: Setting) -> None:
-        """The worker's job: the model's stages for ``setting``, each shown as it comes."""
+    def _run(self, job: Job) -> None:
+        """The worker's job: the model's stages for its setting, each shown as it comes (``job.rerun``: its
+        timings forgotten first)."""
+        setting = job.setting
         with self._lock:
             try:
-                current, rerun, self._rerun = self.view, self._rerun, False
-                if current is not None and current.done and not rerun and _same_work(current.setting, setting):
+                self._check_closed()
+                current = self.view
+                if job.rerun:
+                    self.model.forget(setting)
+                elif current is not None and current.done and _same_work(current.setting, setting):
                     self._show(self.model.with_sample(current, sample=setting.sample, clip=setting.clip))
                     self._progress("done", setting, current.progress)
                     self.error = ""
                     self.error_html.value = ""
                     return
+                self._progress("busy", setting, f"computing the gradients at {setting.describe()} …")
                 for view in self.model.stages(setting, check=self._check):
                     self._show(self._keep_panels(view))
                 self.error = ""
                 self.error_html.value = ""
                 self._progress("done", self.view.setting, self.view.progress)
             except Stale:
-                pass  # a newer setting is pending: the worker runs it next
+                pass  # a newer setting is pending (the worker runs it next), or the explorer was closed
             except Exception as exc:  # shown, not swallowed: the UI must survive e.g. a MemoryBudgetError
                 self._show_error(setting, exc)
 
     def _check(self) -> None:
         """Between steps of the model's work: a new sample or threshold is drawn right here (the timing goes
-        on); any other change abandons this setting."""
-        if self._worker is None:
-            return
-        newer = self._worker.peek()
-        view = self.view
+        on); any other change, a rerun or :meth:`close` abandons this setting."""
+        self._check_closed()
+        newer = self._worker.peek() if self._worker is not None else None
         if newer is None:
             return
-        if view is not None and _same_work(newer, view.setting) and self._worker.take(newer):
-            self._show(self.model.with_sample(view, sample=newer.sample, clip=newer.clip))
+        view, s = self.view, newer.setting
+        if view is not None and not newer.rerun and _same_work(s, view.setting) and self._worker.take(newer):
+            self._show(self.model.with_sample(view, sample=s.sample, clip=s.clip))
             return
         raise Stale
 
     def _stale(self) -> None:
-        """Raise :class:`Stale` when a setting that needs new gradients or timings is waiting (between two
-        figures: drawing the rest of a stale view would only delay the one wanted)."""
+        """Raise :class:`Stale` when a setting that needs new gradients or timings is waiting, or the explorer was
+        closed (between two figures: drawing the rest of a stale view would only delay the one wanted)."""
+        self._check_closed()
         newer = self._worker.peek() if self._worker is not None else None
         view = self.view
-        if newer is not None and (view is None or not _same_work(newer, view.setting)):
+        if newer is not None and (newer.rerun or view is None or not _same_work(newer.setting, view.setting)):
+            raise Stale
+
+    def _check_closed(self) -> None:
+        if self._closed:
             raise Stale
 
     def _keep_panels(self, view: View) -> View:
@@ -334,9 +349,19 @@ class Explorer(w.VBox):
         self.wait(timeout)
         self.page.snapshot(self.view)
 
-    def close(self) -> None:
-        self._worker = None  # the daemon thread idles; nothing more is submitted
+    def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
+        """Close the explorer: stop its worker (the running job gives up at its next check, between two timed
+        blocks) and wait up to ``timeout`` seconds for the thread to end, close every widget of it (ipywidgets keeps
+        an open widget, and the callbacks it holds, alive), and let go of the arrays shown. A closed explorer is
+        garbage collected like any object (its model keeps only its timings)."""
+        self._closed = True
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop(timeout)
+        close_all(self)
         super().close()
+        self.view = None
+        self.model.release()
 
 
 

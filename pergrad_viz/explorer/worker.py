@@ -1,45 +1,66 @@
 """The explorer's background worker: one thread running the latest submitted job, so that a control's callback
-only hands the new setting over and returns (the controls and the kernel stay free)."""
+only hands the new setting over and returns (the controls and the kernel stay free).
+
+The worker's thread is the only one that computes, times (it alone reads and writes the timing cache) and draws
+(it alone writes the output panes' traits); the kernel's thread only writes the controls. :meth:`Worker.stop`
+ends the thread and joins it, so that a closed explorer holds nothing alive.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pergrad_viz.explorer.state import Setting
 
-__all__ = ["Worker"]
+__all__ = ["Job", "Worker"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One piece of work: show ``setting``; ``rerun``: forget its timings first and time it again."""
+
+    setting: Setting
+    rerun: bool = False
 
 
 class Worker:
-    """One daemon thread running the latest submitted job; a newer submission makes ``stale()`` true."""
+    """One daemon thread running the latest submitted :class:`Job` with ``run(job)``; a newer submission is what
+    :meth:`peek` returns meanwhile (the running job checks it and gives way). :meth:`stop` ends the thread: the
+    running job sees :attr:`stopping` at its next check, and the thread is joined."""
 
-    def __init__(self, run: Callable[[Setting], None]):
+    def __init__(self, run: Callable[[Job], None], name: str = "pergrad-explorer"):
         self._run = run
         self._cond = threading.Condition()
-        self._pending: Setting | None = None
+        self._pending: Job | None = None
         self._busy = False
-        self._generation = 0
-        self._thread = threading.Thread(target=self._loop, name="pergrad-explorer", daemon=True)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, setting: Setting) -> None:
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` in place of any pending one (a pending rerun of the same computation stays a rerun).
+        Ignored once stopped."""
         with self._cond:
-            self._pending = setting
-            self._generation += 1
+            if self._stopping:
+                return
+            pending = self._pending
+            if pending is not None and pending.rerun and pending.setting.key == job.setting.key and not job.rerun:
+                job = Job(job.setting, rerun=True)
+            self._pending = job
             self._cond.notify_all()
 
-    def peek(self) -> Setting | None:
+    def peek(self) -> Job | None:
         with self._cond:
             return self._pending
 
-    def take(self, setting: Setting) -> bool:
-        """Take ``setting`` off the queue if it is still the pending one (handled in place)."""
+    def take(self, job: Job) -> bool:
+        """Take ``job`` off the queue if it is still the pending one (handled in place)."""
         with self._cond:
-            if self._pending is setting:
+            if self._pending is job:
                 self._pending = None
-                self._generation += 1
                 return True
             return False
 
@@ -59,16 +80,39 @@ class Worker:
         with self._cond:
             return self._busy or self._pending is not None
 
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called: the running job should give up at its next check."""
+        with self._cond:
+            return self._stopping
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Drop the pending job, let the running one end (it gives up at its next check) and join the thread;
+        True when it ended within ``timeout`` seconds (it ends later otherwise, by itself)."""
+        with self._cond:
+            self._stopping = True
+            self._pending = None
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None:
+                while self._pending is None and not self._stopping:
                     self._cond.wait()
-                setting, self._pending, self._busy = self._pending, None, True
+                if self._stopping:
+                    return
+                job, self._pending, self._busy = self._pending, None, True
             try:
-                self._run(setting)
+                self._run(job)
             finally:
+                del job
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
-
