@@ -78,7 +78,6 @@ class Explorer(w.VBox):
         self._closed = False
         self._lock = threading.RLock()  # one job applies its views at a time
 
-
         def slider() -> dict:  # a layout of its own each: hiding the width slider hides no other
             return {"continuous_update": False, "style": {"description_width": "initial"},
                     "layout": w.Layout(width="360px")}
@@ -354,15 +353,17 @@ class Explorer(w.VBox):
         blocks) and wait up to ``timeout`` seconds for the thread to end, close every widget of it (ipywidgets keeps
         an open widget, and the callbacks it holds, alive), and let go of the arrays shown. A closed explorer is
         garbage collected like any object (its model keeps only its timings)."""
+        if getattr(self, "_closed", True):  # closed already (ipywidgets closes again on disposal), or never built
+            super().close()
+            return
         self._closed = True
-        worker, self._worker = self._worker, None
+        worker, self._worker = getattr(self, "_worker", None), None
         if worker is not None:
             worker.stop(timeout)
         close_all(self)
         super().close()
         self.view = None
         self.model.release()
-
 
 
 def _same_work(a: Setting, b: Setting) -> bool:
