@@ -245,6 +245,7 @@ class Explorer(w.VBox):
         with self._lock:
             try:
                 self._check_closed()
+                self._progress("busy", setting, f"computing the gradients at {setting.describe()} …")
                 current = self.view
                 if job.rerun:
                     self.model.forget(setting)
@@ -254,7 +255,6 @@ class Explorer(w.VBox):
                     self.error = ""
                     self.error_html.value = ""
                     return
-                self._progress("busy", setting, f"computing the gradients at {setting.describe()} …")
                 for view in self.model.stages(setting, check=self._check):
                     self._show(self._keep_panels(view))
                 self.error = ""
