@@ -1,5 +1,6 @@
-"""The interactive explorer, ``pv.widgets.explorer()``: a thin re-export of :mod:`pergrad_viz.explorer.view`
-(the ipywidgets front end) over :mod:`pergrad_viz.explorer.model` (pure: setting -> views).
+"""The interactive explorer, ``pv.widgets.explorer()``: a thin re-export of :mod:`pergrad_viz.explorer` (the
+ipywidgets front end :mod:`~pergrad_viz.explorer.view`, built by :mod:`~pergrad_viz.explorer.factory`, over the
+pure :mod:`~pergrad_viz.explorer.model`: setting -> views).
 
 >>> import pergrad_viz as pv
 >>> pv.widgets.explorer()          # in a notebook cell: the widget shows itself (a menu of networks)
@@ -8,7 +9,9 @@
 
 from __future__ import annotations
 
-from pergrad_viz.explorer.model import ExplorerModel, Setting, View
-from pergrad_viz.explorer.view import Explorer, explorer
+from pergrad_viz.explorer.factory import explorer
+from pergrad_viz.explorer.model import ExplorerModel
+from pergrad_viz.explorer.state import Setting, View
+from pergrad_viz.explorer.view import Explorer
 
 __all__ = ["Explorer", "ExplorerModel", "Setting", "View", "explorer"]

@@ -296,6 +296,54 @@ def test_the_extra_rounds_share_one_budget_per_setting(monkeypatch):
     assert budgets == sorted(budgets, reverse=True) and budgets[-1] == 0.0
 
 
+def test_the_process_keeps_its_thread_count_between_steps(monkeypatch):
+    """The model's steps run with its own thread count; between them (while the front end draws, or the consumer
+    waits) and after them, torch's setting is the process's own, also when a setting is abandoned midway."""
+    before = torch.get_num_threads()
+    m = ExplorerModel(batch_options=(2,), sweep_batches=1, **{**FAST, "threads": before + 1})
+    inside = []
+    real = model_module.per_sample_grads
+
+    def spy(*args, **kwargs):
+        inside.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "per_sample_grads", spy)
+    for _view in m.stages(Setting(batch=2, hidden=8, strategies=("hooks", "loop"))):
+        assert torch.get_num_threads() == before
+    assert inside and set(inside) == {before + 1}
+    stages = m.stages(Setting(batch=2, hidden=16, strategies=("hooks",)))
+    next(stages)
+    del stages  # abandoned after its first view
+    assert torch.get_num_threads() == before
+
+
+def test_no_synchronisation_on_the_cpu():
+    from pergrad_viz.explorer.session import clock, synchronizer
+
+    assert synchronizer(torch.nn.Linear(2, 2), "cpu") is None
+    calls = []
+    clock(lambda: calls.append(1))
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_clock_waits_for_the_device_and_results_agree(monkeypatch):
+    calls = []
+    real = torch.cuda.synchronize
+
+    def synchronize(device=None):
+        calls.append(device)
+        real(device)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    m = ExplorerModel(batch_options=(2, 4), sweep_batches=2, device="cuda", **FAST)
+    view = m.update(Setting(batch=4, hidden=8))
+    assert view.grads.is_cuda and view.verdict.ok and set(view.verdict.checked) == set(pv.STRATEGIES)
+    assert all(r.median_s > 0 for r in view.records if not r.skipped)
+    assert calls and all(torch.device(d).type == "cuda" for d in calls)
+
+
 # ------------------------------------------------------------------------------------------ the model menu
 
 SMALL = {"mlp": 8, "cnn": 4, "transformer": 8, "lstm": 8}  # each built-in network at a small width

@@ -8,9 +8,11 @@ the control's callback (``background=False``) so that each test sees a finished 
 
 from __future__ import annotations
 
+import gc
 import struct
 import threading
 import time
+import weakref
 
 import matplotlib
 
@@ -19,11 +21,13 @@ matplotlib.use("Agg")
 import ipywidgets as w  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import pergrad_viz as pv  # noqa: E402
 from pergrad_viz import widgets
 from pergrad_viz.bench import sweeps as bench  # noqa: E402
 from pergrad_viz.explorer import model as model_module  # noqa: E402
+from pergrad_viz.explorer import page as page_module  # noqa: E402
 
 OPTIONS = {"batch_sizes": (1, 2, 4, 8), "hidden_widths": (8, 16), "default_batch": 4, "default_hidden": 8,
            "sweep_batches": 2, "slow_limit": 16, "dpi": 40, "rounds": 2, "min_rounds": 1, "min_block_s": 1e-4,
@@ -266,6 +270,101 @@ def test_a_new_sample_is_drawn_while_timing_goes_on(monkeypatch):
     ex.close()
 
 
+def _workers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "pergrad-explorer"}
+
+
+@pytest.mark.parametrize("when", ["idle", "while working"])
+def test_a_closed_explorer_is_freed_and_its_worker_ends(when):
+    """Closing stops the worker (mid-job too: it gives up at its next check) and joins it, and closes every widget
+    (their callbacks hold the explorer): nothing keeps the explorer's model, or its arrays, alive."""
+    before = _workers()
+    ex = widgets.explorer(**OPTIONS)
+    if when == "idle":
+        assert ex.wait(120) and ex.view.done
+    (worker,) = _workers() - before
+    model = weakref.ref(ex.model)
+    start = time.perf_counter()
+    ex.close()
+    assert time.perf_counter() - start < 30 and not worker.is_alive()
+    assert ex.view is None and not ex.busy and ex.wait(1)
+    ex.refresh()  # a closed explorer computes nothing more
+    del ex
+    gc.collect()
+    assert model() is None
+
+
+def _thread_counts() -> tuple[int, int]:
+    """torch's intra-op threads as this thread sees them, and as a new thread does (the process's setting)."""
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return torch.get_num_threads(), seen[0]
+
+
+def test_the_thread_count_is_the_users_after_timings_and_after_close(monkeypatch):
+    before = _thread_counts()
+    threads = before[0] + 1  # not the user's: the explorer's own, while it computes
+    inside = []
+    real = model_module.per_sample_grads
+
+    def spy(*args, **kwargs):
+        inside.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    def drawing(self, view):  # between the steps of the work: the process's own count
+        between.append(torch.get_num_threads())
+        return real_show(self, view)
+
+    between, real_show = [], page_module.Page.show
+    monkeypatch.setattr(model_module, "per_sample_grads", spy)
+    monkeypatch.setattr(page_module.Page, "show", drawing)
+    ex = widgets.explorer(**{**OPTIONS, "threads": threads})
+    assert ex.wait(120) and ex.view.done and ex.error == ""
+    assert inside and set(inside) == {threads}
+    assert between and set(between) == {before[0]}
+    assert _thread_counts() == before
+    ex.rerun_button.click()
+    assert ex.wait(120) and ex.view.done
+    assert _thread_counts() == before
+    ex.close()
+    assert _thread_counts() == before
+
+
+def test_rerun_while_the_worker_times(monkeypatch):
+    """"rerun timings" clicked while the worker times: the click only hands a job over (the worker alone reads
+    and writes the timing cache), and the setting is timed again from scratch."""
+    ex = widgets.explorer(compute=False, **OPTIONS)
+    started = threading.Event()
+    forgotten = []
+    real_stages, real_forget = model_module.ExplorerModel.stages, model_module.ExplorerModel.forget
+
+    def slow(self, setting, check=None):
+        for view in real_stages(self, setting, check):
+            if view.stage == "timing" and not started.is_set():
+                started.set()
+                for _ in range(40):
+                    time.sleep(0.01)
+                    check()
+            yield view
+
+    def forget(self, setting):
+        forgotten.append(threading.current_thread().name)
+        real_forget(self, setting)
+
+    monkeypatch.setattr(model_module.ExplorerModel, "stages", slow)
+    monkeypatch.setattr(model_module.ExplorerModel, "forget", forget)
+    ex.refresh()
+    assert started.wait(60)
+    for _ in range(3):
+        ex.rerun_button.click()
+    assert ex.wait(120)
+    assert ex.error == "" and ex.view.done and ex.view.reused == 0
+    assert forgotten and set(forgotten) == {"pergrad-explorer"}
+    ex.close()
+
+
 # ------------------------------------------------------------------------------------------ the model menu
 
 
@@ -314,6 +413,7 @@ def test_explorer_on_the_users_own_model():
                           **{**OPTIONS, "default_batch": 4, "hidden_widths": (8,)})
     assert ex.error == "" and ex.view.verdict.ok and ex.view.setting.model == "yours"
     assert ex.model_dropdown.layout.display == "none" and ex.hidden_slider.layout.display == "none"
+    assert all(s.layout.display != "none" for s in (ex.batch_slider, ex.sample_slider, ex.clip_slider))
     assert "your model (Sequential)" in ex.width_help.value
     assert ex.batch_slider.options == (1, 2, 4) and ex.view.grads.shape == (4, sum(p.numel() for p in
                                                                                      net.parameters()))

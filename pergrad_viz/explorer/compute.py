@@ -1,0 +1,167 @@
+"""The explorer's pure computations on what one setting computed: the loop (the definition, written out), the
+verdict of a result against it, the norms and the DP-SGD view, the notes a learner must read. Tensors and records
+in, records out; no timing, no state, no ipywidgets. (The chosen sample's panel is :mod:`.sample`.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from pergrad_viz.bench.records import Record
+from pergrad_viz.core.batch import Batch, cut
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.explorer.state import QUANTITY_NAMES, REFERENCES, ClipView, Computed, Setting, Verdict, View
+from pergrad_viz.strategies.hooks import describe as describe_layers
+
+__all__ = ["checked_samples", "clipping", "how", "judge", "loop_rows", "noisy", "norms", "notes",
+           "verdict", "with_records"]
+
+
+def checked_samples(setting: Setting, most: int) -> torch.Tensor:
+    """(n,) the samples compared with the loop: all of them up to ``most``, else ``most`` evenly spread over the
+    batch (the first and the last included)."""
+    if setting.batch <= most:
+        return torch.arange(setting.batch)
+    return torch.linspace(0, setting.batch - 1, most).round().long().unique()
+
+
+def which(n: int, batch: int) -> str:
+    return f"all {n} samples" if n == batch else f"{n} of {batch} samples, spread evenly over the batch,"
+
+
+def verdict(setting: Setting, data: Computed, checked: torch.Tensor, dtype: torch.dtype) -> Verdict:
+    """The heatmap's per-sample gradients (``hooks``) against the loop on the ``checked`` samples; the loop's
+    result for the setting's quantity is kept (``data.reference``) as the reference of every method timed next."""
+    idx = data.checked = checked
+    loop = loop_rows(data.model, data.loss_fn, data.x, data.y, idx, "grads")
+    if setting.quantity == "grads":
+        data.reference = loop
+    else:
+        data.reference = loop_rows(data.model, data.loss_fn, data.x, data.y, idx, "jacobian")
+    diff = float(torch.linalg.vector_norm(data.grads[idx] - loop, ord=math.inf))
+    return judge(setting, data, {"hooks": diff}, tolerance_of=loop, quantity="grads", dtype=dtype)
+
+
+def judge(setting: Setting, data: Computed, diffs: dict[str, float], *, tolerance_of: torch.Tensor, quantity: str,
+          dtype: torch.dtype, before: Verdict | None = None) -> Verdict:
+    """A verdict on ``diffs`` ({strategy: max |difference| from the loop}), together with ``before``'s."""
+    tolerance = 1e-4 * max(1.0, float(torch.linalg.vector_norm(tolerance_of, ord=math.inf)))
+    failed = [m for m, d in diffs.items() if not d <= tolerance]  # NaN fails
+    checked = list(diffs)
+    worst = max(diffs.values(), default=0.0)
+    if before is not None:
+        checked = [*before.checked, *(m for m in checked if m not in before.checked)]
+        failed = [*before.failed, *(m for m in failed if m not in before.failed)]
+        worst = max(worst, before.max_abs_diff) if math.isfinite(worst) else worst
+    n = int(data.checked.numel())
+    dtype_name = str(dtype).removeprefix("torch.")
+    what = QUANTITY_NAMES[quantity]
+    where = f"{what} at {setting.describe()}"
+    details = (f"max |difference| {worst:.1e} ({dtype_name}; {which(n, setting.batch)} checked against the "
+               f"loop; tolerance {tolerance:.0e})")
+    if failed:
+        text = f"{', '.join(failed)} DISAGREE with the loop (the definition) on the {where}: {details}"
+    elif len(checked) == 1:
+        text = f"{checked[0]} agrees with the loop (the definition) on the {where}: {details}"
+    else:
+        text = f"{', '.join(checked)} agree with the loop (the definition) on the {where}: {details}"
+    return Verdict(not failed, worst, tolerance, n, setting.batch, text, tuple(checked), tuple(failed))
+
+
+def with_records(view: View, data: Computed, records: Sequence[Record], pending: tuple[str, ...], reused: int,
+                 provisional: tuple[str, ...], stage: str, dtype: torch.dtype) -> View:
+    """``view`` with the records timed so far, its verdict extended by their differences from the loop."""
+    verdict_ = view.verdict
+    order = {name: k for k, name in enumerate(view.setting.strategies)}
+    diffs = {r.strategy: r.max_abs_diff for r in sorted(records, key=lambda r: order.get(r.strategy, len(order)))
+             if r.max_abs_diff is not None and r.strategy not in REFERENCES}
+    if verdict_ is not None and diffs and data.reference is not None:
+        quantity = view.setting.quantity
+        verdict_ = judge(view.setting, data, diffs, tolerance_of=data.reference, quantity=quantity, dtype=dtype,
+                         before=data.verdict if quantity == "grads" else None)
+        if quantity != "grads" and not data.verdict.ok:  # the heatmap's gradients disagree: say so first
+            verdict_ = dataclasses.replace(verdict_, ok=False, text=f"{data.verdict.text}; {verdict_.text}")
+    return dataclasses.replace(view, stage=stage, records=tuple(records), pending=pending, reused=reused,
+                               verdict=verdict_, provisional=provisional, noisy=noisy(records),
+                               notes=notes(view.setting, records, provisional))
+
+
+def norms(grads: torch.Tensor, bounds: Sequence[tuple[str, int, int]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(total (B,), {layer: (B,)}): each sample's gradient norm, in all and per layer (a layer's parameters
+    together), from the (B, P) ``grads`` and the parameters' columns ``bounds``."""
+    squares: dict[str, torch.Tensor] = {}  # {layer: (B,)} squared norms, weight and bias together
+    for name, a, b in bounds:
+        layer = name.rsplit(".", 1)[0]
+        sq = torch.linalg.vector_norm(grads[:, a:b], dim=1).square()  # no (B, P) temporary
+        squares[layer] = squares[layer] + sq if layer in squares else sq
+    layers = {k: v.sqrt() for k, v in squares.items()}
+    total = torch.stack(list(squares.values())).sum(0).sqrt()
+    return total, layers
+
+
+def clipping(setting: Setting, data: Computed) -> ClipView:
+    """The DP-SGD view at ``setting.clip``: each sample's scale, how many are clipped, the sums' norms."""
+    c = setting.clip
+    factors = (c / data.total.clamp_min(1e-12)).clamp(max=1.0)  # (B,): DP-SGD's per-sample scale
+    plain = data.grads.sum(dim=0)
+    clipped_sum = factors @ data.grads  # (P,) without a (B, P) temporary
+    clipped = int((data.total > c * (1 + 1e-5)).sum())
+    return ClipView(c, data.total, data.layers, clipped, float(plain.norm()), float(clipped_sum.norm()))
+
+
+def how(model: nn.Module, x: object) -> tuple[tuple[str, str, str], ...]:
+    """(layer, module type, ``"rule"`` | ``"call"`` | ``"fallback"``) for each layer with trainable parameters."""
+    modules = dict(model.named_modules())
+    kinds = describe_layers(Trainable.of(model), Batch.of(x))
+    return tuple((name, type(modules[name]).__name__ if name in modules else "-", kind) for name, kind in kinds.items())
+
+
+def loop_rows(model: nn.Module, loss_fn: Callable, x: object, y: object, idx: torch.Tensor,
+              quantity: str) -> torch.Tensor:
+    """The definition, written out (no strategy of the package involved): for each sample i of ``idx`` run alone,
+    ``torch.autograd.grad`` of its loss (``"grads"``: (n, P)) or of each of its outputs (``"jacobian"``:
+    (n, Y * P), the flat (Y, P) layout), over the trainable parameters in ``named_parameters`` order."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch = Batch.of(x)
+    rows = []
+    with torch.enable_grad():
+        for i in idx.tolist():
+            out = batch.sample(i)(model)
+            if quantity == "grads":
+                parts = [torch.autograd.grad(loss_fn(out, cut(y, slice(i, i + 1), batch.size)), params)]
+            else:
+                flat = out.reshape(-1)
+                parts = [torch.autograd.grad(flat[j], params, retain_graph=True) for j in range(flat.numel())]
+            rows.append(torch.cat([g.reshape(-1) for grads in parts for g in grads]))
+    return torch.stack(rows)
+
+
+def noisy(records: Sequence[Record]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(r.strategy for r in records if r.noisy))
+
+
+def notes(setting: Setting, records: Sequence[Record], provisional: Sequence[str] = ()) -> tuple[str, ...]:
+    """The lines a learner must see: the slow baselines skipped (and why, and how to time them), the numbers
+    still being measured (provisional: not a warning), the noisy measurements."""
+    lines = []
+    skipped = [r for r in records if r.skipped]
+    if skipped:
+        reason = skipped[0].note.removeprefix("skipped: ")
+        names = ", ".join(r.strategy for r in skipped)
+        lines.append(f"skipped as too slow at {setting.describe()}: {names} ({reason} for "
+                     f"{skipped[0].strategy}). Lower the batch size, or raise 'time slow methods up to' (above the "
+                     "table) to time them.")
+    if provisional:
+        lines.append(f"provisional: the first rounds of {', '.join(provisional)} varied, so more rounds are being "
+                     "timed; the numbers may still move.")
+    noisy_ = noisy(records)
+    if noisy_:
+        lines.append(f"noisy measurement: the rounds of {', '.join(noisy_)} still varied after the extra rounds "
+                     "(other programs are using the CPU), so these times are uncertain and not kept: press 'rerun "
+                     "timings' or come back to this setting later.")
+    return tuple(lines)

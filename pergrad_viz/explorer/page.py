@@ -1,0 +1,210 @@
+"""The explorer's page: its output panes (the figures as PNG ``ipywidgets.Image`` s, the HTML lines and tables),
+what each shows of a :class:`~pergrad_viz.explorer.state.View` (:class:`Page`, redrawing only what changed), and
+where every control and pane sits (:func:`arrange`).
+
+Figures are drawn at the size they are shown (``dpi`` pixels per inch, the image's CSS width equal to its pixel
+width).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import ipywidgets as w
+from matplotlib.figure import Figure
+
+from pergrad_viz.explorer import panels
+from pergrad_viz.explorer.panels import WIDTHS
+from pergrad_viz.explorer.specs import ModelSpec
+from pergrad_viz.explorer.state import QUANTITY_NAMES, Setting, View
+from pergrad_viz.viz import plots
+
+if TYPE_CHECKING:
+    from pergrad_viz.explorer.view import Explorer
+
+__all__ = ["PANELS", "Page", "arrange", "close_all"]
+
+PANELS = ("heatmap", "images", "rule", "clip", "bars", "runtime")
+BAR_INTERVAL_S = 0.5  # while timing, the bar chart is redrawn at most this often
+
+
+def image_pane(**layout) -> w.Image:
+    return w.Image(format="png", layout=w.Layout(display="none", height="auto", max_width="100%",
+                                                 align_self="flex-start", **layout))
+
+
+class Page:
+    """The output panes and what they show.
+
+    Attributes:
+        images: {panel: PNG image} (:data:`PANELS`); progress_html, error_html, status_html, table_html,
+        rule_text, layers_html: the HTML panes. drawn: {panel: times drawn}.
+        stale: called before each figure is drawn; raises :class:`~pergrad_viz.explorer.state.Stale` when
+        drawing the rest of this view would only delay the one wanted.
+    """
+
+    def __init__(self, specs: Mapping[str, ModelSpec], dpi: float, stale: Callable[[], None]):
+        self.specs = specs
+        self.dpi = dpi
+        self.stale = stale
+        self.drawn = dict.fromkeys(PANELS, 0)
+        self._shown: dict[str, object] = {}  # panel -> what it shows (skip redrawing the same)
+        self._bars_drawn = -math.inf  # when the bar chart was last drawn (time.monotonic)
+        self.rule_text = w.HTML("")
+        self.layers_html = w.HTML("")
+        self.progress_html = w.HTML("", layout=w.Layout(margin="0 0 0 12px"))
+        self.error_html = w.HTML("")
+        self.status_html = w.HTML("")
+        self.table_html = w.HTML("")
+        self.images = {name: image_pane() for name in PANELS}
+
+    def show(self, view: View) -> None:
+        """Draw what changed between the shown view and ``view``: each panel names ``view``'s setting."""
+        s = view.setting
+        key = s.key
+        self.status_html.value = panels.status_html(view)
+        self.layers_html.value = panels.layers_html(view)
+        self.draw("heatmap", (key, s.sample), lambda: panels.heatmap_figure(view))
+        self.draw("images", (key, s.sample), lambda: panels.images_figure(view, self.specs[s.model]))
+        if self._shown.get("runtime", (None,))[0] != key:
+            self.hide("runtime")  # the old curve belongs to another setting
+        if view.verdict is None:  # the first view of a setting: the heatmap and images first, the rest next
+            self.hide("bars")
+            self.table_html.value = ""
+            self.progress("busy", s, view.progress)
+            return
+        loss_key = (s.model, s.batch, s.hidden)  # the fast rule and the DP-SGD view use the loss gradients
+        rule = view.sample.rule
+        self.rule_text.value = panels.rule_html(rule)
+        if rule.kind is None:
+            self.hide("rule")
+        else:
+            self.draw("rule", (loss_key, s.sample), lambda: panels.rule_figure(view))
+        c = view.clipping
+        self.draw("clip", (loss_key, s.clip), lambda: plots.clipping_figure(
+            c.total, c.layers, c.max_norm, sums=(c.plain_sum_norm, c.clipped_sum_norm), width=WIDTHS["clip"],
+            title=f"per-sample gradient norms at {s.describe()}, C={c.max_norm:.3g}"))
+        noisy = tuple(r.strategy for r in view.records if r.noisy)  # this setting's (not the curve's)
+        bars = (key, tuple((r.strategy, r.median_s) for r in view.records), view.pending, noisy, view.provisional)
+        if not view.records:
+            self.hide("bars")  # the old chart belongs to another setting; the progress line says what is timed
+        elif view.pending and time.monotonic() - self._bars_drawn < BAR_INTERVAL_S:
+            pass  # the chart grows at most this often (drawing it costs more than a tier of cheap methods)
+        else:
+            self.draw("bars", bars, lambda: plots.bar_figure(
+                view.records, pending=view.pending, noisy=noisy, provisional=view.provisional, width=WIDTHS["bars"],
+                title=f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}"))
+            self._bars_drawn = time.monotonic()
+        if view.done:
+            self.draw("runtime", (key, tuple((r.strategy, r.batch_size, r.median_s) for r in view.scaling_records)),
+                      lambda: plots.runtime_figure(view.scaling_records, highlight=s.batch, width=WIDTHS["runtime"],
+                                                   height=3.6, legend="below",
+                                                   title=f"time vs batch size, {panels.width_text(s)} "
+                                                         f"(dotted: B={s.batch})"))
+        self.table_html.value = panels.table_html(view) if view.records else ""
+        self.progress("done" if view.done else "busy", s, view.progress)  # last: "done" once all is drawn
+
+    def draw(self, panel: str, token: object, figure: Callable[[], Figure]) -> None:
+        if self._shown.get(panel) == token:
+            return
+        self.stale()
+        png = plots.to_png(figure(), dpi=self.dpi)
+        image = self.images[panel]
+        image.value = png
+        image.layout.width = f"{int.from_bytes(png[16:20], 'big')}px"  # the PNG's own width (its IHDR)
+        image.layout.display = ""
+        self.drawn[panel] += 1
+        self._shown[panel] = token
+
+    def hide(self, panel: str) -> None:
+        self.images[panel].layout.display = "none"
+        self._shown.pop(panel, None)
+
+    def progress(self, state: str, setting: Setting, text: str) -> None:
+        self.progress_html.value = panels.progress_html(state, setting, text)
+
+    def error(self, setting: Setting, exc: Exception, shown: View | None) -> None:
+        """Say that ``setting`` could not be computed; the figures stay those of ``shown``."""
+        where = shown.setting.describe() if shown is not None else "none yet"
+        self.error_html.value = panels.error_html(setting, exc, where)
+        self.progress("error", setting, f"could not compute {setting.describe()}")
+
+    def snapshot(self, view: View | None) -> None:
+        """Display the current figures as plain PNG images (at the size they are shown), with a caption."""
+        from IPython.display import HTML, Image, display
+
+        where = view.setting.describe() if view is not None else "-"
+        display(HTML(f"<p><i>A picture of the explorer at {html.escape(where)}, as it looked when this notebook "
+                     "was built. Run the notebook (or this cell) for the live explorer with its sliders.</i></p>"))
+        for panel in ("bars", "runtime", "heatmap", "images", "rule", "clip"):
+            image = self.images[panel]
+            if image.value and image.layout.display != "none":
+                display(Image(data=bytes(image.value), format="png", width=int(image.layout.width[:-2])))
+
+
+def arrange(ex: Explorer) -> list[w.Widget]:
+    """The explorer's children, top to bottom: the controls, the progress line, the figures in pairs."""
+    img = ex.images
+
+    def heading(text: str) -> w.HTML:
+        return w.HTML(f"<h4 style='margin:14px 0 2px 0'>{html.escape(text)}</h4>")
+
+    def pair(*children: w.Widget) -> w.HBox:
+        return w.HBox(list(children), layout=w.Layout(flex_flow="row wrap", align_items="flex-start",
+                                                      width="100%"))
+
+    def text(html_text: str) -> w.HTML:
+        return w.HTML(f"<div style='max-width:640px;line-height:1.4'>{html_text}</div>")
+
+    rule = w.VBox([
+        heading("How the fast rule works"),
+        ex.rule_text,
+        img["rule"],
+    ], layout=w.Layout(margin="0 24px 0 0"))
+    clip = w.VBox([
+        heading("The DP-SGD view"),
+        text("DP-SGD clips each sample's gradient to norm at most C before summing (then adds noise), so that "
+             "no single example can move the model much."),
+        ex.clip_slider,
+        img["clip"],
+    ])
+    return [
+        ex.model_dropdown,
+        w.HBox([ex.batch_slider, ex.hidden_slider, ex.width_help],
+               layout=w.Layout(flex_flow="row wrap", align_items="center")),
+        w.HBox([ex.quantity_toggle, ex.progress_html], layout=w.Layout(align_items="center")),
+        w.HBox([w.HTML("<b>strategies:</b>&nbsp;"), *ex.strategy_boxes.values()],
+               layout=w.Layout(flex_flow="row wrap", align_items="center")),
+        ex.error_html,
+        ex.status_html,
+        heading("Timing: each strategy at this setting, and how it scales with the batch size"),
+        pair(img["bars"], img["runtime"]),
+        w.HBox([ex.rerun_button, ex.slow_limit_dropdown],
+               layout=w.Layout(flex_flow="row wrap", align_items="center", margin="6px 0 2px 0")),
+        ex.table_html,
+        heading("The per-sample gradients"),
+        ex.sample_slider,
+        pair(img["heatmap"], img["images"]),
+        pair(rule, clip),
+        heading("Which rule computes each layer"),
+        ex.layers_html,
+    ]
+
+
+def close_all(root: w.Widget) -> None:
+    """Close every widget under ``root`` (its children, theirs, their layouts and styles), not ``root`` itself:
+    ipywidgets keeps each open widget, and the callbacks it holds, alive until it is closed."""
+    seen, stack = {id(root)}, [root]
+    while stack:
+        widget = stack.pop()
+        for name in widget.keys:
+            value = getattr(widget, name, None)
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(item, w.Widget) and id(item) not in seen:
+                    seen.add(id(item))
+                    stack.append(item)
+                    item.close()
