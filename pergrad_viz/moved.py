@@ -1,4 +1,4 @@
-"""Old module paths, kept working for now: ``import pergrad_viz.plots`` gives :mod:`pergrad_viz.viz.plots`.
+"""Old module paths, kept working for now: ``import pergrad_viz.plots`` gives :mod:`pergrad_viz.viz`.
 
 Version 0.1 kept 29 modules flat in ``pergrad_viz/``; they now live one folder per capability (see
 ``docs/layout.md``). Importing an old path returns the module at its new place (the same module object, so
@@ -34,7 +34,7 @@ MOVED: dict[str, str] = {  # old path -> new path
     "pergrad_viz.scan_bench": "pergrad_viz.bench.scans",
     "pergrad_viz.peers": "pergrad_viz.bench.peers",
     "pergrad_viz.timing": "pergrad_viz.bench.timing",
-    "pergrad_viz.plots": "pergrad_viz.viz.plots",
+    "pergrad_viz.plots": "pergrad_viz.viz",
     "pergrad_viz.data": "pergrad_viz.tutorial.data",
     "pergrad_viz.datasets": "pergrad_viz.tutorial.fashion_mnist",
     "pergrad_viz.tutorial.datasets": "pergrad_viz.tutorial.fashion_mnist",

@@ -208,9 +208,9 @@ def run_bench(args: argparse.Namespace) -> int:
         bench.write_csv(records, args.csv)
         print(f"wrote {args.csv}")
     if args.plot:
-        from pergrad_viz.viz import plots
+        from pergrad_viz import viz
 
-        fig = plots.runtime_figure(records, title=f"{args.quantity}: time vs batch size")
+        fig = viz.runtime_figure(records, title=f"{args.quantity}: time vs batch size")
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
         print(f"wrote {args.plot}")
     return 0

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import ipywidgets as w
 from matplotlib.figure import Figure
 
+from pergrad_viz import viz
 from pergrad_viz.explorer import panels
 from pergrad_viz.explorer.panels import WIDTHS
 from pergrad_viz.explorer.specs import ModelSpec
 from pergrad_viz.explorer.state import QUANTITY_NAMES, Setting, View
-from pergrad_viz.viz import plots
 
 if TYPE_CHECKING:
     from pergrad_viz.explorer.view import Explorer
@@ -85,7 +85,7 @@ class Page:
         else:
             self.draw("rule", (loss_key, s.sample), lambda: panels.rule_figure(view))
         c = view.clipping
-        self.draw("clip", (loss_key, s.clip), lambda: plots.clipping_figure(
+        self.draw("clip", (loss_key, s.clip), lambda: viz.clipping_figure(
             c.total, c.layers, c.max_norm, sums=(c.plain_sum_norm, c.clipped_sum_norm), width=WIDTHS["clip"],
             title=f"per-sample gradient norms at {s.describe()}, C={c.max_norm:.3g}"))
         noisy = tuple(r.strategy for r in view.records if r.noisy)  # this setting's (not the curve's)
@@ -95,13 +95,13 @@ class Page:
         elif view.pending and time.monotonic() - self._bars_drawn < BAR_INTERVAL_S:
             pass  # the chart grows at most this often (drawing it costs more than a tier of cheap methods)
         else:
-            self.draw("bars", bars, lambda: plots.bar_figure(
+            self.draw("bars", bars, lambda: viz.bar_figure(
                 view.records, pending=view.pending, noisy=noisy, provisional=view.provisional, width=WIDTHS["bars"],
                 title=f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}"))
             self._bars_drawn = time.monotonic()
         if view.done:
             self.draw("runtime", (key, tuple((r.strategy, r.batch_size, r.median_s) for r in view.scaling_records)),
-                      lambda: plots.runtime_figure(view.scaling_records, highlight=s.batch, width=WIDTHS["runtime"],
+                      lambda: viz.runtime_figure(view.scaling_records, highlight=s.batch, width=WIDTHS["runtime"],
                                                    height=3.6, legend="below",
                                                    title=f"time vs batch size, {panels.width_text(s)} "
                                                          f"(dotted: B={s.batch})"))
@@ -112,7 +112,7 @@ class Page:
         if self._shown.get(panel) == token:
             return
         self.stale()
-        png = plots.to_png(figure(), dpi=self.dpi)
+        png = viz.to_png(figure(), dpi=self.dpi)
         image = self.images[panel]
         image.value = png
         image.layout.width = f"{int.from_bytes(png[16:20], 'big')}px"  # the PNG's own width (its IHDR)

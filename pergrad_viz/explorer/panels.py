@@ -1,4 +1,4 @@
-"""The explorer's panels: figures (matplotlib ``Figure`` s, drawn by :mod:`pergrad_viz.viz.plots`) and HTML
+"""The explorer's panels: figures (matplotlib ``Figure`` s, drawn by :mod:`pergrad_viz.viz`) and HTML
 strings from a :class:`~pergrad_viz.explorer.state.View`. Pure: a view in, a figure or a string out; the widget
 (:mod:`.view`) puts them on the page.
 """
@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
+from pergrad_viz import viz
 from pergrad_viz.bench.records import Record
 from pergrad_viz.errors import human_bytes
 from pergrad_viz.explorer.specs import TOKENS_NOTE, ModelSpec
 from pergrad_viz.explorer.state import QUANTITY_NAMES, RuleView, Setting, View
-from pergrad_viz.viz import plots
 
 __all__ = ["HOW", "RULE_TEXT", "WIDTHS", "display_bounds", "error_html", "heatmap_figure", "images_figure",
            "layers_html", "progress_html", "rule_figure", "rule_html", "status_html", "table_html", "width_text"]
@@ -53,7 +53,7 @@ def images_figure(view: View, spec: ModelSpec) -> Figure | None:
             if image.dim() == 3 and image.shape[0] == 3:
                 image = image.mean(0)  # a colour image in grey
                 shape = tuple(image.shape)
-        return plots.first_layer_images(
+        return viz.first_layer_images(
             sv.first_layer, image=image, titles=list(sv.first_layer_titles), image_shape=shape,
             ncols=5 if s.quantity == "grads" else 6, cell=1.15 if s.quantity == "grads" else 0.95,
             image_title=f"input ({sv.label})", suptitle=sv.first_layer_title)
@@ -61,7 +61,7 @@ def images_figure(view: View, spec: ModelSpec) -> Figure | None:
     tokens = sv.image if sv.kind == "tokens" else None
     title = sv.first_layer_title + (f" ({TOKENS_NOTE})" if tokens is not None and spec.max_batch is None else "")
     rows = list(sv.first_layer_titles) if sv.first_layer is not None else []
-    return plots.token_figure(tokens, matrix, grid=spec.token_grid, row_labels=rows, title=title,
+    return viz.token_figure(tokens, matrix, grid=spec.token_grid, row_labels=rows, title=title,
                               width=WIDTHS["tokens"], xlabel="embedding dimension" if tokens is not None
                               and s.quantity == "grads" else "",
                               matrix_title="the gradient of the first layer's weight" if s.quantity == "grads"
@@ -72,9 +72,9 @@ def rule_figure(view: View) -> Figure:
     s, rule, sv = view.setting, view.sample.rule, view.sample
     where = f"sample {sv.index} ({sv.label}) at {s.describe()}"
     if rule.a is not None and rule.a.numel() == 784:  # the tutorial's picture: the input is an image
-        return plots.outer_product_figure(rule.a, rule.g, gradient_norm=rule.gradient_norm, width=WIDTHS["rule"],
+        return viz.outer_product_figure(rule.a, rule.g, gradient_norm=rule.gradient_norm, width=WIDTHS["rule"],
                                           title=f"{where}: {rule.layer}.weight's per-sample gradient is g_i a_i^T")
-    return plots.factor_figure(rule.left, rule.right, rule.product, names=rule.names,
+    return viz.factor_figure(rule.left, rule.right, rule.product, names=rule.names,
                                gradient_norm=rule.gradient_norm, difference=rule.difference, width=WIDTHS["rule"],
                                title=f"{where}: {rule.layer}.weight's per-sample gradient is {rule.names[2]}")
 
@@ -85,16 +85,16 @@ def heatmap_figure(view: View) -> Figure:
     title = f"per-sample gradients at {s.describe()}: B={s.batch} x P={view.grads.shape[1]:,} (sample {i} marked)"
     width = WIDTHS["heatmap"]
     if view.sample.jacobian is None:
-        return plots.gradient_heatmap(view.grads, bounds, figsize=(width, 3.4), title=title,
+        return viz.gradient_heatmap(view.grads, bounds, figsize=(width, 3.4), title=title,
                                       highlight_row=i, max_cols=560)
     fig = Figure(figsize=(width, 6.4))  # margins in inches, no layout engine (it would double the drawing time)
     top, bottom = fig.subplots(2, 1, height_ratios=[1.2, 1])
     fig.subplots_adjust(left=1.0 / width, right=1 - 0.9 / width, top=1 - 0.62 / 6.4, bottom=1.1 / 6.4,
                         hspace=0.8)
     names = view.sample.first_layer_titles
-    plots.gradient_heatmap(view.grads, bounds, ax=top, title=plots.fit_text(title, width - 1.9),
+    viz.gradient_heatmap(view.grads, bounds, ax=top, title=viz.fit_text(title, width - 1.9),
                            highlight_row=i, max_cols=560)
-    plots.gradient_heatmap(view.sample.jacobian, bounds, ax=bottom, ylabel="output", row_labels=names,
+    viz.gradient_heatmap(view.sample.jacobian, bounds, ax=bottom, ylabel="output", row_labels=names,
                            max_cols=560, title=f"output Jacobian of sample {i} ({view.sample.label}): "
                                                f"Y={view.sample.jacobian.shape[0]} x P")
     return fig
@@ -172,10 +172,10 @@ TABLE_COLUMNS = ("method", "median", "IQR", "vs loop", "vs fwd+bwd", "vs floor",
 
 def table_row(r: Record) -> tuple[str, ...]:
     def ratio(x: float | None) -> str:
-        return "-" if x is None else plots.fmt_ratio(x)
+        return "-" if x is None else viz.fmt_ratio(x)
 
-    return (r.strategy, "-" if r.median_s is None else plots.fmt_seconds(r.median_s),
-            "-" if r.iqr_s is None else plots.fmt_seconds(r.iqr_s), ratio(r.speedup_vs_loop),
+    return (r.strategy, "-" if r.median_s is None else viz.fmt_seconds(r.median_s),
+            "-" if r.iqr_s is None else viz.fmt_seconds(r.iqr_s), ratio(r.speedup_vs_loop),
             ratio(r.vs_forward_backward), ratio(r.vs_memory_floor), human_bytes(r.result_bytes),
             "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.1e}", r.note)
 
@@ -186,7 +186,7 @@ def table_html(view: View) -> str:
     body = []
     provisional = set(view.provisional)
     for r in view.records:
-        grey = r.strategy in plots.REFERENCES or r.skipped or r.strategy in provisional
+        grey = r.strategy in viz.REFERENCES or r.skipped or r.strategy in provisional
         style = "color:#8a5300" if r.noisy else ("color:#777" if grey else "")
         cells = "".join(f"<td style='padding:2px 8px'>{html.escape(c)}</td>" for c in table_row(r))
         body.append(f"<tr style='{style}'>{cells}</tr>")
