@@ -28,8 +28,10 @@ test: setup browser data lint
 unit: setup lint
 	$(PY) -m pytest tests -m "not e2e"
 
+## ruff, and the layers of docs/layout.md (import-linter; the contract is in pyproject.toml)
 lint: setup
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 
 ## Side-by-side timing tables in the terminal (the README's Performance section), plot in bench-out/
 bench: setup

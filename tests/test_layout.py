@@ -1,0 +1,91 @@
+"""The house plan (docs/layout.md), checked: small files, no private name across modules, the layers kept
+(import-linter, the contract in pyproject.toml), every module in the tree's table."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "pergrad_viz"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+MAX_LINES = 400
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_file_over_400_lines(path):
+    lines = path.read_text().count("\n")
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines: split it by job (docs/layout.md)"
+
+
+def _private_uses(path: Path) -> list[str]:
+    """``from x import _y``, ``import x._y``, and ``m._y`` where ``m`` is a module of the package imported here."""
+    tree = ast.parse(path.read_text())
+    found, modules = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pergrad_viz"):
+            if any(part.startswith("_") and not part.startswith("__") for part in node.module.split(".")):
+                found.append(f"line {node.lineno}: from {node.module}")
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("pergrad_viz"):
+                    modules.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in modules):
+            found.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_private_name_across_modules(path):
+    assert not _private_uses(path), (f"{path.relative_to(ROOT)} uses private names of other modules: "
+                                     f"{_private_uses(path)}; make them public or move the code")
+
+
+def test_the_private_name_check_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from pergrad_viz.engine import probe\nfrom pergrad_viz.api import _run\nprobe._assign\n")
+    assert len(_private_uses(bad)) == 2
+
+
+def test_the_layers_hold():
+    lint = Path(sys.executable).with_name("lint-imports")
+    if not lint.exists() and shutil.which("lint-imports") is None:
+        pytest.skip("import-linter is not installed (make setup installs it)")
+    result = subprocess.run([str(lint) if lint.exists() else "lint-imports"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+
+
+def tree_paths(text: str) -> set[str]:
+    """The files of docs/layout.md's tree, as paths relative to pergrad_viz/ (folders are lines ending in /)."""
+    block = text.split("## The tree", 1)[1].split("```")[1]
+    folders: dict[int, str] = {}
+    paths = set()
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        name = line.split()[0]
+        if name.endswith("/"):
+            folders[depth] = name
+        else:
+            paths.add("".join(folders[d] for d in range(1, depth)) + name)
+    return paths
+
+
+def test_every_module_is_in_the_tree_of_docs_layout():
+    listed = tree_paths((ROOT / "docs" / "layout.md").read_text())
+    modules = {str(p.relative_to(PACKAGE)) for p in MODULES}
+    assert modules <= listed, f"docs/layout.md's tree does not list {sorted(modules - listed)}"
+    assert listed <= modules, f"docs/layout.md's tree lists files that do not exist: {sorted(listed - modules)}"
