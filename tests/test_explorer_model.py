@@ -293,7 +293,9 @@ def test_the_extra_rounds_share_one_budget_per_setting(monkeypatch):
                       **{**FAST, "noise_threshold": -1.0, "max_rounds": 50})  # never settled: spends it all
     m.update(Setting(batch=2, hidden=8, strategies=("hooks", "loop", "torch_func")))
     assert len(budgets) >= 3 and budgets[0] == pytest.approx(0.3)
-    assert budgets == sorted(budgets, reverse=True) and budgets[-1] == 0.0
+    # What is left shrinks tier by tier (one budget, shared); a pass that would run past it does not start, so what
+    # is left at the end is less than one pass, not exactly zero.
+    assert budgets == sorted(budgets, reverse=True) and budgets[-1] < budgets[0] / 2
 
 
 def test_the_process_keeps_its_thread_count_between_steps(monkeypatch):
