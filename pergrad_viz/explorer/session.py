@@ -34,27 +34,29 @@ Calls = dict[str, Callable[[], object]]
 Progress = tuple[list[Record], tuple[str, ...], int, tuple[str, ...]]
 
 
+@dataclasses.dataclass(eq=False)
 class TimingSession:
-    """Times settings' methods and keeps the settled timings (:attr:`cache`). The arguments are those of
+    """Times settings' methods and keeps the settled timings (:attr:`cache`). The fields are the arguments of
     :class:`~pergrad_viz.explorer.model.ExplorerModel` of the same names."""
 
-    def __init__(self, *, rounds: int, min_rounds: int, max_rounds: int, patience_s: float, tier_budget_s: float,
-                 round_budget_s: float, prior_min_s: float, min_block_s: float, noise_threshold: float,
-                 drift: float, dtype: torch.dtype, device: str, threads: int):
-        self.rounds = rounds
-        self.min_rounds = min(min_rounds, rounds)
-        self.max_rounds = max(max_rounds, rounds)
-        self.patience_s = patience_s
-        self.tier_budget_s = tier_budget_s
-        self.round_budget_s = round_budget_s
-        self.prior_min_s = prior_min_s
-        self.min_block_s = min_block_s
-        self.noise_threshold = noise_threshold
-        self.drift = drift
-        self.dtype = dtype
-        self.device = device
-        self.threads = threads
-        self.cache: dict[TimingKey, Record] = {}
+    rounds: int
+    min_rounds: int
+    max_rounds: int
+    patience_s: float
+    tier_budget_s: float
+    round_budget_s: float
+    prior_min_s: float
+    min_block_s: float
+    noise_threshold: float
+    drift: float
+    dtype: torch.dtype
+    device: str
+    threads: int
+    cache: dict[TimingKey, Record] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.min_rounds = min(self.min_rounds, self.rounds)
+        self.max_rounds = max(self.max_rounds, self.rounds)
 
     def stepwise(self, steps: Iterator[T]) -> Iterator[T]:
         """``steps`` (a generator), each step run with :attr:`threads` intra-op threads and the process's own
