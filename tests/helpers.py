@@ -1,10 +1,16 @@
-"""Shared test helpers: reference loops written independently of pergrad_viz, model-state snapshots."""
+"""Shared test helpers: reference loops written independently of pergrad_viz, model-state snapshots, the check
+that a figure's parts stay inside it."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -197,3 +203,26 @@ def empty_out(module: nn.Module, n: int, batch: int, dtype: torch.dtype = torch.
         out[name] = flat[:, :, start:start + p.numel()].view(n, batch, *p.shape)
         start += p.numel()
     return out
+
+
+# --------------------------------------------------------------------------------------------- figures
+
+
+def outside(fig: Figure) -> list[str]:
+    """Axes (with everything drawn on them: labels, titles, annotations, legends) and figure texts that reach
+    beyond the figure, after drawing it as it is saved."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    width, height = fig.bbox.width, fig.bbox.height
+    parts = [(f"axes {k} ({ax.get_title()[:30]!r})", ax.get_tightbbox(renderer)) for k, ax in enumerate(fig.axes)]
+    texts = [t for t in [*fig.texts, fig._suptitle] if t is not None and t.get_visible() and t.get_text().strip()]
+    parts += [(repr(t.get_text()[:40]), t.get_window_extent(renderer)) for t in texts]
+    bad = []
+    for what, box in parts:
+        if box is not None and (box.x0 < -1 or box.y0 < -1 or box.x1 > width + 1 or box.y1 > height + 1):
+            bad.append(f"{what}: {box.x0:.0f}..{box.x1:.0f} x {box.y0:.0f}..{box.y1:.0f} "
+                       f"(figure {width:.0f} x {height:.0f})")
+    return bad

@@ -1,6 +1,7 @@
 """Zoo cases for forwards written the way people write them, one group per root cause of a silent wrong answer
-(issue 16). Each is a :class:`cases.Case`; ``tests/test_zoo.py`` runs them like the others (every strategy equals the
-loop or refuses, ``auto`` always equals the loop, grads, Jacobians, norms and the NTK, the model left as it was).
+(issue 16). Each is a :class:`zoo.cases.Case`; ``tests/strategies/test_zoo.py`` runs them like the others (every
+strategy equals the loop or refuses, ``auto`` always equals the loop, grads, Jacobians, norms and the NTK, the model
+left as it was).
 
 ``before_call(model, k)`` puts the model in the state of call k (on the tested model and on the reference's alike):
 a head switched by a plain attribute, a flag turned on, an optimiser step that switches a branch.
@@ -9,8 +10,8 @@ a head switched by a plain attribute, a flag turned on, an optimiser step that s
 from __future__ import annotations
 
 import torch
-from cases import DT, Case, _build, _classes, _floats, _gen, _image_inputs, _token_inputs
 from torch import nn
+from zoo.cases import DT, Case, _build, _classes, _floats, _gen, _image_inputs, _token_inputs
 
 
 class _FcHead(nn.Module):
@@ -352,6 +353,6 @@ CASES: list[Case] = [
 ]
 
 # A reordering a pair never shows: only the per-call check sees it, with probability 2/3 per call at B=3
-# (tests/test_certify.py).
+# (tests/engine/test_certify.py).
 SWAP_ROWS = Case("swap-rows-1-2", _build(SwapRowsOneTwo), _image_inputs("swap-rows", (4,)))
 assert DT is torch.float64

@@ -1,6 +1,6 @@
 """The model zoo as data: real architectures built small, and adversarial models, each a :class:`Case`.
 
-``tests/test_zoo.py`` checks every case against the reference loops of ``tests/helpers.py``: every
+``tests/strategies/test_zoo.py`` checks every case against the reference loops of ``tests/helpers.py``: every
 strategy either gives exactly the loop's numbers or raises ``pv.UnsupportedModelError``; ``"auto"`` always
 gives the loop's numbers (unless the case's ``expect`` is ``"refuse"``).
 
