@@ -1,10 +1,16 @@
-"""Shared test helpers: reference loops written independently of pergrad_viz, model-state snapshots."""
+"""Shared test helpers: reference loops written independently of pergrad_viz, model-state snapshots, the check
+that a figure's parts stay inside it."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -119,74 +125,6 @@ def assert_state_unchanged(model: nn.Module, before: dict) -> None:
     assert after["attributes"] == before["attributes"], "module attributes added or removed"
 
 
-class TiedNet(nn.Module):
-    """An Embedding and the output Linear share one weight; two hidden Linears share another."""
-
-    def __init__(self, vocab: int = 10):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, 4, padding_idx=1)
-        self.fc1 = nn.Linear(4, 4)
-        self.fc2 = nn.Linear(4, 4, bias=False)
-        self.fc2.weight = self.fc1.weight
-        self.out = nn.Linear(4, vocab)
-        self.out.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.fc1(self.emb(x).mean(1)))
-        return self.out(torch.tanh(self.fc2(h)))
-
-
-class Scale(nn.Module):
-    """A layer with a trainable parameter and no rule: forces the fallbacks."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight
-
-
-class TokenNet(nn.Module):
-    """Embedding (padding_idx 0) -> Linear on (B, T, D) -> mean over T -> Linear."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(12, 6, padding_idx=0)
-        self.fc = nn.Linear(6, 5)
-        self.head = nn.Linear(5, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.fc(self.emb(x))).mean(1))
-
-
-class SharedNet(nn.Module):
-    """A Linear and a LayerNorm each called twice (their gradient is the sum of both calls')."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(6, 6)
-        self.ln = nn.LayerNorm(6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln(torch.tanh(self.fc(x)))
-        h = self.ln(torch.tanh(self.fc(h)))
-        return self.head(h)
-
-
-class FlatRows(nn.Module):
-    """A Linear called on (B*T, D) rows: the samples are not along its input's first dimension."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        return self.fc(x.reshape(b * t, d)).reshape(b, t, 3).mean(1)
-
-
 def empty_out(module: nn.Module, n: int, batch: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
     """NaN-filled (N, B, *param.shape) views into one flat (N, B, P) result, as the hooks strategy passes them to
     a rule (trainable parameters only)."""
@@ -197,3 +135,26 @@ def empty_out(module: nn.Module, n: int, batch: int, dtype: torch.dtype = torch.
         out[name] = flat[:, :, start:start + p.numel()].view(n, batch, *p.shape)
         start += p.numel()
     return out
+
+
+# --------------------------------------------------------------------------------------------- figures
+
+
+def outside(fig: Figure) -> list[str]:
+    """Axes (with everything drawn on them: labels, titles, annotations, legends) and figure texts that reach
+    beyond the figure, after drawing it as it is saved."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    width, height = fig.bbox.width, fig.bbox.height
+    parts = [(f"axes {k} ({ax.get_title()[:30]!r})", ax.get_tightbbox(renderer)) for k, ax in enumerate(fig.axes)]
+    texts = [t for t in [*fig.texts, fig._suptitle] if t is not None and t.get_visible() and t.get_text().strip()]
+    parts += [(repr(t.get_text()[:40]), t.get_window_extent(renderer)) for t in texts]
+    bad = []
+    for what, box in parts:
+        if box is not None and (box.x0 < -1 or box.y0 < -1 or box.x1 > width + 1 or box.y1 > height + 1):
+            bad.append(f"{what}: {box.x0:.0f}..{box.x1:.0f} x {box.y0:.0f}..{box.y1:.0f} "
+                       f"(figure {width:.0f} x {height:.0f})")
+    return bad

@@ -18,7 +18,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED = {"01_per_sample_gradients.ipynb", "02_output_jacobians.ipynb", "03_explorer.ipynb",
             "04_applications.ipynb"}
 # The explorer's notebook is a dashboard (Voila shows its outputs): no printed checks there. Its checks live in
-# tests/test_widgets.py, tests/test_explorer_model.py and the browser tests (tests/e2e).
+# tests/explorer/test_widgets.py, tests/explorer/test_explorer_model.py and the browser tests (tests/e2e).
 DASHBOARDS = {"03_explorer.ipynb"}
 
 

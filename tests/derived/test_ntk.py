@@ -7,11 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
-    FlatRows,
-    Scale,
-    SharedNet,
-    TiedNet,
-    TokenNet,
     assert_no_hooks,
     assert_state_unchanged,
     flatten_ref,
@@ -19,6 +14,7 @@ from helpers import (
     snapshot,
 )
 from torch import nn
+from zoo.nets import DoublyTiedNet, FlatRows, ScaleByWeight, SharedLinearAndNormNet, TokenNet
 
 import pergrad_viz as pv
 from pergrad_viz import api
@@ -75,13 +71,14 @@ def case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
         return TokenNet().double(), x1, torch.tensor([[2, 2, 1, 0, 0, 0, 7], [3, 4, 5, 6, 7, 8, 9], [1] * 7])
     if name == "tied":
         tokens = torch.randint(0, 6, (8, 7), generator=g)
-        return TiedNet(vocab=6).double(), tokens[:5], tokens[5:]
+        return DoublyTiedNet(vocab=6).double(), tokens[:5], tokens[5:]
     if name == "shared":
-        return SharedNet().double(), randn(5, 6), randn(3, 6)
+        return SharedLinearAndNormNet().double(), randn(5, 6), randn(3, 6)
     if name == "flat_rows":
         return FlatRows().double(), randn(5, 2, 4), randn(3, 2, 4)
     if name == "fallback":
-        return nn.Sequential(nn.Linear(5, 4), Scale(4), nn.Tanh(), nn.Linear(4, 3)).double(), randn(5, 5), randn(3, 5)
+        model = nn.Sequential(nn.Linear(5, 4), ScaleByWeight(4), nn.Tanh(), nn.Linear(4, 3)).double()
+        return model, randn(5, 5), randn(3, 5)
     if name == "scalar":
         return ScaledLogits().double(), randn(5, 4), randn(3, 4)
     raise AssertionError(name)

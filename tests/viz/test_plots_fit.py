@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers import outside  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
@@ -19,24 +20,6 @@ from pergrad_viz import viz  # noqa: E402
 from pergrad_viz.bench.records import FORWARD_BACKWARD, MEMORY_FLOOR, Record  # noqa: E402
 
 LONG = "per-sample gradients at batch size B=256, hidden width 512: a title long enough to need two lines or more"
-
-
-def outside(fig: Figure) -> list[str]:
-    """Axes (with everything drawn on them: labels, titles, annotations, legends) and figure texts that reach
-    beyond the figure, after drawing it as it is saved."""
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    renderer = canvas.get_renderer()
-    width, height = fig.bbox.width, fig.bbox.height
-    parts = [(f"axes {k} ({ax.get_title()[:30]!r})", ax.get_tightbbox(renderer)) for k, ax in enumerate(fig.axes)]
-    texts = [t for t in [*fig.texts, fig._suptitle] if t is not None and t.get_visible() and t.get_text().strip()]
-    parts += [(repr(t.get_text()[:40]), t.get_window_extent(renderer)) for t in texts]
-    bad = []
-    for what, box in parts:
-        if box is not None and (box.x0 < -1 or box.y0 < -1 or box.x1 > width + 1 or box.y1 > height + 1):
-            bad.append(f"{what}: {box.x0:.0f}..{box.x1:.0f} x {box.y0:.0f}..{box.y1:.0f} "
-                       f"(figure {width:.0f} x {height:.0f})")
-    return bad
 
 
 def texts_outside(fig: Figure) -> list[str]:

@@ -1,4 +1,4 @@
-"""The model zoo (tests/cases.py) against the reference loops: every strategy gives exactly the loop's numbers
+"""The model zoo (tests/zoo/) against the reference loops: every strategy gives exactly the loop's numbers
 or refuses with ``pv.UnsupportedModelError``, never a silent wrong answer; ``"auto"`` always gives the loop's
 numbers; ``resolve_strategy`` says what the case expects; the model is left as it was after every call."""
 
@@ -8,10 +8,10 @@ import functools
 
 import pytest
 import torch
-from cases import CASES as ARCHITECTURES
-from cases import Case
-from cases_forward import CASES as FORWARDS
 from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, ref_jacobian, snapshot, trainable
+from zoo.cases import CASES as ARCHITECTURES
+from zoo.cases import Case
+from zoo.forwards import CASES as FORWARDS
 
 import pergrad_viz as pv
 

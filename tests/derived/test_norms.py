@@ -7,11 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
-    FlatRows,
-    Scale,
-    SharedNet,
-    TiedNet,
-    TokenNet,
     assert_no_hooks,
     assert_state_unchanged,
     flatten_ref,
@@ -19,6 +14,7 @@ from helpers import (
     snapshot,
 )
 from torch import nn
+from zoo.nets import DoublyTiedNet, FlatRows, ScaleByWeight, SharedLinearAndNormNet, TokenNet
 
 import pergrad_viz as pv
 from pergrad_viz import api
@@ -159,12 +155,12 @@ def case(name: str) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
     if name == "tokens":
         return TokenNet().double(), ce, tokens(), classes
     if name == "tied":
-        return TiedNet(vocab=10).double(), ce, torch.randint(0, 10, (5, 6), generator=g), classes
+        return DoublyTiedNet(vocab=10).double(), ce, torch.randint(0, 10, (5, 6), generator=g), classes
     if name == "layer_norm":
         return LayerNormNet().double(), mse, torch.randn(5, 4, 6, generator=g, dtype=torch.float64), \
             torch.randn(5, 3, generator=g, dtype=torch.float64)
     if name == "shared":
-        return SharedNet().double(), ce, torch.randn(5, 6, generator=g, dtype=torch.float64), classes
+        return SharedLinearAndNormNet().double(), ce, torch.randn(5, 6, generator=g, dtype=torch.float64), classes
     if name == "shared_embedding":
         return SharedEmbedding().double(), ce, torch.randint(0, 9, (5, 7), generator=g), classes
     if name == "frozen":
@@ -172,7 +168,7 @@ def case(name: str) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
     if name == "unused":
         return Unused().double(), ce, torch.randn(5, 5, generator=g, dtype=torch.float64), classes
     if name == "unsupported":
-        model = nn.Sequential(nn.Linear(5, 4), Scale(4), nn.Tanh(), nn.Linear(4, 3)).double()
+        model = nn.Sequential(nn.Linear(5, 4), ScaleByWeight(4), nn.Tanh(), nn.Linear(4, 3)).double()
         return model, ce, torch.randn(5, 5, generator=g, dtype=torch.float64), classes
     if name == "flat_rows":
         return FlatRows().double(), mse, torch.randn(5, 3, 4, generator=g, dtype=torch.float64), \

@@ -326,7 +326,7 @@ class SamplesAlongTheLength(nn.Module):
 def test_position_wise_rules_take_the_samples_on_any_leading_dimension(strategy):
     """Sequence-first tensors (PyTorch's default for transformers): Embedding, Linear and LayerNorm keep their rules
     with the samples on dimension 1; a layer whose rule is not position-wise (a convolution) does not."""
-    from cases import SequenceFirstTransformer
+    from zoo.cases import SequenceFirstTransformer
 
     torch.manual_seed(0)
     model = SequenceFirstTransformer().double().eval()

@@ -13,7 +13,7 @@ import torch
 
 from pergrad_viz.tutorial.data import CLASS_NAMES, DATASETS, DEFAULT_ROOT, MEAN_STD, clear_cache, load_sample
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "pergrad_viz" / "tutorial" / "sample"
 SAMPLE_RAW = SAMPLE / "FashionMNIST" / "raw"
 MAKE_SAMPLE = SAMPLE / "make_sample.py"

@@ -224,7 +224,7 @@ def test_bert_with_an_attention_mask_as_a_tokenizer_gives_it(strategy):
 def test_the_readme_example_with_several_inputs_runs():
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme[readme.index("Models with several inputs"):]
     code = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python\n") + 10)]
     scope = {"torch": torch, "pv": pv}

@@ -159,7 +159,7 @@ def test_quantity_toggle_gives_jacobian_records(fresh):
 
 
 def test_the_jacobian_heatmap_fits_its_figure(fresh):
-    from test_plots_fit import outside
+    from helpers import outside
 
     fresh.set(quantity="jacobian")
     assert outside(fresh._heatmap(fresh.view)) == []

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import flatten_ref, ref_grads
 from torch import nn
 
 import pergrad_viz as pv
@@ -24,13 +25,12 @@ from pergrad_viz.scanning.sketch import GradientSketch, allocate, layer_blocks
 from pergrad_viz.tutorial import fashion_mnist
 from pergrad_viz.tutorial.data import load_sample
 from pergrad_viz.tutorial.networks import MLP, SmallCNN, load_model
-from tests.helpers import flatten_ref, ref_grads
 
 scan_mod = importlib.import_module("pergrad_viz.scanning.api")  # the module (pv.scan is the function)
 runner = importlib.import_module("pergrad_viz.scanning.runner")
 remote = importlib.import_module("pergrad_viz.scanning.remote")
 ALL = ("loss", "grad_norm", "layer_norms", "el2n")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _data(n: int = 48, seed: int = 0, flat: bool = False) -> torch.utils.data.TensorDataset:

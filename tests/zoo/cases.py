@@ -1,6 +1,6 @@
 """The model zoo as data: real architectures built small, and adversarial models, each a :class:`Case`.
 
-``tests/test_zoo.py`` checks every case against the reference loops of ``tests/helpers.py``: every
+``tests/strategies/test_zoo.py`` checks every case against the reference loops of ``tests/helpers.py``: every
 strategy either gives exactly the loop's numbers or raises ``pv.UnsupportedModelError``; ``"auto"`` always
 gives the loop's numbers (unless the case's ``expect`` is ``"refuse"``).
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torchvision
-from helpers import Scale
 from torch import nn
+from zoo.nets import ScaleByWeight
 
 DT = torch.float64
 Inputs = tuple[torch.Tensor, torch.Tensor]
@@ -61,40 +61,46 @@ class Case:
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def _gen(name: str, batch: int) -> torch.Generator:
+def seeded(name: str, batch: int) -> torch.Generator:
+    """A generator seeded by (case name, batch size): inputs that do not touch the global RNG."""
     return torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1000 * batch)
 
 
-def _floats(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+def floats(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """``shape`` normal float64 values drawn from ``gen``, times ``scale``."""
     return scale * torch.randn(*shape, generator=gen, dtype=DT)
 
 
-def _classes(batch: int, gen: torch.Generator, n: int = 3) -> torch.Tensor:
+def labels(batch: int, gen: torch.Generator, n: int = 3) -> torch.Tensor:
+    """(batch,) class labels in [0, n) drawn from ``gen``."""
     return torch.randint(0, n, (batch,), generator=gen)
 
 
-def _image_inputs(name: str, shape: tuple[int, ...], classes: int = 3) -> Callable[[int], Inputs]:
+def image_inputs(name: str, shape: tuple[int, ...], classes: int = 3) -> Callable[[int], Inputs]:
+    """batch -> ((batch, *shape) floats, (batch,) labels), seeded by (name, batch)."""
     def make(batch: int) -> Inputs:
-        g = _gen(name, batch)
-        return _floats(batch, *shape, gen=g), _classes(batch, g, classes)
+        g = seeded(name, batch)
+        return floats(batch, *shape, gen=g), labels(batch, g, classes)
 
     return make
 
 
-def _token_inputs(name: str, t: int, vocab: int) -> Callable[[int], Inputs]:
+def token_inputs(name: str, t: int, vocab: int) -> Callable[[int], Inputs]:
+    """batch -> ((batch, t) token ids with a padding 0 and a repeated token, (batch,) labels)."""
     def make(batch: int) -> Inputs:
-        g = _gen(name, batch)
+        g = seeded(name, batch)
         x = torch.randint(0, vocab, (batch, t), generator=g)
         x[0, -1] = 0  # a padding token
         x[-1, 0] = x[-1, 1]  # a repeated token
-        return x, _classes(batch, g)
+        return x, labels(batch, g)
 
     return make
 
 
-def _build(fn: Callable[[], nn.Module], mode: str = "train",
-           calibrate: tuple[int, ...] | None = None) -> Callable[[], nn.Module]:
-    """``calibrate``: an input shape (without the batch) to set BatchNorm's running statistics from, so that a
+def build(fn: Callable[[], nn.Module], mode: str = "train",
+          calibrate: tuple[int, ...] | None = None) -> Callable[[], nn.Module]:
+    """A case's ``make_model``: ``fn()`` seeded, in float64, with non-trivial norm statistics, in ``mode``.
+    ``calibrate``: an input shape (without the batch) to set BatchNorm's running statistics from, so that a
     deep network in eval mode neither blows up nor lets its first layers' gradients vanish."""
 
     def make() -> nn.Module:
@@ -382,8 +388,8 @@ def _mlp(out: int) -> Callable[[], nn.Module]:
 
 def _regression_inputs(name: str, out_shape: tuple[int, ...]) -> Callable[[int], Inputs]:
     def make(batch: int) -> Inputs:
-        g = _gen(name, batch)
-        return _floats(batch, 4, gen=g), _floats(batch, *out_shape, gen=g)
+        g = seeded(name, batch)
+        return floats(batch, 4, gen=g), floats(batch, *out_shape, gen=g)
 
     return make
 
@@ -397,8 +403,8 @@ def _loss_divided_by_batch() -> Callable:
 
 def _rnn(name: str, cell, readout: str, bidirectional: bool = False, expect: str = "hooks",
          batches: tuple[int, ...] = (3,)) -> Case:
-    return Case(name, _build(lambda: RNNClassifier(cell, readout, bidirectional)),
-                _image_inputs(name, (4, 3)), expect=expect, batches=batches)
+    return Case(name, build(lambda: RNNClassifier(cell, readout, bidirectional)),
+                image_inputs(name, (4, 3)), expect=expect, batches=batches)
 
 
 def _bn_net() -> nn.Module:
@@ -408,68 +414,69 @@ def _bn_net() -> nn.Module:
 
 CASES: list[Case] = [
     # real architectures ------------------------------------------------------------------------------
-    Case("resnet18", _build(_resnet18, "eval", calibrate=(3, 16, 16)), _image_inputs("resnet18", (3, 16, 16)),
+    Case("resnet18", build(_resnet18, "eval", calibrate=(3, 16, 16)), image_inputs("resnet18", (3, 16, 16)),
          batches=(2,), expensive=True),
-    Case("mobilenet_v3_small", _build(_mobilenet, "eval", calibrate=(3, 32, 32)),
-         _image_inputs("mobilenet_v3_small", (3, 32, 32)),
+    Case("mobilenet_v3_small", build(_mobilenet, "eval", calibrate=(3, 32, 32)),
+         image_inputs("mobilenet_v3_small", (3, 32, 32)),
          batches=(2,), expensive=True),
-    Case("vit-tiny", _build(_vit, "eval"), _image_inputs("vit-tiny", (3, 16, 16)), batches=(2,), expensive=True),
-    Case("shufflenet_v2", _build(_shufflenet, "eval", calibrate=(3, 32, 32)),
-         _image_inputs("shufflenet_v2", (3, 32, 32)), batches=(2,), expensive=True),
-    Case("transformer-eval", _build(TransformerClassifier, "eval"), _image_inputs("transformer-eval", (5, 8)),
+    Case("vit-tiny", build(_vit, "eval"), image_inputs("vit-tiny", (3, 16, 16)), batches=(2,), expensive=True),
+    Case("shufflenet_v2", build(_shufflenet, "eval", calibrate=(3, 32, 32)),
+         image_inputs("shufflenet_v2", (3, 32, 32)), batches=(2,), expensive=True),
+    Case("transformer-eval", build(TransformerClassifier, "eval"), image_inputs("transformer-eval", (5, 8)),
          expensive=True),
-    Case("transformer-train", _build(TransformerClassifier, "train"), _image_inputs("transformer-train", (5, 8)),
+    Case("transformer-train", build(TransformerClassifier, "train"), image_inputs("transformer-train", (5, 8)),
          loss_fns={"ce-sum": lambda: nn.CrossEntropyLoss(reduction="sum")}, expensive=True),
-    Case("transformer-sequence-first", _build(SequenceFirstTransformer, "eval"),
-         _token_inputs("transformer-sequence-first", 5, 9), expensive=True),
+    Case("transformer-sequence-first", build(SequenceFirstTransformer, "eval"),
+         token_inputs("transformer-sequence-first", 5, 9), expensive=True),
     _rnn("lstm-out-last", nn.LSTM, "last"),
     _rnn("gru-h_n-last-layer", nn.GRU, "h_n"),
     _rnn("lstm-h_n-last-layer", nn.LSTM, "h_n"),
     _rnn("gru-bidirectional-out-mean", nn.GRU, "mean", bidirectional=True),
     _rnn("lstm-bidirectional-out-mean", nn.LSTM, "mean", bidirectional=True),
-    Case("self-attention", _build(SelfAttentionNet), _image_inputs("self-attention", (4, 4))),
-    Case("conv3d", _build(lambda: FlatHead(nn.Conv3d(2, 3, 3, padding=1, stride=(1, 2, 2)), (2, 3, 4, 4))),
-         _image_inputs("conv3d", (2, 3, 4, 4))),
+    Case("self-attention", build(SelfAttentionNet), image_inputs("self-attention", (4, 4))),
+    Case("conv3d", build(lambda: FlatHead(nn.Conv3d(2, 3, 3, padding=1, stride=(1, 2, 2)), (2, 3, 4, 4))),
+         image_inputs("conv3d", (2, 3, 4, 4))),
     Case("conv-transpose2d",
-         _build(lambda: FlatHead(nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1), (2, 3, 3))),
-         _image_inputs("conv-transpose2d", (2, 3, 3))),
+         build(lambda: FlatHead(nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1), (2, 3, 3))),
+         image_inputs("conv-transpose2d", (2, 3, 3))),
     Case("instancenorm2d-affine",
-         _build(lambda: FlatHead(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False),  # a bias would get 0
-                                               nn.InstanceNorm2d(4, affine=True)),
-                                 (2, 4, 4))),
-         _image_inputs("instancenorm2d-affine", (2, 4, 4))),
-    Case("batchnorm2d-eval", _build(_bn_net, "eval"), _image_inputs("batchnorm2d-eval", (2, 4, 4))),
-    Case("bilinear", _build(BilinearNet), _image_inputs("bilinear", (4,))),
-    Case("custom-scale-parameter", _build(lambda: nn.Sequential(nn.Linear(4, 5), Scale(5), nn.Tanh(), nn.Linear(5, 3))),
-         _image_inputs("custom-scale-parameter", (4,))),
-    Case("cls-token-and-position-parameters", _build(ClsTokenNet),
-         _image_inputs("cls-token-and-position-parameters", (4, 4))),
+         build(lambda: FlatHead(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False),  # a bias would get 0
+                                              nn.InstanceNorm2d(4, affine=True)),
+                                (2, 4, 4))),
+         image_inputs("instancenorm2d-affine", (2, 4, 4))),
+    Case("batchnorm2d-eval", build(_bn_net, "eval"), image_inputs("batchnorm2d-eval", (2, 4, 4))),
+    Case("bilinear", build(BilinearNet), image_inputs("bilinear", (4,))),
+    Case("custom-scale-parameter",
+         build(lambda: nn.Sequential(nn.Linear(4, 5), ScaleByWeight(5), nn.Tanh(), nn.Linear(5, 3))),
+         image_inputs("custom-scale-parameter", (4,))),
+    Case("cls-token-and-position-parameters", build(ClsTokenNet),
+         image_inputs("cls-token-and-position-parameters", (4, 4))),
     # a layer that sees (1, T): the positional Embedding's gradient is summed over the batch
-    Case("positional-embedding", _build(PositionalEmbeddingNet), _token_inputs("positional-embedding", 5, 9),
+    Case("positional-embedding", build(PositionalEmbeddingNet), token_inputs("positional-embedding", 5, 9),
          expect="torch_func"),
     # refused by every strategy: BatchNorm with batch statistics
-    Case("batchnorm2d-train", _build(_bn_net, "train"), _image_inputs("batchnorm2d-train", (2, 4, 4)),
+    Case("batchnorm2d-train", build(_bn_net, "train"), image_inputs("batchnorm2d-train", (2, 4, 4)),
          expect="refuse"),
     # adversarial --------------------------------------------------------------------------------------
     # the samples along dimension 1 of a layer (T == B): the probe finds it, the Linear rule takes them moved first
-    Case("sequence-first-linear-B2-T2", _build(SequenceFirstLinear), _image_inputs("sequence-first", (2, 3)),
+    Case("sequence-first-linear-B2-T2", build(SequenceFirstLinear), image_inputs("sequence-first", (2, 3)),
          expect="hooks", batches=(2,)),
     # first a batch of 1 (where (1, T) is batch-first), then 3 on the same model: no stale per-model cache
-    Case("positional-embedding-B1-then-B3", _build(PositionalEmbeddingNet),
-         _token_inputs("positional-embedding-B1-then-B3", 5, 9), expect="torch_func", batches=(1, 3)),
+    Case("positional-embedding-B1-then-B3", build(PositionalEmbeddingNet),
+         token_inputs("positional-embedding-B1-then-B3", 5, 9), expect="torch_func", batches=(1, 3)),
     _rnn("gru-head-on-full-h_n-B2-layers2", nn.GRU, "h_n_all", expect="hooks", batches=(2,)),
     _rnn("lstm-head-on-full-h_n-B1-then-B2", nn.LSTM, "h_n_all", expect="hooks", batches=(1, 2)),
     # an RNN on a PackedSequence: the packed tokens of all samples share one dimension
-    Case("lstm-packed-sequence", _build(lambda: PackedRNN(nn.LSTM, False)), _token_inputs("lstm-packed", 5, 9),
+    Case("lstm-packed-sequence", build(lambda: PackedRNN(nn.LSTM, False)), token_inputs("lstm-packed", 5, 9),
          expect="torch_func"),
-    Case("gru-bidirectional-packed-sequence", _build(lambda: PackedRNN(nn.GRU, True)),
-         _token_inputs("gru-packed", 5, 9), expect="torch_func"),
-    Case("batch-centering", _build(BatchCentering), _image_inputs("batch-centering", (4,)), expect="torch_func"),
-    Case("rows-after-reshape", _build(RowsNet), _image_inputs("rows-after-reshape", (3, 4)), expect="torch_func"),
+    Case("gru-bidirectional-packed-sequence", build(lambda: PackedRNN(nn.GRU, True)),
+         token_inputs("gru-packed", 5, 9), expect="torch_func"),
+    Case("batch-centering", build(BatchCentering), image_inputs("batch-centering", (4,)), expect="torch_func"),
+    Case("rows-after-reshape", build(RowsNet), image_inputs("rows-after-reshape", (3, 4)), expect="torch_func"),
     # losses: resolve_strategy does not see them, the per-sample losses must still be the loop's
-    Case("mse-output-Bx1-target-B", _build(_mlp(1)), _regression_inputs("mse-broadcast", ()),
+    Case("mse-output-Bx1-target-B", build(_mlp(1)), _regression_inputs("mse-broadcast", ()),
          loss_fns={"mse-mean": nn.MSELoss, "mse-sum": lambda: nn.MSELoss(reduction="sum")}, jacobian=False),
-    Case("loss-divides-by-batch", _build(_mlp(2)), _regression_inputs("loss-divides-by-batch", (2,)),
+    Case("loss-divides-by-batch", build(_mlp(2)), _regression_inputs("loss-divides-by-batch", (2,)),
          loss_fns={"sum-over-batch-size": _loss_divided_by_batch}, jacobian=False),
 ]
 

@@ -1,6 +1,7 @@
 """Zoo cases for forwards written the way people write them, one group per root cause of a silent wrong answer
-(issue 16). Each is a :class:`cases.Case`; ``tests/test_zoo.py`` runs them like the others (every strategy equals the
-loop or refuses, ``auto`` always equals the loop, grads, Jacobians, norms and the NTK, the model left as it was).
+(issue 16). Each is a :class:`zoo.cases.Case`; ``tests/strategies/test_zoo.py`` runs them like the others (every
+strategy equals the loop or refuses, ``auto`` always equals the loop, grads, Jacobians, norms and the NTK, the model
+left as it was).
 
 ``before_call(model, k)`` puts the model in the state of call k (on the tested model and on the reference's alike):
 a head switched by a plain attribute, a flag turned on, an optimiser step that switches a branch.
@@ -9,8 +10,8 @@ a head switched by a plain attribute, a flag turned on, an optimiser step that s
 from __future__ import annotations
 
 import torch
-from cases import DT, Case, _build, _classes, _floats, _gen, _image_inputs, _token_inputs
 from torch import nn
+from zoo.cases import DT, Case, build, floats, image_inputs, labels, seeded, token_inputs
 
 
 class _FcHead(nn.Module):
@@ -131,7 +132,7 @@ class SortByLengthLSTM(nn.Module):
 
 def _lengths_inputs(name: str, t: int, vocab: int):
     def make(batch: int):
-        x, y = _token_inputs(name, t, vocab)(batch)
+        x, y = token_inputs(name, t, vocab)(batch)
         x = x.clamp(min=1)
         for i in range(batch):  # sample i has t - i % t tokens: the sort reverses the batch
             x[i, t - i % t:] = 0
@@ -174,7 +175,7 @@ class ShiftWhenLarge(_FcHead):
 
 def _one_large_sample(name: str):
     def make(batch: int):
-        x, y = _image_inputs(name, (4,))(batch)
+        x, y = image_inputs(name, (4,))(batch)
         x = x.clamp(-1, 1)
         x[2:] *= 30.0
         return x, y
@@ -218,9 +219,9 @@ class Centring(_FcHead):
 
 def _identical_inputs(name: str):
     def make(batch: int):
-        x, _ = _image_inputs(name, (4,))(batch)
-        g = _gen(name + "-targets", batch)
-        return x[:1].expand(batch, 4), _classes(batch, g)
+        x, _ = image_inputs(name, (4,))(batch)
+        g = seeded(name + "-targets", batch)
+        return x[:1].expand(batch, 4), labels(batch, g)
 
     return make
 
@@ -241,10 +242,10 @@ class SmallCouplingBesideLargeFeature(nn.Module):
 
 def _large_target_inputs(name: str):
     def make(batch: int):
-        g = _gen(name, batch)
-        y = _floats(batch, 4, gen=g)
+        g = seeded(name, batch)
+        y = floats(batch, 4, gen=g)
         y[:, 3] = 1e6
-        return _floats(batch, 4, gen=g), y
+        return floats(batch, 4, gen=g), y
 
     return make
 
@@ -322,36 +323,36 @@ def _count_step(model, k):
 
 
 CASES: list[Case] = [
-    Case("lstmcell-loop-over-time", _build(LSTMCellNet), _image_inputs("lstmcell", (3, 3))),
-    Case("lstmcell-c-unused", _build(LSTMCellOnce), _image_inputs("lstmcell-c-unused", (9,))),
-    Case("two-outputs-z-and-tanh-z", _build(lambda: TwoOutputsNet(True)), _image_inputs("two-outputs", (4,))),
-    Case("two-outputs-first-unused", _build(lambda: TwoOutputsNet(False)), _image_inputs("two-outputs-1", (4,))),
-    Case("encoder-seq-and-last", _build(SequenceAndLastNet), _image_inputs("seq-and-last", (5, 3))),
-    Case("sort-by-key-and-unsort", _build(SortByKey), _image_inputs("sort-by-key", (4,)), expect="torch_func"),
-    Case("sort-by-length-lstm", _build(SortByLengthLSTM), _lengths_inputs("sort-by-length", 5, 9),
+    Case("lstmcell-loop-over-time", build(LSTMCellNet), image_inputs("lstmcell", (3, 3))),
+    Case("lstmcell-c-unused", build(LSTMCellOnce), image_inputs("lstmcell-c-unused", (9,))),
+    Case("two-outputs-z-and-tanh-z", build(lambda: TwoOutputsNet(True)), image_inputs("two-outputs", (4,))),
+    Case("two-outputs-first-unused", build(lambda: TwoOutputsNet(False)), image_inputs("two-outputs-1", (4,))),
+    Case("encoder-seq-and-last", build(SequenceAndLastNet), image_inputs("seq-and-last", (5, 3))),
+    Case("sort-by-key-and-unsort", build(SortByKey), image_inputs("sort-by-key", (4,)), expect="torch_func"),
+    Case("sort-by-length-lstm", build(SortByLengthLSTM), _lengths_inputs("sort-by-length", 5, 9),
          expect="torch_func"),
-    Case("branch-on-batch-size", _build(BranchOnBatchSize), _image_inputs("branch-on-b", (4,)),
+    Case("branch-on-batch-size", build(BranchOnBatchSize), image_inputs("branch-on-b", (4,)),
          expect="hooks"),
-    Case("batch-max-shift-when-large", _build(ShiftWhenLarge), _one_large_sample("batch-max"),
+    Case("batch-max-shift-when-large", build(ShiftWhenLarge), _one_large_sample("batch-max"),
          expect="hooks"),
-    Case("coupled-in-custom-backward", _build(CoupledInBackward), _image_inputs("coupled-backward", (4,)),
+    Case("coupled-in-custom-backward", build(CoupledInBackward), image_inputs("coupled-backward", (4,)),
          expect="hooks", jacobian=False),
-    Case("centring-identical-inputs", _build(lambda: Centring(True)), _identical_inputs("identical-inputs"),
+    Case("centring-identical-inputs", build(lambda: Centring(True)), _identical_inputs("identical-inputs"),
          expect="hooks"),
-    Case("small-coupling-beside-large-feature", _build(SmallCouplingBesideLargeFeature),
+    Case("small-coupling-beside-large-feature", build(SmallCouplingBesideLargeFeature),
          _large_target_inputs("small-coupling"), loss_fns={"mse-sum": lambda: nn.MSELoss(reduction="sum")},
          expect="torch_func", jacobian=False),
-    Case("multi-task-head-switched", _build(MultiTask), _image_inputs("multi-task", (4,)), batches=(3, 3),
+    Case("multi-task-head-switched", build(MultiTask), image_inputs("multi-task", (4,)), batches=(3, 3),
          before_call=_set_task),
-    Case("centring-flag-turned-on", _build(lambda: Centring(False)), _image_inputs("centring-flag", (4,)),
+    Case("centring-flag-turned-on", build(lambda: Centring(False)), image_inputs("centring-flag", (4,)),
          batches=(3, 3), before_call=_set_center, expect=("hooks", "torch_func")),
-    Case("optimizer-step-switches-branch", _build(BranchOnParameter), _image_inputs("branch-on-param", (4,)),
+    Case("optimizer-step-switches-branch", build(BranchOnParameter), image_inputs("branch-on-param", (4,)),
          batches=(3, 3), before_call=_optimizer_step, expect="torch_func"),
-    Case("buffer-switches-branch", _build(BranchOnBuffer), _image_inputs("branch-on-buffer", (4,)),
+    Case("buffer-switches-branch", build(BranchOnBuffer), image_inputs("branch-on-buffer", (4,)),
          batches=(3, 3), before_call=_count_step),
 ]
 
 # A reordering a pair never shows: only the per-call check sees it, with probability 2/3 per call at B=3
-# (tests/test_certify.py).
-SWAP_ROWS = Case("swap-rows-1-2", _build(SwapRowsOneTwo), _image_inputs("swap-rows", (4,)))
+# (tests/engine/test_certify.py).
+SWAP_ROWS = Case("swap-rows-1-2", build(SwapRowsOneTwo), image_inputs("swap-rows", (4,)))
 assert DT is torch.float64

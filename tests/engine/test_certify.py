@@ -8,9 +8,9 @@ import random
 
 import pytest
 import torch
-from cases_forward import SWAP_ROWS
 from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, ref_jacobian, snapshot
 from torch import nn
+from zoo.forwards import SWAP_ROWS
 
 import pergrad_viz as pv
 from pergrad_viz.engine import certify
