@@ -290,12 +290,22 @@ def test_the_extra_rounds_share_one_budget_per_setting(monkeypatch):
 
     monkeypatch.setattr(timing, "time_adaptive", spy)
     m = ExplorerModel(batch_options=(2,), sweep_batches=1, round_budget_s=1e-9, patience_s=0.3,
-                      **{**FAST, "noise_threshold": -1.0, "max_rounds": 50})  # never settled: spends it all
+                      **{**FAST, "noise_threshold": -1.0, "max_rounds": 10**6})  # never settled: spends it all
     m.update(Setting(batch=2, hidden=8, strategies=("hooks", "loop", "torch_func")))
-    assert len(budgets) >= 3 and budgets[0] == pytest.approx(0.3)
-    # What is left shrinks tier by tier (one budget, shared); a pass that would run past it does not start, so what
-    # is left at the end is less than one pass, not exactly zero.
-    assert budgets == sorted(budgets, reverse=True) and budgets[-1] < budgets[0] / 2
+    # One timing pass a tier at a time: the setting's (patience 0.3), then the scaling sweep's (0.15, never
+    # cached: every timing here is noisy). Within a pass what is left only shrinks; a pass that would run past
+    # it does not start, so what is left at the end is less than one pass, not exactly zero.
+    passes: list[list[float]] = []
+    for b in budgets:
+        fresh = b == pytest.approx(0.3) or b == pytest.approx(0.15)
+        if fresh or not passes:
+            passes.append([b])
+        else:
+            passes[-1].append(b)
+    first = passes[0]
+    assert len(first) >= 3 and first[0] == pytest.approx(0.3)
+    assert all(p == sorted(p, reverse=True) for p in passes), budgets
+    assert first[-1] < first[0] / 2, budgets
 
 
 def test_the_process_keeps_its_thread_count_between_steps(monkeypatch):
