@@ -303,6 +303,17 @@ def plot_images(scope) -> list[dict]:
     return scope.evaluate(_IMAGES_JS)
 
 
+def loaded_images(scope, timeout_s: float = 5.0) -> list[dict]:
+    """The figures once every one has loaded, or as they are after ``timeout_s``: a figure replaced just before the
+    progress line said done is still being decoded by the browser for a few milliseconds (``naturalWidth`` 0)."""
+    deadline = time.monotonic() + timeout_s
+    imgs = plot_images(scope)
+    while not all(i["ok"] for i in imgs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        imgs = plot_images(scope)
+    return imgs
+
+
 def progress(scope) -> dict:
     """The progress line: {"state": busy|done|error, "setting": "model B=.. hidden=.. quantity", "text": ...}."""
     return scope.evaluate(
@@ -561,7 +572,7 @@ def check_renders(ui: Ui) -> None:
         assert shown["errors"] == [], f"the explorer shows an error box: {shown['errors']}"
         assert shown["ok"] == "true" and shown["word"] == "agree", (
             f"the verdict reads {shown['word']!r}, expected 'agree':\n{explorer_text(ui.scope)[:2000]}")
-        imgs = plot_images(ui.scope)
+        imgs = loaded_images(ui.scope)
         assert len(imgs) >= 6, f"expected the explorer's six figures, found {len(imgs)}: {imgs}"
         assert all(i["ok"] for i in imgs), f"a figure is not loaded: {imgs}"
     screenshot(ui.page, f"{ui.frontend}-rendered", ui.scope)
@@ -606,7 +617,7 @@ def check_calm_timing(ui: Ui) -> str:
 
 def check_figures_at_natural_size(ui: Ui) -> None:
     """Every figure is shown at the size it was drawn (not stretched into blur): CSS width = pixel width."""
-    imgs = plot_images(ui.scope)
+    imgs = loaded_images(ui.scope)
     stretched = [i for i in imgs if abs(i["shown"] - i["natural"]) > 1]
     assert not stretched, f"figures shown at another size than drawn (natural vs shown px): {stretched}"
 
@@ -703,7 +714,7 @@ def run_model_menu(ui: Ui, screenshots: bool = False) -> list[Latency]:
             assert shown["ok"] == "true" and shown["errors"] == [], explorer_text(ui.scope)[:2000]
             text = explorer_text(ui.scope)
             assert "per-sample gradients by" in text and "How the fast rule works" in text, text[:2000]
-            imgs = plot_images(ui.scope)
+            imgs = loaded_images(ui.scope)
             assert len(imgs) >= 6 and all(i["ok"] for i in imgs), imgs
             if screenshots:
                 full_page_screenshot(ui.page, f"{ui.frontend}-model-{key}")
