@@ -89,3 +89,50 @@ def test_every_module_is_in_the_tree_of_docs_layout():
     modules = {str(p.relative_to(PACKAGE)) for p in MODULES}
     assert modules <= listed, f"docs/layout.md's tree does not list {sorted(modules - listed)}"
     assert listed <= modules, f"docs/layout.md's tree lists files that do not exist: {sorted(listed - modules)}"
+
+
+def import_cycles(package: str = "pergrad_viz") -> list[list[str]]:
+    """The package's import circles (strongly connected modules), imports under ``TYPE_CHECKING`` left out (they
+    never run)."""
+    grimp = pytest.importorskip("grimp")  # comes with import-linter
+    graph = grimp.build_graph(package, exclude_type_checking_imports=True)
+    edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                cycles.append(sorted([v, *component]))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_import_circle():
+    assert import_cycles() == [], "modules that import each other: break the circle (docs/layout.md)"
+
+
+def test_the_circle_check_can_fail(tmp_path, monkeypatch):
+    package = tmp_path / "circled"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from circled import b\n")
+    (package / "b.py").write_text("from circled import a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_cycles("circled") == [["circled.a", "circled.b"]]
