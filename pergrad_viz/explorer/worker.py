@@ -4,6 +4,10 @@ only hands the new setting over and returns (the controls and the kernel stay fr
 The worker's thread is the only one that computes, times (it alone reads and writes the timing cache) and draws
 (it alone writes the output panes' traits); the kernel's thread only writes the controls. :meth:`Worker.stop`
 ends the thread and joins it, so that a closed explorer holds nothing alive.
+
+Several explorers in one process (a notebook with two, shown at once as a Voila dashboard) take turns: a job runs
+only while it holds :data:`TURN`, one lock for the process. Otherwise their workers would compute and time at the same
+time, each measuring the other (the threads share the cores and the interpreter), and every timing would be noisy.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from dataclasses import dataclass
 
 from pergrad_viz.explorer.state import Setting
 
-__all__ = ["Job", "Worker"]
+__all__ = ["TURN", "Job", "Worker"]
+
+TURN = threading.Lock()  # held by the one worker of the process running a job (see the module's docstring)
+TURN_POLL_S = 0.05  # a worker waiting for its turn checks this often whether it was stopped
 
 
 @dataclass(frozen=True)
@@ -110,9 +117,21 @@ class Worker:
                     return
                 job, self._pending, self._busy = self._pending, None, True
             try:
-                self._run(job)
+                if self._take_turn():
+                    try:
+                        self._run(job)
+                    finally:
+                        TURN.release()
             finally:
                 del job
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _take_turn(self) -> bool:
+        """Wait until no other worker of the process runs a job, then hold :data:`TURN`; False when stopped
+        meanwhile (the job is dropped)."""
+        while not TURN.acquire(timeout=TURN_POLL_S):
+            if self.stopping:
+                return False
+        return True

@@ -426,3 +426,35 @@ def test_explorer_on_the_users_own_model():
     assert all(p.grad is None for p in net.parameters())
     with pytest.raises(ValueError, match="needs loss_fn= and data="):
         widgets.explorer(model=net, compute=False)
+
+
+def test_two_workers_in_one_process_take_turns():
+    """Issue 19: two explorers in one kernel (the Voila dashboard shows two) must not compute and time at once, or
+    each measures the other; a worker stopped while waiting for its turn drops its job."""
+    from pergrad_viz.explorer.worker import Job, Worker
+
+    running, overlaps, release = [], [], threading.Event()
+
+    def run(job):
+        overlaps.append(len(running))
+        running.append(job)
+        release.wait(5)
+        running.remove(job)
+
+    first, second, third = Worker(run), Worker(run), Worker(run)
+    try:
+        setting = pv.explorer.model.Setting()
+        first.submit(Job(setting))
+        time.sleep(0.1)
+        second.submit(Job(setting))
+        third.submit(Job(setting))
+        time.sleep(0.2)
+        assert len(running) == 1  # the others wait for their turn
+        assert third.stop(timeout=1.0)  # stopped while waiting: it drops its job and ends
+        release.set()
+        assert first.wait(5) and second.wait(5)
+        assert overlaps == [0, 0]  # first, then second; never two at once, and third never ran
+    finally:
+        release.set()
+        for worker in (first, second, third):
+            worker.stop(timeout=5)
