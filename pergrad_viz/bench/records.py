@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pergrad_viz.errors import human_bytes
@@ -49,23 +49,21 @@ def check_cost(rows: dict[str, Record]) -> float | None:
     return (auto.median_s - unchecked.median_s) / auto.median_s
 
 
-def _fmt_time(s: float | None) -> str:
-    if s is None:
-        return "-"
+def fmt_seconds(s: float) -> str:
+    """A duration as people read it: ``"1.5 s"``, ``"13.7 ms"``, ``"95.7 µs"``, ``"939 ns"`` (3 digits)."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if s >= scale:
             return f"{s / scale:.3g} {unit}"
     return f"{s * 1e9:.3g} ns"
 
 
-def _fmt_ratio(r: float | None) -> str:
-    if r is None:
-        return "-"
+def fmt_ratio(r: float) -> str:
+    """A ratio as people read it: ``"1,930x"``, ``"89.4x"``, ``"0.668x"`` (never ``1.93e+03x``)."""
     return f"{r:,.0f}x" if r >= 100 else f"{r:.3g}x"
 
 
-def _fmt_bytes(n: int) -> str:
-    return human_bytes(n)
+def _or_dash(fmt: Callable[[float], str], value: float | None) -> str:
+    return "-" if value is None else fmt(value)
 
 
 COLUMNS = ("quantity", "batch", "hidden", "method", "median", "IQR", "vs loop", "vs fwd+bwd", "vs floor",
@@ -75,8 +73,9 @@ COLUMNS = ("quantity", "batch", "hidden", "method", "median", "IQR", "vs loop", 
 def table_rows(records: Iterable[Record]) -> list[tuple[str, ...]]:
     """The records as rows of strings, in :data:`COLUMNS` order."""
     return [(r.quantity, str(r.batch_size), "-" if r.hidden is None else str(r.hidden), r.strategy,
-             _fmt_time(r.median_s), _fmt_time(r.iqr_s), _fmt_ratio(r.speedup_vs_loop),
-             _fmt_ratio(r.vs_forward_backward), _fmt_ratio(r.vs_memory_floor), _fmt_bytes(r.result_bytes),
+             _or_dash(fmt_seconds, r.median_s), _or_dash(fmt_seconds, r.iqr_s), _or_dash(fmt_ratio, r.speedup_vs_loop),
+             _or_dash(fmt_ratio, r.vs_forward_backward), _or_dash(fmt_ratio, r.vs_memory_floor),
+             human_bytes(r.result_bytes),
              "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.1e}", r.note)
             for r in records]
 

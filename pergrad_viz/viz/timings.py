@@ -16,7 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from pergrad_viz.bench.records import FORWARD_BACKWARD
+from pergrad_viz.bench.records import FORWARD_BACKWARD, fmt_ratio, fmt_seconds
 from pergrad_viz.viz.canvas import (
     CHAR_IN,
     REFERENCE_STYLE,
@@ -33,19 +33,6 @@ __all__ = ["bar_figure", "fmt_ratio", "fmt_seconds", "runtime_figure"]
 
 _X_AXES = {"batch_size": ("batch size B", "B"), "hidden": ("hidden width", "hidden")}
 _QUANTITY_TITLES = {"grads": "per-sample gradients", "jacobian": "per-sample output Jacobians"}
-
-
-def fmt_seconds(s: float) -> str:
-    """A duration as people read it: ``"1.5 s"``, ``"13.7 ms"``, ``"95.7 µs"``, ``"939 ns"`` (3 digits)."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if s >= scale:
-            return f"{s / scale:.3g} {unit}"
-    return f"{s * 1e9:.3g} ns"
-
-
-def fmt_ratio(r: float) -> str:
-    """A ratio as people read it: ``"1,930x"``, ``"89.4x"``, ``"0.668x"`` (never ``1.93e+03x``)."""
-    return f"{r:,.0f}x" if r >= 100 else f"{r:.3g}x"
 
 
 def _skip_text(timed: list[int], skipped: list[int], short: str) -> str:
