@@ -29,6 +29,7 @@ from pergrad_viz.core.batch import Batch, as_pytree, from_pytree
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, summed_per_sample_loss
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.observe import outputs_close, tensors_of
 from pergrad_viz.engine.probe import (
     SHARED,
@@ -237,8 +238,13 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
     # Layers whose call rule runs a forward of its own: an instance attribute for the duration of this pass.
     captures = {name: capture_for(layer.module) for name, layer in layers.items() if layer.kind is LayerKind.CALL}
     patched = [(layers[name], capture) for name, capture in captures.items() if capture is not None]
-    handles = [layer.module.register_forward_hook(hook, with_kwargs=True) for layer in layers.values()]
-    for layer in layers.values():
+    # Layers whose parameters are broadcast over the batch: per-sample copies in this pass (engine.broadcast).
+    spread = {name: layer for name, layer in layers.items() if layer.kind is LayerKind.BROADCAST}
+    made = {name: broadcast.copies({ln: layer.module.get_parameter(ln) for ln in layer.local}, batch)
+            for name, layer in spread.items()}
+    hooked = [layer for layer in layers.values() if layer.kind is not LayerKind.BROADCAST]
+    handles = [layer.module.register_forward_hook(hook, with_kwargs=True) for layer in hooked]
+    for layer in hooked:
         if layer.module._forward_pre_hooks:  # the per-layer fallback replays the call, pre-hooks included
             before_hooks[id(layer.module)] = []
             handles.append(layer.module.register_forward_pre_hook(remember_arguments, with_kwargs=True, prepend=True))
@@ -246,7 +252,8 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
         for layer, capture in patched:
             pending[id(layer.module)] = []
             layer.module.forward = _capturing_forward(layer, capture, pending[id(layer.module)])
-        output = inputs(trainable.model)
+        with broadcast.substituted({name: layer.module for name, layer in spread.items()}, made):
+            output = inputs(trainable.model)
     finally:
         for layer, _ in patched:
             layer.module.__dict__.pop("forward", None)
@@ -255,6 +262,10 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
     for name, layer in layers.items():
         if 0 < counts[name] < len(layer.plan.calls):
             raise _mismatch(layer, name, f"is called {counts[name]} time(s), not {len(layer.plan.calls)},")
+    for name, layer in spread.items():
+        copied = list(made[name].values())
+        spec = CallSpec((), (), (0,) * len(copied), tuple(tuple(e.shape[1:]) for e in copied))
+        calls.append(Call(layer, ((), {}), [], copied, spec, versions=tuple(e._version for e in copied)))
     return output, calls
 
 

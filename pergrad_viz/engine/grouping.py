@@ -39,6 +39,13 @@ def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
     if layer.kind is LayerKind.RULE:
         layer.rule(layer.module, call.activation, call.rule_grad(grads[0]), out)
         return
+    if layer.kind is LayerKind.BROADCAST:  # the gradients at the per-sample copies (N, B, *rest), in local order
+        for ln, g in zip(layer.local, grads, strict=True):
+            if g is None:
+                out[ln].zero_()
+            else:
+                out[ln].copy_(g.reshape(out[ln].shape))
+        return
     full = [torch.zeros(n, *o.shape, dtype=o.dtype, device=o.device) if g is None else g
             for g, o in zip(grads, call.outputs, strict=True)]
     if layer.kind is LayerKind.CALL:

@@ -41,6 +41,7 @@ from torch.nn.modules import module as module_mod
 from pergrad_viz.core.batch import Batch, differs
 from pergrad_viz.core.ownership import assign
 from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.observe import close, first_difference, observe
 from pergrad_viz.errors import UndefinedPerSampleError
 from pergrad_viz.rules import call_rule_for, rule_for, rule_takes_batch_dim
@@ -60,6 +61,7 @@ class LayerKind(enum.StrEnum):
     RULE = "rule"
     CALL = "call"
     FALLBACK = "fallback"
+    BROADCAST = "broadcast"
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,11 @@ class LayerPlan:
     """A module whose per-sample parameter gradients come from its own calls.
 
     ``kind`` is ``RULE`` (a closed-form rule on (B, ...) input and output), ``CALL`` (a closed-form rule
-    for a layer with several inputs / outputs, e.g. LSTM) or ``FALLBACK`` (``torch.func`` on this layer
-    alone). ``local`` maps the parameter's name inside the module (dotted for a descendant's parameter the
-    module uses itself, e.g. MultiheadAttention's ``out_proj.weight``) to its full name.
+    for a layer with several inputs / outputs, e.g. LSTM), ``FALLBACK`` (``torch.func`` on this layer
+    alone) or ``BROADCAST`` (its parameters, each (1, ...), broadcast over the batch in its forward: a per-sample
+    copy of each in the batched pass, see :mod:`pergrad_viz.engine.broadcast`). ``local`` maps the parameter's name
+    inside the module (dotted for a descendant's parameter the module uses itself, e.g. MultiheadAttention's
+    ``out_proj.weight``) to its full name.
     """
 
     name: str
@@ -126,7 +130,7 @@ class _Probe:
         self.trainable = trainable
         self.modules = dict(trainable.modules)
         a, b, self.verified = _pick_pair(inputs)
-        index = torch.tensor([a, b], device=inputs.device)
+        self.index = index = torch.tensor([a, b], device=inputs.device)
         watch = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
         device = trainable.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG untouched
@@ -272,6 +276,8 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
             if name in handlers:
                 specs = probe.spec(name)
                 layers[name] = LayerPlan(name, _kind(module, handlers[name], specs), handlers[name], specs)
+    if hooks_problem is None and probe.interaction is None and probe.verified:
+        _broadcast(trainable, inputs, probe.index, layers)
     root = probe.spec("")
     if isinstance(root, str):
         probe.interaction = probe.interaction or root
@@ -281,6 +287,21 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
         probe.interaction = (f"the model's output has a tensor with {where}, not 0: a batched output cannot be "
                              "split into per-sample losses or outputs by its first dimension")
     return Plan(layers, probe.interaction, hooks_problem, probe.verified)
+
+
+def _broadcast(trainable: Trainable, inputs: Batch, index: torch.Tensor, layers: dict[str, LayerPlan]) -> None:
+    """Layers on the fallback whose parameters are all broadcast over the batch (each (1, ...)) take the
+    ``BROADCAST`` path where :func:`pergrad_viz.engine.broadcast.check` finds it gives the definition on the pair."""
+    found = {name: lp.local for name, lp in layers.items()
+             if lp.kind is LayerKind.FALLBACK and broadcast.candidate(trainable, lp.local)}
+    if not found:
+        return
+    device = trainable.device
+    with restoring_modes(trainable), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        ok = broadcast.check(trainable, inputs, index, found)
+    if ok:
+        for name in found:
+            layers[name].kind = LayerKind.BROADCAST
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakKeyDictionary()

@@ -441,7 +441,8 @@ def test_every_registered_transformers_and_timm_class_resolves():
         cls = _class(path)
         module = cls.__new__(cls)
         nn.Module.__init__(module)
-        module.__dict__.update(_fast_norm=False, inplace=False, training=False, running_mean=0, running_var=0)
+        module.__dict__.update(_fast_norm=False, inplace=False, training=False, running_mean=0, running_var=0,
+                               gamma=0, drop_path=nn.Identity())
         if rule_for(module) is None:
             refused.append(path)
     assert not refused
@@ -511,3 +512,23 @@ def test_timm_layer_scale(n):
         check_single(layer, rule, torch.randn(B, *shape, dtype=DT), n)
         layer.inplace = True
         assert rule_for(layer) is None  # it overwrites its input, which the rule needs
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("conv_mlp", [False, True])
+def test_timm_convnext_block_layer_scale(n, conv_mlp):
+    """ConvNeXtBlock's own gamma (its children keep their own rules: frozen here, so out holds gamma only)."""
+    _timm()
+    from timm.models.convnext import ConvNeXtBlock
+
+    from pergrad_viz.rules.integrations.timm import convnext_block
+
+    torch.manual_seed(0)
+    block = ConvNeXtBlock(4, ls_init_value=0.5, conv_mlp=conv_mlp).to(DT).eval()
+    with torch.no_grad():
+        block.gamma.uniform_(0.5, 1.5)
+    for name, p in block.named_parameters():
+        p.requires_grad_(name == "gamma")
+    check_single(block, convnext_block, torch.randn(B, 4, 5, 6, dtype=DT), n)
+    block.drop_path = torch.nn.Dropout(0.5).train()  # not a path that passes x through: the fallback
+    assert rule_for(block) is None

@@ -24,7 +24,7 @@ B = 3
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 # Layer types that have a closed-form rule here: none of them may go to the per-layer fallback.
 RULED = {"Conv1D", "LlamaRMSNorm", "LayerNorm", "LayerNorm2d", "BatchNormAct2d", "LayerScale", "LayerScale2d",
-         "Linear", "Embedding", "Conv2d"}
+         "ConvNeXtBlock", "Linear", "Embedding", "Conv2d"}
 
 
 def need(name: str):
@@ -75,19 +75,20 @@ def timm_model(name: str, **kwargs) -> nn.Module:
     return need("timm").create_model(name, pretrained=False, num_classes=3, **kwargs)
 
 
-MODELS = {  # name -> (builder, inputs kind, layer types expected on the per-layer fallback: the engine's patterns)
-    "gpt2": (gpt2, "lm", {"GPT2Model"}),  # wpe(position ids shared by the batch)
-    "bert": (bert, "cls", {"BertEmbeddings"}),  # position and token-type embeddings on shared ids
-    "llama": (llama, "lm", set()),
-    "hf-vit": (hf_vit, "image", {"ViTEmbeddings"}),  # class token and position embeddings
-    "lora-gpt2": (lambda: lora(gpt2, ["c_attn"]), "lm", set()),
-    "lora-llama": (lambda: lora(llama, ["q_proj", "v_proj"]), "lm", set()),
+MODELS = {  # name -> (builder, inputs kind, layer types expected on the per-layer fallback: the engine's patterns,
+    #                  layer types whose parameters (1, ...) take per-sample copies: pergrad_viz.engine.broadcast)
+    "gpt2": (gpt2, "lm", {"GPT2Model"}, set()),  # wpe(position ids shared by the batch)
+    "bert": (bert, "cls", {"BertEmbeddings"}, set()),  # position and token-type embeddings on shared ids
+    "llama": (llama, "lm", set(), set()),
+    "hf-vit": (hf_vit, "image", set(), {"ViTEmbeddings"}),  # class token and position embeddings
+    "lora-gpt2": (lambda: lora(gpt2, ["c_attn"]), "lm", set(), set()),
+    "lora-llama": (lambda: lora(llama, ["q_proj", "v_proj"]), "lm", set(), set()),
     "timm-vit": (lambda: timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2), "image",
-                 {"VisionTransformer"}),  # cls_token, pos_embed
+                 set(), {"VisionTransformer"}),  # cls_token, pos_embed
     "deit": (lambda: timm_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2), "image",
-             {"VisionTransformer"}),
-    "convnext": (lambda: timm_model("convnext_atto"), "image", {"ConvNeXtBlock"}),  # the block's own gamma
-    "efficientnet": (lambda: timm_model("efficientnet_b0"), "image", set()),
+             set(), {"VisionTransformer"}),
+    "convnext": (lambda: timm_model("convnext_atto"), "image", set(), set()),  # the block's gamma: a rule
+    "efficientnet": (lambda: timm_model("efficientnet_b0"), "image", set(), set()),
 }
 
 
@@ -104,7 +105,7 @@ def batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, object, set]:
-    make, kind, fallback = MODELS[name]
+    make, kind, fallback, _ = MODELS[name]
     torch.manual_seed(0)
     model = make().double().eval()
     x, y = batch(kind)
@@ -123,6 +124,7 @@ def test_per_sample_grads_equal_the_loop(name):
     kinds = describe(Trainable.of(model), x)
     on_fallback = {type(modules[n]).__name__ for n, kind in kinds.items() if kind == "fallback"}
     assert on_fallback == fallback and not on_fallback & RULED
+    assert {type(modules[n]).__name__ for n, kind in kinds.items() if kind == "broadcast"} == MODELS[name][3]
     want = ref_grads(model, loss, x, y)
     got = pv.per_sample_grads(model, loss, x, y, strategy="auto", flat=False)
     assert_dict_close(got, want, **TOL)

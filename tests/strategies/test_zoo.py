@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, ref_jacobian, snapshot, trainable
+from zoo.broadcast import CASES as BROADCAST
 from zoo.cases import CASES as ARCHITECTURES
 from zoo.cases import Case
 from zoo.forwards import CASES as FORWARDS
@@ -19,7 +20,11 @@ ALL = (*pv.STRATEGIES, "auto")
 BASELINES = ("loop", "autograd_stack", "batched_grad")  # slow: skipped on the expensive cases
 MUST_SUCCEED = ("auto", "loop")  # the definition, and what the user gets by default
 RTOL, ATOL = 1e-6, 1e-9
-CASES = ARCHITECTURES + FORWARDS
+CASES = ARCHITECTURES + FORWARDS + BROADCAST
+# Cases with nothing for the per-call check to catch: where auto resolves to hooks, an explicit hooks must succeed (a
+# wrong rule would otherwise pass as a refusal, the per-call check turning it into an error and auto into torch_func).
+# The forwards written to fool the probe (zoo/forwards.py) are the per-call check's to catch: a refusal is right there.
+STRICT = {case.name for case in ARCHITECTURES + BROADCAST}
 
 pytestmark = [
     # vmap falls back to a slow path for a few ops (Bilinear, RNNs): a warning, not a failure
@@ -97,6 +102,8 @@ def _check(quantity: str, case: Case, strategy: str) -> None:
                 _assert_refusal_is_explained(err, case, strategy, label)
                 continue
             assert strategy not in MUST_SUCCEED, f"{label}: strategy {strategy!r} must not refuse: {err}"
+            assert not (strategy == "hooks" and case.name in STRICT and case.expects(k) == "hooks"), (
+                f"{label}: auto resolves to hooks here, so hooks must not refuse: {err}")
             _assert_refusal_is_explained(err, case, strategy, label)
             continue
         assert_no_hooks(model)

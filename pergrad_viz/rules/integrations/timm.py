@@ -1,6 +1,7 @@
 """timm layers: its ``LayerNorm`` (nn.LayerNorm with a forward of its own), ``LayerNorm2d`` (LayerNorm over the
 channels of (B, C, H, W)), ``BatchNormAct2d`` in eval mode (BatchNorm on running statistics, then dropout and an
-activation) and ``LayerScale`` / ``LayerScale2d`` (a learned per-channel scale). Registered by class path, each with
+activation), ``LayerScale`` / ``LayerScale2d`` (a learned per-channel scale) and ``ConvNeXtBlock``'s own layer scale
+``gamma``. Registered by class path, each with
 a verbatim copy of the timm 1.0 forward it was written for (``forward_like``)."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pergrad_viz.rules.normalization import layer_norm, per_channel, running_nor
 from pergrad_viz.rules.registry import register
 
 PATHS = ("timm.layers.norm.LayerNorm", "timm.layers.norm.LayerNorm2d", "timm.layers.norm_act.BatchNormAct2d",
-         "timm.layers.layer_scale.LayerScale", "timm.layers.layer_scale.LayerScale2d")
+         "timm.layers.layer_scale.LayerScale", "timm.layers.layer_scale.LayerScale2d",
+         "timm.models.convnext.ConvNeXtBlock")
 
 # ------------------------------------------------------------------------------------------------------ LayerNorm
 
@@ -156,3 +158,49 @@ def layer_scale_2d(module: nn.Module, activation: torch.Tensor, grad_output: tor
                    out: dict[str, torch.Tensor]) -> None:
     """x * gamma, gamma (C,) on dimension 1: activation (B, C, ...), grad_output (N, B, C, ...)."""
     per_channel(activation, grad_output, {"weight": out["gamma"]} if "gamma" in out else {})
+
+
+# --------------------------------------------------------------------------------------------------- ConvNeXtBlock
+
+
+def _convnext_block_forward(self, x: torch.Tensor) -> torch.Tensor:  # timm.models.convnext.ConvNeXtBlock.forward
+    """Forward pass."""
+    shortcut = x
+    x = self.conv_dw(x)
+    if self.use_conv_mlp:
+        x = self.norm(x)
+        x = self.mlp(x)
+    else:
+        x = x.permute(0, 2, 3, 1)
+        x = self.norm(x)
+        x = self.mlp(x)
+        x = x.permute(0, 3, 1, 2)
+    if self.gamma is not None:
+        x = x.mul(self.gamma.reshape(1, -1, 1, 1))
+
+    x = self.drop_path(x) + self.shortcut(shortcut)
+    return x
+
+
+def _identity_path(module: nn.Module) -> bool:
+    """The block's own parameter is its layer scale ``gamma``; the rule needs drop_path to pass x through (an
+    ``nn.Identity``, or ``DropPath`` in eval mode: random in training, which the probe refuses anyway)."""
+    return module.gamma is not None and (isinstance(module.drop_path, nn.Identity) or not module.drop_path.training)
+
+
+@register("timm.models.convnext.ConvNeXtBlock", supports=_identity_path, forward_like=_convnext_block_forward)
+def convnext_block(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
+                   out: dict[str, torch.Tensor]) -> None:
+    """The block's layer scale: output = shortcut(x) + mlp(x) * gamma (per channel), so sample b's gradient of gamma
+    sums grad_output * mlp(x) over the positions. activation (B, C_in, H, W), grad_output (N, B, C, H', W'); mlp(x)
+    is recomputed from the block's own layers, without gradients (one forward of the block's body, no backward);
+    the block's children keep their own rules."""
+    if "gamma" not in out:
+        return
+    with torch.no_grad():
+        x = module.conv_dw(activation)
+        if module.use_conv_mlp:
+            x = module.mlp(module.norm(x))
+        else:
+            x = module.mlp(module.norm(x.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+    per_channel(x, grad_output, {"weight": out["gamma"]})
