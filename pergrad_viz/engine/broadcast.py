@@ -104,3 +104,64 @@ def check(trainable: Trainable, inputs: Batch, index: torch.Tensor, layers: Mapp
                 if not close(g_row[r].detach(), g_own[0].detach()):
                     return False
     return True
+
+
+# ------------------------------------------------------------------- layers whose output is shared by the samples
+
+
+def shared_call(in_dims: tuple, in_rest: tuple, out_dims: tuple, out_rest: tuple) -> bool:
+    """Whether a call of a layer holds no samples, one tensor in and one out, each with a first dimension of size 1:
+    a position embedding of shared ids (1, T) -> (1, T, D) that the model then adds to every sample."""
+    return (in_dims == (None,) and out_dims == (None,) and in_rest[0][:1] == (1,) and out_rest[0][:1] == (1,))
+
+
+def spread(output: torch.Tensor, batch: int) -> torch.Tensor:
+    """A shared output (1, *rest) as a per-sample copy (batch, *rest): a leaf that requires grad (an expanded view)."""
+    return output.detach().expand(batch, *output.shape[1:]).requires_grad_()
+
+
+def check_outputs(trainable: Trainable, inputs: Batch, index: torch.Tensor, names: list[str]) -> bool:
+    """Like :func:`check`, for layers whose output is shared (``names``): with each output handed downstream as a
+    per-sample copy, the same model outputs, and at the copies, row r of the gradient for a random cotangent equal to
+    the gradient at that layer's output when sample r runs alone."""
+    modules = dict(trainable.modules)
+    made: list[torch.Tensor] = []
+
+    def run(batch: Batch, size: int | None) -> list[torch.Tensor]:
+        made.clear()
+        hook = (lambda module, args, output: made.append(spread(output, size)) or made[-1]) if size else (
+            lambda module, args, output: made.append(output.detach().requires_grad_()) or made[-1])
+        handles = [modules[name].register_forward_hook(hook) for name in names]
+        try:
+            return [t for t in tensors_of(batch(trainable.model)) if t.requires_grad]
+        finally:
+            for h in handles:
+                h.remove()
+
+    pair = inputs.rows(index)
+    gen = torch.Generator(device=trainable.device).manual_seed(20261202)
+    with torch.enable_grad():
+        want = [t for t in tensors_of(pair(trainable.model)) if t.requires_grad]
+        try:
+            got = run(pair, 2)
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            return False
+        if len(got) != len(want) or not all(close(g.detach(), w.detach()) for g, w in zip(got, want, strict=True)):
+            return False
+        if not made or not all(t.dim() >= 1 and t.shape[0] == 2 for t in got):
+            return False
+        cotangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for t in got]
+        rows = torch.autograd.grad(got, list(made), cotangents, allow_unused=True)
+        for r in (0, 1):
+            alone = run(inputs.sample(int(index[r])), None)
+            if len(alone) != len(got) or len(made) != len(rows):
+                return False
+            own = torch.autograd.grad(alone, list(made), [c[r:r + 1] for c in cotangents], allow_unused=True)
+            for g_row, g_own in zip(rows, own, strict=True):
+                if g_row is None or g_own is None:
+                    if g_row is not g_own:
+                        return False
+                    continue
+                if not close(g_row[r].detach(), g_own[0].detach()):
+                    return False
+    return True

@@ -216,6 +216,10 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
         layer = layers[name]
         if id(module) in before_hooks:  # the call's arguments as given, before the layer's own pre-hooks changed them
             args, kwargs = before_hooks[id(module)].pop()
+        if layer.plan.spread:  # a call that holds no samples: its input and output (1, ...) as (B, ...) copies
+            args, kwargs = tree_map(lambda t: t.expand(batch, *t.shape[1:]) if isinstance(t, torch.Tensor) else t,
+                                    (args, kwargs))
+            output = broadcast.spread(output, batch)
         ins = tensors_of(args) if not kwargs else tensors_of((args, kwargs))
         handed, outputs = _handed_downstream(output, copy)
         spec = _check_call(layer, name, counts[name], ins, outputs, batch)

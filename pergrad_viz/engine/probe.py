@@ -92,6 +92,7 @@ class LayerPlan:
     local: dict[str, str]
     calls: list[CallSpec] = field(default_factory=list)
     captures_checked: set = field(default_factory=set)  # kinds of call whose capturing forward equals the layer's
+    spread: bool = False  # its calls hold no samples: its output (1, ...) goes downstream as a (B, ...) copy
 
 
 @dataclass
@@ -265,8 +266,8 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
             "randomness off) before computing per-sample gradients.")
     for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
         probe.spec(name)
-    # Handlers keep the samples apart (checked by why_not).
-    handlers, hooks_problem = assign(trainable, probe.uses, _why_not(probe, dict(trainable.modules)))
+    # Handlers keep the samples apart (checked by why_not), or hand a shared output downstream as per-sample copies.
+    handlers, hooks_problem, spread = _assign_spreading(trainable, inputs, probe)
     if module_mod._global_forward_pre_hooks and hooks_problem is None:
         hooks_problem = ("a global forward pre-hook (register_module_forward_pre_hook) changes what every layer sees, "
                          "and a layer's replay on the per-layer fallback would apply it a second time")
@@ -275,8 +276,11 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
         for name, module in trainable.modules:
             if name in handlers:
                 specs = probe.spec(name)
-                layers[name] = LayerPlan(name, _kind(module, handlers[name], specs), handlers[name], specs)
-    if hooks_problem is None and probe.interaction is None and probe.verified:
+                if name in spread:  # the samples first, as the per-sample copies will hold them
+                    specs = [CallSpec((0,), (s.in_rest[0][1:],), (0,), (s.out_rest[0][1:],)) for s in specs]
+                layers[name] = LayerPlan(name, _kind(module, handlers[name], specs), handlers[name], specs,
+                                         spread=name in spread)
+    if hooks_problem is None and probe.interaction is None:
         _broadcast(trainable, inputs, probe.index, layers)
     root = probe.spec("")
     if isinstance(root, str):
@@ -302,6 +306,38 @@ def _broadcast(trainable: Trainable, inputs: Batch, index: torch.Tensor, layers:
     if ok:
         for name in found:
             layers[name].kind = LayerKind.BROADCAST
+
+
+def _assign_spreading(trainable: Trainable, inputs: Batch, probe: _Probe
+                      ) -> tuple[dict[str, dict[str, str]], str | None, set[str]]:
+    """:func:`~pergrad_viz.core.ownership.assign` where a layer with a rule whose calls hold no samples (a position
+    embedding of shared ids (1, T), its (1, T, D) output added to every sample) may handle its own parameters, its
+    output handed downstream as a per-sample copy (:func:`pergrad_viz.engine.broadcast.spread`): taken where
+    :func:`~pergrad_viz.engine.broadcast.check_outputs` finds that this gives the definition on the probe's pair.
+    Returns (handlers, problem, the layers whose output is spread)."""
+    modules = dict(trainable.modules)
+    why_not = _why_not(probe, modules)
+    plain = assign(trainable, probe.uses, why_not)
+    if probe.interaction is not None:  # (two equal samples still show a coupling: the cotangents differ by row)
+        return (*plain, set())
+    able = set()
+    for name, module in trainable.modules:
+        specs = probe.spec(name)
+        if (not isinstance(specs, str) and specs and rule_for(module) is not None and not _user_hooks(module)
+                and all(broadcast.shared_call(s.in_dims, s.in_rest, s.out_dims, s.out_rest) for s in specs)
+                and rule_takes_batch_dim(module, 0, len(specs[0].in_rest[0]))):
+            able.add(name)
+    if not able:
+        return (*plain, set())
+    handlers, problem = assign(trainable, probe.uses, lambda n: None if n in able else why_not(n))
+    spread = able & set(handlers)
+    if problem is not None or not spread or any(set(handlers[n]) != {ln for ln, _ in modules[n].named_parameters(
+            recurse=False) if ln in handlers[n]} for n in spread):
+        return (*plain, set())
+    device = trainable.device
+    with restoring_modes(trainable), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        ok = broadcast.check_outputs(trainable, inputs, probe.index, sorted(spread, key=list(modules).index))
+    return (handlers, None, spread) if ok else (*plain, set())
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakKeyDictionary()

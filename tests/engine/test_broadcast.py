@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import ref_grads
-from zoo.broadcast import CASES, PATH
+from zoo.broadcast import CASES, PATH, SPREAD
 
 import pergrad_viz as pv
 from pergrad_viz.core.batch import Batch
@@ -54,6 +54,34 @@ def test_a_check_that_always_passes_would_be_caught_per_call(monkeypatch):
     x, y = case.make_inputs(4)
     loss_fn = torch.nn.CrossEntropyLoss()
     assert describe(Trainable.of(model), Batch.of(x))[""] == "broadcast"
+    with pytest.raises(pv.UnsupportedModelError, match="per-call check"):
+        pv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
+    got = pv.per_sample_grads(model, loss_fn, x, y)
+    want = ref_grads(model, loss_fn, x, y)
+    for name, g in got.items():
+        torch.testing.assert_close(g, want[name], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", list(SPREAD))
+def test_a_shared_position_embedding_takes_its_rule_where_its_output_broadcasts(name):
+    """Its output (1, T, D) handed downstream as a per-sample copy: the embedding keeps its own rule; where the
+    forward reads that output's first dimension, hooks refuses the model (auto: torch_func)."""
+    case = BY_NAME[name]
+    x, _ = case.make_inputs(3)
+    if SPREAD[name] == "rule":
+        assert _layer_paths(case) == {"tokens": "rule", "positions": "rule", "head": "rule"}
+        assert pv.resolve_strategy("auto", case.make_model(), x) == "hooks"
+    else:
+        assert pv.resolve_strategy("auto", case.make_model(), x) == "torch_func"
+
+
+def test_a_spread_check_that_always_passes_would_be_caught_per_call(monkeypatch):
+    monkeypatch.setattr(broadcast, "check_outputs", lambda *a, **k: True)
+    case = BY_NAME["position-embedding-mean"]
+    model = case.make_model()
+    x, y = case.make_inputs(4)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    assert describe(Trainable.of(model), Batch.of(x))["positions"] == "rule"
     with pytest.raises(pv.UnsupportedModelError, match="per-call check"):
         pv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
     got = pv.per_sample_grads(model, loss_fn, x, y)

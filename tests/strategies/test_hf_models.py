@@ -77,8 +77,8 @@ def timm_model(name: str, **kwargs) -> nn.Module:
 
 MODELS = {  # name -> (builder, inputs kind, layer types expected on the per-layer fallback: the engine's patterns,
     #                  layer types whose parameters (1, ...) take per-sample copies: pergrad_viz.engine.broadcast)
-    "gpt2": (gpt2, "lm", {"GPT2Model"}, set()),  # wpe(position ids shared by the batch)
-    "bert": (bert, "cls", {"BertEmbeddings"}, set()),  # position and token-type embeddings on shared ids
+    "gpt2": (gpt2, "lm", set(), set()),  # wpe on position ids (1, T): its output spread (engine.broadcast)
+    "bert": (bert, "cls", set(), set()),  # the position embeddings on ids (1, T): the same
     "llama": (llama, "lm", set(), set()),
     "hf-vit": (hf_vit, "image", set(), {"ViTEmbeddings"}),  # class token and position embeddings
     "lora-gpt2": (lambda: lora(gpt2, ["c_attn"]), "lm", set(), set()),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from zoo.cases import Case, build, image_inputs
+from zoo.cases import Case, build, image_inputs, token_inputs
 
 
 class TokensAndPositions(nn.Module):
@@ -78,4 +78,40 @@ CASES: list[Case] = [
     *(Case(f"tokens-positions-{use}", build(lambda use=use: TokensAndPositions(use)), image_inputs(use, (3, 4)))
       for use in ("index", "squeeze", "mean", "sum")),
     Case("learned-offset", build(LearnedOffset), image_inputs("offset", (4,))),
+]
+
+
+class PositionEmbedding(nn.Module):
+    """Token and position embeddings as GPT-2 and BERT write them: positions ``arange(T)[None]`` (1, T), so the
+    position embedding's call holds no samples and its (1, T, D) output is added to every sample. ``use``: how the
+    forward reads that output (``broadcast`` is the way people write it; ``index``, ``mean`` and ``sum`` read its
+    first dimension and must not take the per-sample copies)."""
+
+    def __init__(self, use: str = "broadcast"):
+        super().__init__()
+        self.use = use
+        self.tokens = nn.Embedding(9, 6)
+        self.positions = nn.Embedding(5, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids):  # (B, T) token ids
+        pos = self.positions(torch.arange(ids.shape[1]).unsqueeze(0))  # (1, T, 6)
+        if self.use == "index":
+            pos = pos[0]
+        elif self.use == "mean":
+            pos = pos.mean(0, keepdim=True)
+        elif self.use == "sum":
+            pos = pos.sum(0)
+        return self.head(torch.tanh(self.tokens(ids) + pos).mean(1))
+
+
+# Where the copies are refused, no module that holds the position embedding keeps the samples apart: hooks refuses
+# the model (auto: torch_func), as before the copies existed.
+SPREAD = {"position-embedding": "rule", "position-embedding-index": "refused",
+          "position-embedding-mean": "refused", "position-embedding-sum": "refused"}
+
+CASES += [
+    Case("position-embedding", build(PositionEmbedding), token_inputs("positions", 4, 9)),
+    *(Case(f"position-embedding-{use}", build(lambda use=use: PositionEmbedding(use)), token_inputs(use, 4, 9),
+           expect="torch_func") for use in ("index", "mean", "sum")),
 ]
