@@ -28,6 +28,7 @@ from pergrad_viz import widgets
 from pergrad_viz.bench import sweeps as bench  # noqa: E402
 from pergrad_viz.explorer import model as model_module  # noqa: E402
 from pergrad_viz.explorer import page as page_module  # noqa: E402
+from pergrad_viz.explorer.specs import MENU, installed  # noqa: E402
 
 OPTIONS = {"batch_sizes": (1, 2, 4, 8), "hidden_widths": (8, 16), "default_batch": 4, "default_hidden": 8,
            "sweep_batches": 2, "slow_limit": 16, "dpi": 40, "rounds": 2, "min_rounds": 1, "min_block_s": 1e-4,
@@ -371,9 +372,12 @@ def test_rerun_while_the_worker_times(monkeypatch):
 @pytest.mark.parametrize("key, width_name, widths, rule, first", [
     ("cnn", "channels", (4, 8, 16, 32, 64), "convolution", "conv1"),
     ("transformer", "d_model", (8, 16, 32, 64, 128), "embedding", "embed"),
-    ("lstm", "hidden size", (8, 16, 32, 64, 128), "embedding", "embed")])
+    ("lstm", "hidden size", (8, 16, 32, 64, 128), "embedding", "embed"),
+    pytest.param("vit-lora", "LoRA rank", (1, 2, 4, 8, 16, 32), "Linear layer",
+                 "model.base_model.model.vit.layers.0.attention.q_proj.lora_A.default",
+                 marks=pytest.mark.skipif(not installed("transformers", "peft"), reason="needs transformers, peft"))])
 def test_the_model_menu_switches_every_panel(fresh, key, width_name, widths, rule, first):
-    assert [v for _, v in fresh.model_dropdown.options] == ["mlp", "cnn", "transformer", "lstm"]
+    assert [v for _, v in fresh.model_dropdown.options] == list(MENU)  # "vit-lora" last, where installed
     drawn = dict(fresh.drawn)
     fresh.set(model=key, hidden=8, strategies=["hooks", "loop"])
     assert fresh.error == "" and fresh.view.setting.model == key and fresh.view.verdict.ok
