@@ -11,7 +11,11 @@ targets as in the tutorial:
 * ``"lstm"``: :func:`~pergrad_viz.tutorial.networks.token_lstm`
   (width = the LSTM's hidden size), both on (B, 16) token ids:
   each 7x7 patch of the image is one token, its mean brightness quantised to 16 levels
-  (:func:`pergrad_viz.tutorial.networks.image_tokens`, kept simple on purpose: a sequence the learner can read).
+  (:func:`pergrad_viz.tutorial.networks.image_tokens`, kept simple on purpose: a sequence the learner can read);
+* ``"vit-lora"``, where transformers and peft are installed:
+  :func:`pergrad_viz.tutorial.hf_models.fashion_vit_lora`, notebook 06's tiny Hugging Face ViT (hidden 32) on
+  (B, 1, 28, 28) images, with peft LoRA adapters on its query and value projections (width = the LoRA rank); only
+  the adapters and the classifier head are trainable.
 
 :func:`user_spec` describes a user's own network and data (``pv.widgets.explorer(model=net, loss_fn=..., data=...)``):
 its width is fixed, its batch sizes are the first B samples of the data.

@@ -462,3 +462,25 @@ def test_two_workers_in_one_process_take_turns():
         release.set()
         for worker in (first, second, third):
             worker.stop(timeout=5)
+
+
+def test_layer_labels_are_short_and_tell_layers_apart():
+    from pergrad_viz.explorer.panels import display_bounds, short_names
+
+    assert short_names(["fc1", "layers.0.linear1", "body.head"]) == ["fc1", "0.linear1", "body.head"]
+    peft = "model.base_model.model.vit.layers.{}.attention.{}_proj.lora_A.default"
+    names = [peft.format(b, q) for b in (0, 1) for q in "qv"] + ["model.base_model.model.classifier.modules_to_save"
+                                                                 ".default"]
+    assert short_names(names) == ["0.attention.q_proj.lora_A", "0.attention.v_proj.lora_A",
+                                  "1.attention.q_proj.lora_A", "1.attention.v_proj.lora_A", "model.classifier"]
+    bounds = [(f"{n}.weight", 2 * k, 2 * k + 1) for k, n in enumerate(names)]
+    bounds = sorted(bounds + [(f"{n}.bias", 2 * k + 1, 2 * k + 2) for k, n in enumerate(names)], key=lambda b: b[1])
+    assert display_bounds(bounds) == [(s, 2 * k, 2 * k + 2) for k, s in enumerate(short_names(names))]
+
+
+def test_an_image_beside_a_matrix():
+    from pergrad_viz.explorer.panels import image_matrix_figure
+
+    fig = image_matrix_figure(torch.rand(1, 28, 28), torch.randn(4, 32), row_labels=list("abcd"), title="t")
+    image, matrix = fig.axes[:2]
+    assert image.images[0].get_array().shape == (28, 28) and matrix.images[0].get_array().shape == (4, 32)
