@@ -13,10 +13,12 @@
 # %% [markdown]
 # # 03 · The explorer
 #
-# Pick a **model** from the menu: the tutorial `MLP(784, hidden, 10)`, a small CNN, a transformer encoder or an
-# LSTM classifier (the last two read each image as 16 tokens: every 7x7 patch one token, its mean brightness in
-# 16 levels; a deliberately simple tokenizer). Move the sliders: **batch size** and the model's **width** (hidden
-# units, channels, d_model or the LSTM's hidden size: the line next to the slider says which), the quantity
+# Pick a **model** from the menu: the tutorial `MLP(784, hidden, 10)`, a small CNN, a transformer encoder, an
+# LSTM classifier (these two read each image as 16 tokens: every 7x7 patch one token, its mean brightness in
+# 16 levels; a deliberately simple tokenizer) or, where `transformers` and `peft` are installed, a tiny Hugging
+# Face ViT with LoRA adapters (notebook 06's, only the adapters and the head trained). Move the sliders: **batch
+# size** and the model's **width** (hidden units, channels, d_model, the LSTM's hidden size or the LoRA rank: the
+# line next to the slider says which), the quantity
 # (per-sample gradients or output Jacobian) and the strategies to compare. Within a moment you see the per-sample
 # gradients at the new setting (a heatmap split by layer; the chosen sample as an image or as its tokens, with its
 # first layer's gradients) and whether they agree with the loop (the definition: each sample's gradient computed

@@ -41,7 +41,8 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
              threads: int | None = None, background: bool = True, compute: bool = True,
              **model_options) -> Explorer:
     """The interactive explorer of the strategies: on a menu of networks (the tutorial ``MLP(784, hidden, 10)``
-    first, a small CNN, a transformer encoder, an LSTM classifier), or on your own network and data.
+    first, a small CNN, a transformer encoder, an LSTM classifier, a tiny ViT with LoRA adapters), or on your own
+    network and data.
 
     Args:
         model, loss_fn, data: your own network, its loss (``loss_fn(model(inputs), targets)``, summed over the
@@ -49,7 +50,8 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
             a dict; the samples first), a Dataset of ``(input, target)`` pairs or a DataLoader. The batch-size slider
             runs over the first samples (up to 256); the network is used as it is: never trained, moved or changed.
         class_names: names of your targets' classes (targets that are class indices or one-hot rows).
-        models: the menu's networks to offer (default all: ``"mlp", "cnn", "transformer", "lstm"``);
+        models: the menu's networks to offer (default all: ``"mlp", "cnn", "transformer", "lstm"`` and, where
+            transformers and peft are installed, ``"vit-lora"``);
             default_model: the one shown first.
         batch_sizes, hidden_widths: the sliders' options (default powers of two, 1..256 and, for the MLP, 8..512;
             each other network has its own widths, see :data:`~.specs.MENU`).

@@ -8,8 +8,9 @@
 
 The network is described by a :class:`~.specs.ModelSpec` (how to build it at a width, its inputs, what a sample
 looks like, its first layer with a closed-form rule): the built-in menu (:data:`~.specs.MENU`: the tutorial MLP, a
-small CNN, a transformer encoder, an LSTM classifier) or a user's own network and data (:func:`~.specs.user_spec`).
-``Setting.hidden`` is the network's width (hidden units, channels, d_model, hidden size).
+small CNN, a transformer encoder, an LSTM classifier, a tiny ViT with LoRA adapters) or a user's own network and data
+(:func:`~.specs.user_spec`). ``Setting.hidden`` is the network's width (hidden units, channels, d_model, hidden size,
+LoRA rank).
 
 :meth:`ExplorerModel.stages` yields the views progressively, as a responsive front end wants them:
 

@@ -85,8 +85,9 @@ class Page:
         else:
             self.draw("rule", (loss_key, s.sample), lambda: panels.rule_figure(view))
         c = view.clipping
+        named = dict(zip(panels.short_names(list(c.layers)), c.layers.values(), strict=True))  # readable labels
         self.draw("clip", (loss_key, s.clip), lambda: viz.clipping_figure(
-            c.total, c.layers, c.max_norm, sums=(c.plain_sum_norm, c.clipped_sum_norm), width=WIDTHS["clip"],
+            c.total, named, c.max_norm, sums=(c.plain_sum_norm, c.clipped_sum_norm), width=WIDTHS["clip"],
             title=f"per-sample gradient norms at {s.describe()}, C={c.max_norm:.3g}"))
         noisy = tuple(r.strategy for r in view.records if r.noisy)  # this setting's (not the curve's)
         bars = (key, tuple((r.strategy, r.median_s) for r in view.records), view.pending, noisy, view.provisional)

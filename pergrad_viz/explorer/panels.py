@@ -10,15 +10,18 @@ import traceback
 from collections.abc import Sequence
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from pergrad_viz import viz
 from pergrad_viz.bench.records import Record
 from pergrad_viz.errors import human_bytes
 from pergrad_viz.explorer.specs import TOKENS_NOTE, ModelSpec
 from pergrad_viz.explorer.state import QUANTITY_NAMES, RuleView, Setting, View
+from pergrad_viz.viz.canvas import DIVERGING, axes_at_inches, fit_text, text_width_in, to_numpy
 
 __all__ = ["HOW", "RULE_TEXT", "WIDTHS", "display_bounds", "error_html", "heatmap_figure", "images_figure",
-           "layers_html", "progress_html", "rule_figure", "rule_html", "status_html", "table_html", "width_text"]
+           "image_matrix_figure", "layers_html", "progress_html", "rule_figure", "rule_html", "short_names",
+           "status_html", "table_html", "width_text"]
 
 RULE_TEXT = {
     "linear": "For a Linear layer, one sample's weight gradient is the outer product of the backprop signal "
@@ -61,11 +64,52 @@ def images_figure(view: View, spec: ModelSpec) -> Figure | None:
     tokens = sv.image if sv.kind == "tokens" else None
     title = sv.first_layer_title + (f" ({TOKENS_NOTE})" if tokens is not None and spec.max_batch is None else "")
     rows = list(sv.first_layer_titles) if sv.first_layer is not None else []
+    matrix_title = ("the gradient of the first layer's weight" if s.quantity == "grads"
+                    else "sensitivity of each output")
+    if sv.kind == "image" and sv.image is not None:  # an image into a layer whose rows are no images (a ViT's)
+        return image_matrix_figure(sv.image, matrix, row_labels=rows, title=title, image_title=f"input ({sv.label})",
+                                   matrix_title=matrix_title, width=WIDTHS["tokens"])
     return viz.token_figure(tokens, matrix, grid=spec.token_grid, row_labels=rows, title=title,
                               width=WIDTHS["tokens"], xlabel="embedding dimension" if tokens is not None
                               and s.quantity == "grads" else "",
-                              matrix_title="the gradient of the first layer's weight" if s.quantity == "grads"
-                              else "sensitivity of each output")
+                              matrix_title=matrix_title)
+
+
+def image_matrix_figure(image: object, matrix: object, *, row_labels: Sequence[str] = (), title: str = "",
+                        image_title: str = "input", matrix_title: str = "", width: float = 6.3) -> Figure:
+    """The sample's image (left, in grey; (H, W), (1, H, W), (3, H, W) or a square number of pixels) next to a
+    (R, C) matrix about it (right, diverging colours around 0): a first layer whose weight's rows are no images."""
+    img = to_numpy(image).astype(float)
+    if img.ndim == 3:
+        img = img.mean(0)  # one channel, or a colour image in grey
+    elif img.ndim <= 1:
+        side = int(img.size ** 0.5)
+        img = img.reshape(side, -1)
+    m = to_numpy(matrix)
+    head = fit_text(title, width - 0.3) if title else ""
+    head_in = 0.21 * (head.count("\n") + 1) + 0.1 if head else 0
+    side = 2.2
+    height = head_in + 0.55 + side + 0.5
+    fig = Figure(figsize=(width, height))
+    ax_i = axes_at_inches(fig, 0.3, 0.55, side * min(1.0, img.shape[1] / img.shape[0]), side)
+    ax_i.imshow(img, cmap="gray", interpolation="nearest")
+    ax_i.set_xticks([])
+    ax_i.set_yticks([])
+    ax_i.set_title(image_title, fontsize="small")
+    labelled = 0 < len(row_labels) == m.shape[0] and m.shape[0] <= 40
+    left = 0.3 + side + 0.3 + (text_width_in(row_labels, "x-small") + 0.15 if labelled else 0.35)
+    ax_m = axes_at_inches(fig, left, 0.55, width - left - 0.95, side)
+    limit = float(abs(m).max()) or 1.0
+    shown = ax_m.imshow(m, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+    if labelled:
+        ax_m.set_yticks(range(m.shape[0]), list(row_labels), fontsize="x-small")
+    ax_m.tick_params(labelsize="x-small")
+    ax_m.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+    ax_m.set_title(matrix_title, fontsize="small")
+    fig.colorbar(shown, cax=axes_at_inches(fig, width - 0.8, 0.55, 0.12, side)).ax.tick_params(labelsize="x-small")
+    if head:
+        fig.suptitle(head, fontsize="medium", y=1 - 0.06 / height, va="top")
+    return fig
 
 
 def rule_figure(view: View) -> Figure:
@@ -217,7 +261,25 @@ def display_bounds(bounds: Sequence[tuple[str, int, int]], most: int = 6) -> lis
             merged[-1] = (layer, merged[-1][1], b)
         else:
             merged.append((layer, a, b))
-    return [(".".join(n.split(".")[-2:]) if n.count(".") > 1 else n, a, b) for n, a, b in merged]
+    return list(zip(short_names([n for n, _, _ in merged]), [a for _, a, _ in merged], [b for _, _, b in merged],
+                    strict=True))
+
+
+WRAPPERS = frozenset({"default", "modules_to_save", "original_module"})
+"""Parts of a parameter's name that name no layer: peft's adapter name and the wrapper of a trained head."""
+
+
+def short_names(names: Sequence[str]) -> list[str]:
+    """Layer names as labels: the last two parts (``layers.0.linear1`` -> ``0.linear1``), more where two would name
+    another layer too (peft's adapters: ``...layers.0.attention.q_proj.lora_A.default`` -> ``0.attention.q_proj.
+    lora_A``), without the parts that name no layer (:data:`WRAPPERS`)."""
+    parts = [[p for p in n.split(".") if p not in WRAPPERS] or n.split(".") for n in names]
+    shown = []
+    for i, mine in enumerate(parts):
+        others = [p for j, p in enumerate(parts) if j != i]
+        keep = next((k for k in range(2, len(mine) + 1) if all(p[-k:] != mine[-k:] for p in others)), None)
+        shown.append(".".join(mine[-keep:]) if keep is not None else names[i])
+    return shown
 
 
 def width_text(s: Setting) -> str:

@@ -11,7 +11,11 @@ targets as in the tutorial:
 * ``"lstm"``: :func:`~pergrad_viz.tutorial.networks.token_lstm`
   (width = the LSTM's hidden size), both on (B, 16) token ids:
   each 7x7 patch of the image is one token, its mean brightness quantised to 16 levels
-  (:func:`pergrad_viz.tutorial.networks.image_tokens`, kept simple on purpose: a sequence the learner can read).
+  (:func:`pergrad_viz.tutorial.networks.image_tokens`, kept simple on purpose: a sequence the learner can read);
+* ``"vit-lora"``, where transformers and peft are installed:
+  :func:`pergrad_viz.tutorial.hf_models.fashion_vit_lora`, notebook 06's tiny Hugging Face ViT (hidden 32) on
+  (B, 1, 28, 28) images, with peft LoRA adapters on its query and value projections (width = the LoRA rank); only
+  the adapters and the classifier head are trainable.
 
 :func:`user_spec` describes a user's own network and data (``pv.widgets.explorer(model=net, loss_fn=..., data=...)``):
 its width is fixed, its batch sizes are the first B samples of the data.
@@ -23,6 +27,7 @@ its width is fixed, its batch sizes are the first B samples of the data.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -102,7 +107,7 @@ class ModelSpec:
 
 
 _WIDTHS = {"mlp": "hidden width {}", "cnn": "small CNN, {} channels", "transformer": "transformer, d_model {}",
-           "lstm": "LSTM, hidden size {}"}
+           "lstm": "LSTM, hidden size {}", "vit-lora": "ViT with LoRA, rank {}"}
 
 
 def describe_width(key: str, width: int) -> str:
@@ -151,7 +156,30 @@ MENU: dict[str, ModelSpec] = {
                       32, "tokens", "embed", FASHION, _builtin(token_lstm, image_tokens),
                       token_grid=(28 // PATCH, 28 // PATCH)),
 }
-"""The built-in networks, by key (the dropdown's order)."""
+"""The built-in networks, by key (the dropdown's order); ``"vit-lora"`` only where transformers and peft are
+installed (:func:`installed`)."""
+
+VIT_HIDDEN = 32  # the ViT's hidden size (notebook 06: 64); the width slider is the LoRA rank
+VIT_FIRST = "model.base_model.model.vit.layers.0.attention.q_proj.lora_A.default"  # block 0's query adapter, its A
+
+
+def installed(*names: str) -> bool:
+    """Whether every package of ``names`` can be imported (looked up, not imported: transformers is slow to import)."""
+    return all(importlib.util.find_spec(name) is not None for name in names)
+
+
+def _vit_lora(rank: int) -> nn.Module:
+    from pergrad_viz.tutorial.hf_models import fashion_vit_lora
+
+    return fashion_vit_lora(rank, hidden=VIT_HIDDEN)
+
+
+if installed("transformers", "peft"):
+    MENU["vit-lora"] = ModelSpec(
+        "vit-lora", "tiny ViT with LoRA adapters (Hugging Face + peft)", "LoRA rank",
+        f"LoRA rank r: each adapter adds B A (A: r x {VIT_HIDDEN}, B: {VIT_HIDDEN} x r) to the query and value "
+        "projections of both blocks; only the adapters and the classifier head are trained", (1, 2, 4, 8, 16, 32), 8,
+        32, "image", VIT_FIRST, FASHION, _builtin(_vit_lora, lambda x: x.reshape(-1, 1, 28, 28)))
 
 TOKENS_NOTE = (f"each 7x7 patch of the image is one token, its mean brightness in {VOCAB} levels (0 = black); "
                "a simple tokenizer, so that the sequence can be read")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from types import ModuleType
 
 import torch
@@ -120,6 +121,26 @@ def lora(model: Logits, targets: tuple[str, ...], rank: int = 8, train_also: tup
 def lora_llama(rank: int = 8) -> Logits:
     """:func:`llama` with LoRA adapters on the attention's query and value projections."""
     return lora(llama(), ("q_proj", "v_proj"), rank)
+
+
+def fashion_vit_lora(rank: int = 8, hidden: int = 64, classes: int = 10) -> Logits:
+    """The tiny ViT of notebook 06 on Fashion-MNIST's (B, 1, 28, 28) images (7x7 patches: 16 and a class token;
+    ``hidden`` wide, two blocks, four heads; no dropout), with LoRA adapters of rank ``rank`` on the attention's query
+    and value projections and the classifier head trainable: (B, 1, 28, 28) -> (B, classes).
+
+    peft starts every adapter's B at zero (so that the adapted model is the pretrained one), which makes the
+    gradient of every A zero too; here each B gets nn.Linear's default random start instead (peft's
+    ``init_lora_weights=False``), as after some fine-tuning, so that every adapter has a gradient to show. The
+    attention is the plain ("eager") one: ``torch.func.vmap`` has no batching rule for the CPU's fused attention."""
+    vit = hf_vit(classes=classes, image=28, channels=1, patch=7, hidden=hidden)
+    vit.model.set_attn_implementation("eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notices, read by peft
+        model = lora(vit, ("q_proj", "v_proj"), rank, train_also=("classifier",))
+    for name, module in model.named_modules():
+        if name.endswith("lora_B.default") and isinstance(module, nn.Linear):
+            module.reset_parameters()
+    return model
 
 
 BUILDERS = {"gpt2": gpt2, "llama": llama, "bert": bert, "hf-vit": hf_vit, "timm-vit": timm_vit,

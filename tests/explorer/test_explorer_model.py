@@ -20,6 +20,7 @@ from pergrad_viz.bench import timing
 from pergrad_viz.core import memory
 from pergrad_viz.explorer import model as model_module
 from pergrad_viz.explorer.model import ExplorerModel, Setting, Stale
+from pergrad_viz.explorer.specs import installed
 
 SLOW = ("loop", "autograd_stack", "batched_grad")
 # a tiny timing budget; nothing noisy unless a test says so (the machine running the tests may be busy)
@@ -358,7 +359,10 @@ def test_on_cuda_the_clock_waits_for_the_device_and_results_agree(monkeypatch):
 
 # ------------------------------------------------------------------------------------------ the model menu
 
-SMALL = {"mlp": 8, "cnn": 4, "transformer": 8, "lstm": 8}  # each built-in network at a small width
+HF = installed("transformers", "peft")
+needs_hf = pytest.mark.skipif(not HF, reason="needs transformers and peft: pip install 'pergrad-viz[hf]'")
+SMALL = {"mlp": 8, "cnn": 4, "transformer": 8, "lstm": 8, "vit-lora": 2}  # each built-in network at a small width
+KEYS = [pytest.param(k, marks=needs_hf) if k == "vit-lora" else k for k in SMALL]
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +370,7 @@ def menu_model():
     return ExplorerModel(batch_options=(1, 2, 4), slow_limit=16, sweep_batches=1, **FAST)
 
 
-@pytest.mark.parametrize("key", list(SMALL))
+@pytest.mark.parametrize("key", KEYS)
 def test_every_builtin_model_against_the_tests_own_loop(menu_model, key):
     from pergrad_viz.explorer.specs import MENU
 
@@ -396,7 +400,8 @@ def test_every_builtin_model_against_the_tests_own_loop(menu_model, key):
 
 
 @pytest.mark.parametrize("key, kind, rule", [("mlp", "image", "linear"), ("cnn", "image", "conv"),
-                                             ("transformer", "tokens", "embedding"), ("lstm", "tokens", "embedding")])
+                                             ("transformer", "tokens", "embedding"), ("lstm", "tokens", "embedding"),
+                                             pytest.param("vit-lora", "image", "linear", marks=needs_hf)])
 def test_the_fast_rule_panel_on_each_models_first_layer(menu_model, key, kind, rule):
     from pergrad_viz.explorer.specs import MENU
 
@@ -437,8 +442,52 @@ def test_timings_are_cached_per_model(menu_model):
 
 
 def test_an_unknown_model_is_refused(menu_model):
-    with pytest.raises(ValueError, match="unknown model 'vgg'; this explorer has mlp, cnn, transformer, lstm"):
+    listed = "mlp, cnn, transformer, lstm" + (", vit-lora" if HF else "")
+    with pytest.raises(ValueError, match=f"unknown model 'vgg'; this explorer has {listed}$"):
         menu_model.check(Setting(model="vgg"))
+
+
+@needs_hf
+def test_the_vit_trains_only_its_lora_adapters_and_head(menu_model):
+    """The ViT's entry: LoRA adapters (rank = the width slider) on block 0 and 1's query and value, the head; the
+    frozen backbone has no columns; every adapter has a gradient (peft's zero start of B would zero each A's);
+    the per-sample gradients are the test's own loop's, per parameter."""
+    from pergrad_viz.explorer.specs import MENU, VIT_HIDDEN
+
+    spec = MENU["vit-lora"]
+    assert spec.width_name == "LoRA rank" and "rank" in spec.width_help and spec.describe(4) == "ViT with LoRA, rank 4"
+    assert spec.default_width in spec.widths and spec.sample_kind == "image"
+    net, loss_fn, x, y, _ = spec.problem(3, 4)
+    assert x.shape == (3, 1, 28, 28) and net(x).shape == (3, 10)
+    named = {n: p for n, p in net.named_parameters() if p.requires_grad}
+    adapters = [n for n in named if ".lora_" in n]
+    assert len(adapters) == 8 and all(f"layers.{b}.attention.{q}_proj.lora_{ab}.default.weight" in " ".join(adapters)
+                                      for b in (0, 1) for q in "qv" for ab in "AB")
+    assert set(named) - set(adapters) == {"model.base_model.model.classifier.modules_to_save.default.weight",
+                                           "model.base_model.model.classifier.modules_to_save.default.bias"}
+    assert spec.num_params(4) == 8 * 4 * VIT_HIDDEN + 10 * VIT_HIDDEN + 10
+    assert sum(p.numel() for p in net.parameters()) > 10 * spec.num_params(4)  # the frozen backbone is most of it
+    view = menu_model.update(Setting(model="vit-lora", batch=3, hidden=4, strategies=("hooks", "torch_func")))
+    assert view.verdict.ok and "ViT with LoRA, rank 4" in view.verdict.text
+    start = 0
+    for name, p in named.items():  # per parameter, against a plain loop written here
+        cols = view.grads[:, start:start + p.numel()]
+        start += p.numel()
+        for i in range(3):
+            (own,) = torch.autograd.grad(loss_fn(net(x[i:i + 1]), y[i:i + 1]), [p])
+            assert torch.allclose(cols[i], own.reshape(-1), atol=1e-5), (name, i)
+        assert cols.abs().amax() > 0, f"{name}: no gradient"
+    assert [how for _, _, how in view.layers] == ["rule"] * 9  # every adapter and the head on the Linear rule
+
+
+def test_the_vit_is_absent_without_transformers_or_peft():
+    code = ("import sys; sys.modules['peft'] = None\n"
+            "from pergrad_viz.explorer.specs import MENU, menu\n"
+            "from pergrad_viz.explorer.model import ExplorerModel, Setting\n"
+            "assert list(MENU) == ['mlp', 'cnn', 'transformer', 'lstm'] and 'vit-lora' not in menu()\n"
+            "try:\n    ExplorerModel().check(Setting(model='vit-lora'))\nexcept ValueError as e:\n"
+            "    assert 'unknown model' in str(e)\nelse:\n    raise AssertionError('not refused')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ------------------------------------------------------------------------------------------ a user's network

@@ -28,6 +28,7 @@ from pergrad_viz import widgets
 from pergrad_viz.bench import sweeps as bench  # noqa: E402
 from pergrad_viz.explorer import model as model_module  # noqa: E402
 from pergrad_viz.explorer import page as page_module  # noqa: E402
+from pergrad_viz.explorer.specs import MENU, installed  # noqa: E402
 
 OPTIONS = {"batch_sizes": (1, 2, 4, 8), "hidden_widths": (8, 16), "default_batch": 4, "default_hidden": 8,
            "sweep_batches": 2, "slow_limit": 16, "dpi": 40, "rounds": 2, "min_rounds": 1, "min_block_s": 1e-4,
@@ -371,9 +372,12 @@ def test_rerun_while_the_worker_times(monkeypatch):
 @pytest.mark.parametrize("key, width_name, widths, rule, first", [
     ("cnn", "channels", (4, 8, 16, 32, 64), "convolution", "conv1"),
     ("transformer", "d_model", (8, 16, 32, 64, 128), "embedding", "embed"),
-    ("lstm", "hidden size", (8, 16, 32, 64, 128), "embedding", "embed")])
+    ("lstm", "hidden size", (8, 16, 32, 64, 128), "embedding", "embed"),
+    pytest.param("vit-lora", "LoRA rank", (1, 2, 4, 8, 16, 32), "Linear layer",
+                 "model.base_model.model.vit.layers.0.attention.q_proj.lora_A.default",
+                 marks=pytest.mark.skipif(not installed("transformers", "peft"), reason="needs transformers, peft"))])
 def test_the_model_menu_switches_every_panel(fresh, key, width_name, widths, rule, first):
-    assert [v for _, v in fresh.model_dropdown.options] == ["mlp", "cnn", "transformer", "lstm"]
+    assert [v for _, v in fresh.model_dropdown.options] == list(MENU)  # "vit-lora" last, where installed
     drawn = dict(fresh.drawn)
     fresh.set(model=key, hidden=8, strategies=["hooks", "loop"])
     assert fresh.error == "" and fresh.view.setting.model == key and fresh.view.verdict.ok
@@ -458,3 +462,25 @@ def test_two_workers_in_one_process_take_turns():
         release.set()
         for worker in (first, second, third):
             worker.stop(timeout=5)
+
+
+def test_layer_labels_are_short_and_tell_layers_apart():
+    from pergrad_viz.explorer.panels import display_bounds, short_names
+
+    assert short_names(["fc1", "layers.0.linear1", "body.head"]) == ["fc1", "0.linear1", "body.head"]
+    peft = "model.base_model.model.vit.layers.{}.attention.{}_proj.lora_A.default"
+    names = [peft.format(b, q) for b in (0, 1) for q in "qv"] + ["model.base_model.model.classifier.modules_to_save"
+                                                                 ".default"]
+    assert short_names(names) == ["0.attention.q_proj.lora_A", "0.attention.v_proj.lora_A",
+                                  "1.attention.q_proj.lora_A", "1.attention.v_proj.lora_A", "model.classifier"]
+    bounds = [(f"{n}.weight", 2 * k, 2 * k + 1) for k, n in enumerate(names)]
+    bounds = sorted(bounds + [(f"{n}.bias", 2 * k + 1, 2 * k + 2) for k, n in enumerate(names)], key=lambda b: b[1])
+    assert display_bounds(bounds) == [(s, 2 * k, 2 * k + 2) for k, s in enumerate(short_names(names))]
+
+
+def test_an_image_beside_a_matrix():
+    from pergrad_viz.explorer.panels import image_matrix_figure
+
+    fig = image_matrix_figure(torch.rand(1, 28, 28), torch.randn(4, 32), row_labels=list("abcd"), title="t")
+    image, matrix = fig.axes[:2]
+    assert image.images[0].get_array().shape == (28, 28) and matrix.images[0].get_array().shape == (4, 32)
