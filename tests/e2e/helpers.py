@@ -698,6 +698,7 @@ def run_latency_script(ui: Ui) -> list[Latency]:
 MENU = (("cnn", "small CNN: conv -> GroupNorm -> conv -> linear", "channels", 8),
         ("transformer", "transformer encoder on 16 image tokens", "d_model", 32),
         ("lstm", "LSTM classifier on 16 image tokens", "hidden size", 32),
+        ("vit-lora", "tiny ViT with LoRA adapters (Hugging Face + peft)", "LoRA rank", 8),
         ("mlp", "tutorial MLP: 784 -> hidden -> 10", "hidden width", 20))
 
 

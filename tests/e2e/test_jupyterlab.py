@@ -155,7 +155,7 @@ def test_kernel_runs_this_python(lab):
 def test_model_menu(lab):
     """Each network of the menu, chosen from the dropdown: a latency row per model, every panel for it."""
     rows = run_model_menu(lab, screenshots=False)
-    assert [r.setting.split()[0] for r in rows] == ["cnn", "transformer", "lstm", "mlp"]
+    assert [r.setting.split()[0] for r in rows] == ["cnn", "transformer", "lstm", "vit-lora", "mlp"]
 
 
 def test_latency_of_every_control(lab):
