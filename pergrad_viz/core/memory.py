@@ -177,13 +177,17 @@ PAGES = ResultPages()
 OWN_MAPPINGS = sys.platform.startswith("linux") and hasattr(mmap, "MADV_FREE") and hasattr(mmap, "MAP_ANONYMOUS")
 
 
-def _mapped_tensor(shape: tuple[int, ...], dtype: torch.dtype, pages: ResultPages) -> torch.Tensor:
+def _mapped_tensor(shape: tuple[int, ...], dtype: torch.dtype, pages: ResultPages) -> torch.Tensor | None:
+    """A contiguous ``shape`` tensor in a mapping from ``pages``; None where no mapping could be made."""
     nbytes = math.prod(shape) * dtype.itemsize
-    mapping, offset = pages.take(nbytes)
+    try:
+        mapping, offset = pages.take(nbytes)
+    except OSError:  # e.g. out of address space: torch.empty then says so the way torch does
+        return None
     view = memoryview(mapping)  # the storage holds this view; when the storage goes, so does the view and then
-    flat = torch.frombuffer(view, dtype=dtype, count=math.prod(shape), offset=offset)  # the mapping goes back
+    raw = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=offset)  # the mapping goes back
     weakref.finalize(view, pages.put, mapping).atexit = False
-    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)  # not a view: a tensor of its own
+    return torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), 0, shape)  # not a view: a tensor of its own
 
 
 def empty_result(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -196,4 +200,5 @@ def empty_result(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     first and last 2 MiB in 4 KiB pages), a new mapping here 2.2x (50), a reused one 0.9x (none)."""
     if torch.device(device).type != "cpu" or not OWN_MAPPINGS or math.prod(shape) * dtype.itemsize < HUGE_MIN:
         return torch.empty(shape, dtype=dtype, device=device)
-    return _mapped_tensor(tuple(shape), dtype, PAGES)
+    mapped = _mapped_tensor(tuple(shape), dtype, PAGES)
+    return torch.empty(shape, dtype=dtype, device=device) if mapped is None else mapped

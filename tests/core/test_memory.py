@@ -38,7 +38,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64])
 @pytest.mark.parametrize("shape", [LARGE, (3, 5), (4, 10, 70_000)])
 def test_a_result_has_its_shape_dtype_device_and_holds_what_is_written(shape, dtype):
     t = memory.empty_result(shape, dtype, "cpu")
@@ -177,6 +177,18 @@ def test_without_own_mappings_it_is_a_plain_empty_tensor(monkeypatch):
     assert (tuple(t.shape), t.dtype) == (LARGE, torch.float64) and t.untyped_storage().resizable()
     t.fill_(2.0)
     assert float(t[-1, -1]) == 2.0
+
+
+@linux_only
+def test_where_no_mapping_can_be_made_it_is_a_plain_empty_tensor(monkeypatch):
+    def refuse(nbytes):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(memory.PAGES, "take", refuse)
+    t = memory.empty_result(LARGE, torch.float32, "cpu")
+    assert tuple(t.shape) == LARGE and t.untyped_storage().resizable()
+    t.fill_(4.0)
+    assert float(t[0, 0]) == 4.0
 
 
 @linux_only
