@@ -359,7 +359,7 @@ def test_the_targets_report_reads_every_goal_from_its_own_table(monkeypatch):
 
     times = {"loop": 10.0, "auto": 1.0, bench.UNCHECKED: 0.8, bench.FRESH: 1.2, "hand vmap": 2.0,
              "torch_func": 3.0, "grad norms": 1.05, bench.FORWARD_BACKWARD: 1.0, bench.MEMORY_FLOOR: 0.1,
-             bt.FRESH_FLOOR: 0.2, "scan: grad norms": 1.25}
+             "scan: grad norms": 1.25}
     settings = {goal.setting for goal in bt.GOALS}
     fake = {s: [_record(label, t) for label, t in times.items()] for s in settings}
     monkeypatch.setattr(bt, "measure_tables", lambda *args: fake)
