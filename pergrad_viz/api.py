@@ -206,7 +206,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             allocating a result over ``max_bytes``.
     """
     requested = strategy
-    targets = tree_map(normal_tensor, targets)
+    targets = normal_tensor(targets) if isinstance(targets, torch.Tensor) else tree_map(normal_tensor, targets)
     trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs)
     batch = inputs.size
     if out is not None:

@@ -122,8 +122,9 @@ def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model
     target tensor with B samples, some input tensor with B samples, every tensor on the parameters' device, floating
     inputs in the parameters' dtype."""
     size = None
+    target_tensors = [targets] if isinstance(targets, torch.Tensor) else (
+        [] if targets is None else [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)])
     if targets is not None:
-        target_tensors = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
         if not target_tensors:
             raise TypeError(f"targets must be a torch.Tensor of shape (B, ...) or a tuple / dict of them, got "
                             f"{type(targets).__name__}")
@@ -151,7 +152,7 @@ def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model
         raise ValueError(f"targets are on {target_tensors[0].device} but inputs are on {inputs_device}; move them "
                          f"with targets.to({str(inputs_device)!r})")
     device = trainable.device
-    for name, t in tensors + [("targets", t) for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]:
+    for name, t in tensors + [("targets", t) for t in target_tensors]:
         if t.device != device:
             are = "are" if name in ("inputs", "targets") else "is"
             raise ValueError(
