@@ -31,6 +31,7 @@ class Trainable:
     modules: tuple[tuple[str, nn.Module], ...]  # named_modules(), walked once per call
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # scratch space for one call
     select: Callable[[object], torch.Tensor] | None = None  # the output tensor a Jacobian differentiates
+    named_parameters: tuple[tuple[str, nn.Parameter], ...] = ()  # all of them, frozen ones too, read by of()
 
     def selecting(self, select: Callable[[object], torch.Tensor]) -> Trainable:
         """The same trainable parameters, with Jacobians of ``select(model output)``."""
@@ -43,9 +44,10 @@ class Trainable:
 
     @classmethod
     def of(cls, model: nn.Module) -> Trainable:
-        named = check_model(model)
+        everything = tuple(model.named_parameters()) if isinstance(model, nn.Module) else ()
+        named = check_model(model, everything)
         names, params = zip(*named, strict=True)
-        return cls(model, tuple(names), tuple(params), tuple(model.named_modules()))
+        return cls(model, tuple(names), tuple(params), tuple(model.named_modules()), named_parameters=everything)
 
     @property
     def shapes(self) -> dict[str, torch.Size]:

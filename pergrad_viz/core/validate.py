@@ -24,12 +24,16 @@ _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
 _RANDOM_IN_TRAINING = (*_DROPOUT, nn.RReLU)  # draw random numbers on every forward in training mode
 
 
-def check_model(model: object) -> list[tuple[str, nn.Parameter]]:
+def check_model(model: object, named_parameters: Sequence[tuple[str, nn.Parameter]] | None = None
+                ) -> list[tuple[str, nn.Parameter]]:
     """The model's trainable parameters ``[(name, parameter)]`` in ``named_parameters()`` order, refusing what is not
-    a module, a lazy parameter not initialised yet, and a model with nothing to differentiate."""
+    a module, a lazy parameter not initialised yet, and a model with nothing to differentiate. ``named_parameters``:
+    ``model.named_parameters()`` when the caller has just walked it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if named_parameters is None:
+        named_parameters = model.named_parameters()
+    named = [(n, p) for n, p in named_parameters if p.requires_grad]
     lazy = next((n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)), None)
     if lazy is not None:
         raise ValueError(
