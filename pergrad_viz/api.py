@@ -105,6 +105,7 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
         else:
             result = {name: empty_result((*lead, *shape), **kw) for name, shape in trainable.shapes.items()}
             views = result
+        trainable.cache["api.rows"] = (result, views)  # for the per-call check (_rows)
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)
             rows = views if chunk == batch else {n: v[start:stop] for n, v in views.items()}
@@ -162,6 +163,9 @@ def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Te
     """{name: (B, [Y,] *param.shape)} views of a dict or flat result (``lead``: 1 for gradients, 2 for Jacobians)."""
     if isinstance(result, dict):
         return result
+    made = trainable.cache.get("api.rows")
+    if made is not None and made[0] is result:  # the views _run wrote through
+        return made[1]
     return flat_views(result, trainable.shapes, tuple(result.shape[:lead]))
 
 
