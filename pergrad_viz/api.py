@@ -105,6 +105,7 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
         else:
             result = {name: empty_result((*lead, *shape), **kw) for name, shape in trainable.shapes.items()}
             views = result
+        trainable.cache["api.rows"] = (result, views)  # for the per-call check (_rows)
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)
             rows = views if chunk == batch else {n: v[start:stop] for n, v in views.items()}
@@ -162,6 +163,9 @@ def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Te
     """{name: (B, [Y,] *param.shape)} views of a dict or flat result (``lead``: 1 for gradients, 2 for Jacobians)."""
     if isinstance(result, dict):
         return result
+    made = trainable.cache.get("api.rows")
+    if made is not None and made[0] is result:  # the views _run wrote through
+        return made[1]
     return flat_views(result, trainable.shapes, tuple(result.shape[:lead]))
 
 
@@ -206,7 +210,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             allocating a result over ``max_bytes``.
     """
     requested = strategy
-    targets = tree_map(normal_tensor, targets)
+    targets = normal_tensor(targets) if isinstance(targets, torch.Tensor) else tree_map(normal_tensor, targets)
     trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs)
     batch = inputs.size
     if out is not None:
@@ -278,7 +282,8 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
         chosen.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
 
     def check(result: Result, used: str) -> None:
-        check_jacobian(trainable, inputs, _rows(result, trainable, 2), used)
+        check_jacobian(trainable, inputs, _rows(result, trainable, 2), used,
+                       flat=result if isinstance(result, torch.Tensor) else None)
 
     def run(s: str) -> Result:
         return _run(trainable, s, run_chunk, batch, chunk, y_count, flat, out)

@@ -31,12 +31,19 @@ def cut(obj: object, rows: slice | torch.Tensor, size: int) -> object:
     """``obj`` (a tensor or a nest of them) with ``t[rows]`` for every tensor whose first dimension is ``size``."""
     if isinstance(obj, torch.Tensor):
         return obj[rows] if _is_batched(obj, size) else obj
+    if obj is None:
+        return None
     leaves, spec = tree_flatten(obj)
     return tree_unflatten([t[rows] if _is_batched(t, size) else t for t in leaves], spec)
 
 
 def _first_tensor(obj: object) -> torch.Tensor | None:
     return next((t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)), None)
+
+
+# The spec of the most common call, one tensor (``model(x)``): the fast paths below skip the pytree for it and give
+# exactly what the general path gives (the same spec, leaves and cuts).
+_ONE_TENSOR_SPEC = str(tree_flatten(((torch.zeros(()),), {}))[1])
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,13 @@ class Batch:
     args: tuple
     kwargs: dict
     size: int
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The one input tensor of a call ``model(x)`` (no other argument), else None: the fast paths' case."""
+        if len(self.args) == 1 and not self.kwargs and isinstance(self.args[0], torch.Tensor):
+            return self.args[0]
+        return None
 
     @classmethod
     def of(cls, inputs: Inputs, model_kwargs: Mapping | None = None, size: int | None = None) -> Batch:
@@ -61,12 +75,16 @@ class Batch:
                 f"inputs must be a torch.Tensor (model(x)), a tuple or list (model(*inputs)) or a dict "
                 f"(model(**inputs)) of tensors with the samples first, got {type(inputs).__name__}"
             )
-        if model_kwargs:
+        if isinstance(inputs, torch.Tensor) and not model_kwargs:
+            first = inputs
+        elif model_kwargs:
             clash = sorted(set(kwargs) & set(model_kwargs))
             if clash:
                 raise ValueError(f"{clash} given both in inputs and in model_kwargs: pass each argument once")
             kwargs.update(model_kwargs)
-        first = _first_tensor((args, kwargs))
+            first = _first_tensor((args, kwargs))
+        else:
+            first = _first_tensor((args, kwargs))
         if first is None:
             raise TypeError(
                 f"inputs must be a torch.Tensor of shape (B, ...), or a tuple / dict of tensors, got a "
@@ -82,12 +100,18 @@ class Batch:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """The same call with ``fn`` applied to every tensor."""
+        t = self.tensor
+        if t is not None:
+            return Batch((fn(t),), {}, self.size)
         flat, spec = tree_flatten((self.args, self.kwargs))
         args, kwargs = tree_unflatten([fn(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
         return Batch(args, kwargs, self.size)
 
     def leaves(self) -> list[torch.Tensor]:
         """The batched tensors (B, ...), in ``(args, kwargs)`` pytree order."""
+        t = self.tensor
+        if t is not None:
+            return [t] if _is_batched(t, self.size) else []
         return [t for t in tree_flatten((self.args, self.kwargs))[0] if _is_batched(t, self.size)]
 
     def named_leaves(self) -> list[tuple[str, torch.Tensor]]:
@@ -100,7 +124,11 @@ class Batch:
 
     def rows(self, rows: slice | torch.Tensor) -> Batch:
         """Samples ``rows`` (a slice or an index tensor) as a batch."""
-        args, kwargs = cut((self.args, self.kwargs), rows, self.size)
+        t = self.tensor
+        if t is not None:
+            args, kwargs = ((t[rows] if _is_batched(t, self.size) else t),), {}
+        else:
+            args, kwargs = cut((self.args, self.kwargs), rows, self.size)
         n = len(range(self.size)[rows]) if isinstance(rows, slice) else int(rows.numel())
         return Batch(args, kwargs, n)
 
@@ -113,6 +141,10 @@ class Batch:
 
     def with_leaves(self, leaves: Sequence[torch.Tensor]) -> Batch:
         """The same call with its batched tensors replaced, in :meth:`leaves` order (e.g. one sample under vmap)."""
+        t = self.tensor
+        if t is not None:
+            (new,) = leaves if _is_batched(t, self.size) else (t,)
+            return Batch((new,), {}, 1)
         flat, spec = tree_flatten((self.args, self.kwargs))
         it = iter(leaves)
         args, kwargs = tree_unflatten([next(it) if _is_batched(t, self.size) else t for t in flat], spec)
@@ -121,6 +153,10 @@ class Batch:
     def signature(self) -> tuple:
         """What a plan depends on: per value, a batched tensor's shape past B, dtype and device; a shared tensor's
         shape, dtype and device; any other value itself (or its type)."""
+        t = self.tensor
+        if t is not None:
+            batched = _is_batched(t, self.size)
+            return _ONE_TENSOR_SPEC, ((batched, tuple(t.shape[1:] if batched else t.shape), t.dtype, t.device),)
         flat, spec = tree_flatten((self.args, self.kwargs))
 
         def kind(t: object) -> object:
@@ -133,6 +169,9 @@ class Batch:
 
     @property
     def device(self) -> torch.device:
+        t = self.tensor
+        if t is not None:
+            return t.device
         return _first_tensor((self.args, self.kwargs)).device
 
 

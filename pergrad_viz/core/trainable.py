@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ class Trainable:
     modules: tuple[tuple[str, nn.Module], ...]  # named_modules(), walked once per call
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # scratch space for one call
     select: Callable[[object], torch.Tensor] | None = None  # the output tensor a Jacobian differentiates
+    named_parameters: tuple[tuple[str, nn.Parameter], ...] = ()  # all of them, frozen ones too, read by of()
 
     def selecting(self, select: Callable[[object], torch.Tensor]) -> Trainable:
         """The same trainable parameters, with Jacobians of ``select(model output)``."""
@@ -43,9 +45,10 @@ class Trainable:
 
     @classmethod
     def of(cls, model: nn.Module) -> Trainable:
-        named = check_model(model)
+        everything = tuple(model.named_parameters()) if isinstance(model, nn.Module) else ()
+        named = check_model(model, everything)
         names, params = zip(*named, strict=True)
-        return cls(model, tuple(names), tuple(params), tuple(model.named_modules()))
+        return cls(model, tuple(names), tuple(params), tuple(model.named_modules()), named_parameters=everything)
 
     @property
     def shapes(self) -> dict[str, torch.Size]:
@@ -83,6 +86,13 @@ def hooked_parameter(trainable: Trainable) -> str | None:
     return next((n for n, p in zip(trainable.names, trainable.params, strict=True) if p._backward_hooks), None)
 
 
+def _same_objects(now: dict, saved: dict) -> bool:
+    """Whether the dict ``now`` holds the very objects ``saved`` held, under the same keys."""
+    if not saved:
+        return not now
+    return now.keys() == saved.keys() and all(map(operator.is_, map(now.__getitem__, saved), saved.values()))
+
+
 @contextlib.contextmanager
 def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
     """Leave ``model`` as it was found, and compute gradients whatever the caller's grad mode.
@@ -96,13 +106,13 @@ def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
 
     Strategies never call ``backward()`` (so ``.grad`` is untouched) and remove their own hooks.
     """
-    named = list(model.modules) if isinstance(model, Trainable) else list(model.named_modules())
-    flags = [(m, m.training) for _, m in named]
-    named = [(n, m) for n, m in named if not isinstance(m, torch.jit.ScriptModule)]  # TorchScript keeps its own
-    slots = [(m, dict(m._parameters), dict(m._buffers)) for _, m in named]
+    named = model.modules if isinstance(model, Trainable) else tuple(model.named_modules())
+    flags = [m.training for _, m in named]
+    script = torch.jit.ScriptModule  # TorchScript keeps its own
+    kept = [(n, m, dict(m._parameters), dict(m._buffers)) for n, m in named if not isinstance(m, script)]
     buffers = {}  # id -> (name, tensor, version, copy)
-    for name, m in named:
-        for bname, b in m._buffers.items():
+    for name, _m, _params, bufs in kept:
+        for bname, b in bufs.items():
             if b is not None and id(b) not in buffers and not b.is_inference():
                 buffers[id(b)] = (f"{name}.{bname}" if name else bname, b, b._version, b.detach().clone())
     failed = True
@@ -111,17 +121,18 @@ def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
             yield
         failed = False
     finally:
-        for m, flag in flags:
+        for (_, m), flag in zip(named, flags, strict=True):
             if m.training != flag:
                 m.training = flag
         replaced = []
-        for (name, _), (m, params, bufs) in zip(named, slots, strict=True):
-            for attrs, saved in ((m._parameters, params), (m._buffers, bufs)):
-                if attrs.keys() != saved.keys() or any(attrs[k] is not v for k, v in saved.items()):
-                    if attrs is m._buffers:
-                        replaced.append(name)
-                    attrs.clear()
-                    attrs.update(saved)
+        for name, m, params, bufs in kept:
+            if not _same_objects(m._parameters, params):
+                m._parameters.clear()
+                m._parameters.update(params)
+            if not _same_objects(m._buffers, bufs):
+                replaced.append(name)
+                m._buffers.clear()
+                m._buffers.update(bufs)
         written = [name for name, b, version, copy in buffers.values() if b._version != version] + replaced
         for _name, b, version, copy in buffers.values():
             if b._version != version:

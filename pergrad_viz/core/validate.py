@@ -24,12 +24,16 @@ _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
 _RANDOM_IN_TRAINING = (*_DROPOUT, nn.RReLU)  # draw random numbers on every forward in training mode
 
 
-def check_model(model: object) -> list[tuple[str, nn.Parameter]]:
+def check_model(model: object, named_parameters: Sequence[tuple[str, nn.Parameter]] | None = None
+                ) -> list[tuple[str, nn.Parameter]]:
     """The model's trainable parameters ``[(name, parameter)]`` in ``named_parameters()`` order, refusing what is not
-    a module, a lazy parameter not initialised yet, and a model with nothing to differentiate."""
+    a module, a lazy parameter not initialised yet, and a model with nothing to differentiate. ``named_parameters``:
+    ``model.named_parameters()`` when the caller has just walked it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if named_parameters is None:
+        named_parameters = model.named_parameters()
+    named = [(n, p) for n, p in named_parameters if p.requires_grad]
     lazy = next((n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)), None)
     if lazy is not None:
         raise ValueError(
@@ -122,8 +126,9 @@ def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model
     target tensor with B samples, some input tensor with B samples, every tensor on the parameters' device, floating
     inputs in the parameters' dtype."""
     size = None
+    target_tensors = [targets] if isinstance(targets, torch.Tensor) else (
+        [] if targets is None else [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)])
     if targets is not None:
-        target_tensors = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
         if not target_tensors:
             raise TypeError(f"targets must be a torch.Tensor of shape (B, ...) or a tuple / dict of them, got "
                             f"{type(targets).__name__}")
@@ -151,7 +156,7 @@ def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model
         raise ValueError(f"targets are on {target_tensors[0].device} but inputs are on {inputs_device}; move them "
                          f"with targets.to({str(inputs_device)!r})")
     device = trainable.device
-    for name, t in tensors + [("targets", t) for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]:
+    for name, t in tensors + [("targets", t) for t in target_tensors]:
         if t.device != device:
             are = "are" if name in ("inputs", "targets") else "is"
             raise ValueError(

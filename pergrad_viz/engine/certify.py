@@ -97,15 +97,20 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
 
 
 def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch.Tensor],
-                   strategy: str) -> None:
+                   strategy: str, flat: torch.Tensor | None = None) -> None:
     """Raise :class:`CheckFailedError` unless ``u^T`` row i of ``rows`` {name: (B, Y, *param.shape)} is ``u^T J_i``
-    for a random u (Y,)."""
+    for a random u (Y,). ``flat``: the (B, Y, P) tensor ``rows`` are views of, if any (then ``u^T`` row i is one
+    matrix-vector product instead of one per parameter)."""
     i = draw(inputs.size)
     output = trainable.outputs(inputs.sample(i)).reshape(-1)
     gen = torch.Generator(device=output.device).manual_seed(_DRAW.getrandbits(62))
     u = torch.randn(output.numel(), generator=gen, dtype=output.dtype, device=output.device)
     want = torch.autograd.grad(output @ u, trainable.params, allow_unused=True)
-    got = {n: torch.tensordot(u, t[i], dims=1) for n, t in rows.items()}
+    if flat is not None:
+        combined = (u @ flat[i]).split([p.numel() for p in trainable.params])  # (P,), cut per parameter
+        got = {n: c.view(p.shape) for n, c, p in zip(trainable.names, combined, trainable.params, strict=True)}
+    else:
+        got = {n: torch.tensordot(u, t[i], dims=1) for n, t in rows.items()}
     _compare(trainable, want, got, i, strategy, "Jacobian (a random combination of its rows)")
 
 

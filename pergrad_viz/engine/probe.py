@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -344,14 +345,24 @@ _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakK
 
 
 _PLAIN = (bool, int, float, str, type(None))
+_EXACTLY_PLAIN = frozenset(_PLAIN)  # a value of exactly one of these types is plain: no isinstance needed
+_NEVER_PLAIN = frozenset((dict, OrderedDict, set))  # nn.Module's own bookkeeping (hooks, _parameters, ...)
 
 
 def _plain_attributes(module: nn.Module) -> tuple:
     """The module's attributes that are plain values (bools, numbers, strings, None, tuples / lists of them): what a
-    forward may branch on (``self.task``, ``self.center``), so a plan made with other values does not describe it."""
+    forward may branch on (``self.task``, ``self.center``), so a plan made with other values does not describe it.
+
+    Read on every call (a value changed since the plan was made must be seen); the exact-type tests first only skip
+    the ``isinstance`` calls (a subclass of a plain type, an ``IntEnum`` flag, still counts)."""
     items = []
     for k, v in module.__dict__.items():
-        if isinstance(v, _PLAIN):
+        kind = type(v)
+        if kind in _EXACTLY_PLAIN:
+            items.append((k, v))
+        elif kind in _NEVER_PLAIN:
+            continue
+        elif isinstance(v, _PLAIN):
             items.append((k, v))
         elif isinstance(v, (tuple, list)) and all(isinstance(e, _PLAIN) for e in v):
             items.append((k, tuple(v)))
@@ -359,11 +370,18 @@ def _plain_attributes(module: nn.Module) -> tuple:
 
 
 def _key(trainable: Trainable, inputs: Batch) -> tuple:
+    """What a plan depends on, read afresh: the input signature; per module its name, identity, type, forward (the
+    class's and an instance's own), forward hooks and plain attributes; the global forward hooks; per parameter
+    (``named_parameters()``, frozen ones too, walked once per call by :meth:`Trainable.of`) its name, identity,
+    shape, dtype and ``requires_grad``."""
     return (
         inputs.signature(),
-        tuple((n, id(m), type(m), type(m).forward, m.__dict__.get("forward"), _user_hooks(m), _plain_attributes(m))
+        tuple((n, id(m), type(m), type(m).forward, m.__dict__.get("forward"),
+               len(m._forward_hooks) + len(m._forward_pre_hooks), _plain_attributes(m))
               for n, m in trainable.modules),
-        tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad) for n, p in trainable.model.named_parameters()),
+        len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks),
+        tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad)
+              for n, p in trainable.named_parameters or trainable.model.named_parameters()),
     )
 
 
