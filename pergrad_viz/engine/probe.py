@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +43,7 @@ from pergrad_viz.core.ownership import assign
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.observe import close, first_difference, observe
+from pergrad_viz.engine.plan_key import plan_key
 from pergrad_viz.errors import UndefinedPerSampleError
 from pergrad_viz.rules import call_rule_for, rule_for, rule_takes_batch_dim
 
@@ -344,47 +344,6 @@ def _assign_spreading(trainable: Trainable, inputs: Batch, probe: _Probe
 _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakKeyDictionary()
 
 
-_PLAIN = (bool, int, float, str, type(None))
-_EXACTLY_PLAIN = frozenset(_PLAIN)  # a value of exactly one of these types is plain: no isinstance needed
-_NEVER_PLAIN = frozenset((dict, OrderedDict, set))  # nn.Module's own bookkeeping (hooks, _parameters, ...)
-
-
-def _plain_attributes(module: nn.Module) -> tuple:
-    """The module's attributes that are plain values (bools, numbers, strings, None, tuples / lists of them): what a
-    forward may branch on (``self.task``, ``self.center``), so a plan made with other values does not describe it.
-
-    Read on every call (a value changed since the plan was made must be seen); the exact-type tests first only skip
-    the ``isinstance`` calls (a subclass of a plain type, an ``IntEnum`` flag, still counts)."""
-    items = []
-    for k, v in module.__dict__.items():
-        kind = type(v)
-        if kind in _EXACTLY_PLAIN:
-            items.append((k, v))
-        elif kind in _NEVER_PLAIN:
-            continue
-        elif isinstance(v, _PLAIN):
-            items.append((k, v))
-        elif isinstance(v, (tuple, list)) and all(isinstance(e, _PLAIN) for e in v):
-            items.append((k, tuple(v)))
-    return tuple(items)
-
-
-def _key(trainable: Trainable, inputs: Batch) -> tuple:
-    """What a plan depends on, read afresh: the input signature; per module its name, identity, type, forward (the
-    class's and an instance's own), forward hooks and plain attributes; the global forward hooks; per parameter
-    (``named_parameters()``, frozen ones too, walked once per call by :meth:`Trainable.of`) its name, identity,
-    shape, dtype and ``requires_grad``."""
-    return (
-        inputs.signature(),
-        tuple((n, id(m), type(m), type(m).forward, m.__dict__.get("forward"),
-               len(m._forward_hooks) + len(m._forward_pre_hooks), _plain_attributes(m))
-              for n, m in trainable.modules),
-        len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks),
-        tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad)
-              for n, p in trainable.named_parameters or trainable.model.named_parameters()),
-    )
-
-
 def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
     """The :class:`Plan` for ``trainable`` called on inputs like ``inputs`` (B, ...), from the cache or a probe.
 
@@ -393,7 +352,7 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
     if "probe.plan" in trainable.cache:
         return trainable.cache["probe.plan"]
     inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs)
-    key = _key(trainable, inputs)
+    key = plan_key(trainable, inputs)
     cached = _PLANS.get(trainable.model)
     if cached is not None and cached[0] == key and (cached[1].verified or inputs.size == 1):
         plan = cached[1]

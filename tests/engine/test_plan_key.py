@@ -1,0 +1,50 @@
+"""The plan's cache key (pergrad_viz.engine.plan_key) sees every change that can make a cached plan stale, and
+nothing else: the same model and inputs give the same key."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.plan_key import plan_key
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+
+
+def _key(model: nn.Module, x: torch.Tensor) -> tuple:
+    return plan_key(Trainable.of(model), Batch.of(x))
+
+
+def test_same_model_and_inputs_same_key():
+    model, x = _net(), torch.randn(3, 4)
+    assert _key(model, x) == _key(model, torch.randn(7, 4))  # the batch size is not part of it
+
+
+def test_every_structural_change_changes_the_key():
+    x = torch.randn(3, 4)
+    changes = {
+        "training flag": lambda m: m.eval(),
+        "parameter replaced": lambda m: setattr(m[0], "weight", nn.Parameter(m[0].weight.detach().clone())),
+        "parameter frozen": lambda m: m[2].bias.requires_grad_(False),
+        "parameter reshaped": lambda m: setattr(m[2], "bias", nn.Parameter(torch.zeros(1))),
+        "parameter dtype": lambda m: m.double(),
+        "module replaced": lambda m: m.__setitem__(1, nn.Tanh()),
+        "forward hook": lambda m: m[0].register_forward_hook(lambda *a: None),
+        "forward pre-hook": lambda m: m[2].register_forward_pre_hook(lambda *a: None),
+        "plain attribute": lambda m: setattr(m[1], "task", 2),
+        "instance forward": lambda m: setattr(m[1], "forward", torch.tanh),
+    }
+    for what, change in changes.items():
+        model = _net()
+        before = _key(model, x)
+        change(model)
+        assert _key(model, x.to(next(model.parameters()).dtype)) != before, what
+    model = _net()
+    assert _key(model, torch.randn(3, 4, dtype=torch.float64)) != _key(model, x), "input dtype"
+    assert _key(nn.Sequential(nn.Linear(4, 3)), torch.randn(3, 4)) != _key(nn.Sequential(nn.Linear(4, 3)),
+                                                                          torch.randn(3, 4)), "another model"
