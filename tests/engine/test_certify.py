@@ -314,3 +314,25 @@ def test_a_squeezed_output_is_refused_for_its_own_reason():
     x, _ = _data()
     with pytest.raises(pv.UnsupportedModelError, match=r"loses a dimension.*squeeze"):
         pv.per_sample_grads(model, nn.MSELoss(), x, torch.zeros(6, dtype=DT), strategy="hooks")
+
+
+def test_huge_float32_gradients_are_compared_without_overflow():
+    """Norms are taken in float32, whose sum of squares overflows past ~1e19 per value: then again in float64, so a
+    right row still passes and a wrong one still fails (an overflowed norm would read as inf and pass both)."""
+    from pergrad_viz.core.batch import Batch
+    from pergrad_viz.core.trainable import Trainable
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+
+    def loss(out, target):
+        return (out * target).sum() * 1e20
+
+    trainable, inputs = Trainable.of(model), Batch.of(x)
+    rows = pv.per_sample_grads(model, loss, x, y, strategy="loop")
+    assert rows["weight"].abs().max() > 1e19  # squares overflow float32
+    certify.check_grads(trainable, loss, inputs, y, rows, "loop")
+    wrong = {n: t * 1.01 for n, t in rows.items()}
+    with pytest.raises(certify.CheckFailedError):
+        certify.check_grads(trainable, loss, inputs, y, wrong, "loop")
