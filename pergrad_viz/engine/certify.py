@@ -66,11 +66,7 @@ def _compare(trainable: Trainable, want: tuple[torch.Tensor | None, ...], got: M
     wants = [torch.zeros_like(p) if w is None else w.to_dense() if w.is_sparse else w
              for w, p in zip(want, trainable.params, strict=True)]  # nn.Embedding(sparse=True): sparse gradients
     diffs = torch._foreach_sub([got[name] for name in trainable.names], wants)
-    tensors = [*wants, *diffs]
-    low = trainable.dtype in (torch.float16, torch.bfloat16)
-    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32 if low else None)).tolist()
-    if not all(map(math.isfinite, norms)):  # an overflow of the float32 sum of squares, or a real inf / nan
-        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).tolist()
+    norms = _norms([*wants, *diffs], trainable.dtype)
     n = len(wants)
     total = sum(w * w for w in norms[:n]) ** 0.5
     for k, name in enumerate(trainable.names):
@@ -86,6 +82,16 @@ def _compare(trainable: Trainable, want: tuple[torch.Tensor | None, ...], got: M
                 "in a custom backward, or a model changed since its plan was made). Use strategy='auto' (which then "
                 "computes each sample alone) or 'torch_func' / 'loop'."
             )
+
+
+def _norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[float]:
+    """The 2-norms of ``tensors`` as floats: one ``_foreach_norm``, one host read; in ``dtype`` (float32 at least),
+    again in float64 where one is not finite (an overflowed float32 sum of squares, or a real inf / nan)."""
+    low = dtype in (torch.float16, torch.bfloat16)
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32 if low else None)).tolist()
+    if not all(map(math.isfinite, norms)):
+        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).tolist()
+    return norms
 
 
 def _loss_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, i: int) -> torch.Tensor:
@@ -127,18 +133,18 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     i = draw(inputs.size)
     loss = _loss_alone(trainable, loss_fn, inputs, targets, i)
     grads = torch.autograd.grad(loss, trainable.params, allow_unused=True)
-    grads = [g.to_dense() if g is not None and g.is_sparse else g for g in grads]
-    want = {n: 0.0 if g is None else float(g.double().square().sum()) for n, g in zip(trainable.names, grads,
-                                                                                       strict=True)}
+    grads = [torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
+             for g, p in zip(grads, trainable.params, strict=True)]
+    wants = _norms(grads, trainable.dtype)
+    gots = torch.stack([squared[name][i] for name in trainable.names]).double().sqrt().tolist()
     rtol = _tolerance(trainable.dtype)
-    total = sum(want.values()) ** 0.5
-    for name, w in want.items():
-        got = float(squared[name][i]) ** 0.5
-        diff = abs(got - w ** 0.5)
-        if (diff > rtol * max(got, w ** 0.5, 1e-3 * total) and diff > 0) or not math.isfinite(diff):
+    total = sum(w * w for w in wants) ** 0.5
+    for name, w, got in zip(trainable.names, wants, gots, strict=True):
+        diff = abs(got - w)
+        if (diff > rtol * max(got, w, 1e-3 * total) and diff > 0) or not math.isfinite(diff):
             raise CheckFailedError(
                 f"the per-call check found that sample {i}'s gradient norm from the {strategy} strategy differs from "
-                f"sample {i} computed alone (parameter '{name}': {got:.6g} instead of {w ** 0.5:.6g}): this model's "
+                f"sample {i} computed alone (parameter '{name}': {got:.6g} instead of {w:.6g}): this model's "
                 "forward does not keep the samples apart in a way the probe of a few samples could see. Use "
                 "strategy='auto' (which then computes each sample alone) or 'torch_func' / 'loop'."
             )
