@@ -336,3 +336,25 @@ def test_huge_float32_gradients_are_compared_without_overflow():
     wrong = {n: t * 1.01 for n, t in rows.items()}
     with pytest.raises(certify.CheckFailedError):
         certify.check_grads(trainable, loss, inputs, y, wrong, "loop")
+
+
+def test_two_parameters_given_the_same_gradient_tensor_are_both_compared_right():
+    """Two offsets (1, D) added to one output get the very same gradient tensor from autograd for a sample alone:
+    the check must not write one's difference over the other's (a false failure, and hooks would refuse)."""
+
+    class TwoOffsets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 4)
+            self.a = nn.Parameter(torch.randn(1, 4))
+            self.b = nn.Parameter(torch.randn(1, 4))
+
+        def forward(self, x):
+            return self.fc(x) + self.a + self.b
+
+    torch.manual_seed(0)
+    model = TwoOffsets()
+    x, y = torch.randn(5, 3), torch.randint(0, 4, (5,))
+    for _ in range(5):  # each call checks a random sample
+        got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+    _close(got, ref_grads(model, nn.CrossEntropyLoss(), x, y))
