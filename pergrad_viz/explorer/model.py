@@ -79,7 +79,9 @@ class ExplorerModel:
         slow_limit: the slow baselines are skipped (with a note) above this many sample-backward passes per
             call (see :func:`pergrad_viz.bench.sweeps.backward_work`).
         rounds, min_rounds: rounds of a tier's first pass (:func:`pergrad_viz.bench.timing.time_adaptive`): ``rounds``,
-            fewer (down to ``min_rounds``) where they would take more than ``tier_budget_s`` seconds.
+            fewer (down to ``min_rounds``) where they would take more than ``tier_budget_s`` seconds (the slow
+            baselines, from about 30 ms a call: their first pass is short, and extra rounds follow only where its
+            spread leaves the median uncertain).
         max_rounds, patience_s: while a median is uncertain, more rounds are timed, up to ``max_rounds`` per tier
             and about ``patience_s`` seconds per setting in all (half that for each of the scaling curve's smaller
             batches); the first numbers are shown meanwhile, as provisional.
@@ -100,7 +102,7 @@ class ExplorerModel:
 
     def __init__(self, *, batch_options: Sequence[int] = tuple(2**k for k in range(9)), slow_limit: int = 1024,
                  rounds: int = 5, min_rounds: int = 3, max_rounds: int = 15, patience_s: float = 1.0,
-                 tier_budget_s: float = 1.0, round_budget_s: float = 0.05, prior_min_s: float = 0.1,
+                 tier_budget_s: float = 0.15, round_budget_s: float = 0.05, prior_min_s: float = 0.1,
                  min_block_s: float = timing.MIN_BLOCK_S, noise_threshold: float = 0.15, drift: float = 1.5,
                  sweep_batches: int = 3, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  threads: int | None = None, verdict_samples: int = 64, verdict_samples_jacobian: int = 8,

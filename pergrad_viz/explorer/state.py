@@ -233,6 +233,7 @@ class Computed:
     verdict: Verdict | None
     checked: torch.Tensor | None = None  # (n,) the samples compared with the loop
     reference: torch.Tensor | None = None  # (n, P) or (n, Y * P): the loop's result on them, for max |diff|
+    reference_scale: float | None = None  # max |reference|: the scale of the verdict's tolerance (read once)
     hooks_s: float | None = None  # how long the hooks call for ``grads`` took
     how: tuple[tuple[str, str, str], ...] = ()  # (layer, type, rule / call / fallback)
 
