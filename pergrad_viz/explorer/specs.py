@@ -27,9 +27,7 @@ its width is fixed, its batch sizes are the first B samples of the data.
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -41,7 +39,7 @@ from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.tutorial.data import CLASS_NAMES, load_sample
 from pergrad_viz.tutorial.networks import MLP, PATCH, VOCAB, SmallCNN, image_tokens, token_lstm, token_transformer
 
-__all__ = ["MENU", "ModelSpec", "Problem", "import_next", "user_spec"]
+__all__ = ["MENU", "ModelSpec", "Problem", "user_spec"]
 
 Problem = tuple[nn.Module, nn.Module, object, object, torch.Tensor]
 """(model, loss_fn, inputs (as per_sample_grads takes them, B first), targets, labels (B,) int64, -1 = none)."""
@@ -67,9 +65,6 @@ class ModelSpec:
             Conv2d or Embedding), or None.
         class_names: names of the labels (None: ``"class k"``).
         make: ``(batch, width) -> Problem``.
-        imports: the slow libraries ``make`` imports, in order (a module each, the costly parts of one library
-            apart): the explorer imports them ahead while it is idle (:func:`import_next`), so that the network's
-            first visit does not wait for them.
     """
 
     key: str
@@ -85,7 +80,6 @@ class ModelSpec:
     make: Callable[[int, int], Problem] = field(repr=False)
     token_grid: tuple[int, int] | None = None
     max_batch: int | None = None  # a user's data: at most this many samples
-    imports: tuple[str, ...] = ()
 
     def problem(self, batch: int, width: int) -> Problem:
         """The network at ``width`` (seeded: the same weights every time) and the first ``batch`` samples."""
@@ -169,26 +163,6 @@ VIT_HIDDEN = 32  # the ViT's hidden size (notebook 06: 64); the width slider is 
 VIT_FIRST = "model.base_model.model.vit.layers.0.attention.q_proj.lora_A.default"  # block 0's query adapter, its A
 
 
-# transformers and peft take 1.5-2.5 s to import on 2 cores, in steps of at most about half a second each
-VIT_IMPORTS = ("transformers", "transformers.modeling_utils", "transformers.models.vit.modeling_vit", "peft.utils",
-               "peft")
-FAILED_IMPORTS: set[str] = set()  # modules import_next could not import: not tried again
-
-
-def import_next(specs: Iterable[ModelSpec]) -> bool:
-    """Import the first module of the ``specs``' imports (:attr:`ModelSpec.imports`) not imported yet; whether any
-    is left after it. One step of the explorer's idle work: each step is short, so a setting chosen meanwhile waits
-    little. A module that fails to import is left (the network's first visit says why)."""
-    left = [name for spec in specs for name in spec.imports if name not in sys.modules and name not in FAILED_IMPORTS]
-    if not left:
-        return False
-    try:
-        importlib.import_module(left[0])
-    except Exception:  # shown where it matters: when the network is built
-        FAILED_IMPORTS.add(left[0])
-    return len(left) > 1
-
-
 def installed(*names: str) -> bool:
     """Whether every package of ``names`` can be imported (looked up, not imported: transformers is slow to import)."""
     return all(importlib.util.find_spec(name) is not None for name in names)
@@ -205,8 +179,7 @@ if installed("transformers", "peft"):
         "vit-lora", "tiny ViT with LoRA adapters (Hugging Face + peft)", "LoRA rank",
         f"LoRA rank r: each adapter adds B A (A: r x {VIT_HIDDEN}, B: {VIT_HIDDEN} x r) to the query and value "
         "projections of both blocks; only the adapters and the classifier head are trained", (1, 2, 4, 8, 16, 32), 8,
-        32, "image", VIT_FIRST, FASHION, _builtin(_vit_lora, lambda x: x.reshape(-1, 1, 28, 28)),
-        imports=VIT_IMPORTS)
+        32, "image", VIT_FIRST, FASHION, _builtin(_vit_lora, lambda x: x.reshape(-1, 1, 28, 28)))
 
 TOKENS_NOTE = (f"each 7x7 patch of the image is one token, its mean brightness in {VOCAB} levels (0 = black); "
                "a simple tokenizer, so that the sequence can be read")

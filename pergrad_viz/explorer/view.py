@@ -27,7 +27,6 @@ from pergrad_viz.bench.records import Record
 from pergrad_viz.explorer import panels
 from pergrad_viz.explorer.model import ExplorerModel
 from pergrad_viz.explorer.page import Page, arrange, close_all
-from pergrad_viz.explorer.specs import import_next
 from pergrad_viz.explorer.state import QUANTITIES, QUANTITY_NAMES, Setting, Stale, View
 from pergrad_viz.explorer.worker import Job, Worker
 
@@ -123,7 +122,7 @@ class Explorer(w.VBox):
                         self.sample_slider, self.clip_slider, self.slow_limit_dropdown):
             control.observe(self._on_change, names="value")
         self.rerun_button.on_click(self._on_rerun)
-        self._worker = Worker(self._run, idle=lambda: import_next(self.specs.values())) if background else None
+        self._worker = Worker(self._run) if background else None
         if compute:
             self.refresh()
 

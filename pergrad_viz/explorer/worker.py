@@ -8,10 +8,6 @@ ends the thread and joins it, so that a closed explorer holds nothing alive.
 Several explorers in one process (a notebook with two, shown at once as a Voila dashboard) take turns: a job runs
 only while it holds :data:`TURN`, one lock for the process. Otherwise their workers would compute and time at the same
 time, each measuring the other (the threads share the cores and the interpreter), and every timing would be noisy.
-
-While nothing is to be done, the worker does the ``idle`` work it was given, one short step at a time, each holding
-:data:`TURN` (the explorer imports ahead the slow libraries a network of its menu needs, so that its first visit
-does not wait for them): a submitted job waits at most for the step in progress.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ __all__ = ["TURN", "Job", "Worker"]
 
 TURN = threading.Lock()  # held by the one worker of the process running a job (see the module's docstring)
 TURN_POLL_S = 0.05  # a worker waiting for its turn checks this often whether it was stopped
-IDLE_AFTER_S = 0.5  # the idle work starts once no job was submitted or run for this long (not between quick moves)
 
 
 @dataclass(frozen=True)
@@ -43,13 +38,8 @@ class Worker:
     :meth:`peek` returns meanwhile (the running job checks it and gives way). :meth:`stop` ends the thread: the
     running job sees :attr:`stopping` at its next check, and the thread is joined."""
 
-    def __init__(self, run: Callable[[Job], None], name: str = "pergrad-explorer",
-                 idle: Callable[[], bool] | None = None):
-        """``idle``: one step of work for the idle time (see the module's docstring); returns whether more is left
-        (False, or an exception: none is done again)."""
+    def __init__(self, run: Callable[[Job], None], name: str = "pergrad-explorer"):
         self._run = run
-        self._idle = idle
-        self._quiet_since = time.monotonic()  # when the last job ended (or the worker started)
         self._cond = threading.Condition()
         self._pending: Job | None = None
         self._busy = False
@@ -67,7 +57,6 @@ class Worker:
             if pending is not None and pending.rerun and pending.setting.key == job.setting.key and not job.rerun:
                 job = Job(job.setting, rerun=True)
             self._pending = job
-            self._quiet_since = time.monotonic()
             self._cond.notify_all()
 
     def peek(self) -> Job | None:
@@ -120,22 +109,13 @@ class Worker:
         return not self._thread.is_alive()
 
     def _loop(self) -> None:
-        idle = self._idle is not None  # idle work is left
         while True:
             with self._cond:
                 while self._pending is None and not self._stopping:
-                    quiet = time.monotonic() - self._quiet_since
-                    if idle and quiet >= IDLE_AFTER_S:
-                        break
-                    self._cond.wait(IDLE_AFTER_S - quiet if idle else None)
+                    self._cond.wait()
                 if self._stopping:
                     return
-                job = self._pending
-                if job is not None:
-                    self._pending, self._busy = None, True
-            if job is None:
-                idle = self._idle_step()
-                continue
+                job, self._pending, self._busy = self._pending, None, True
             try:
                 if self._take_turn():
                     try:
@@ -146,20 +126,7 @@ class Worker:
                 del job
                 with self._cond:
                     self._busy = False
-                    self._quiet_since = time.monotonic()
                     self._cond.notify_all()
-
-    def _idle_step(self) -> bool:
-        """One step of the idle work, holding :data:`TURN` (another worker's job runs first: True, to try again);
-        whether more is left."""
-        if not TURN.acquire(timeout=TURN_POLL_S):
-            return True
-        try:
-            return bool(self._idle())
-        except Exception:  # the idle work is an optimisation: a failing step is never retried, nor shown
-            return False
-        finally:
-            TURN.release()
 
     def _take_turn(self) -> bool:
         """Wait until no other worker of the process runs a job, then hold :data:`TURN`; False when stopped

@@ -464,54 +464,6 @@ def test_two_workers_in_one_process_take_turns():
             worker.stop(timeout=5)
 
 
-def test_the_idle_worker_works_ahead_in_steps_and_gives_way_to_a_job(monkeypatch):
-    """Issue 20: while nothing is to be done (after a quiet moment), the worker runs its idle work one step at a
-    time, holding the process's turn; a submitted job runs after the step in progress, and the idle work goes on
-    after it until a step says nothing is left."""
-    from pergrad_viz.explorer import worker as worker_module
-    from pergrad_viz.explorer.worker import TURN, Job, Worker
-
-    monkeypatch.setattr(worker_module, "IDLE_AFTER_S", 0.05)
-    log, held = [], []
-
-    def step():
-        held.append(TURN.locked())
-        log.append("step")
-        time.sleep(0.05)
-        return log.count("step") < 6
-
-    worker = Worker(lambda job: log.append("job"), idle=step)
-    try:
-        deadline = time.monotonic() + 5
-        while log.count("step") < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        worker.submit(Job(pv.explorer.model.Setting()))
-        assert worker.wait(5)
-        while log.count("step") < 6 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)
-        assert "job" in log and log.count("step") == 6  # it stopped when told nothing was left
-        assert all(held)
-        assert log.index("job") <= log.index("step") + 3  # the job waited for one step at most (a few ran before)
-    finally:
-        worker.stop(timeout=5)
-
-
-def test_import_next_imports_one_module_per_call(monkeypatch):
-    import sys
-    from dataclasses import replace
-
-    from pergrad_viz.explorer import specs
-
-    spec = replace(MENU["mlp"], imports=("json", "colorsys", "no_such_module_here"))
-    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
-    monkeypatch.setattr(specs, "FAILED_IMPORTS", set())
-    assert specs.import_next([spec])  # colorsys (json is imported): the missing module is left
-    assert "colorsys" in sys.modules
-    assert not specs.import_next([spec])  # the missing module: tried once, then nothing is left
-    assert specs.FAILED_IMPORTS == {"no_such_module_here"} and not specs.import_next([spec])
-
-
 def test_layer_labels_are_short_and_tell_layers_apart():
     from pergrad_viz.explorer.panels import display_bounds, short_names
 
