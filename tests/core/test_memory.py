@@ -20,17 +20,23 @@ MADVISE_MODE = os.path.exists(memory._THP_MODE) and "[madvise]" in open(memory._
 LARGE = (64, 100_000)  # 25.6 MB of float32: well above HUGE_MIN
 
 
-def _vm_flags(address: int) -> list[str] | None:
-    """The VmFlags of the mapping of this process that holds ``address`` (None: no mapping holds it)."""
+def _smaps_line(address: int, field: str) -> list[str] | None:
+    """The words after ``field:`` in /proc/self/smaps for the mapping of this process that holds ``address`` (None:
+    no mapping holds it)."""
     with open("/proc/self/smaps") as f:
         inside = False
         for line in f:
             head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
             if head:
                 inside = int(head[1], 16) <= address < int(head[2], 16)
-            elif inside and line.startswith("VmFlags:"):
+            elif inside and line.startswith(f"{field}:"):
                 return line.split()[1:]
     return None
+
+
+def _vm_flags(address: int) -> list[str] | None:
+    """The VmFlags of the mapping of this process that holds ``address`` (None: no mapping holds it)."""
+    return _smaps_line(address, "VmFlags")
 
 
 def _rss_bytes() -> int:
@@ -66,15 +72,8 @@ def _no_kept_pages():
 
 def _smaps_field(address: int, field: str) -> int | None:
     """A kB field (``Rss``, ``LazyFree``, ...) of the mapping of this process that holds ``address``."""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
-            if head:
-                inside = int(head[1], 16) <= address < int(head[2], 16)
-            elif inside and line.startswith(f"{field}:"):
-                return int(line.split()[1])
-    return None
+    words = _smaps_line(address, field)
+    return None if words is None else int(words[0])
 
 
 @linux_only

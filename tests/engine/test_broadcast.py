@@ -44,16 +44,20 @@ def test_the_copies_give_each_sample_its_own_gradient_at_several_batch_sizes():
             torch.testing.assert_close(g, want[name], rtol=1e-6, atol=1e-9)
 
 
-def test_a_check_that_always_passes_would_be_caught_per_call(monkeypatch):
+@pytest.mark.parametrize(("check", "name", "layer", "path"), [
+    ("check", "tokens-positions-mean", "", "broadcast"),
+    ("check_outputs", "position-embedding-mean", "positions", "rule"),
+])
+def test_a_check_that_always_passes_would_be_caught_per_call(monkeypatch, check, name, layer, path):
     """Planted bug: the probe's check of the copies says yes to a forward that spreads each row's gradient over the
-    batch (``pos.mean(0, keepdim=True)``). The per-call check then refuses the explicit strategy and ``auto``
-    still answers the loop's numbers."""
-    monkeypatch.setattr(broadcast, "check", lambda *a, **k: True)
-    case = BY_NAME["tokens-positions-mean"]
+    batch (``.mean(0, keepdim=True)`` of a parameter, or of a shared layer's output). The per-call check then
+    refuses the explicit strategy and ``auto`` still answers the loop's numbers."""
+    monkeypatch.setattr(broadcast, check, lambda *a, **k: True)
+    case = BY_NAME[name]
     model = case.make_model()
     x, y = case.make_inputs(4)
     loss_fn = torch.nn.CrossEntropyLoss()
-    assert describe(Trainable.of(model), Batch.of(x))[""] == "broadcast"
+    assert describe(Trainable.of(model), Batch.of(x))[layer] == path
     with pytest.raises(pv.UnsupportedModelError, match="per-call check"):
         pv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
     got = pv.per_sample_grads(model, loss_fn, x, y)
@@ -73,18 +77,3 @@ def test_a_shared_position_embedding_takes_its_rule_where_its_output_broadcasts(
         assert pv.resolve_strategy("auto", case.make_model(), x) == "hooks"
     else:
         assert pv.resolve_strategy("auto", case.make_model(), x) == "torch_func"
-
-
-def test_a_spread_check_that_always_passes_would_be_caught_per_call(monkeypatch):
-    monkeypatch.setattr(broadcast, "check_outputs", lambda *a, **k: True)
-    case = BY_NAME["position-embedding-mean"]
-    model = case.make_model()
-    x, y = case.make_inputs(4)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    assert describe(Trainable.of(model), Batch.of(x))["positions"] == "rule"
-    with pytest.raises(pv.UnsupportedModelError, match="per-call check"):
-        pv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
-    got = pv.per_sample_grads(model, loss_fn, x, y)
-    want = ref_grads(model, loss_fn, x, y)
-    for name, g in got.items():
-        torch.testing.assert_close(g, want[name], rtol=1e-6, atol=1e-9)
