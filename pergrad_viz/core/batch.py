@@ -75,16 +75,12 @@ class Batch:
                 f"inputs must be a torch.Tensor (model(x)), a tuple or list (model(*inputs)) or a dict "
                 f"(model(**inputs)) of tensors with the samples first, got {type(inputs).__name__}"
             )
-        if isinstance(inputs, torch.Tensor) and not model_kwargs:
-            first = inputs
-        elif model_kwargs:
+        if model_kwargs:
             clash = sorted(set(kwargs) & set(model_kwargs))
             if clash:
                 raise ValueError(f"{clash} given both in inputs and in model_kwargs: pass each argument once")
             kwargs.update(model_kwargs)
-            first = _first_tensor((args, kwargs))
-        else:
-            first = _first_tensor((args, kwargs))
+        first = inputs if isinstance(inputs, torch.Tensor) and not model_kwargs else _first_tensor((args, kwargs))
         if first is None:
             raise TypeError(
                 f"inputs must be a torch.Tensor of shape (B, ...), or a tuple / dict of tensors, got a "

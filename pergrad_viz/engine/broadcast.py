@@ -73,7 +73,6 @@ def check(trainable: Trainable, inputs: Batch, index: torch.Tensor, layers: Mapp
     modules = dict(trainable.modules)
     params = dict(zip(trainable.names, trainable.params, strict=True))
     pair = inputs.rows(index)
-    gen = torch.Generator(device=trainable.device).manual_seed(20261201)
     with torch.enable_grad():
         want = [t for t in tensors_of(pair(trainable.model)) if t.requires_grad]
         made = {name: copies({ln: params[fn] for ln, fn in local.items()}, 2) for name, local in layers.items()}
@@ -82,27 +81,41 @@ def check(trainable: Trainable, inputs: Batch, index: torch.Tensor, layers: Mapp
                 got = [t for t in tensors_of(pair(trainable.model)) if t.requires_grad]
         except (RuntimeError, ValueError, TypeError, IndexError):  # a use that cannot take a (2, ...) copy
             return False
-        if len(got) != len(want) or not all(close(g.detach(), w.detach()) for g, w in zip(got, want, strict=True)):
-            return False
-        if not all(t.dim() >= 1 and t.shape[0] == 2 for t in got):
-            return False
-        cotangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for t in got]
         leaves = [e for values in made.values() for e in values.values()]
-        rows = torch.autograd.grad(got, leaves, cotangents, allow_unused=True)
-        full = [fn for local in layers.values() for fn in local.values()]
-        for r in (0, 1):
-            alone = [t for t in tensors_of(inputs.sample(int(index[r]))(trainable.model)) if t.requires_grad]
-            if len(alone) != len(got):
-                return False
-            own = torch.autograd.grad(alone, [params[fn] for fn in full], [c[r:r + 1] for c in cotangents],
-                                      allow_unused=True)
-            for g_row, g_own in zip(rows, own, strict=True):
-                if g_row is None or g_own is None:
-                    if g_row is not g_own:  # used in one run only
-                        return False
-                    continue
-                if not close(g_row[r].detach(), g_own[0].detach()):
+        full = [params[fn] for local in layers.values() for fn in local.values()]
+
+        def alone(r: int, cotangents: list[torch.Tensor]) -> tuple | None:
+            outputs = [t for t in tensors_of(inputs.sample(int(index[r]))(trainable.model)) if t.requires_grad]
+            if len(outputs) != len(cotangents):
+                return None
+            return torch.autograd.grad(outputs, full, cotangents, allow_unused=True)
+
+        return _rows_agree(want, got, leaves, alone)
+
+
+def _rows_agree(want: list[torch.Tensor], got: list[torch.Tensor], leaves: list[torch.Tensor], alone) -> bool:
+    """The probe's pair run with per-sample copies in (``got``, its copies ``leaves`` (2, ...)) against the same pair
+    run as the model is (``want``): the same outputs, and for a random cotangent u on them, row r of the gradient at
+    the copies equal to ``alone(r, [u_r (1, ...)])``, the gradients at the same places when sample r runs alone (None
+    where that run's outputs do not match)."""
+    if len(got) != len(want) or not all(close(g.detach(), w.detach()) for g, w in zip(got, want, strict=True)):
+        return False
+    if not leaves or not all(t.dim() >= 1 and t.shape[0] == 2 for t in got):
+        return False
+    gen = torch.Generator(device=got[0].device).manual_seed(20261201)
+    cotangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for t in got]
+    rows = torch.autograd.grad(got, leaves, cotangents, allow_unused=True)
+    for r in (0, 1):
+        own = alone(r, [c[r:r + 1] for c in cotangents])
+        if own is None or len(own) != len(rows):
+            return False
+        for g_row, g_own in zip(rows, own, strict=True):
+            if g_row is None or g_own is None:
+                if g_row is not g_own:  # used in one run only
                     return False
+                continue
+            if not close(g_row[r].detach(), g_own[0].detach()):
+                return False
     return True
 
 
@@ -139,29 +152,18 @@ def check_outputs(trainable: Trainable, inputs: Batch, index: torch.Tensor, name
                 h.remove()
 
     pair = inputs.rows(index)
-    gen = torch.Generator(device=trainable.device).manual_seed(20261202)
     with torch.enable_grad():
         want = [t for t in tensors_of(pair(trainable.model)) if t.requires_grad]
         try:
             got = run(pair, 2)
         except (RuntimeError, ValueError, TypeError, IndexError):
             return False
-        if len(got) != len(want) or not all(close(g.detach(), w.detach()) for g, w in zip(got, want, strict=True)):
-            return False
-        if not made or not all(t.dim() >= 1 and t.shape[0] == 2 for t in got):
-            return False
-        cotangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) for t in got]
-        rows = torch.autograd.grad(got, list(made), cotangents, allow_unused=True)
-        for r in (0, 1):
-            alone = run(inputs.sample(int(index[r])), None)
-            if len(alone) != len(got) or len(made) != len(rows):
-                return False
-            own = torch.autograd.grad(alone, list(made), [c[r:r + 1] for c in cotangents], allow_unused=True)
-            for g_row, g_own in zip(rows, own, strict=True):
-                if g_row is None or g_own is None:
-                    if g_row is not g_own:
-                        return False
-                    continue
-                if not close(g_row[r].detach(), g_own[0].detach()):
-                    return False
-    return True
+        leaves = list(made)
+
+        def alone(r: int, cotangents: list[torch.Tensor]) -> tuple | None:
+            outputs = run(inputs.sample(int(index[r])), None)
+            if len(outputs) != len(cotangents) or len(made) != len(leaves):
+                return None
+            return torch.autograd.grad(outputs, list(made), cotangents, allow_unused=True)
+
+        return _rows_agree(want, got, leaves, alone)

@@ -64,8 +64,7 @@ def _compare(trainable: Trainable, want: tuple[torch.Tensor | None, ...], got: M
     max(|want|, |got|): since |got| <= |want| + |got - want|, the two differ only where the difference is within a
     factor 1 + rtol of the tolerance, and there this one is the stricter; it saves a third of the reads."""
     rtol = _tolerance(trainable.dtype)
-    wants = [torch.zeros_like(p) if w is None else w.to_dense() if w.is_sparse else w
-             for w, p in zip(want, trainable.params, strict=True)]  # nn.Embedding(sparse=True): sparse gradients
+    wants = _dense(want, trainable)
     n = len(wants)
     norms = _norms(wants, trainable.dtype)
     # want - got written over want (fresh gradients of this check): a second set of parameter-sized temporaries
@@ -90,6 +89,13 @@ def _compare(trainable: Trainable, want: tuple[torch.Tensor | None, ...], got: M
                 "in a custom backward, or a model changed since its plan was made). Use strategy='auto' (which then "
                 "computes each sample alone) or 'torch_func' / 'loop'."
             )
+
+
+def _dense(grads: tuple[torch.Tensor | None, ...], trainable: Trainable) -> list[torch.Tensor]:
+    """One gradient per parameter, each a dense tensor: zeros where a parameter was not used, dense where it is sparse
+    (``nn.Embedding(sparse=True)``)."""
+    return [torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
+            for g, p in zip(grads, trainable.params, strict=True)]
 
 
 def _norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[float]:
@@ -140,9 +146,7 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     gradient, per parameter."""
     i = draw(inputs.size)
     loss = _loss_alone(trainable, loss_fn, inputs, targets, i)
-    grads = torch.autograd.grad(loss, trainable.params, allow_unused=True)
-    grads = [torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
-             for g, p in zip(grads, trainable.params, strict=True)]
+    grads = _dense(torch.autograd.grad(loss, trainable.params, allow_unused=True), trainable)
     wants = _norms(grads, trainable.dtype)
     gots = torch.stack([squared[name][i] for name in trainable.names]).double().sqrt().tolist()
     rtol = _tolerance(trainable.dtype)

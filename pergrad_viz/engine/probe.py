@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -301,8 +303,7 @@ def _broadcast(trainable: Trainable, inputs: Batch, index: torch.Tensor, layers:
              if lp.kind is LayerKind.FALLBACK and broadcast.candidate(trainable, lp.local)}
     if not found:
         return
-    device = trainable.device
-    with restoring_modes(trainable), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with _apart(trainable):
         ok = broadcast.check(trainable, inputs, index, found)
     if ok:
         for name in found:
@@ -318,9 +319,12 @@ def _assign_spreading(trainable: Trainable, inputs: Batch, probe: _Probe
     Returns (handlers, problem, the layers whose output is spread)."""
     modules = dict(trainable.modules)
     why_not = _why_not(probe, modules)
-    plain = assign(trainable, probe.uses, why_not)
+
+    def plain() -> tuple[dict[str, dict[str, str]], str | None, set[str]]:
+        return (*assign(trainable, probe.uses, why_not), set())
+
     if probe.interaction is not None:  # (two equal samples still show a coupling: the cotangents differ by row)
-        return (*plain, set())
+        return plain()
     able = set()
     for name, module in trainable.modules:
         specs = probe.spec(name)
@@ -329,16 +333,23 @@ def _assign_spreading(trainable: Trainable, inputs: Batch, probe: _Probe
                 and rule_takes_batch_dim(module, 0, len(specs[0].in_rest[0]))):
             able.add(name)
     if not able:
-        return (*plain, set())
+        return plain()
     handlers, problem = assign(trainable, probe.uses, lambda n: None if n in able else why_not(n))
     spread = able & set(handlers)
-    if problem is not None or not spread or any(set(handlers[n]) != {ln for ln, _ in modules[n].named_parameters(
-            recurse=False) if ln in handlers[n]} for n in spread):
-        return (*plain, set())
+    # A spread layer handles its own parameters only (not a descendant's, whose local names are dotted).
+    if problem is not None or not spread or any("." in ln for n in spread for ln in handlers[n]):
+        return plain()
+    with _apart(trainable):
+        ok = broadcast.check_outputs(trainable, inputs, probe.index, sorted(spread, key=list(modules).index))
+    return (handlers, None, spread) if ok else plain()
+
+
+@contextmanager
+def _apart(trainable: Trainable) -> Iterator[None]:
+    """Runs of the model for the plan: its modes restored after them, the caller's random state untouched."""
     device = trainable.device
     with restoring_modes(trainable), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        ok = broadcast.check_outputs(trainable, inputs, probe.index, sorted(spread, key=list(modules).index))
-    return (handlers, None, spread) if ok else (*plain, set())
+        yield
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakKeyDictionary()
