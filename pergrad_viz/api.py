@@ -6,7 +6,9 @@ Shapes: B samples, P trainable scalars (all parameters with ``requires_grad``, i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -17,15 +19,17 @@ from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
+from pergrad_viz.core.users import users_error
 from pergrad_viz.core.validate import batch_of, check_chunk, check_loss, check_modes, check_out, check_strategy_name
-from pergrad_viz.engine.capture import PlanMismatchError, check_supported
-from pergrad_viz.engine.certify import CheckFailedError, check_grads, check_jacobian
+from pergrad_viz.engine.capture import check_supported
+from pergrad_viz.engine.certify import check_grads, check_jacobian
 from pergrad_viz.engine.probe import plan_for
-from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
+from pergrad_viz.engine.schedule import schedule_for
+from pergrad_viz.errors import CheckFailedError, HandOverError, UndefinedPerSampleError, UnsupportedModelError
 from pergrad_viz.strategies import REGISTRY, STRATEGIES, Strategy, working_bytes
-from pergrad_viz.strategies.torch_func import VmapError
 
 Result = dict[str, torch.Tensor] | torch.Tensor
+R = TypeVar("R")
 
 
 def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs | Batch | None = None) -> str:
@@ -80,7 +84,7 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
         except UndefinedPerSampleError:
             raise
         except UnsupportedModelError:
-            return "torch_func"
+            return "loop" if "torch_func" in plan_for(trainable, inputs).failed else "torch_func"
     if strategy == "hooks":
         check_supported(trainable, inputs)
     elif REGISTRY[strategy].batched_forward and inputs is not None:
@@ -126,37 +130,47 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     return trainable, resolve_strategy(strategy, trainable, batch), batch, chunk
 
 
-def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: Batch,
-              run: Callable[[str], Result], check: Callable[[Result, str], None] | None) -> Result:
-    """Run ``resolved`` and, where it ran the model once on the whole batch, ``check`` its result (the per-call check,
-    ``engine.certify``; None: not asked for). Under ``auto``, a fast path that finds it cannot be trusted for this
-    call hands over to one that computes each sample alone (``torch_func``, then the loop where ``vmap`` cannot), and
-    a failed check is remembered in the plan (later calls go straight to ``torch_func``); any other error is the
-    user's."""
+_CHAIN = {"hooks": ("hooks", "torch_func", "loop"), "torch_func": ("torch_func", "loop")}  # auto's hand-over
 
-    def checked(strategy: str) -> Result:
-        result = run(strategy)
-        if check is not None and REGISTRY[strategy].batched_forward:
-            with restoring_modes(trainable):
+
+def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch, run: Callable[[str], R],
+              check: Callable[[R, str], None] | None, quantity: str, targets: object = None) -> R:
+    """The package's one hand-over: run ``resolved`` and check its result when the schedule says the call is due
+    (:mod:`pergrad_viz.engine.schedule`; ``check`` None: not asked for); under ``requested == "auto"`` a fast path
+    that finds it cannot give the definition for this call (:class:`~pergrad_viz.errors.HandOverError`: the plan
+    does not fit the call, torch.func cannot run the model, the check failed) hands over to the next of
+    ``hooks -> torch_func -> loop``, and a failed check is remembered in the plan (later calls skip that strategy).
+    An explicit strategy raises instead; any other error (the model's, the loss's, out of memory) is the user's and
+    reaches the user unchanged, raised once, with a note on the inputs the package cut (see ``users_error``).
+
+    ``run(strategy)`` computes the result; ``quantity`` ("grads", "jacobian", "norms") keys the check's schedule."""
+    chain = _CHAIN.get(resolved, (resolved,)) if requested == "auto" else (resolved,)
+    for k, strategy in enumerate(chain):
+        try:
+            return _checked(strategy, trainable, inputs, run, check, quantity)
+        except HandOverError as e:
+            if k == len(chain) - 1:
+                raise
+            if isinstance(e, CheckFailedError):
+                plan_for(trainable, inputs).demote(strategy, e.reason, REGISTRY[strategy].batched_forward)
+        except Exception as e:
+            users_error(e, inputs, targets)  # the same error, a note added (core/users.py)
+            raise
+    raise AssertionError("unreachable: the last strategy of a chain returns or raises")
+
+
+def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[str], R],
+             check: Callable[[R, str], None] | None, quantity: str) -> R:
+    start = time.perf_counter()
+    result = run(strategy)
+    seconds = time.perf_counter() - start
+    if check is not None and strategy != "loop":  # the loop is the definition
+        schedule = schedule_for(trainable, inputs, quantity, strategy)
+        if schedule.due():
+            with restoring_modes(trainable), schedule.checking():
                 check(result, strategy)
-        return result
-
-    if requested != "auto":
-        return checked(resolved)
-    if resolved == "hooks":
-        try:
-            return checked("hooks")
-        except CheckFailedError as e:
-            plan_for(trainable, inputs).interaction = f"the samples interact: {str(e).split(' (')[0]}"
-            resolved = "torch_func"
-        except PlanMismatchError:
-            resolved = "torch_func"
-    if resolved == "torch_func":
-        try:
-            return run("torch_func")
-        except VmapError:
-            return run("loop")  # torch.func cannot run this model (vmap or grad): the loop runs what PyTorch runs
-    return run(resolved)
+        schedule.computed(seconds)
+    return result
 
 
 def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Tensor]:
@@ -229,10 +243,12 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             chosen.grads(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), views)
 
     def check(result: Result, used: str) -> None:
-        check_grads(trainable, loss_fn, inputs, targets, _rows(result, trainable, 1), used)
+        check_grads(trainable, loss_fn, inputs, targets, _rows(result, trainable, 1), used,
+                    batched=REGISTRY[used].batched_forward)
 
-    return _run_auto(requested, strategy, trainable, inputs,
-                     lambda s: _run(trainable, s, run_chunk, batch, chunk, None, flat, out), check if verify else None)
+    return hand_over(requested, strategy, trainable, inputs,
+                     lambda s: _run(trainable, s, run_chunk, batch, chunk, None, flat, out), check if verify else None,
+                     "grads", targets)
 
 
 def output_size(trainable: Trainable, inputs: Batch) -> int:
@@ -282,10 +298,9 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
         chosen.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
 
     def check(result: Result, used: str) -> None:
-        check_jacobian(trainable, inputs, _rows(result, trainable, 2), used,
-                       flat=result if isinstance(result, torch.Tensor) else None)
+        check_jacobian(trainable, inputs, _rows(result, trainable, 2), used, batched=REGISTRY[used].batched_forward)
 
     def run(s: str) -> Result:
         return _run(trainable, s, run_chunk, batch, chunk, y_count, flat, out)
 
-    return _run_auto(requested, strategy, trainable, inputs, run, check if verify else None)
+    return hand_over(requested, strategy, trainable, inputs, run, check if verify else None, "jacobian")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pergrad_viz.core.users import drop_package_frames, is_package_error
 from pergrad_viz.core.validate import check_model
 from pergrad_viz.errors import UndefinedPerSampleError
 
@@ -153,7 +154,12 @@ def computing_gradients(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with torch.inference_mode(False), torch.enable_grad():
-            return fn(*args, **kwargs)
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                return fn(*args, **kwargs)
+        except Exception as e:
+            if not is_package_error(e):  # the model's or the loss's own error: shown from the user's frames
+                drop_package_frames(e)
+            raise
 
     return wrapper

@@ -39,12 +39,8 @@ from pergrad_viz.engine.probe import (
     Plan,
     plan_for,
 )
-from pergrad_viz.errors import UnsupportedModelError
+from pergrad_viz.errors import PlanMismatchError, UnsupportedModelError
 from pergrad_viz.rules import Captured, capture_for, rule_for
-
-
-class PlanMismatchError(UnsupportedModelError):
-    """A call captured shapes the probe did not see (data-dependent behaviour): the rules cannot be trusted."""
 
 
 @dataclass
@@ -183,10 +179,9 @@ def _capturing_forward(layer: Layer, capture, pending: list[Captured | None]):
         signature = _call_signature(args, kwargs) if result is not None else None
         if result is not None and signature not in layer.plan.captures_checked:
             want = own(module, *args, **kwargs)  # with grad, as in this pass (no_grad may take a fast path)
-            if outputs_close(result[0], want):
-                layer.plan.captures_checked.add(signature)
-            else:
-                layer.plan.kind = LayerKind.FALLBACK
+            same = outputs_close(result[0], want)
+            layer.plan.check_capture(signature, same)
+            if not same:
                 result = None
         if result is None:
             pending.append(None)
@@ -309,7 +304,7 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
         layers = trainable.cache["hooks.layers"] = _layers(trainable, plan)
     output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
     if not plan.copy_captures and any(c.modified_in_place() for c in calls):  # ReLU(inplace=True), `out += x`
-        plan.copy_captures = True  # known from now on for this model and input signature: one forward pass
+        plan.copy_captured_tensors()  # known from now on for this model and input signature: one forward pass
         output, calls = _forward(trainable, inputs, layers, copy=True)
     return output, calls
 
