@@ -32,25 +32,9 @@ Result = dict[str, torch.Tensor] | torch.Tensor
 R = TypeVar("R")
 
 
-def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs | Batch | None = None) -> str:
-    """The strategy a call on ``model`` with ``inputs`` (B, ...; or a tuple / dict of tensors, see
-    :mod:`pergrad_viz.core.batch`) will use.
-
-    ``auto`` is ``hooks`` (closed-form layer rules, and the per-layer fallback for layers without one) unless a
-    probe of the model on two samples (cached per model and input signature, see ``pergrad_viz.engine.probe``) finds
-    that the samples interact, that a layer with trainable parameters does not keep the samples apart (e.g. a
-    positional embedding broadcast over the batch), or that a parameter is used outside the forward of the
-    layer that holds it: then ``torch_func``, which computes each sample alone. Without ``inputs`` nothing is
-    probed and ``auto`` answers ``hooks``.
-
-    Raises ValueError for an unknown name; :class:`UnsupportedModelError` when ``hooks``, ``autograd_stack`` or
-    ``batched_grad`` (one batched forward pass) would not give the per-sample definition for these inputs.
-    """
-    check_strategy_name(strategy, STRATEGIES)
-    trainable = model if isinstance(model, Trainable) else Trainable.of(model)
-    if inputs is not None:
-        inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs).map(normal_tensor)
-        check_modes(trainable)  # before the probe runs the model
+def _special_model(trainable: Trainable, strategy: str) -> str | None:
+    """The strategy for a model with a gradient hook on a parameter, a compiled or a TorchScript layer (None: none of
+    these); raises :class:`UnsupportedModelError` where ``strategy`` cannot run it."""
     hooked = hooked_parameter(trainable)
     if hooked is not None:
         if strategy == "auto":
@@ -77,6 +61,31 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
             f"layer '{scripted or 'model'}' is a TorchScript module (torch.jit.script / trace): its calls cannot be "
             f"hooked nor run under torch.func, which the {strategy} strategy needs. Use strategy='loop' (or 'auto', "
             "which picks it), or pass the module as it was before scripting.")
+    return None
+
+
+def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs | Batch | None = None) -> str:
+    """The strategy a call on ``model`` with ``inputs`` (B, ...; or a tuple / dict of tensors, see
+    :mod:`pergrad_viz.core.batch`) will use.
+
+    ``auto`` is ``hooks`` (closed-form layer rules, and the per-layer fallback for layers without one) unless a
+    probe of the model on two samples (cached per model and input signature, see ``pergrad_viz.engine.probe``) finds
+    that the samples interact, that a layer with trainable parameters does not keep the samples apart (e.g. a
+    positional embedding broadcast over the batch), or that a parameter is used outside the forward of the
+    layer that holds it: then ``torch_func``, which computes each sample alone. Without ``inputs`` nothing is
+    probed and ``auto`` answers ``hooks``.
+
+    Raises ValueError for an unknown name; :class:`UnsupportedModelError` when ``hooks``, ``autograd_stack`` or
+    ``batched_grad`` (one batched forward pass) would not give the per-sample definition for these inputs.
+    """
+    check_strategy_name(strategy, STRATEGIES)
+    trainable = model if isinstance(model, Trainable) else Trainable.of(model)
+    if inputs is not None:
+        inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs).map(normal_tensor)
+        check_modes(trainable)  # before the probe runs the model
+    special = _special_model(trainable, strategy)
+    if special is not None:
+        return special
     if strategy == "auto":
         try:
             check_supported(trainable, inputs)
@@ -115,6 +124,19 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
             rows = views if chunk == batch else {n: v[start:stop] for n, v in views.items()}
             run_chunk(REGISTRY[strategy], slice(start, stop), rows)
     return result
+
+
+def _check_memory(trainable: Trainable, strategy: str, batch: int, chunk: int, outputs: int | None,
+                  max_bytes: int | None, out: torch.Tensor | None) -> None:
+    """:class:`MemoryBudgetError` before anything is allocated where the result (B, [Y,] P) and ``strategy``'s working
+    memory for a chunk would not fit ``max_bytes``."""
+    p = trainable.num_params
+    what = (f"per-sample gradients of {batch} samples x {p:,} parameters" if outputs is None else
+            f"per-sample Jacobians of {batch} samples x {outputs} outputs x {p:,} parameters")
+    check_budget(what=what, result=result_bytes(batch, p, trainable.dtype, outputs or 1),
+                 working=working_bytes(strategy, chunk, batch, p, trainable.dtype, outputs or 1,
+                                       trainable.largest_param),
+                 max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
 
 
 def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
@@ -229,12 +251,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     batch = inputs.size
     if out is not None:
         check_out(out, (batch, trainable.num_params), trainable, flat)
-    p = trainable.num_params
-    check_budget(what=f"per-sample gradients of {batch} samples x {p:,} parameters",
-                 result=result_bytes(batch, p, trainable.dtype),
-                 working=working_bytes(strategy, chunk, batch, p, trainable.dtype,
-                                       largest_param=trainable.largest_param),
-                 max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
+    _check_memory(trainable, strategy, batch, chunk, None, max_bytes, out)
 
     def run_chunk(chosen: Strategy, rows: slice, views: dict[str, torch.Tensor]) -> None:
         if rows.stop - rows.start == batch:
@@ -286,13 +303,9 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
     batch = inputs.size
     with restoring_modes(trainable):
         y_count = output_size(trainable, inputs)
-    p = trainable.num_params
     if out is not None:
-        check_out(out, (batch, y_count, p), trainable, flat)
-    check_budget(what=f"per-sample Jacobians of {batch} samples x {y_count} outputs x {p:,} parameters",
-                 result=result_bytes(batch, p, trainable.dtype, y_count),
-                 working=working_bytes(strategy, chunk, batch, p, trainable.dtype, y_count, trainable.largest_param),
-                 max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
+        check_out(out, (batch, y_count, trainable.num_params), trainable, flat)
+    _check_memory(trainable, strategy, batch, chunk, y_count, max_bytes, out)
 
     def run_chunk(chosen: Strategy, rows: slice, views: dict[str, torch.Tensor]) -> None:
         chosen.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
