@@ -149,7 +149,12 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     trainable = Trainable.of(model)
     batch = batch_of(trainable, inputs, targets, model_kwargs)
     chunk = check_chunk(chunk_size, batch.size)
-    return trainable, resolve_strategy(strategy, trainable, batch), batch, chunk
+    try:
+        resolved = resolve_strategy(strategy, trainable, batch)  # the probe runs the model (auto, batched strategies)
+    except Exception as e:
+        users_error(e, batch, targets)  # the model's own error: a note on the inputs it was called on
+        raise
+    return trainable, resolved, batch, chunk
 
 
 _CHAIN = {"hooks": ("hooks", "torch_func", "loop"), "torch_func": ("torch_func", "loop")}  # auto's hand-over

@@ -16,11 +16,13 @@ import torch
 from pergrad_viz.core.batch import Batch
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../pergrad_viz/
+_TRANSFORMS = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_functorch") + os.sep  # vmap's frames
 _NOTE = "pergrad_viz: "
 
 
 def _ours(tb: types.TracebackType) -> bool:
-    return tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
+    """A frame of the package's machinery: its own code, and torch.func's transforms that it wraps the model in."""
+    return tb.tb_frame.f_code.co_filename.startswith((_PACKAGE, _TRANSFORMS))
 
 
 def is_package_error(error: BaseException) -> bool:
@@ -59,8 +61,9 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
     dtype_words = ("expected scalar type", "must have the same dtype", "found Long", "found Int", "dtype")
     ints = [name for name, t in inputs.named_leaves() if not t.is_floating_point() and not t.is_complex()]
     if ints and any(w in text for w in dtype_words):
-        return (f"the input {ints[0]} is an integer tensor but the model computes in floating point: pass "
-                f"{ints[0]}.float() (or .to(model's dtype)); integer ids are for models that start with an Embedding")
+        return (f"the input tensor '{ints[0]}' holds integers but the model computes in floating point: pass "
+                "it as .float() (or .to(the model's dtype)); integer inputs are for models that start with an "
+                "Embedding")
     return None
 
 
@@ -71,7 +74,8 @@ def users_error(error: BaseException, inputs: Batch, targets: object = None) -> 
         return error
     if any(str(n).startswith(_NOTE) for n in getattr(error, "__notes__", ())):
         return error
-    error.add_note(f"{_NOTE}the model was called on {describe_inputs(inputs)} (the inputs as the package cut them)")
+    error.add_note(f"{_NOTE}the call's inputs: {describe_inputs(inputs)} (the model runs on them whole, or on one "
+                   "sample at a time: its first dimension then 1)")
     hint = _hint(error, inputs, targets)
     if hint is not None:
         error.add_note(_NOTE + hint)
