@@ -24,8 +24,14 @@ from pergrad_viz.core.validate import batch_of, check_chunk, check_loss, check_m
 from pergrad_viz.engine.capture import check_supported
 from pergrad_viz.engine.certify import check_grads, check_jacobian
 from pergrad_viz.engine.probe import plan_for
-from pergrad_viz.engine.schedule import schedule_for
-from pergrad_viz.errors import CheckFailedError, HandOverError, UndefinedPerSampleError, UnsupportedModelError
+from pergrad_viz.engine.schedule import Race, race_for, schedule_for
+from pergrad_viz.errors import (
+    CheckFailedError,
+    HandOverError,
+    MemoryBudgetError,
+    UndefinedPerSampleError,
+    UnsupportedModelError,
+)
 from pergrad_viz.strategies import REGISTRY, STRATEGIES, Strategy, working_bytes
 
 Result = dict[str, torch.Tensor] | torch.Tensor
@@ -118,7 +124,7 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
         else:
             result = {name: empty_result((*lead, *shape), **kw) for name, shape in trainable.shapes.items()}
             views = result
-        trainable.cache["api.rows"] = (result, views)  # for the per-call check (_rows)
+        trainable.call.rows = (result, views)  # for the per-call check (_rows)
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)
             rows = views if chunk == batch else {n: v[start:stop] for n, v in views.items()}
@@ -127,16 +133,29 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
 
 
 def _check_memory(trainable: Trainable, strategy: str, batch: int, chunk: int, outputs: int | None,
-                  max_bytes: int | None, out: torch.Tensor | None) -> None:
+                  max_bytes: int | None, out: torch.Tensor | None) -> bool:
     """:class:`MemoryBudgetError` before anything is allocated where the result (B, [Y,] P) and ``strategy``'s working
-    memory for a chunk would not fit ``max_bytes``."""
+    memory for a chunk would not fit ``max_bytes``. Returns whether ``torch_func``'s would fit too (then ``auto`` may
+    time it against ``hooks``)."""
     p = trainable.num_params
-    what = (f"per-sample gradients of {batch} samples x {p:,} parameters" if outputs is None else
-            f"per-sample Jacobians of {batch} samples x {outputs} outputs x {p:,} parameters")
-    check_budget(what=what, result=result_bytes(batch, p, trainable.dtype, outputs or 1),
-                 working=working_bytes(strategy, chunk, batch, p, trainable.dtype, outputs or 1,
-                                       trainable.largest_param),
-                 max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
+
+    def check(used: str) -> None:
+        what = (f"per-sample gradients of {batch} samples x {p:,} parameters" if outputs is None else
+                f"per-sample Jacobians of {batch} samples x {outputs} outputs x {p:,} parameters")
+        check_budget(what=what, result=result_bytes(batch, p, trainable.dtype, outputs or 1),
+                     working=working_bytes(used, chunk, batch, p, trainable.dtype, outputs or 1,
+                                           trainable.largest_param),
+                     max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch,
+                     chunk=chunk)
+
+    check(strategy)
+    if strategy != "hooks":
+        return False
+    try:
+        check("torch_func")
+    except MemoryBudgetError:
+        return False
+    return True
 
 
 def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
@@ -161,7 +180,8 @@ _CHAIN = {"hooks": ("hooks", "torch_func", "loop"), "torch_func": ("torch_func",
 
 
 def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch, run: Callable[[str], R],
-              check: Callable[[R, str], None] | None, quantity: str, targets: object = None) -> R:
+              check: Callable[[R, str], None] | None, quantity: str, targets: object = None,
+              race: bool = True) -> R:
     """The package's one hand-over: run ``resolved`` and check its result when the schedule says the call is due
     (:mod:`pergrad_viz.engine.schedule`; ``check`` None: not asked for); under ``requested == "auto"`` a fast path
     that finds it cannot give the definition for this call (:class:`~pergrad_viz.errors.HandOverError`: the plan
@@ -170,12 +190,20 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
     An explicit strategy raises instead; any other error (the model's, the loss's, out of memory) is the user's and
     reaches the user unchanged, raised once, with a note on the inputs the package cut (see ``users_error``).
 
+    Where the probe lets ``hooks`` run (and ``race``: ``torch_func``'s memory fits too), ``auto`` races it against
+    ``torch_func`` on a few early calls and runs the faster from then on (:class:`~pergrad_viz.engine.schedule.Race`);
+    both are checked alike.
+
     ``run(strategy)`` computes the result; ``quantity`` ("grads", "jacobian", "norms") keys the check's schedule."""
-    chain = _CHAIN.get(resolved, (resolved,)) if requested == "auto" else (resolved,)
+    race = race_for(trainable, inputs, quantity) if requested == "auto" and resolved == "hooks" and race else None
+    chain = (*race.order(), "loop") if race else _CHAIN.get(resolved, (resolved,)) if requested == "auto" else (
+        resolved,)
     for k, strategy in enumerate(chain):
         try:
-            return _checked(strategy, trainable, inputs, run, check, quantity)
+            return _checked(strategy, trainable, inputs, run, check, quantity, race)
         except HandOverError as e:
+            if race is not None:
+                race.lose(strategy)
             if k == len(chain) - 1:
                 raise
             if isinstance(e, CheckFailedError):
@@ -187,10 +215,12 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
 
 
 def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[str], R],
-             check: Callable[[R, str], None] | None, quantity: str) -> R:
+             check: Callable[[R, str], None] | None, quantity: str, race: Race | None = None) -> R:
     start = time.perf_counter()
     result = run(strategy)
     seconds = time.perf_counter() - start
+    if race is not None:
+        race.ran(strategy, seconds)
     if check is not None and strategy != "loop":  # the loop is the definition
         schedule = schedule_for(trainable, inputs, quantity, strategy)
         if schedule.due():
@@ -204,7 +234,7 @@ def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Te
     """{name: (B, [Y,] *param.shape)} views of a dict or flat result (``lead``: 1 for gradients, 2 for Jacobians)."""
     if isinstance(result, dict):
         return result
-    made = trainable.cache.get("api.rows")
+    made = trainable.call.rows
     if made is not None and made[0] is result:  # the views _run wrote through
         return made[1]
     return flat_views(result, trainable.shapes, tuple(result.shape[:lead]))
@@ -256,7 +286,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     batch = inputs.size
     if out is not None:
         check_out(out, (batch, trainable.num_params), trainable, flat)
-    _check_memory(trainable, strategy, batch, chunk, None, max_bytes, out)
+    race = _check_memory(trainable, strategy, batch, chunk, None, max_bytes, out)
 
     def run_chunk(chosen: Strategy, rows: slice, views: dict[str, torch.Tensor]) -> None:
         if rows.stop - rows.start == batch:
@@ -270,7 +300,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
 
     return hand_over(requested, strategy, trainable, inputs,
                      lambda s: _run(trainable, s, run_chunk, batch, chunk, None, flat, out), check if verify else None,
-                     "grads", targets)
+                     "grads", targets, race)
 
 
 def output_size(trainable: Trainable, inputs: Batch) -> int:
@@ -310,7 +340,7 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
         y_count = output_size(trainable, inputs)
     if out is not None:
         check_out(out, (batch, y_count, trainable.num_params), trainable, flat)
-    _check_memory(trainable, strategy, batch, chunk, y_count, max_bytes, out)
+    race = _check_memory(trainable, strategy, batch, chunk, y_count, max_bytes, out)
 
     def run_chunk(chosen: Strategy, rows: slice, views: dict[str, torch.Tensor]) -> None:
         chosen.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
@@ -321,4 +351,4 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
     def run(s: str) -> Result:
         return _run(trainable, s, run_chunk, batch, chunk, y_count, flat, out)
 
-    return hand_over(requested, strategy, trainable, inputs, run, check if verify else None, "jacobian")
+    return hand_over(requested, strategy, trainable, inputs, run, check if verify else None, "jacobian", race=race)

@@ -23,6 +23,17 @@ if TYPE_CHECKING:
 
 
 
+@dataclass
+class CallState:
+    """What one call works out once and reads again (a :class:`Trainable` is made per call): the plan
+    (``engine.probe.plan_for``), the layers the hooked forward hooks (``engine.capture``), and the result with the
+    views the strategy wrote through (``api``, for the per-call check)."""
+
+    plan: object = None
+    layers: dict | None = None
+    rows: tuple | None = None
+
+
 @dataclass(frozen=True)
 class Trainable:
     """A model and its trainable parameters, in ``named_parameters()`` order."""
@@ -31,13 +42,13 @@ class Trainable:
     names: tuple[str, ...]
     params: tuple[nn.Parameter, ...]
     modules: tuple[tuple[str, nn.Module], ...]  # named_modules(), walked once per call
-    cache: dict = field(default_factory=dict, compare=False, repr=False)  # scratch space for one call
+    call: CallState = field(default_factory=lambda: CallState(), compare=False, repr=False)  # this call's state
     select: Callable[[object], torch.Tensor] | None = None  # the output tensor a Jacobian differentiates
     named_parameters: tuple[tuple[str, nn.Parameter], ...] = ()  # all of them, frozen ones too, read by of()
 
     def selecting(self, select: Callable[[object], torch.Tensor]) -> Trainable:
         """The same trainable parameters, with Jacobians of ``select(model output)``."""
-        return dataclasses.replace(self, select=select, cache={})
+        return dataclasses.replace(self, select=select, call=CallState())
 
     def outputs(self, batch: Batch) -> torch.Tensor | object:
         """The model's output on ``batch``, or the tensor ``select`` picks from it (what a Jacobian differentiates)."""

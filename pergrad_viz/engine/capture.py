@@ -315,9 +315,9 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
     plan = plan_for(trainable, inputs)
     if plan.interaction is not None or plan.hooks_problem is not None:
         check_supported(trainable, inputs)
-    layers = trainable.cache.get("hooks.layers")
+    layers = trainable.call.layers
     if layers is None:
-        layers = trainable.cache["hooks.layers"] = _layers(trainable, plan)
+        layers = trainable.call.layers = _layers(trainable, plan)
     output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
     if not plan.copy_captures and any(c.modified_in_place() for c in calls):  # ReLU(inplace=True), `out += x`
         plan.copy_captured_tensors()  # known from now on for this model and input signature: one forward pass

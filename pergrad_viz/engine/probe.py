@@ -382,8 +382,8 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
 
     A plan found on a batch whose samples were all equal is not cached once a call has different samples.
     """
-    if "probe.plan" in trainable.cache:
-        return trainable.cache["probe.plan"]
+    if trainable.call.plan is not None:
+        return trainable.call.plan
     inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs)
     key = plan_key(trainable, inputs)
     cached = _PLANS.get(trainable.model)
@@ -392,5 +392,5 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
     else:
         plan = _make_plan(trainable, inputs)
         _PLANS[trainable.model] = (key, plan)
-    trainable.cache["probe.plan"] = plan
+    trainable.call.plan = plan
     return plan

@@ -12,6 +12,10 @@ strategy:
   stays within :data:`SHARE` of the time spent computing. Over many calls the checks cost at most that share, on
   any device: it is a share of measured time, not a count.
 
+The same account keeps ``auto``'s choice between two sound strategies (:class:`Race`): where the probe lets
+``hooks`` run, ``torch_func`` is timed too on a few early calls, and ``auto`` runs the faster from then on, so it is
+never slower than ``vmap(grad(functional_call))`` for long.
+
 On CUDA the call's time is read without a synchronisation (the check ends with a host read, which does wait): a
 call whose kernels are still running when it returns counts for less, so checks run less often, never more.
 """
@@ -67,19 +71,57 @@ class Schedule:
             self.checks += 1
 
 
-_SCHEDULES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict[tuple[str, str], Schedule]]] = (
+_SCHEDULES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict[tuple, Schedule | Race]]] = (
     weakref.WeakKeyDictionary())
 
 
-def schedule_for(trainable: Trainable, inputs: Batch, quantity: str, strategy: str) -> Schedule:
-    """The schedule of ``quantity`` ("grads", "jacobian", "norms") by ``strategy`` for this model on inputs like
-    ``inputs``: a new one (its first calls checked) whenever the plan's key changed."""
+@dataclass
+class Race:
+    """Which of two sound strategies ``auto`` runs for one (model, input signature, quantity, batch size): the fast
+    path (``hooks``) for its first :data:`FIRST` calls, then ``torch_func`` once; where that was faster than the
+    fast path's best, ``torch_func`` once more, and from then on the one with the lower best time. A strategy that
+    failed (it could not run, or its check failed) loses the race."""
+
+    times: dict[str, list[float]]
+    lost: set[str]
+
+    def order(self) -> tuple[str, str]:
+        """The strategy to run for this call, then the one to hand over to."""
+        hooks, func = self.times["hooks"], self.times["torch_func"]
+        if "torch_func" in self.lost or len(hooks) < FIRST:
+            return "hooks", "torch_func"
+        if "hooks" in self.lost or not func or (len(func) < 2 and min(func) < min(hooks)):
+            return "torch_func", "hooks"
+        return ("torch_func", "hooks") if min(func) < min(hooks) else ("hooks", "torch_func")
+
+    def ran(self, strategy: str, seconds: float) -> None:
+        if strategy in self.times and len(self.times[strategy]) < 2 * FIRST:
+            self.times[strategy].append(seconds)
+
+    def lose(self, strategy: str) -> None:
+        self.lost.add(strategy)
+
+
+def _kept(trainable: Trainable, inputs: Batch) -> dict:
     key = plan_key(trainable, inputs)
     kept = _SCHEDULES.get(trainable.model)
     if kept is None or kept[0] != key:
         kept = (key, {})
         _SCHEDULES[trainable.model] = kept
-    return kept[1].setdefault((quantity, strategy), Schedule())
+    return kept[1]
+
+
+def schedule_for(trainable: Trainable, inputs: Batch, quantity: str, strategy: str) -> Schedule:
+    """The schedule of ``quantity`` ("grads", "jacobian", "norms") by ``strategy`` for this model on inputs like
+    ``inputs``: a new one (its first calls checked) whenever the plan's key changed."""
+    return _kept(trainable, inputs).setdefault((quantity, strategy), Schedule())
+
+
+def race_for(trainable: Trainable, inputs: Batch, quantity: str) -> Race:
+    """The :class:`Race` between ``hooks`` and ``torch_func`` for this model, input signature, quantity and batch
+    size (kept with the schedules: a new one whenever the plan's key changed)."""
+    return _kept(trainable, inputs).setdefault(("race", quantity, inputs.size),
+                                               Race({"hooks": [], "torch_func": []}, set()))
 
 
 def forget(model: nn.Module) -> None:

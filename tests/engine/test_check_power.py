@@ -174,13 +174,13 @@ def test_the_schedule_checks_first_calls_then_within_its_share(monkeypatch):
     real = certify.check_grads
     monkeypatch.setattr(pv.api, "check_grads", lambda *a, **k: (checked.append(1), real(*a, **k)))
     for _ in range(schedule.FIRST):
-        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
     assert len(checked) == schedule.FIRST
     s = schedule.schedule_for(Trainable.of(model), Batch.of(x), "grads", "hooks")
     assert s.calls == schedule.FIRST and s.checks == schedule.FIRST
     first, longest = s.check_seconds, s.last_check
     for _ in range(40):
-        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
         longest = max(longest, s.last_check)
     assert s.calls == schedule.FIRST + 40
     assert s.checks < s.calls  # a check costs about a plain forward and backward: far from every call
@@ -188,5 +188,37 @@ def test_the_schedule_checks_first_calls_then_within_its_share(monkeypatch):
     assert s.check_seconds - first <= schedule.SHARE * s.compute_seconds + 2 * longest
     model.fc1 = nn.Linear(784, 20)  # a new layer: a new plan key, a new schedule, its first calls checked
     before = len(checked)
-    pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
     assert len(checked) == before + 1
+
+
+def test_auto_times_torch_func_against_hooks_and_keeps_the_faster(monkeypatch):
+    """The race (engine.schedule.Race): hooks' first calls, then torch_func timed; here torch_func is made the
+    faster (hooks slowed down), so auto runs it from then on, and its results are the loop's."""
+    import time
+
+    model, x, y = _tutorial(8)
+    model, x = model.double(), x.double()
+    real = REGISTRY["hooks"]
+
+    def slow(*args):
+        time.sleep(0.05)
+        real.grads(*args)
+
+    monkeypatch.setitem(REGISTRY, "hooks", dataclasses.replace(real, grads=slow))
+    used = []
+    for name in ("hooks", "torch_func"):
+        record = REGISTRY[name]
+
+        def counting(*args, _record=record, _name=name):
+            used.append(_name)
+            _record.grads(*args)
+
+        monkeypatch.setitem(REGISTRY, name, dataclasses.replace(record, grads=counting))
+    want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
+    for _ in range(6):
+        got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+    assert used[:schedule.FIRST] == ["hooks"] * schedule.FIRST
+    assert used[schedule.FIRST:] == ["torch_func"] * (6 - schedule.FIRST)
