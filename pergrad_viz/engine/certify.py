@@ -45,6 +45,7 @@ import torch
 from torch.func import functional_call, jvp, vmap
 from torch.utils._pytree import tree_map
 
+from pergrad_viz.core import tolerances
 from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses, scalar_loss
@@ -54,7 +55,6 @@ from pergrad_viz.errors import CheckFailedError
 __all__ = ["CheckFailedError", "check_grads", "check_jacobian", "check_norms", "check_ntk", "draw"]
 
 _DRAW = random.Random(int.from_bytes(os.urandom(8), "little"))  # private: the caller's random state is not touched
-TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 AGAIN = 8.0  # a result may be this many times as far from the float64 value as the reference in its precision is
 LOOSE = 30.0  # without a float64 copy, a suspicion fails beyond this many times the tolerance
 
@@ -62,8 +62,8 @@ Tensors = list[torch.Tensor]
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """The check's relative tolerance per parameter tensor for results in ``dtype``."""
-    return TOLERANCES.get(dtype, 1e-3)
+    """The check's relative tolerance per parameter tensor for results in ``dtype`` (``core.tolerances``)."""
+    return tolerances.tolerance(dtype).check
 
 
 def draw(batch: int) -> int:
