@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class CallState:
-    """What one call works out once and reads again (a :class:`Trainable` is made per call): the plan
+    """What one call works out once and reads again (a :class:`Trainable` is made per call): the plan and its key
     (``engine.probe.plan_for``), the layers the hooked forward hooks (``engine.capture``), and the result with the
     views the strategy wrote through (``api``, for the per-call check)."""
 
     plan: object = None
+    key: tuple | None = None  # the plan's key (engine.plan_key), read once per call
     layers: dict | None = None
     rows: tuple | None = None
 

@@ -385,7 +385,7 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
     if trainable.call.plan is not None:
         return trainable.call.plan
     inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs)
-    key = plan_key(trainable, inputs)
+    key = trainable.call.key = plan_key(trainable, inputs)
     cached = _PLANS.get(trainable.model)
     if cached is not None and cached[0] == key and (cached[1].verified or inputs.size == 1):
         plan = cached[1]

@@ -103,7 +103,9 @@ class Race:
 
 
 def _kept(trainable: Trainable, inputs: Batch) -> dict:
-    key = plan_key(trainable, inputs)
+    key = trainable.call.key  # read by the probe's plan_for in this call, if it ran
+    if key is None:
+        key = trainable.call.key = plan_key(trainable, inputs)
     kept = _SCHEDULES.get(trainable.model)
     if kept is None or kept[0] != key:
         kept = (key, {})
