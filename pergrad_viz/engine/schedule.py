@@ -36,6 +36,7 @@ from pergrad_viz.engine.plan_key import plan_key
 
 FIRST = 2  # calls of a new plan that are always checked
 SHARE = 0.10  # of the time spent computing, at most, spent on checks after them
+MARGIN = 0.8  # auto takes torch_func over hooks where its best time is under this share of hooks' best
 
 
 @dataclass
@@ -78,8 +79,9 @@ _SCHEDULES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict[tuple, Schedu
 @dataclass
 class Race:
     """Which of two sound strategies ``auto`` runs for one (model, input signature, quantity, batch size): the fast
-    path (``hooks``) for its first :data:`FIRST` calls, then ``torch_func`` once; where that was faster than the
-    fast path's best, ``torch_func`` once more, and from then on the one with the lower best time. A strategy that
+    path (``hooks``) for its first :data:`FIRST` calls, then ``torch_func`` once; where that took less than
+    :data:`MARGIN` of the fast path's best time, ``torch_func`` once more, and from then on ``torch_func`` if its best
+    is still under that margin, else ``hooks`` (on a noisy machine a wrong pick costs more than a missed one). A strategy that
     failed (it could not run, or its check failed) loses the race."""
 
     times: dict[str, list[float]]
@@ -90,9 +92,12 @@ class Race:
         hooks, func = self.times["hooks"], self.times["torch_func"]
         if "torch_func" in self.lost or len(hooks) < FIRST:
             return "hooks", "torch_func"
-        if "hooks" in self.lost or not func or (len(func) < 2 and min(func) < min(hooks)):
+        if "hooks" in self.lost:
             return "torch_func", "hooks"
-        return ("torch_func", "hooks") if min(func) < min(hooks) else ("hooks", "torch_func")
+        ahead = bool(func) and min(func) < MARGIN * min(hooks)
+        if not func or (len(func) < 2 and ahead):
+            return "torch_func", "hooks"
+        return ("torch_func", "hooks") if ahead else ("hooks", "torch_func")
 
     def ran(self, strategy: str, seconds: float) -> None:
         if strategy in self.times and len(self.times[strategy]) < 2 * FIRST:
