@@ -81,8 +81,8 @@ class Race:
     """Which of two sound strategies ``auto`` runs for one (model, input signature, quantity, batch size): the fast
     path (``hooks``) for its first :data:`FIRST` calls, then ``torch_func`` once; where that took less than
     :data:`MARGIN` of the fast path's best time, ``torch_func`` once more, and from then on ``torch_func`` if its best
-    is still under that margin, else ``hooks`` (on a noisy machine a wrong pick costs more than a missed one). A strategy that
-    failed (it could not run, or its check failed) loses the race."""
+    is still under that margin, else ``hooks`` (on a noisy machine a wrong pick costs more than a missed one). A
+    strategy that failed (it could not run, or its check failed) loses the race."""
 
     times: dict[str, list[float]]
     lost: set[str]
