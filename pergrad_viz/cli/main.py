@@ -24,15 +24,8 @@ from pergrad_viz.strategies import STRATEGIES
 
 DESCRIPTION = """\
 pergrad-viz from the command line. Per-sample gradients (B, P) and per-sample output
-Jacobians (B, Y, P) in PyTorch:
-
-  bench       time the ways of computing them side by side, print a table
-  scan        per-example losses, gradient norms, EL2N scores and gradient sketches of
-              a whole dataset, written to a directory (resumable; several processes
-              under torchrun)
-  scan-bench  a scan's throughput next to a plain forward+backward, on 1 and N processes
-
-Run a subcommand with --help for its options."""
+Jacobians (B, Y, P) in PyTorch: benchmarks and whole-dataset scans. Run a command with
+--help for its options."""
 
 EXAMPLES = """\
 examples:
@@ -95,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pergrad_viz", description=DESCRIPTION, epilog=EXAMPLES,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"pergrad-viz {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,scan,scan-bench}")
+    sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
     b = sub.add_parser("bench", help="time the strategies (and peers) side by side, print a table",
                        description=BENCH_DESCRIPTION, epilog=BENCH_COLUMNS, formatter_class=HelpFormatter)
     strategies = ", ".join(STRATEGIES)
