@@ -25,9 +25,12 @@ from pathlib import Path
 
 import torch
 
+from pergrad_viz.core.extras import require
+from pergrad_viz.tutorial.idx import read_idx
+from pergrad_viz.tutorial.locate import find_fashion_mnist, full_fashion_mnist_root
 from pergrad_viz.tutorial.sample import ROOT as SAMPLE_ROOT
 
-__all__ = ["CLASS_NAMES", "DATASETS", "DEFAULT_ROOT", "MEAN_STD", "clear_cache", "load_sample"]
+__all__ = ["CLASS_NAMES", "DATASETS", "DEFAULT_ROOT", "MEAN_STD", "clear_cache", "load_sample", "read_split"]
 
 DEFAULT_ROOT: Path = SAMPLE_ROOT
 """The bundled sample's root, ``pergrad_viz/tutorial/sample/`` (holds ``FashionMNIST/raw/``), independent of the working
@@ -77,10 +80,9 @@ _RAW_FILES = (
 _LEGACY_FILES = ("training.pt", "test.pt")
 
 
-def _dataset_class(dataset: str) -> type:
-    import torchvision  # imported lazily: importing torchvision takes a while
-
-    return getattr(torchvision.datasets, _TORCHVISION_CLASS[dataset])
+def _download(dataset: str, root: Path, train: bool) -> None:
+    torchvision = require("torchvision", "load_sample(download=True)")
+    getattr(torchvision.datasets, _TORCHVISION_CLASS[dataset])(root=str(root), train=train, download=True)
 
 
 def missing_files(dataset: str, root: Path) -> list[Path]:
@@ -107,19 +109,39 @@ def _not_found(dataset: str, root: Path, missing: list[Path]) -> FileNotFoundErr
 
 @functools.lru_cache(maxsize=8)
 def _load_uint8(
-    dataset: str, root: str, train: bool, stamp: tuple[tuple[str, int, int], ...]
+    dataset: str, root: str, train: bool, limit: int | None, stamp: tuple[tuple[str, int, int], ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All images (N, 28, 28) uint8 and labels (N,) int64 of one split, read by torchvision; cached.
+    """The first ``limit`` (or all) images (N, 28, 28) uint8 and labels (N,) int64 of one split; cached.
 
     ``stamp`` (names, sizes and modification times of the files) is part of the cache key only, so that
     rebuilt files are read again. The returned tensors are shared by every caller: never mutate them.
     """
     del stamp
+    folder = Path(root) / _TORCHVISION_CLASS[dataset]
+    legacy = folder / "processed" / _LEGACY_FILES[0 if train else 1]
     try:
-        ds = _dataset_class(dataset)(root=root, train=train, download=False)
-    except RuntimeError as exc:  # "Dataset not found": the files vanished since the check
+        if all((folder / "processed" / name).is_file() for name in _LEGACY_FILES):  # torchvision's old cache
+            images, labels = torch.load(legacy, weights_only=True)
+            return images[:limit], labels[:limit]
+        prefix = "train" if train else "t10k"
+        images = read_idx(folder / "raw" / f"{prefix}-images-idx3-ubyte", limit)
+        labels = read_idx(folder / "raw" / f"{prefix}-labels-idx1-ubyte", limit)
+    except FileNotFoundError as exc:  # the files vanished since the check
         raise _not_found(dataset, Path(root), []) from exc
-    return ds.data, ds.targets
+    return images, labels.to(torch.int64)
+
+
+def read_split(dataset: str, root: Path, train: bool, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``limit`` (or all) images (N, 28, 28) uint8 and labels (N,) int64 of a split under a
+    torchvision-style ``root`` (``ROOT/FashionMNIST/raw/``), read once and cached: never mutate them.
+
+    Raises:
+        FileNotFoundError: files are missing (the message names the fix).
+    """
+    missing = missing_files(dataset, root)
+    if missing:
+        raise _not_found(dataset, root, missing)
+    return _load_uint8(dataset, str(root), train, limit, _stamp(dataset, root))
 
 
 def _stamp(dataset: str, root: Path) -> tuple[tuple[str, int, int], ...]:
@@ -141,7 +163,7 @@ def load_sample(
     n: int = 1000,
     train: bool = True,
     dataset: str = "fashion-mnist",
-    root: str | os.PathLike[str] = DEFAULT_ROOT,
+    root: str | os.PathLike[str] | None = None,
     flatten: bool = True,
     download: bool = False,
     device: torch.device | str | None = None,
@@ -156,8 +178,11 @@ def load_sample(
         train: the training split (``train-*`` files) if true, else the test split (``t10k-*``).
         dataset: ``"fashion-mnist"`` (bundled) or ``"mnist"`` (used when present under ``ROOT/MNIST/raw/``,
             or fetched with ``download=True``).
-        root: the dataset root torchvision reads (``ROOT/FashionMNIST/raw/``, ``ROOT/MNIST/raw/``). Defaults
-            to :data:`DEFAULT_ROOT`, the bundled sample inside the package, whatever the working directory.
+        root: a dataset root in torchvision's layout (``ROOT/FashionMNIST/raw/``, ``ROOT/MNIST/raw/``). By
+            default, for Fashion-MNIST, the full dataset where :func:`~.locate.find_fashion_mnist` finds it
+            (``$PERGRAD_VIZ_DATA``, the checkout's ``data/`` after ``make data``, Debian's package), else
+            :data:`DEFAULT_ROOT`, the bundled sample inside the package (whose images are the full dataset's first
+            1,000 of each split: the same values for ``n <= 1000``); for MNIST, :data:`DEFAULT_ROOT`.
         flatten: return ``X`` as ``(n, 784)`` if true, else as ``(n, 1, 28, 28)``.
         download: passed to torchvision: fetch the full dataset into ``root`` when absent (needs internet).
         device: where to put both tensors (default: CPU).
@@ -186,15 +211,14 @@ def load_sample(
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype (e.g. torch.float32), got {dtype}")
 
+    if root is None:
+        source = find_fashion_mnist() if dataset == "fashion-mnist" else None
+        root = (None if source is None else full_fashion_mnist_root(source)) or DEFAULT_ROOT
     root_path = Path(root).expanduser().resolve()
     if download:
         # torchvision skips the download when the files are there already.
-        _dataset_class(dataset)(root=str(root_path), train=train, download=True)
-    missing = missing_files(dataset, root_path)
-    if missing:
-        raise _not_found(dataset, root_path, missing)
-
-    images, labels = _load_uint8(dataset, str(root_path), train, _stamp(dataset, root_path))
+        _download(dataset, root_path, train)
+    images, labels = read_split(dataset, root_path, train, n + 1)  # one more: was n too many?
     available = images.shape[0]
     if n > available:
         split, flag = ("training", "--n-train") if train else ("test", "--n-test")
@@ -202,6 +226,8 @@ def load_sample(
         if dataset == "fashion-mnist":
             root_opt = "" if root_path == DEFAULT_ROOT else f" --root {root_path}"
             fix = f"rebuild a bigger sample with `{MAKE_SAMPLE} {flag} {n}{root_opt}`"
+            if root_path == DEFAULT_ROOT:
+                fix = f"run `make data` in a checkout (or `apt-get install dataset-fashion-mnist`), or {fix}"
         else:
             fix = f"put the full MNIST IDX files under {raw}/ (or pass download=True with internet access)"
         raise ValueError(
