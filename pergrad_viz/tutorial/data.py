@@ -1,19 +1,21 @@
-"""Small real data for the examples: the bundled Fashion-MNIST sample, or MNIST when it is present.
+"""Small real data for the examples: Fashion-MNIST (the full set where it is found, else the bundled sample), or
+MNIST when it is present.
 
 The package ships the first 1,000 training and first 1,000 test images of Fashion-MNIST as package data,
 in ``pergrad_viz/tutorial/sample/FashionMNIST/raw/`` (uncompressed IDX files, built by
 ``python -m pergrad_viz.tutorial.sample.make_sample``;
-see ``pergrad_viz/tutorial/sample/README.md``). :func:`load_sample` reads
-them through ``torchvision.datasets.FashionMNIST`` (or ``torchvision.datasets.MNIST`` for ``dataset="mnist"``,
-which is not bundled) and returns normalised float tensors, ready to feed a model::
+see ``pergrad_viz/tutorial/sample/README.md``). :func:`load_sample` reads IDX files in torchvision's layout
+(``ROOT/FashionMNIST/raw/``, ``ROOT/MNIST/raw/``; :mod:`.idx`, torchvision is not needed) and returns normalised
+float tensors, ready to feed a model::
 
     X, y = load_sample(256)                   # X: (256, 784) float32, y: (256,) int64
     X, y = load_sample(64, flatten=False)     # X: (64, 1, 28, 28)
 
-The default ``root`` is :data:`DEFAULT_ROOT`, the sample's folder inside the package, found from this file's
-location, so the call works from a checkout or a ``pip install``, from ``notebooks/``, from the tests or from any
-other working directory. A relative ``root`` you pass yourself is taken relative to the current working
-directory, as usual.
+By default Fashion-MNIST comes from the full set where :mod:`.locate` finds it (``$PERGRAD_VIZ_DATA``, the
+checkout's ``data/`` after ``make data``, Debian's package), else from :data:`DEFAULT_ROOT`, the sample's folder
+inside the package, found from this file's location: the call works from a checkout or a ``pip install``, from
+``notebooks/``, from the tests or from any other working directory, and gives the same first 1,000 images either
+way. A relative ``root`` you pass yourself is taken relative to the current working directory, as usual.
 """
 
 from __future__ import annotations
