@@ -3,8 +3,10 @@ README's quick start, the CLI's help and a small benchmark from a directory outs
 
 The fresh environment reuses the torch (and everything else) already installed here through a ``.pth`` file, so
 nothing is downloaded; only pergrad_viz itself comes from the wheel, which is what is under test: the package
-data (the bundled sample), the metadata, and that nothing needs the repository's checkout. About 30-60 s (each
-process imports torch). Deselect with ``-m "not install"``. Also: the README stays short and its links resolve,
+data (the bundled sample), the metadata, and that nothing needs the repository's checkout. A second one, the core
+install, sees only torch, numpy and what they need to run (links to them): the quick start computes there, checked
+against a loop, and each extra's feature says which extra to install. About 60-90 s (each process imports torch).
+Deselect with ``-m "not install"``. Also: the README stays short and its links resolve,
 and the version is the same in every file that states it.
 """
 
@@ -204,6 +206,14 @@ print(extra_named(lambda: peers.make_peer("opacus", None, None, None, None)))
 print(extra_named(lambda: problems.problem("resnet18", 2)))
 from pergrad_viz.tutorial import hf_models
 print(extra_named(lambda: hf_models.gpt2()))
+import contextlib, io
+from pergrad_viz.cli.main import main
+for args in (["--model", "resnet18"], ["--plot", "p.png"]):  # the command line: refused before any timing
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["bench", "--batch-sizes", "2", *args]) == 2
+    assert err.getvalue().startswith("error: "), err.getvalue()
+    print(err.getvalue().split("pip install ")[1].split()[0])
 """
 
 
@@ -213,7 +223,8 @@ def test_without_extras_each_feature_names_its_extra_and_the_cli_runs(bare):
     result = _run([str(python), "-c", FEATURES], cwd=work, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["'pergrad-viz[viz]'", "'pergrad-viz[widgets]'", "'pergrad-viz[tutorial]'",
-                                     "'pergrad-viz[peers]'", "'pergrad-viz[bench]'", "'pergrad-viz[hf]'"]
+                                     "'pergrad-viz[peers]'", "'pergrad-viz[bench]'", "'pergrad-viz[hf]'",
+                                     "'pergrad-viz[bench]'", "'pergrad-viz[viz]'"]
     top = _run([str(python), "-m", "pergrad_viz", "--help"], cwd=work)
     assert top.returncode == 0 and "scan-bench" in top.stdout, top.stderr
 
