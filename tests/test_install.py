@@ -214,6 +214,9 @@ for args in (["--model", "resnet18"], ["--plot", "p.png"]):  # the command line:
         assert main(["bench", "--batch-sizes", "2", *args]) == 2
     assert err.getvalue().startswith("error: "), err.getvalue()
     print(err.getvalue().split("pip install ")[1].split()[0])
+assert main(["scan", "--data", "fashion-mnist-sample", "--model", "mlp", "--limit", "20", "--batch-size", "10",
+             "--quantities", "loss,grad_norm", "--out", "scan-out", "--no-progress", "--device", "cpu"]) == 0
+print(pv.load_scan("scan-out")["grad_norm"].shape)
 """
 
 
@@ -222,9 +225,11 @@ def test_without_extras_each_feature_names_its_extra_and_the_cli_runs(bare):
     python, work = bare
     result = _run([str(python), "-c", FEATURES], cwd=work, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["'pergrad-viz[viz]'", "'pergrad-viz[widgets]'", "'pergrad-viz[tutorial]'",
-                                     "'pergrad-viz[peers]'", "'pergrad-viz[bench]'", "'pergrad-viz[hf]'",
-                                     "'pergrad-viz[bench]'", "'pergrad-viz[viz]'"]
+    lines = result.stdout.splitlines()
+    assert lines[:8] == ["'pergrad-viz[viz]'", "'pergrad-viz[widgets]'", "'pergrad-viz[tutorial]'",
+                         "'pergrad-viz[peers]'", "'pergrad-viz[bench]'", "'pergrad-viz[hf]'",
+                         "'pergrad-viz[bench]'", "'pergrad-viz[viz]'"]
+    assert "scanned 20 of 20 examples" in result.stdout and lines[-1] == "torch.Size([20])"
     top = _run([str(python), "-m", "pergrad_viz", "--help"], cwd=work)
     assert top.returncode == 0 and "scan-bench" in top.stdout, top.stderr
 
