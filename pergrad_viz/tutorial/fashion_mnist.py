@@ -60,4 +60,4 @@ def fashion_mnist(split: str = "train", *, limit: int | None = None, source: Pat
     images, labels = read_split("fashion-mnist", root, split == "train", limit)  # (N, 28, 28) uint8, (N,) int64
     mean, std = MEAN_STD["fashion-mnist"]
     x = images.unsqueeze(1).to(torch.float32).div_(255).sub_(mean).div_(std)
-    return torch.utils.data.TensorDataset(x, labels.to(torch.int64))
+    return torch.utils.data.TensorDataset(x, labels.clone())  # a copy: the cached labels are shared
