@@ -29,7 +29,7 @@ import torch
 
 from pergrad_viz.core.extras import require
 from pergrad_viz.tutorial.idx import read_idx
-from pergrad_viz.tutorial.locate import find_fashion_mnist, full_fashion_mnist_root
+from pergrad_viz.tutorial.locate import find_fashion_mnist
 from pergrad_viz.tutorial.sample import ROOT as SAMPLE_ROOT
 
 __all__ = ["CLASS_NAMES", "DATASETS", "DEFAULT_ROOT", "MEAN_STD", "clear_cache", "load_sample", "read_split"]
@@ -146,6 +146,24 @@ def read_split(dataset: str, root: Path, train: bool, limit: int | None = None) 
     return _load_uint8(dataset, str(root), train, limit, _stamp(dataset, root))
 
 
+@functools.lru_cache(maxsize=8)
+def _load_gz(folder: str, train: bool, limit: int, stamp: tuple[tuple[int, int], ...]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``limit`` images and labels of a split from a folder of gzip-compressed IDX files (Debian's
+    layout); cached like :func:`_load_uint8` (``stamp``: the files' sizes and modification times)."""
+    del stamp
+    prefix = "train" if train else "t10k"
+    images = read_idx(Path(folder) / f"{prefix}-images-idx3-ubyte.gz", limit)
+    labels = read_idx(Path(folder) / f"{prefix}-labels-idx1-ubyte.gz", limit)
+    return images, labels.to(torch.int64)
+
+
+def _read_full(source: Path, train: bool, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    prefix = "train" if train else "t10k"
+    files = [source / f"{prefix}-{kind}-idx{d}-ubyte.gz" for kind, d in (("images", 3), ("labels", 1))]
+    return _load_gz(str(source), train, limit, tuple((f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
 def _stamp(dataset: str, root: Path) -> tuple[tuple[str, int, int], ...]:
     folder = root / _TORCHVISION_CLASS[dataset]
     out = []
@@ -159,6 +177,7 @@ def _stamp(dataset: str, root: Path) -> tuple[tuple[str, int, int], ...]:
 def clear_cache() -> None:
     """Forget the images cached by :func:`load_sample` (they are re-read on the next call)."""
     _load_uint8.cache_clear()
+    _load_gz.cache_clear()
 
 
 def load_sample(
@@ -213,10 +232,14 @@ def load_sample(
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype (e.g. torch.float32), got {dtype}")
 
-    if root is None:
-        source = find_fashion_mnist() if dataset == "fashion-mnist" else None
-        root = (None if source is None else full_fashion_mnist_root(source)) or DEFAULT_ROOT
-    root_path = Path(root).expanduser().resolve()
+    source = find_fashion_mnist() if root is None and dataset == "fashion-mnist" else None
+    if source is not None:  # the full set: its first n + 1 images straight from the .gz files (no decompressed copy)
+        images, labels = _read_full(source, train, n + 1)
+        if n > images.shape[0]:
+            raise ValueError(f"n={n} but the full Fashion-MNIST in {source} has only {images.shape[0]} "
+                             f"{'training' if train else 'test'} images")
+        return _normalised(dataset, images[:n], labels[:n], flatten, device, dtype)
+    root_path = Path(DEFAULT_ROOT if root is None else root).expanduser().resolve()
     if download:
         # torchvision skips the download when the files are there already.
         _download(dataset, root_path, train)
@@ -236,9 +259,16 @@ def load_sample(
             f"n={n} but only {available} {split} images are available in {raw}; to use more, {fix}."
         )
 
+    return _normalised(dataset, images[:n], labels[:n], flatten, device, dtype)
+
+
+def _normalised(dataset: str, images: torch.Tensor, labels: torch.Tensor, flatten: bool,
+                device: torch.device | str | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, 784) or (n, 1, 28, 28) floats ``(x / 255 - mean) / std`` and (n,) int64 labels, fresh copies."""
+    n = images.shape[0]
     mean, std = MEAN_STD[dataset]
-    x = images[:n].to(device=device, dtype=dtype)  # a copy: uint8 -> float
+    x = images.to(device=device, dtype=dtype)  # a copy: uint8 -> float
     x = x.div_(255.0).sub_(mean).div_(std)
     x = x.reshape(n, 784) if flatten else x.reshape(n, 1, 28, 28)
-    y = labels[:n].to(device=device, dtype=torch.int64, copy=True)
+    y = labels.to(device=device, dtype=torch.int64, copy=True)
     return x, y

@@ -1,7 +1,8 @@
 """Where the full Fashion-MNIST is found, in this order: a folder you name (an argument, or ``$PERGRAD_VIZ_DATA``),
 the checkout's ``data/`` (``make data`` fills it), Debian's ``/usr/share/datasets/fashion-mnist``; else the bundled
-1,000 + 1,000 sample. Each holds the original gzip-compressed IDX files, which torchvision's layout needs
-uncompressed: they are decompressed once into ``$PERGRAD_VIZ_CACHE`` (default ``~/.cache/pergrad_viz``)."""
+1,000 + 1,000 sample. Each holds the original gzip-compressed IDX files; ``load_sample`` reads its first ``n``
+images from them directly, ``fashion_mnist()`` (the whole set, for scans) from a copy in torchvision's layout,
+decompressed once into ``$PERGRAD_VIZ_CACHE`` (default ``~/.cache/pergrad_viz``)."""
 
 from __future__ import annotations
 

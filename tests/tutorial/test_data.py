@@ -318,6 +318,8 @@ def test_the_lookup_order_argument_env_checkout_debian_then_the_sample(tmp_path,
         return y[0].item(), ds.tensors[1][0].item(), len(ds)
 
     assert labels_found() == (1, 1, 5)  # $PERGRAD_VIZ_DATA first
+    with pytest.raises(ValueError, match=r"full Fashion-MNIST in .*env/fashion-mnist has only 5 training images"):
+        load_sample(6)
     assert fashion_mnist("train", source=given).tensors[1].tolist() == [4] * 5  # an argument wins
     monkeypatch.delenv(locate.DATA_ENV)
     assert labels_found() == (2, 2, 5)  # the checkout's data/
