@@ -200,7 +200,7 @@ def extra_named(call):
 print(extra_named(lambda: pv.viz))
 print(extra_named(lambda: pv.widgets.explorer))
 from pergrad_viz.tutorial.data import load_sample
-print(extra_named(lambda: load_sample(5, download=True)))
+print(extra_named(lambda: load_sample(5, dataset="mnist", root="mnist", download=True)))
 from pergrad_viz.bench import peers, problems
 print(extra_named(lambda: peers.make_peer("opacus", None, None, None, None)))
 print(extra_named(lambda: problems.problem("resnet18", 2)))

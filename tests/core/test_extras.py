@@ -27,7 +27,8 @@ def _names(info: pytest.ExceptionInfo, extra: str, package: str) -> None:
 @pytest.mark.parametrize(
     ("blocked", "extra", "package", "call"),
     [
-        ("torchvision", "tutorial", "torchvision", lambda: load_sample(5, download=True)),
+        ("torchvision", "tutorial", "torchvision",
+         lambda: load_sample(5, dataset="mnist", root="/nonexistent", download=True)),
         ("torchvision", "bench", "torchvision", lambda: problems.problem("resnet18", 2)),
         ("opacus", "peers", "opacus", lambda: peers.make_peer("opacus", nn.Linear(2, 2), nn.MSELoss(),
                                                               torch.zeros(2, 2), torch.zeros(2, 2))),
