@@ -49,6 +49,11 @@ class MemoryBudgetError(MemoryError):
     """
 
 
+class MissingExtraError(ImportError):
+    """A feature needs an optional package that is not installed. An ``ImportError``; the message names the
+    extra that installs it, e.g. ``pip install 'pergrad-viz[viz]'`` (``.name`` is the missing module)."""
+
+
 def human_bytes(n: float) -> str:
     """Format a byte count in binary units, e.g. ``human_bytes(3 * 2**30) == '3.00 GiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
