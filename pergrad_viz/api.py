@@ -266,9 +266,10 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
         max_bytes: memory budget (default: half of the memory available on the device).
         out: with ``flat=True``, a preallocated (B, P) tensor to write into (same dtype and device as
             the parameters); it is returned.
-        verify: after a strategy that runs the model once on the whole batch, compare one randomly drawn sample's
-            row with that sample computed alone (one small forward and backward; see ``pergrad_viz.engine.certify``).
-            ``False`` skips it: only for models you know keep their samples apart.
+        verify: check the result against the definition (every strategy but the loop; see
+            ``pergrad_viz.engine.certify``): every row at once against a plain batched backward (``torch_func``:
+            forward mode), and one sample computed alone; amortised (a plan's first calls, then within 10% of the
+            time spent: ``pergrad_viz.engine.schedule``). ``False`` skips it.
         model_kwargs: more keyword arguments for the model, cut like the inputs.
 
     Returns:

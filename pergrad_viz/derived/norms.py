@@ -68,8 +68,9 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
         per_parameter: return ``{name: (B,)}`` norms per trainable parameter instead of the total (B,).
         chunk_size: process at most this many samples at a time.
         model_kwargs: more keyword arguments for the model, cut like the inputs (see ``pergrad_viz.core.batch``).
-        verify: check one randomly drawn sample's norms against that sample computed alone, as
-            :func:`pergrad_viz.per_sample_grads` does (``pergrad_viz.engine.certify``); ``False`` skips it.
+        verify: check one randomly drawn sample's norms against that sample computed alone (the ghost norms;
+            materialised gradients are checked as :func:`pergrad_viz.per_sample_grads` checks them), amortised as
+            there (``pergrad_viz.engine.schedule``); ``False`` skips it.
 
     Returns:
         (B,) norms in the parameters' dtype, or ``{name: Tensor (B,)}`` in ``named_parameters()`` order
