@@ -97,7 +97,8 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
         if used == "hooks":  # the other strategies' gradients were checked as they were computed
             check_norms(trainable, loss_fn, inputs, targets, squared, used)
 
-    squared = api.hand_over(strategy, resolved, trainable, inputs, run, check if verify else None, "norms", targets)
+    squared = api.hand_over(strategy, resolved, trainable, inputs, run, check if verify else None, "norms", targets,
+                            race=False)  # ghost norms never build (B, P); torch_func would
     if per_parameter:
         return {name: s.sqrt() for name, s in squared.items()}
     return torch.stack(list(squared.values())).sum(0).sqrt()
