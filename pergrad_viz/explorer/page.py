@@ -100,14 +100,12 @@ class Page:
                 view.records, pending=view.pending, noisy=noisy, provisional=view.provisional, width=WIDTHS["bars"],
                 title=f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}"))
             self._bars_drawn = time.monotonic()
-        if view.done:
+        if view.shown and view.scaling_records:
             self.draw("runtime", (key, tuple((r.strategy, r.batch_size, r.median_s) for r in view.scaling_records)),
                       lambda: viz.runtime_figure(view.scaling_records, highlight=s.batch, width=WIDTHS["runtime"],
-                                                   height=3.6, legend="below",
-                                                   title=f"time vs batch size, {panels.width_text(s)} "
-                                                         f"(dotted: B={s.batch})"))
+                                                   height=3.6, legend="below", title=panels.runtime_title(view)))
         self.table_html.value = panels.table_html(view) if view.records else ""
-        self.progress("done" if view.done else "busy", s, view.progress)  # last: "done" once all is drawn
+        self.progress(view.stage if view.shown else "busy", s, view.progress)  # last: once all is drawn
 
     def draw(self, panel: str, token: object, figure: Callable[[], Figure]) -> None:
         if self._shown.get(panel) == token:

@@ -484,3 +484,28 @@ def test_an_image_beside_a_matrix():
     fig = image_matrix_figure(torch.rand(1, 28, 28), torch.randn(4, 32), row_labels=list("abcd"), title="t")
     image, matrix = fig.axes[:2]
     assert image.images[0].get_array().shape == (28, 28) and matrix.images[0].get_array().shape == (4, 32)
+
+
+def test_while_the_slow_baselines_are_timed_the_page_says_so(ex, monkeypatch):
+    """The "measuring" views: the scaling curve drawn (its title naming the baselines coming), the progress line
+    ``data-state='measuring'``, and a row marked as coming for each slow baseline not yet timed; at "done" no row
+    is marked any more."""
+    seen = []
+    real = page_module.Page.show
+
+    def spy(self, view):
+        real(self, view)
+        seen.append((view.stage, self.progress_html.value, self.table_html.value,
+                     self.images["runtime"].layout.display))
+
+    monkeypatch.setattr(page_module.Page, "show", spy)
+    ex.set(model="mlp", batch=2, hidden=16, quantity="grads", strategies=list(pv.STRATEGIES))
+    measuring = [s for s in seen if s[0] == "measuring"]
+    assert measuring and seen[-1][0] == "done"
+    _stage, progress, table, runtime = measuring[0]
+    assert "data-state='measuring'" in progress and "still timing the slow baselines" in progress
+    coming = {m for m in ("loop", "autograd_stack", "batched_grad") if f"data-method='{m}'" in table}
+    assert coming == {"loop", "autograd_stack", "batched_grad"} and "pergrad-coming" in table
+    assert runtime == ""  # this setting's curve (another setting's is hidden first), its fast methods drawn
+    assert "pergrad-coming" not in seen[-1][2] and "data-state='done'" in seen[-1][1]
+    assert all("data-state='busy'" in s[1] for s in seen if s[0] in ("gradients", "timing"))
