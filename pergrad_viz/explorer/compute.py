@@ -32,7 +32,7 @@ from pergrad_viz.strategies import STRATEGIES
 from pergrad_viz.strategies.hooks import describe as describe_layers
 
 __all__ = ["check", "checked_samples", "clipping", "how", "judge", "largest", "loop_rows", "noisy", "norms", "notes",
-           "verdict", "with_records"]
+           "scaling_batches", "verdict", "with_records"]
 
 
 def check(setting: Setting, spec: ModelSpec, outputs: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -60,6 +60,17 @@ def check(setting: Setting, spec: ModelSpec, outputs: int, dtype: torch.dtype, d
                       f"{human_bytes(one)} result while timing",
                fix="Choose a smaller batch size or width, or the per-sample gradients instead of the Jacobian.",
                device=device)
+
+
+def scaling_batches(batch: int, options: Sequence[int], most: int) -> list[int]:
+    """The batch sizes of the scaling curve: up to ``most`` of the ``options`` up to ``batch``, evenly spread on a
+    log scale, always ending with ``batch``."""
+    options = sorted(b for b in options if b <= batch) or [batch]
+    n = min(most, len(options))
+    if n <= 1:
+        return [batch]
+    picks = {options[round(k * (len(options) - 1) / (n - 1))] for k in range(n)}
+    return sorted(picks | {batch})
 
 
 def checked_samples(setting: Setting, most: int) -> torch.Tensor:

@@ -171,14 +171,8 @@ class ExplorerModel:
         return model, loss_fn, x, y, labels
 
     def scaling_batches(self, batch: int) -> list[int]:
-        """The batch sizes of the scaling curve: up to ``sweep_batches`` of the options up to ``batch``, evenly
-        spread on a log scale, always ending with ``batch``."""
-        options = sorted(b for b in self.batch_options if b <= batch) or [batch]
-        n = min(self.sweep_batches, len(options))
-        if n <= 1:
-            return [batch]
-        picks = {options[round(k * (len(options) - 1) / (n - 1))] for k in range(n)}
-        return sorted(picks | {batch})
+        """The batch sizes of the scaling curve (:func:`.compute.scaling_batches`)."""
+        return compute.scaling_batches(batch, self.batch_options, self.sweep_batches)
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -188,10 +182,11 @@ class ExplorerModel:
         return last
 
     def stages(self, setting: Setting, check: Callable[[], None] | None = None) -> Iterator[View]:
-        """Views of ``setting``, progressively: ``"gradients"`` first, a ``"timing"`` view per tier of methods
-        timed, ``"done"`` last. ``check`` is called between steps (and between timed blocks): raise
-        :class:`Stale` from it to abandon the setting. Each step runs with :attr:`threads` intra-op threads, the
-        process's own count restored before each view is yielded (:meth:`.session.TimingSession.stepwise`)."""
+        """Views of ``setting``, progressively: ``"gradients"`` first, ``"timing"`` views, ``"measuring"`` ones (the
+        slow baselines' rows coming), ``"done"`` last (see the module's docstring). ``check`` is called between
+        steps (and between timed blocks): raise :class:`Stale` from it to abandon the setting. Each step runs with
+        :attr:`threads` intra-op threads, the process's own count restored before each view is yielded
+        (:meth:`.session.TimingSession.stepwise`)."""
         self.check(setting)
         yield from self.session.stepwise(self._stages(setting, check or (lambda: None)))
 
@@ -207,7 +202,7 @@ class ExplorerModel:
             view = dataclasses.replace(view, verdict=data.verdict)
             yield view
             poll()
-        slow = {m for m in setting.strategies if self._slow(m, data)}  # timed once the rest is shown
+        slow = {m for m in setting.strategies if self._slow(m, setting, data)}
         visit = Visit()
         view = yield from self._phase(view, data, lambda m: m not in slow, "timing", poll, visit)
         if slow:  # what is left: the slow baselines' rows, marked as coming
@@ -329,11 +324,13 @@ class ExplorerModel:
         """Methods to time (not skipped), in the order given, then the references."""
         return [s for s in setting.strategies if self._skip_note(setting, s) is None] + list(REFERENCES)
 
-    @staticmethod
-    def _slow(name: str, data: Computed) -> bool:
-        """A slow baseline (the loop, autograd_stack, batched_grad; ``auto`` where it resolves to one)."""
-        name = resolve_strategy("auto", data.model, data.x) if name == "auto" else name
-        return name in REGISTRY and REGISTRY[name].slow_baseline
+    def _slow(self, name: str, setting: Setting, data: Computed) -> bool:
+        """A slow baseline (the loop, autograd_stack, batched_grad; ``auto`` where it resolves to one) not in the
+        cache at every batch size of the setting's curve: timed once the rest is shown."""
+        strategy = resolve_strategy("auto", data.model, data.x) if name == "auto" else name
+        curve = [dataclasses.replace(setting, batch=b) for b in self.scaling_batches(setting.batch)]
+        return (strategy in REGISTRY and REGISTRY[strategy].slow_baseline
+                and any(self.session.key(s, name) not in self.cache for s in curve if self._skip_note(s, name) is None))
 
     def _skip_note(self, setting: Setting, name: str) -> str | None:
         if name in REFERENCES:

@@ -490,19 +490,26 @@ def test_while_the_slow_baselines_are_timed_the_page_says_so(ex, monkeypatch):
     """The "measuring" views: the scaling curve drawn (its title naming the baselines coming), the progress line
     ``data-state='measuring'``, and a row marked as coming for each slow baseline not yet timed; at "done" no row
     is marked any more."""
-    seen = []
-    real = page_module.Page.show
+    seen, bars = [], []
+    real, real_bars = page_module.Page.show, page_module.viz.bar_figure
 
     def spy(self, view):
         real(self, view)
+        drawn = [(r.strategy, r.median_s) for r in bars[-1]] if bars else None
         seen.append((view.stage, self.progress_html.value, self.table_html.value,
-                     self.images["runtime"].layout.display))
+                     self.images["runtime"].layout.display, drawn == [(r.strategy, r.median_s) for r in view.records]))
+
+    def spy_bars(records, **kwargs):
+        bars.append(list(records))
+        return real_bars(records, **kwargs)
 
     monkeypatch.setattr(page_module.Page, "show", spy)
+    monkeypatch.setattr(page_module.viz, "bar_figure", spy_bars)
     ex.set(model="mlp", batch=2, hidden=16, quantity="grads", strategies=list(pv.STRATEGIES))
     measuring = [s for s in seen if s[0] == "measuring"]
     assert measuring and seen[-1][0] == "done"
-    _stage, progress, table, runtime = measuring[0]
+    _stage, progress, table, runtime, bars_final = measuring[0]
+    assert bars_final  # the bar chart shows the rows of the shown view (not one drawn earlier, while timing)
     assert "data-state='measuring'" in progress and "still timing the slow baselines" in progress
     coming = {m for m in ("loop", "autograd_stack", "batched_grad") if f"data-method='{m}'" in table}
     assert coming == {"loop", "autograd_stack", "batched_grad"} and "pergrad-coming" in table
