@@ -22,8 +22,9 @@ LoRA rank).
    ``forward+backward`` as the anchor; *provisional* while a median is uncertain, settled after more rounds:
    :func:`pergrad_viz.bench.timing.time_adaptive`), then at the scaling curve's smaller batch sizes; every result is
    compared with the loop on the checked samples (its ``max |diff|``, and the verdict);
-3. ``"measuring"``: all of that is shown and final; the slow baselines (``loop``, ``autograd_stack``,
-   ``batched_grad``: B backward passes a call or more) are timed the same way, their rows ``pending`` until then;
+3. ``"measuring"``: all of that is shown and final; the slower methods are timed the same way, their rows
+   ``pending`` until then: the slow baselines (``loop``, ``autograd_stack``, ``batched_grad``: B backward passes a
+   call or more), and where one result is over :data:`LARGE_RESULT` bytes every method but ``auto``'s;
 4. ``"done"``: every row and the whole scaling curve.
 
 Timings are cached by everything that affects them (:mod:`.session`); a noisy one is flagged (``Record.noisy``) and
@@ -65,6 +66,8 @@ from pergrad_viz.explorer.state import (
     Visit,
 )
 from pergrad_viz.strategies import REGISTRY
+
+LARGE_RESULT = 64 * 2**20  # bytes of one result above which only auto's method is timed before the view shows
 
 __all__ = ["ClipView", "ExplorerModel", "RuleView", "SampleView", "Setting", "Stale", "Verdict", "View"]
 
@@ -193,7 +196,7 @@ class ExplorerModel:
     def _stages(self, setting: Setting, poll: Callable[[], None]) -> Iterator[View]:
         data = self._gradients(setting)
         view = View(setting, "gradients", data.grads, data.boundaries, data.labels, data.verdict,
-                    self._sample(setting, data), self._clipping(setting, data),
+                    self._sample(setting, data), compute.clipping(setting, data),
                     pending=tuple(self._methods(setting)), layers=data.how)
         yield view
         poll()
@@ -202,7 +205,8 @@ class ExplorerModel:
             view = dataclasses.replace(view, verdict=data.verdict)
             yield view
             poll()
-        slow = {m for m in setting.strategies if self._slow(m, setting, data)}
+        auto = resolve_strategy("auto", data.model, data.x)
+        slow = {m for m in setting.strategies if self._later(m, auto, setting)}
         visit = Visit()
         view = yield from self._phase(view, data, lambda m: m not in slow, "timing", poll, visit)
         if slow:  # what is left: the slow baselines' rows, marked as coming
@@ -257,7 +261,7 @@ class ExplorerModel:
         if setting.sample != view.setting.sample:
             changes["sample"] = self._sample(setting, data)
         if setting.clip != view.setting.clip:
-            changes["clipping"] = self._clipping(setting, data)
+            changes["clipping"] = compute.clipping(setting, data)
         return dataclasses.replace(view, **changes)
 
     def release(self) -> None:
@@ -310,10 +314,6 @@ class ExplorerModel:
             jac = per_sample_jacobian(data.model, inputs_of(one), flat=True)[0]  # (Y, P)
         return sample_view(setting, self.spec(setting), data, jac)
 
-    @staticmethod
-    def _clipping(setting: Setting, data: Computed) -> ClipView:
-        return compute.clipping(setting, data)
-
     def _with_records(self, view: View, data: Computed, records: Sequence[Record], pending: tuple[str, ...],
                       reused: int, provisional: tuple[str, ...], stage: str) -> View:
         return compute.with_records(view, data, records, pending, reused, provisional, stage, self.dtype)
@@ -324,13 +324,15 @@ class ExplorerModel:
         """Methods to time (not skipped), in the order given, then the references."""
         return [s for s in setting.strategies if self._skip_note(setting, s) is None] + list(REFERENCES)
 
-    def _slow(self, name: str, setting: Setting, data: Computed) -> bool:
-        """A slow baseline (the loop, autograd_stack, batched_grad; ``auto`` where it resolves to one) not in the
-        cache at every batch size of the setting's curve: timed once the rest is shown."""
-        strategy = resolve_strategy("auto", data.model, data.x) if name == "auto" else name
+    def _later(self, name: str, auto: str, setting: Setting) -> bool:
+        """Timed once the rest is shown, unless cached at every batch size of the curve: a slow baseline (the loop,
+        autograd_stack, batched_grad; ``auto`` where it resolves to one), and where one result is over
+        :data:`LARGE_RESULT` bytes every method but the one ``auto`` picks (at B=256, hidden 512: torch_func 0.6 s a
+        call, vmap writing the result twice, against hooks' 0.02-0.3 s)."""
+        strategy = auto if name == "auto" else name
+        later = REGISTRY[strategy].slow_baseline or (strategy != auto and self._result_size(setting) > LARGE_RESULT)
         curve = [dataclasses.replace(setting, batch=b) for b in self.scaling_batches(setting.batch)]
-        return (strategy in REGISTRY and REGISTRY[strategy].slow_baseline
-                and any(self.session.key(s, name) not in self.cache for s in curve if self._skip_note(s, name) is None))
+        return later and any(self.session.key(s, name) not in self.cache for s in curve if not self._skip_note(s, name))
 
     def _skip_note(self, setting: Setting, name: str) -> str | None:
         if name in REFERENCES:

@@ -293,7 +293,7 @@ def runtime_title(view: View) -> str:
     title = f"time vs batch size, {width_text(s)} (dotted: B={s.batch})"
     if view.stage != "measuring":
         return title
-    return f"{title}; still timing the slow baselines{': ' + ', '.join(view.pending) if view.pending else ''}"
+    return f"{title}; still timing the slower methods{': ' + ', '.join(view.pending) if view.pending else ''}"
 
 
 def width_text(s: Setting) -> str:

@@ -222,7 +222,7 @@ class View:
         batches = f"B={', '.join(map(str, self.scaling_pending))}"
         if self.stage == "measuring":  # the rest is shown: the slow baselines' rows are coming
             where = ", ".join(self.pending) if self.pending else f"at {batches} (the scaling curve)"
-            return f"shown; {line}; still timing the slow baselines {where} …"
+            return f"shown; {line}; still timing the slower methods {where} …"
         if not self.pending and self.scaling_pending:
             line += f"; scaling curve at {batches}"
         return line + " …"

@@ -538,8 +538,8 @@ def measure(ui: Ui, control: str, change: str, act, expect: str | None = None, t
     assert state["state"] == "done", f"{control} {change}: the explorer shows an error: {explorer_text(ui.scope)}"
     coming = probe["coming"]
     if coming["state"] == "measuring":  # settled before done: what is still coming must say so on the page
-        assert "still timing the slow baselines" in coming["text"], coming
-        named = [m for m in ("loop", "autograd_stack", "batched_grad") if m in coming["text"]]
+        assert "still timing the slower methods" in coming["text"], coming
+        named = [m for m in ("loop", "autograd_stack", "batched_grad", "torch_func") if m in coming["text"]]
         assert set(named) <= set(coming["rows"]), f"{control} {change}: rows named as coming not marked: {coming}"
     first = None if probe["first"] is None else probe["first"] / 1000
     return record(Latency(ui.frontend, control, change, probe["setting"], first, probe["settled"] / 1000,

@@ -510,7 +510,7 @@ def test_while_the_slow_baselines_are_timed_the_page_says_so(ex, monkeypatch):
     assert measuring and seen[-1][0] == "done"
     _stage, progress, table, runtime, bars_final = measuring[0]
     assert bars_final  # the bar chart shows the rows of the shown view (not one drawn earlier, while timing)
-    assert "data-state='measuring'" in progress and "still timing the slow baselines" in progress
+    assert "data-state='measuring'" in progress and "still timing the slower methods" in progress
     coming = {m for m in ("loop", "autograd_stack", "batched_grad") if f"data-method='{m}'" in table}
     assert coming == {"loop", "autograd_stack", "batched_grad"} and "pergrad-coming" in table
     assert runtime == ""  # this setting's curve (another setting's is hidden first), its fast methods drawn
