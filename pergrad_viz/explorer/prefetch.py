@@ -4,9 +4,9 @@ and peft, seconds of imports), so that its first visit does not wait for them.
 The imports run in a thread of their own, started once an explorer has shown its first setting (:func:`start`).
 They give way to every explorer's work: at the start of each module it imports, the thread pauses while an explorer
 runs a job (holds :data:`~.worker.TURN`), so a job never shares the interpreter with it, and its timings are not
-disturbed. A pause gives way itself where that would block someone: while another thread waits on an import
-(a module this thread is importing, or any import), the imports go on, so nobody waits on a paused thread; a job
-for the ViT that finds them not done imports what is left as any import would. A module that fails to import is
+disturbed. A pause gives way itself where it would block someone: while another thread waits for a module lock (a
+module this thread is importing), the imports go on, so nobody waits on a paused thread; a job for the ViT that
+finds them not done imports what is left as any import would. A module that fails to import is
 left alone (the network's first visit says why).
 
 A pause point is the moment a module is looked for (a finder on ``sys.meta_path`` that finds nothing); while paused,
@@ -27,7 +27,7 @@ from pergrad_viz.explorer.worker import TURN
 __all__ = ["POLL_S", "Prefetch", "start"]
 
 POLL_S = 0.05  # a paused import checks this often whether it may go on
-BOOTSTRAP = "<frozen importlib._bootstrap"  # the import system's frames: a thread inside one is importing
+BOOTSTRAP = "<frozen importlib._bootstrap"  # the import system's frames (a module lock's acquire among them)
 
 
 class Prefetch:
@@ -49,16 +49,19 @@ class Prefetch:
     def _pause(self) -> None:
         _imp.release_lock()  # held by the import system around find_spec: others may import meanwhile
         try:
+            if _imp.lock_held():  # still (taken twice: a finder importing, or another thread now): no pause here
+                return
             while TURN.locked() and not self._waited_on():
                 time.sleep(POLL_S)
         finally:
             _imp.acquire_lock()
 
     def _waited_on(self) -> bool:
-        """Whether another thread is inside the import system (waiting for a module this thread holds, or for the
-        import lock, or just importing): then this thread goes on, so that nobody waits on a pause."""
+        """Whether another thread waits for a module lock (one this thread may hold: a module it is importing): then
+        this thread goes on, so that nobody waits on a pause. (Merely passing through the import system, as a
+        ``from package import name`` in a function does, is no reason: the pause holds while a job runs.)"""
         me = threading.get_ident()
-        return any(tid != me and frame.f_code.co_filename.startswith(BOOTSTRAP)
+        return any(tid != me and frame.f_code.co_name == "acquire" and frame.f_code.co_filename.startswith(BOOTSTRAP)
                    for tid, frame in sys._current_frames().items())
 
     def _run(self) -> None:

@@ -78,3 +78,16 @@ def test_the_process_starts_it_once_and_only_for_what_is_missing(monkeypatch, pa
     ahead = prefetch.start([first])
     assert ahead is not None and prefetch.start(["pvpre_other"]) is ahead
     assert ahead.done.wait(WAIT_S) and ahead.modules == (first,)
+
+
+def test_an_import_passing_through_does_not_end_the_pause(package):
+    """A job's ``from package import name`` of what is imported already (the import system's code runs, nothing
+    waits) leaves the imports paused."""
+    first, second = package
+    with TURN:
+        ahead = prefetch.Prefetch([first])
+        deadline = time.monotonic() + 20 * prefetch.POLL_S
+        while time.monotonic() < deadline:
+            from email import message  # noqa: F401  (a package: the import system's _handle_fromlist runs)
+        assert not ahead.done.is_set() and second not in sys.modules
+    assert ahead.done.wait(WAIT_S)
