@@ -271,6 +271,8 @@ class Explorer(w.VBox):
         """Between steps of the model's work: a new sample or threshold is drawn right here (the timing goes
         on); any other change, a rerun or :meth:`close` abandons this setting."""
         self._check_closed()
+        if self._worker is not None and self._worker.outranked():
+            raise Stale  # another explorer's newer job runs first; this one runs again after it
         newer = self._worker.peek() if self._worker is not None else None
         if newer is None:
             return

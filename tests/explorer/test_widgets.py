@@ -464,6 +464,38 @@ def test_two_workers_in_one_process_take_turns():
             worker.stop(timeout=5)
 
 
+def test_the_newest_job_goes_first_and_the_one_that_gave_way_runs_again():
+    """A learner moving a control of one explorer while another explorer of the kernel works (the dashboard's
+    second one computing its first setting) waits for it no longer: the running job gives way at its next check
+    to the job submitted after it, then runs again; a job that waits with an older one does not interrupt."""
+    from pergrad_viz.explorer.worker import Job, Worker
+
+    order, started = [], threading.Event()
+
+    def run_a(job):
+        order.append("a starts")
+        started.set()
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            if a.outranked():
+                order.append("a gives way")
+                return
+            time.sleep(0.01)
+        order.append("a ends")
+
+    a, b = Worker(run_a), Worker(lambda job: order.append("b runs"))
+    try:
+        setting = pv.explorer.model.Setting()
+        a.submit(Job(setting))
+        assert started.wait(5)
+        b.submit(Job(setting))
+        assert b.wait(5) and a.wait(5)
+        assert order == ["a starts", "a gives way", "b runs", "a starts", "a ends"]
+    finally:
+        a.stop(timeout=5)
+        b.stop(timeout=5)
+
+
 def test_layer_labels_are_short_and_tell_layers_apart():
     from pergrad_viz.explorer.panels import display_bounds, short_names
 
