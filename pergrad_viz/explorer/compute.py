@@ -14,12 +14,63 @@ from torch import nn
 
 from pergrad_viz.bench.records import Record
 from pergrad_viz.core.batch import Batch, cut
+from pergrad_viz.core.memory import check_held, result_bytes
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.explorer.state import QUANTITY_NAMES, REFERENCES, ClipView, Computed, Setting, Verdict, View
+from pergrad_viz.errors import human_bytes
+from pergrad_viz.explorer.specs import ModelSpec
+from pergrad_viz.explorer.state import (
+    QUANTITIES,
+    QUANTITY_NAMES,
+    REFERENCES,
+    ClipView,
+    Computed,
+    Setting,
+    Verdict,
+    View,
+)
+from pergrad_viz.strategies import STRATEGIES
 from pergrad_viz.strategies.hooks import describe as describe_layers
 
-__all__ = ["checked_samples", "clipping", "how", "judge", "largest", "loop_rows", "noisy", "norms", "notes",
-           "verdict", "with_records"]
+__all__ = ["check", "checked_samples", "clipping", "how", "judge", "largest", "loop_rows", "noisy", "norms", "notes",
+           "scaling_batches", "verdict", "with_records"]
+
+
+def check(setting: Setting, spec: ModelSpec, outputs: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a setting that is malformed or would not fit in memory (``outputs``: Y, 1 for gradients), before
+    allocating anything; each error names the fix."""
+    if setting.quantity not in QUANTITIES:
+        raise ValueError(f"quantity must be one of {QUANTITIES}, got {setting.quantity!r}")
+    if setting.batch < 1 or (setting.hidden < 1 and spec.width_name):
+        raise ValueError(f"batch size and width must be positive, got {setting.batch}, {setting.hidden}")
+    if spec.max_batch is not None and setting.batch > spec.max_batch:
+        raise ValueError(f"batch size {setting.batch} is more than the {spec.max_batch} samples of the data")
+    unknown = [s for s in setting.strategies if s != "auto" and s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown}; valid: 'auto', {', '.join(STRATEGIES)}")
+    if not (setting.clip > 0 and math.isfinite(setting.clip)):
+        raise ValueError(f"the clipping threshold must be a positive number, got {setting.clip!r}")
+    if setting.slow_limit is not None and setting.slow_limit < 0:
+        raise ValueError(f"slow_limit must be a number of sample-backward passes >= 0, got {setting.slow_limit}")
+    p = spec.num_params(setting.hidden)
+    grads = result_bytes(setting.batch, p, dtype)
+    one = result_bytes(setting.batch, p, dtype, outputs)
+    # the heatmap's (B, P) gradients, plus while timing: the reference result, a fresh one, a working copy
+    check_held(what=f"the explorer at {setting.describe()} ({QUANTITY_NAMES[setting.quantity]})", held=grads + 3 * one,
+               detail=f"the {human_bytes(grads)} gradients of the heatmap and three copies of the "
+                      f"{human_bytes(one)} result while timing",
+               fix="Choose a smaller batch size or width, or the per-sample gradients instead of the Jacobian.",
+               device=device)
+
+
+def scaling_batches(batch: int, options: Sequence[int], most: int) -> list[int]:
+    """The batch sizes of the scaling curve: up to ``most`` of the ``options`` up to ``batch``, evenly spread on a
+    log scale, always ending with ``batch``."""
+    options = sorted(b for b in options if b <= batch) or [batch]
+    n = min(most, len(options))
+    if n <= 1:
+        return [batch]
+    picks = {options[round(k * (len(options) - 1) / (n - 1))] for k in range(n)}
+    return sorted(picks | {batch})
 
 
 def checked_samples(setting: Setting, most: int) -> torch.Tensor:

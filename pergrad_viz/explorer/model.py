@@ -14,15 +14,18 @@ LoRA rank).
 
 :meth:`ExplorerModel.stages` yields the views progressively, as a responsive front end wants them:
 
-1. ``"gradients"``: everything that needs one call at the setting: the (B, P) per-sample gradients (the
-   heatmap), the chosen sample's first-layer gradients and the fast rule's parts (a_i, g_i), the norms for the
-   DP-SGD view; then (a second view) the verdict: the heatmap's gradients against the loop (the definition,
-   written out here: ``torch.autograd.grad`` of each checked sample's loss, run alone);
-2. ``"timing"``: per tier of methods timed (cheapest first; methods of a tier interleaved in rounds with
-   ``forward+backward`` as the anchor), the records so far: first *provisional* (the first pass of rounds) where
-   a median is still uncertain, then settled after more rounds (:func:`pergrad_viz.bench.timing.time_adaptive`); every
-   strategy's result is compared with the loop on the checked samples (its ``max |diff|``, and the verdict);
-3. ``"done"``: the scaling curve's records (the smaller batch sizes) too.
+1. ``"gradients"``: what needs one call at the setting: the (B, P) per-sample gradients (the heatmap), the chosen
+   sample's first-layer gradients and the fast rule's parts (a_i, g_i), the norms of the DP-SGD view; then (a second
+   view) the verdict: those gradients against the loop (the definition, written out here: ``torch.autograd.grad`` of
+   each checked sample's loss, run alone);
+2. ``"timing"``: the fast strategies and the references, tier by tier (cheapest first, interleaved in rounds with
+   ``forward+backward`` as the anchor; *provisional* while a median is uncertain, settled after more rounds:
+   :func:`pergrad_viz.bench.timing.time_adaptive`), then at the scaling curve's smaller batch sizes; every result is
+   compared with the loop on the checked samples (its ``max |diff|``, and the verdict);
+3. ``"measuring"``: all of that is shown and final; the slower methods are timed the same way, their rows
+   ``pending`` until then: the slow baselines (``loop``, ``autograd_stack``, ``batched_grad``: B backward passes a
+   call or more), and where one result is over :data:`LARGE_RESULT` bytes every method but ``auto``'s;
+4. ``"done"``: every row and the whole scaling curve.
 
 Timings are cached by everything that affects them (:mod:`.session`); a noisy one is flagged (``Record.noisy``) and
 never cached. The records are in :mod:`.state`, the pure computations in :mod:`.compute` and :mod:`.sample`; this
@@ -33,8 +36,7 @@ order. It knows nothing of ipywidgets (:mod:`.view` maps controls to settings an
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -45,16 +47,14 @@ from pergrad_viz.bench.records import FORWARD_BACKWARD, MEMORY_FLOOR, Record
 from pergrad_viz.bench.sweeps import backward_work
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.layout import param_boundaries
-from pergrad_viz.core.memory import check_held, result_bytes
-from pergrad_viz.errors import human_bytes
+from pergrad_viz.core.memory import result_bytes
 from pergrad_viz.explorer import compute
 from pergrad_viz.explorer.sample import inputs_of, sample_view
 from pergrad_viz.explorer.session import Calls, TimingSession, clock, synchronizer
 from pergrad_viz.explorer.specs import MENU, ModelSpec
 from pergrad_viz.explorer.state import (
-    QUANTITIES,
-    QUANTITY_NAMES,
     REFERENCES,
+    Budget,
     ClipView,
     Computed,
     RuleView,
@@ -63,8 +63,11 @@ from pergrad_viz.explorer.state import (
     Stale,
     Verdict,
     View,
+    Visit,
 )
-from pergrad_viz.strategies import STRATEGIES
+from pergrad_viz.strategies import REGISTRY
+
+LARGE_RESULT = 64 * 2**20  # bytes of one result above which only auto's method is timed before the view shows
 
 __all__ = ["ClipView", "ExplorerModel", "RuleView", "SampleView", "Setting", "Stale", "Verdict", "View"]
 
@@ -133,32 +136,11 @@ class ExplorerModel:
     # ------------------------------------------------------------------------------------------ checks
 
     def check(self, setting: Setting) -> None:
-        """Refuse a setting that is malformed or would not fit in memory, before allocating anything."""
-        if setting.quantity not in QUANTITIES:
-            raise ValueError(f"quantity must be one of {QUANTITIES}, got {setting.quantity!r}")
+        """Refuse a setting that is malformed or would not fit in memory, before allocating anything
+        (:func:`.compute.check`)."""
         spec = self.spec(setting)
-        if setting.batch < 1 or (setting.hidden < 1 and spec.width_name):
-            raise ValueError(f"batch size and width must be positive, got {setting.batch}, {setting.hidden}")
-        if spec.max_batch is not None and setting.batch > spec.max_batch:
-            raise ValueError(f"batch size {setting.batch} is more than the {spec.max_batch} samples of the data")
-        unknown = [s for s in setting.strategies if s != "auto" and s not in STRATEGIES]
-        if unknown:
-            raise ValueError(f"unknown strategies {unknown}; valid: 'auto', {', '.join(STRATEGIES)}")
-        if not (setting.clip > 0 and math.isfinite(setting.clip)):
-            raise ValueError(f"the clipping threshold must be a positive number, got {setting.clip!r}")
-        if setting.slow_limit is not None and setting.slow_limit < 0:
-            raise ValueError(f"slow_limit must be a number of sample-backward passes >= 0, got {setting.slow_limit}")
-        p = spec.num_params(setting.hidden)
-        grads = result_bytes(setting.batch, p, self.dtype)
         outputs = self.outputs(setting) if setting.quantity == "jacobian" else 1
-        one = result_bytes(setting.batch, p, self.dtype, outputs)
-        # the heatmap's (B, P) gradients, plus while timing: the reference result, a fresh one, a working copy
-        held = grads + 3 * one
-        check_held(what=f"the explorer at {setting.describe()} ({QUANTITY_NAMES[setting.quantity]})", held=held,
-                   detail=f"the {human_bytes(grads)} gradients of the heatmap and three copies of the "
-                          f"{human_bytes(one)} result while timing",
-                   fix="Choose a smaller batch size or width, or the per-sample gradients instead of the "
-                       "Jacobian.", device=torch.device(self.device))
+        compute.check(setting, spec, outputs, self.dtype, torch.device(self.device))
 
     def spec(self, setting: Setting) -> ModelSpec:
         """The network ``setting.model`` names."""
@@ -192,14 +174,8 @@ class ExplorerModel:
         return model, loss_fn, x, y, labels
 
     def scaling_batches(self, batch: int) -> list[int]:
-        """The batch sizes of the scaling curve: up to ``sweep_batches`` of the options up to ``batch``, evenly
-        spread on a log scale, always ending with ``batch``."""
-        options = sorted(b for b in self.batch_options if b <= batch) or [batch]
-        n = min(self.sweep_batches, len(options))
-        if n <= 1:
-            return [batch]
-        picks = {options[round(k * (len(options) - 1) / (n - 1))] for k in range(n)}
-        return sorted(picks | {batch})
+        """The batch sizes of the scaling curve (:func:`.compute.scaling_batches`)."""
+        return compute.scaling_batches(batch, self.batch_options, self.sweep_batches)
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -209,17 +185,18 @@ class ExplorerModel:
         return last
 
     def stages(self, setting: Setting, check: Callable[[], None] | None = None) -> Iterator[View]:
-        """Views of ``setting``, progressively: ``"gradients"`` first, a ``"timing"`` view per tier of methods
-        timed, ``"done"`` last. ``check`` is called between steps (and between timed blocks): raise
-        :class:`Stale` from it to abandon the setting. Each step runs with :attr:`threads` intra-op threads, the
-        process's own count restored before each view is yielded (:meth:`.session.TimingSession.stepwise`)."""
+        """Views of ``setting``, progressively: ``"gradients"`` first, ``"timing"`` views, ``"measuring"`` ones (the
+        slow baselines' rows coming), ``"done"`` last (see the module's docstring). ``check`` is called between
+        steps (and between timed blocks): raise :class:`Stale` from it to abandon the setting. Each step runs with
+        :attr:`threads` intra-op threads, the process's own count restored before each view is yielded
+        (:meth:`.session.TimingSession.stepwise`)."""
         self.check(setting)
         yield from self.session.stepwise(self._stages(setting, check or (lambda: None)))
 
     def _stages(self, setting: Setting, poll: Callable[[], None]) -> Iterator[View]:
         data = self._gradients(setting)
         view = View(setting, "gradients", data.grads, data.boundaries, data.labels, data.verdict,
-                    self._sample(setting, data), self._clipping(setting, data),
+                    self._sample(setting, data), compute.clipping(setting, data),
                     pending=tuple(self._methods(setting)), layers=data.how)
         yield view
         poll()
@@ -228,24 +205,49 @@ class ExplorerModel:
             view = dataclasses.replace(view, verdict=data.verdict)
             yield view
             poll()
+        auto = resolve_strategy("auto", data.model, data.x)
+        slow = {m for m in setting.strategies if self._later(m, auto, setting)}
+        visit = Visit()
+        view = yield from self._phase(view, data, lambda m: m not in slow, "timing", poll, visit)
+        if slow:  # what is left: the slow baselines' rows, marked as coming
+            view = dataclasses.replace(view, stage="measuring")
+            yield view
+            view = yield from self._phase(view, data, lambda m: True, "measuring", poll, visit)
+        view = dataclasses.replace(view, stage="done", scaling_pending=(), pending=())
+        yield dataclasses.replace(view, noisy=compute.noisy(view.scaling_records))
+
+    def _phase(self, view: View, data: Computed, include: Callable[[str], bool], stage: str,
+               poll: Callable[[], None], visit: Visit) -> Generator[View, None, View]:
+        """Time the methods that ``include`` names at the view's setting, then at the scaling curve's smaller
+        batches (what ``visit`` holds of an earlier phase is kept, not timed again); the others stay pending.
+        Returns the last view."""
+        setting = view.setting
+        methods = [m for m in self._methods(setting) if include(m)]
+        coming = tuple(m for m in self._methods(setting) if not include(m))
+        for b in (*(scaling := self.scaling_batches(setting.batch)[:-1]), setting.batch):
+            visit.budgets.setdefault(b, Budget(self.session.patience_s / (2 if b != setting.batch else 1)))
+        before = visit.reused.get(setting.batch, 0)
         records: list[Record] = []
-        for records, pending, reused, provisional in self._time_setting(setting, data, poll):
-            view = self._with_records(view, data, records, pending, reused, provisional, stage="timing")
+        reused = 0
+        for records, pending, reused, provisional in self._time_setting(
+                setting, data, poll, methods=methods, have=visit.records.get(setting.batch, []),
+                budget=visit.budgets[setting.batch]):
+            view = self._with_records(view, data, records, (*pending, *coming), before + reused, provisional,
+                                      stage=stage)
             yield view
-        scaling = self.scaling_batches(setting.batch)[:-1]
-        others: list[Record] = []
+        visit.records[setting.batch], visit.reused[setting.batch] = records, before + reused
         for k, b in enumerate(scaling):
-            view = dataclasses.replace(view, scaling_pending=tuple(scaling[k:]))
-            yield view
+            yield (view := dataclasses.replace(view, scaling_pending=tuple(scaling[k:])))
             poll()
             sub = dataclasses.replace(setting, batch=b)
-            *_, (last, *_rest) = self._time_setting(sub, self._gradients(sub, keep=False), poll,
-                                                     rounds=self.session.min_rounds)
-            others += last
-        view = dataclasses.replace(view, stage="done", scaling_pending=(),
-                                   scaling_records=tuple(sorted([*others, *records], key=lambda r: r.batch_size)))
-        view = dataclasses.replace(view, noisy=compute.noisy(view.scaling_records))
-        yield view
+            if b not in visit.subs:
+                visit.subs[b] = self._gradients(sub, keep=False)
+            *_, (visit.records[b], *_rest) = self._time_setting(
+                sub, visit.subs[b], poll, rounds=self.session.min_rounds, budget=visit.budgets[b],
+                methods=[m for m in self._methods(sub) if include(m)], have=visit.records.get(b, []))
+        curve = [r for b in (*scaling, setting.batch) for r in visit.records[b]]
+        yield (view := dataclasses.replace(view, scaling_pending=(), scaling_records=tuple(curve)))
+        return view
 
     def with_sample(self, view: View, *, sample: int | None = None, clip: float | None = None) -> View:
         """``view`` with another sample or clipping threshold: no gradients computed again, nothing timed.
@@ -259,7 +261,7 @@ class ExplorerModel:
         if setting.sample != view.setting.sample:
             changes["sample"] = self._sample(setting, data)
         if setting.clip != view.setting.clip:
-            changes["clipping"] = self._clipping(setting, data)
+            changes["clipping"] = compute.clipping(setting, data)
         return dataclasses.replace(view, **changes)
 
     def release(self) -> None:
@@ -312,10 +314,6 @@ class ExplorerModel:
             jac = per_sample_jacobian(data.model, inputs_of(one), flat=True)[0]  # (Y, P)
         return sample_view(setting, self.spec(setting), data, jac)
 
-    @staticmethod
-    def _clipping(setting: Setting, data: Computed) -> ClipView:
-        return compute.clipping(setting, data)
-
     def _with_records(self, view: View, data: Computed, records: Sequence[Record], pending: tuple[str, ...],
                       reused: int, provisional: tuple[str, ...], stage: str) -> View:
         return compute.with_records(view, data, records, pending, reused, provisional, stage, self.dtype)
@@ -325,6 +323,16 @@ class ExplorerModel:
     def _methods(self, setting: Setting) -> list[str]:
         """Methods to time (not skipped), in the order given, then the references."""
         return [s for s in setting.strategies if self._skip_note(setting, s) is None] + list(REFERENCES)
+
+    def _later(self, name: str, auto: str, setting: Setting) -> bool:
+        """Timed once the rest is shown, unless cached at every batch size of the curve: a slow baseline (the loop,
+        autograd_stack, batched_grad; ``auto`` where it resolves to one), and where one result is over
+        :data:`LARGE_RESULT` bytes every method but the one ``auto`` picks (at B=256, hidden 512: torch_func 0.6 s a
+        call, vmap writing the result twice, against hooks' 0.02-0.3 s)."""
+        strategy = auto if name == "auto" else name
+        later = REGISTRY[strategy].slow_baseline or (strategy != auto and self._result_size(setting) > LARGE_RESULT)
+        curve = [dataclasses.replace(setting, batch=b) for b in self.scaling_batches(setting.batch)]
+        return later and any(self.session.key(s, name) not in self.cache for s in curve if not self._skip_note(s, name))
 
     def _skip_note(self, setting: Setting, name: str) -> str | None:
         if name in REFERENCES:
@@ -348,9 +356,14 @@ class ExplorerModel:
         def forward_backward() -> object:
             return torch.autograd.grad(loss_fn(batch(model), y), params)
 
-        floor = torch.zeros(shape, dtype=self.dtype, device=self.device)  # its pages touched now, not when timed
-        calls: dict[str, Callable[[], object]] = {FORWARD_BACKWARD: forward_backward,
-                                            MEMORY_FLOOR: lambda: floor.fill_(0.5)}
+        floor: list[torch.Tensor] = []  # allocated at its first call (the warm-up's, untimed), where it is timed
+
+        def memory_floor() -> torch.Tensor:
+            if not floor:
+                floor.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            return floor[0].fill_(0.5)
+
+        calls: dict[str, Callable[[], object]] = {FORWARD_BACKWARD: forward_backward, MEMORY_FLOOR: memory_floor}
         for name in setting.strategies:
             if setting.quantity == "grads":
                 calls[name] = (lambda s=name: per_sample_grads(model, loss_fn, x, y, strategy=s, flat=True))
@@ -358,14 +371,15 @@ class ExplorerModel:
                 calls[name] = (lambda s=name: per_sample_jacobian(model, x, strategy=s, flat=True))
         return calls
 
-    def _time_setting(self, setting: Setting, data: Computed, poll: Callable[[], None], rounds: int | None = None
+    def _time_setting(self, setting: Setting, data: Computed, poll: Callable[[], None], rounds: int | None = None, *,
+                      methods: Sequence[str], have: Sequence[Record] = (), budget: Budget | None = None
                       ) -> Iterator[tuple[list[Record], tuple[str, ...], int, tuple[str, ...]]]:
-        """Time the setting's methods (:meth:`.session.TimingSession.time_setting`)."""
+        """Time ``methods`` at the setting (:meth:`.session.TimingSession.time_setting`)."""
         skipped = [Record(s, setting.quantity, setting.batch, setting.hidden, None, None,
                                 self._result_size(setting), note=note)
                    for s in setting.strategies if (note := self._skip_note(setting, s)) is not None]
         return self.session.time_setting(
-            setting, data, poll, methods=self._methods(setting), skipped=skipped,
+            setting, data, poll, methods=methods, have=have, budget=budget, skipped=skipped,
             result_bytes=self._result_size(setting), prepare=lambda: self._prepare(setting, data),
             describe_auto=lambda: "auto = " + resolve_strategy("auto", data.model, data.x), rounds=rounds)
 

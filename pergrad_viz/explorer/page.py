@@ -27,6 +27,7 @@ __all__ = ["PANELS", "Page", "arrange", "close_all"]
 
 PANELS = ("heatmap", "images", "rule", "clip", "bars", "runtime")
 BAR_INTERVAL_S = 0.5  # while timing, the bar chart is redrawn at most this often
+BAR_FIRST_S = 1.0  # and drawn first this long after its setting was first shown (or once its fast rows are all in)
 
 
 def image_pane(**layout) -> w.Image:
@@ -51,6 +52,8 @@ class Page:
         self.drawn = dict.fromkeys(PANELS, 0)
         self._shown: dict[str, object] = {}  # panel -> what it shows (skip redrawing the same)
         self._bars_drawn = -math.inf  # when the bar chart was last drawn (time.monotonic)
+        self._measuring: object = None  # the setting whose shown (measuring) view the bar chart was drawn for
+        self._timing: tuple[object, float] = (None, 0.0)  # the setting being timed, since when (time.monotonic)
         self.rule_text = w.HTML("")
         self.layers_html = w.HTML("")
         self.progress_html = w.HTML("", layout=w.Layout(margin="0 0 0 12px"))
@@ -88,23 +91,29 @@ class Page:
             title=f"per-sample gradient norms at {s.describe()}, C={c.max_norm:.3g}"))
         noisy = tuple(r.strategy for r in view.records if r.noisy)  # this setting's (not the curve's)
         bars = (key, tuple((r.strategy, r.median_s) for r in view.records), view.pending, noisy, view.provisional)
+        now = time.monotonic()
+        if self._timing[0] != key:
+            self._timing = (key, now)
         if not view.records:
             self.hide("bars")  # the old chart belongs to another setting; the progress line says what is timed
-        elif view.pending and time.monotonic() - self._bars_drawn < BAR_INTERVAL_S:
-            pass  # the chart grows at most this often (drawing it costs more than a tier of cheap methods)
+        elif view.stage == "timing" and now - self._timing[1] < BAR_FIRST_S:
+            pass  # the fast methods are timed in well under a second, most often: the chart is drawn once, shown
+        elif (view.pending and now - self._bars_drawn < BAR_INTERVAL_S
+              and not (view.stage == "measuring" and self._measuring != key)):
+            pass  # the chart grows at most this often (drawing it costs more than a tier of cheap methods), but
+            # it is drawn as soon as the view is shown (measuring): the rows shown then are final
         else:
             self.draw("bars", bars, lambda: viz.bar_figure(
                 view.records, pending=view.pending, noisy=noisy, provisional=view.provisional, width=WIDTHS["bars"],
                 title=f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}"))
             self._bars_drawn = time.monotonic()
-        if view.done:
+            self._measuring = key if view.shown else None
+        if view.shown and view.scaling_records:
             self.draw("runtime", (key, tuple((r.strategy, r.batch_size, r.median_s) for r in view.scaling_records)),
                       lambda: viz.runtime_figure(view.scaling_records, highlight=s.batch, width=WIDTHS["runtime"],
-                                                   height=3.6, legend="below",
-                                                   title=f"time vs batch size, {panels.width_text(s)} "
-                                                         f"(dotted: B={s.batch})"))
+                                                   height=3.6, legend="below", title=panels.runtime_title(view)))
         self.table_html.value = panels.table_html(view) if view.records else ""
-        self.progress("done" if view.done else "busy", s, view.progress)  # last: "done" once all is drawn
+        self.progress(view.stage if view.shown else "busy", s, view.progress)  # last: once all is drawn
 
     def draw(self, panel: str, token: object, figure: Callable[[], Figure]) -> None:
         if self._shown.get(panel) == token:

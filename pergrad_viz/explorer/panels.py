@@ -20,8 +20,8 @@ from pergrad_viz.explorer.state import QUANTITY_NAMES, RuleView, Setting, View
 from pergrad_viz.viz.canvas import DIVERGING, axes_at_inches, fit_text, text_width_in, to_numpy
 
 __all__ = ["HOW", "RULE_TEXT", "WIDTHS", "display_bounds", "error_html", "heatmap_figure", "images_figure",
-           "image_matrix_figure", "layers_html", "progress_html", "rule_figure", "rule_html", "short_names",
-           "status_html", "table_html", "width_text"]
+           "image_matrix_figure", "layers_html", "progress_html", "rule_figure", "rule_html", "runtime_title",
+           "short_names", "status_html", "table_html", "width_text"]
 
 RULE_TEXT = {
     "linear": "For a Linear layer, one sample's weight gradient is the outer product of the backprop signal "
@@ -188,9 +188,10 @@ def status_html(view: View) -> str:
 
 
 def progress_html(state: str, setting: Setting, text: str) -> str:
-    """The progress line: ``data-state`` busy / done / error, ``data-setting`` the setting it is about."""
-    icon = {"busy": "⏳", "done": "✓", "error": "⚠"}[state]
-    color = {"busy": "#a15c00", "done": "#1b7f3b", "error": "#c62828"}[state]
+    """The progress line: ``data-state`` busy / measuring (all is shown; the slow baselines' rows are coming) /
+    done / error, ``data-setting`` the setting it is about."""
+    icon = {"busy": "⏳", "measuring": "✓ ⏳", "done": "✓", "error": "⚠"}[state]
+    color = {"busy": "#a15c00", "measuring": "#1b7f3b", "done": "#1b7f3b", "error": "#c62828"}[state]
     return (f"<span class='pergrad-progress' data-state='{state}' "
             f"data-setting='{setting.model} B={setting.batch} hidden={setting.hidden} "
             f"{setting.quantity}' "
@@ -234,6 +235,10 @@ def table_html(view: View) -> str:
         style = "color:#8a5300" if r.noisy else ("color:#777" if grey else "")
         cells = "".join(f"<td style='padding:2px 8px'>{html.escape(c)}</td>" for c in table_row(r))
         body.append(f"<tr style='{style}'>{cells}</tr>")
+    for name in view.pending:  # rows still coming: marked, so that nobody reads the table as complete
+        body.append(f"<tr class='pergrad-coming' data-method='{html.escape(name)}' style='color:#777;"
+                    f"font-style:italic'><td style='padding:2px 8px'>{html.escape(name)}</td>"
+                    f"<td style='padding:2px 8px' colspan='{len(TABLE_COLUMNS) - 1}'>being timed …</td></tr>")
     s = view.setting
     v = view.verdict
     checked = "" if v is None else (f"all {v.samples} samples" if v.samples == v.batch
@@ -280,6 +285,15 @@ def short_names(names: Sequence[str]) -> list[str]:
         keep = next((k for k in range(2, len(mine) + 1) if all(p[-k:] != mine[-k:] for p in others)), None)
         shown.append(".".join(mine[-keep:]) if keep is not None else names[i])
     return shown
+
+
+def runtime_title(view: View) -> str:
+    """The scaling curve's title; while the slow baselines are still being timed, it says so (their lines come)."""
+    s = view.setting
+    title = f"time vs batch size, {width_text(s)} (dotted: B={s.batch})"
+    if view.stage != "measuring":
+        return title
+    return f"{title}; still timing the slower methods{': ' + ', '.join(view.pending) if view.pending else ''}"
 
 
 def width_text(s: Setting) -> str:

@@ -24,7 +24,7 @@ from torch import nn
 
 from pergrad_viz.bench import timing
 from pergrad_viz.bench.records import MEMORY_FLOOR, Record
-from pergrad_viz.explorer.state import ANCHOR, REFERENCES, Computed, Setting, TimingKey
+from pergrad_viz.explorer.state import ANCHOR, REFERENCES, Budget, Computed, Setting, TimingKey
 
 __all__ = ["TimingSession", "clock", "intra_op_threads", "synchronizer"]
 
@@ -78,22 +78,27 @@ class TimingSession:
 
     def time_setting(self, setting: Setting, data: Computed, poll: Callable[[], None], *, methods: Sequence[str],
                      skipped: Sequence[Record], result_bytes: int, prepare: Callable[[], Calls],
-                     describe_auto: Callable[[], str], rounds: int | None = None) -> Iterator[Progress]:
+                     describe_auto: Callable[[], str], rounds: int | None = None,
+                     have: Sequence[Record] = (), budget: Budget | None = None) -> Iterator[Progress]:
         """Time the setting's ``methods`` tier by tier; yields (records so far, methods pending, records reused,
         methods provisional). ``skipped``: the records of the methods skipped as too slow (shown last);
         ``prepare()``: the calls to time, ``{method: no-argument callable}``, with ``data.reference`` set (called
         only when something is to be timed); ``describe_auto()``: the note of ``"auto"`` (what it resolves to).
         ``rounds``: a first pass of at most this many (default: the session's; the scaling curve's smaller batches
-        use fewer, and fewer extra rounds)."""
+        use fewer, and fewer extra rounds). ``have``: records timed earlier in this visit (an earlier phase's, noisy
+        ones too): kept as they are, not timed again, not counted as reused. ``budget``: the seconds of extra rounds
+        left for the setting, shared by the phases of a visit (default: a fresh one, :attr:`patience_s`, half that
+        with ``rounds``)."""
         most = self.rounds if rounds is None else rounds
         skipped = list(skipped)
         sync = synchronizer(data.model, self.device)
-        done: dict[str, Record] = {}
+        done = {r.strategy: dataclasses.replace(r) for r in have if not r.skipped}
+        reused = 0
         for name in methods:
             hit = self.cache.get(self.key(setting, name))
-            if hit is not None:
+            if name not in done and hit is not None:
                 done[name] = dataclasses.replace(hit)
-        reused = len(done)
+                reused += 1
         todo = [m for m in methods if m not in done]
         if not todo:
             yield ordered(done, skipped), (), reused, ()
@@ -112,7 +117,8 @@ class TimingSession:
             if r.vs_forward_backward is not None:
                 ratios[r.strategy] = r.vs_forward_backward
         auto = describe_auto() if "auto" in todo else ""
-        patience_left = self.patience_s if rounds is None else self.patience_s / 2  # for the extra rounds, in all
+        if budget is None:  # for the extra rounds, in all
+            budget = Budget(self.patience_s if rounds is None else self.patience_s / 2)
         for tier in tiers:
             fns = {m: calls[m] for m in tier}
             fns.setdefault(ANCHOR, calls[ANCHOR])
@@ -120,7 +126,7 @@ class TimingSession:
             first = max(self.min_rounds, min(most, int(self.tier_budget_s / cost)))
             patience = timing.Patience(rounds=first, max_rounds=max(first, self.max_rounds if rounds is None
                                                                     else 2 * first),
-                                       budget_s=max(0.0, patience_left), threshold=self.noise_threshold)
+                                       budget_s=max(0.0, budget.left_s), threshold=self.noise_threshold)
             extra_since: float | None = None
             for result, final in timing.time_adaptive(fns, patience=patience, estimates=estimates,
                                                       min_block_s=self.min_block_s, check=poll, synchronize=sync,
@@ -128,7 +134,7 @@ class TimingSession:
                 if not final and extra_since is None:
                     extra_since = clock(sync)
                 elif final and extra_since is not None:
-                    patience_left -= clock(sync) - extra_since
+                    budget.left_s -= clock(sync) - extra_since
                 anchor = result[ANCHOR]
                 drift = final and anchor_ref is not None and timing.drifted(anchor_ref, anchor, self.drift)
                 for m in tier:

@@ -65,6 +65,8 @@ class ModelSpec:
             Conv2d or Embedding), or None.
         class_names: names of the labels (None: ``"class k"``).
         make: ``(batch, width) -> Problem``.
+        imports: the slow libraries ``make`` imports (modules, in order): the explorer imports them ahead while it
+            is idle (:mod:`.prefetch`), so that the network's first visit does not wait for them.
     """
 
     key: str
@@ -80,6 +82,7 @@ class ModelSpec:
     make: Callable[[int, int], Problem] = field(repr=False)
     token_grid: tuple[int, int] | None = None
     max_batch: int | None = None  # a user's data: at most this many samples
+    imports: tuple[str, ...] = ()
 
     def problem(self, batch: int, width: int) -> Problem:
         """The network at ``width`` (seeded: the same weights every time) and the first ``batch`` samples."""
@@ -179,7 +182,8 @@ if installed("transformers", "peft"):
         "vit-lora", "tiny ViT with LoRA adapters (Hugging Face + peft)", "LoRA rank",
         f"LoRA rank r: each adapter adds B A (A: r x {VIT_HIDDEN}, B: {VIT_HIDDEN} x r) to the query and value "
         "projections of both blocks; only the adapters and the classifier head are trained", (1, 2, 4, 8, 16, 32), 8,
-        32, "image", VIT_FIRST, FASHION, _builtin(_vit_lora, lambda x: x.reshape(-1, 1, 28, 28)))
+        32, "image", VIT_FIRST, FASHION, _builtin(_vit_lora, lambda x: x.reshape(-1, 1, 28, 28)),
+        imports=("transformers", "transformers.models.vit.modeling_vit", "peft"))  # 2-4 s on 2 busy cores
 
 TOKENS_NOTE = (f"each 7x7 patch of the image is one token, its mean brightness in {VOCAB} levels (0 = black); "
                "a simple tokenizer, so that the sequence can be read")

@@ -15,8 +15,8 @@ from pergrad_viz.bench.records import FORWARD_BACKWARD, MEMORY_FLOOR, Record
 from pergrad_viz.explorer.specs import describe_width
 from pergrad_viz.strategies import STRATEGIES
 
-__all__ = ["ANCHOR", "QUANTITIES", "QUANTITY_NAMES", "REFERENCES", "ClipView", "Computed", "RuleView", "SampleView",
-           "Setting", "Stale", "TimingKey", "Verdict", "View"]
+__all__ = ["ANCHOR", "QUANTITIES", "QUANTITY_NAMES", "REFERENCES", "Budget", "ClipView", "Computed", "RuleView",
+           "SampleView", "Setting", "Stale", "TimingKey", "Verdict", "View", "Visit"]
 
 QUANTITIES = ("grads", "jacobian")
 QUANTITY_NAMES = {"grads": "per-sample gradients", "jacobian": "output Jacobian"}
@@ -163,7 +163,9 @@ class View:
 
     Attributes:
         setting: the setting every array and record here belongs to.
-        stage: ``"gradients"``, ``"timing"`` or ``"done"``.
+        stage: ``"gradients"``, ``"timing"``, ``"measuring"`` (:attr:`shown`: every figure is this setting's and
+            final, the timed rows too; the slow baselines' rows are still being timed, in ``pending``) or
+            ``"done"``.
         grads: (B, P) per-sample gradients of the loss (MSE, reduction='sum'); boundaries: the layers' columns.
         labels: (B,) class of each sample. verdict: hooks vs torch_func (None in the very first view, drawn
         before they are compared). sample, clipping: the panels.
@@ -199,6 +201,12 @@ class View:
         return self.stage == "done"
 
     @property
+    def shown(self) -> bool:
+        """Whether the view is shown in full: done, or measuring (only the slow baselines' rows are still coming,
+        marked as such)."""
+        return self.stage in ("measuring", "done")
+
+    @property
     def progress(self) -> str:
         """One line: ``"timed 3 of 7 methods at batch size B=64, hidden width 20"``, then what is left."""
         timed = sum(1 for r in self.records if not r.skipped)
@@ -211,8 +219,12 @@ class View:
             line += f"; {self.reused} reused from earlier"
         if self.stage == "done":
             return "done: " + line
+        batches = f"B={', '.join(map(str, self.scaling_pending))}"
+        if self.stage == "measuring":  # the rest is shown: the slow baselines' rows are coming
+            where = ", ".join(self.pending) if self.pending else f"at {batches} (the scaling curve)"
+            return f"shown; {line}; still timing the slower methods {where} …"
         if not self.pending and self.scaling_pending:
-            line += f"; scaling curve at B={', '.join(map(str, self.scaling_pending))}"
+            line += f"; scaling curve at {batches}"
         return line + " …"
 
 
@@ -236,6 +248,25 @@ class Computed:
     reference_scale: float | None = None  # max |reference|: the scale of the verdict's tolerance (read once)
     hooks_s: float | None = None  # how long the hooks call for ``grads`` took
     how: tuple[tuple[str, str, str], ...] = ()  # (layer, type, rule / call / fallback)
+
+
+@dataclass
+class Budget:
+    """The seconds of extra timing rounds left for one setting (its phases share them)."""
+
+    left_s: float
+
+
+@dataclass
+class Visit:
+    """What one visit of a setting has timed so far, phase by phase (the fast strategies first, the slow baselines
+    next), by batch size (the setting's and the scaling curve's smaller ones): the records, how many of them came
+    from the cache, the extra rounds' budget left; and the smaller batches' gradients (computed once)."""
+
+    records: dict[int, list[Record]] = field(default_factory=dict)
+    reused: dict[int, int] = field(default_factory=dict)
+    budgets: dict[int, Budget] = field(default_factory=dict)
+    subs: dict[int, Computed] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

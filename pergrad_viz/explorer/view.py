@@ -24,7 +24,7 @@ import ipywidgets as w
 from matplotlib.figure import Figure
 
 from pergrad_viz.bench.records import Record
-from pergrad_viz.explorer import panels
+from pergrad_viz.explorer import panels, prefetch
 from pergrad_viz.explorer.model import ExplorerModel
 from pergrad_viz.explorer.page import Page, arrange, close_all
 from pergrad_viz.explorer.state import QUANTITIES, QUANTITY_NAMES, Setting, Stale, View
@@ -260,6 +260,8 @@ class Explorer(w.VBox):
                 self.error = ""
                 self.error_html.value = ""
                 self._progress("done", self.view.setting, self.view.progress)
+                if self._worker is not None:  # the first setting shown: import ahead what the menu needs
+                    prefetch.start(m for spec in self.specs.values() for m in spec.imports)
             except Stale:
                 pass  # a newer setting is pending (the worker runs it next), or the explorer was closed
             except Exception as exc:  # shown, not swallowed: the UI must survive e.g. a MemoryBudgetError
@@ -269,6 +271,8 @@ class Explorer(w.VBox):
         """Between steps of the model's work: a new sample or threshold is drawn right here (the timing goes
         on); any other change, a rerun or :meth:`close` abandons this setting."""
         self._check_closed()
+        if self._worker is not None and self._worker.outranked():
+            raise Stale  # another explorer's newer job runs first; this one runs again after it
         newer = self._worker.peek() if self._worker is not None else None
         if newer is None:
             return

@@ -8,6 +8,8 @@ ends the thread and joins it, so that a closed explorer holds nothing alive.
 Several explorers in one process (a notebook with two, shown at once as a Voila dashboard) take turns: a job runs
 only while it holds :data:`TURN`, one lock for the process. Otherwise their workers would compute and time at the same
 time, each measuring the other (the threads share the cores and the interpreter), and every timing would be noisy.
+The newest job goes first: a running job gives way (at its next check, :meth:`Worker.outranked`) to one submitted
+after it to another explorer, and runs again once that one is done (the learner moved a control of the other).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pergrad_viz.explorer.state import Setting
 
@@ -23,6 +25,8 @@ __all__ = ["TURN", "Job", "Worker"]
 
 TURN = threading.Lock()  # held by the one worker of the process running a job (see the module's docstring)
 TURN_POLL_S = 0.05  # a worker waiting for its turn checks this often whether it was stopped
+WAITING: dict[int, float] = {}  # worker id -> when the job it waits to run was submitted (under WAITING_LOCK)
+WAITING_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class Job:
 
     setting: Setting
     rerun: bool = False
+    submitted: float = field(default_factory=time.monotonic, compare=False)
 
 
 class Worker:
@@ -44,6 +49,8 @@ class Worker:
         self._pending: Job | None = None
         self._busy = False
         self._stopping = False
+        self._running: Job | None = None
+        self._gave_way = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -93,6 +100,17 @@ class Worker:
         with self._cond:
             return self._stopping
 
+    def outranked(self) -> bool:
+        """Whether another explorer's worker waits to run a job submitted after the running one: the running job
+        should give way at its next check (raise :class:`~.state.Stale`); it is run again next."""
+        running = self._running
+        self._gave_way = self._gave_way or (running is not None and self._newer_waiting(running.submitted))
+        return self._gave_way
+
+    def _newer_waiting(self, submitted: float) -> bool:
+        with WAITING_LOCK:
+            return any(t > submitted for w, t in WAITING.items() if w != id(self))
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -117,21 +135,36 @@ class Worker:
                     return
                 job, self._pending, self._busy = self._pending, None, True
             try:
-                if self._take_turn():
+                if self._take_turn(job):
+                    self._running, self._gave_way = job, False
                     try:
                         self._run(job)
                     finally:
+                        self._running = None
                         TURN.release()
             finally:
-                del job
                 with self._cond:
+                    if self._gave_way and self._pending is None and not self._stopping:
+                        self._pending = job  # it gave way to another explorer's newer job: run it again next
+                    self._gave_way = False
                     self._busy = False
                     self._cond.notify_all()
+                del job
 
-    def _take_turn(self) -> bool:
+    def _take_turn(self, job: Job) -> bool:
         """Wait until no other worker of the process runs a job, then hold :data:`TURN`; False when stopped
-        meanwhile (the job is dropped)."""
-        while not TURN.acquire(timeout=TURN_POLL_S):
-            if self.stopping:
-                return False
-        return True
+        meanwhile (the job is dropped). While waiting, ``job`` is in :data:`WAITING` (an older running job gives way
+        to it)."""
+        with WAITING_LOCK:
+            WAITING[id(self)] = job.submitted
+        try:
+            while True:
+                if self._newer_waiting(job.submitted):  # the newer job first (it may wait for this one's turn)
+                    time.sleep(TURN_POLL_S)
+                elif TURN.acquire(timeout=TURN_POLL_S):
+                    return True
+                if self.stopping:
+                    return False
+        finally:
+            with WAITING_LOCK:
+                WAITING.pop(id(self), None)

@@ -2,8 +2,9 @@
 
 The tests drive the explorer the way a user does, through the page (slider handles and the keyboard, clicks) and
 read back what the page shows; the one thing they rely on is the explorer's progress line, an element
-``.pergrad-progress`` whose ``data-state`` is ``busy``, ``done`` or ``error`` and whose ``data-setting`` names the
-setting (``mlp B=64 hidden=20 grads``: the network of the menu, batch size, width, quantity).
+``.pergrad-progress`` whose ``data-state`` is ``busy``, ``measuring`` (everything is shown and final but the slow
+baselines' rows, marked as coming: ``tr.pergrad-coming``), ``done`` or ``error`` and whose ``data-setting`` names
+the setting (``mlp B=64 hidden=20 grads``: the network of the menu, batch size, width, quantity).
 """
 
 from __future__ import annotations
@@ -383,7 +384,8 @@ class Latency:
     change: str  # e.g. "32 -> 64"
     setting: str  # the setting it ends on (data-setting)
     first_s: float | None  # input -> first new figure shown (None: no figure changes, e.g. a cached view)
-    settled_s: float  # input -> the progress line says done for the new setting
+    settled_s: float  # input -> everything shown is final (the progress line says measuring or done)
+    complete_s: float  # input -> the progress line says done: the slow baselines' rows are in too
     note: str = ""
 
     @property
@@ -404,7 +406,7 @@ def record(row: Latency) -> Latency:
     first = "-" if row.first_s is None else f"{row.first_s:.2f}"
     line = (f"latency {row.frontend} {row.control} {row.change} [{row.setting}]: first figure {first} s, "
             f"settled {row.settled_s:.2f} s (target {row.target.first_s:g} / {row.target.settled_s:g} s: "
-            f"{'met' if row.met else 'MISSED'}){' ' + row.note if row.note else ''}")
+            f"{'met' if row.met else 'MISSED'}), every row {row.complete_s:.2f} s{' ' + row.note if row.note else ''}")
     print(line)
     LATENCY_LOG.parent.mkdir(parents=True, exist_ok=True)
     with open(LATENCY_LOG, "a", encoding="utf-8") as f:
@@ -414,11 +416,12 @@ def record(row: Latency) -> Latency:
 
 def latency_table(rows: list[Latency]) -> str:
     """The measured latencies as an aligned table (the README's "Explorer latency" section shows one)."""
-    head = ("frontend", "control", "change", "ends on", "first figure", "settled", "target (first / settled)", "")
+    head = ("frontend", "control", "change", "ends on", "first figure", "settled", "every row",
+            "target (first / settled)", "")
     body = []
     for r in rows:
         first = "-" if r.first_s is None else f"{r.first_s:.2f} s"
-        body.append((r.frontend, r.control, r.change, r.setting, first, f"{r.settled_s:.2f} s",
+        body.append((r.frontend, r.control, r.change, r.setting, first, f"{r.settled_s:.2f} s", f"{r.complete_s:.2f} s",
                      f"{r.target.first_s:g} s / {r.target.settled_s:g} s ({r.target.name})",
                      ("met" if r.met else "MISSED") + (f"; {r.note}" if r.note else "")))
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
@@ -428,13 +431,15 @@ def latency_table(rows: list[Latency]) -> str:
 
 
 # In-page probe, installed right before an input: records (performance.now() ms after the install) when the
-# first <img> of the explorer shows a new, loaded figure, and when the progress line last turned "done".
+# first <img> of the explorer shows a new, loaded figure, when the progress line last turned "measuring" or "done"
+# (settled: every figure shown is final; the slow baselines' rows still coming are marked) and when it turned
+# "done"; at the settled moment, what the page said was still coming (the rows marked, the progress line's text).
 _PROBE_JS = """
 (root) => {
     if (window.__pvProbe) { window.__pvProbe.stop(); }
     const t0 = performance.now();
     const before = new Map(Array.from(root.querySelectorAll('img')).map(i => [i, i.getAttribute('src')]));
-    const probe = {first: null, done: null, setting: null, states: []};
+    const probe = {first: null, settled: null, done: null, setting: null, states: [], coming: null};
     const check = () => {
         const now = performance.now() - t0;
         if (probe.first === null) {
@@ -448,10 +453,18 @@ _PROBE_JS = """
         if (p) {
             const key = p.dataset.state + ' ' + p.dataset.setting;
             if (probe.states[probe.states.length - 1] !== key) probe.states.push(key);
-            if (p.dataset.state === 'done' || p.dataset.state === 'error') {
-                if (probe.done === null || probe.setting !== p.dataset.setting) probe.done = now;
+            const final = p.dataset.state === 'done' || p.dataset.state === 'error';
+            if (final || p.dataset.state === 'measuring') {
+                if (probe.settled === null || probe.setting !== p.dataset.setting) {
+                    probe.settled = now;
+                    probe.coming = {state: p.dataset.state, text: p.textContent,
+                                    rows: Array.from(root.querySelectorAll('tr.pergrad-coming'))
+                                        .map(tr => tr.dataset.method)};
+                }
+                if (final && (probe.done === null || probe.setting !== p.dataset.setting)) probe.done = now;
+                if (!final) probe.done = null;
                 probe.setting = p.dataset.setting;
-            } else { probe.done = null; probe.setting = p.dataset.setting; }
+            } else { probe.settled = null; probe.done = null; probe.setting = p.dataset.setting; }
         }
     };
     const observer = new MutationObserver(check);
@@ -460,14 +473,15 @@ _PROBE_JS = """
     probe.stop = () => { observer.disconnect(); clearInterval(timer); };
     window.__pvProbe = probe;
     check();
+    probe.settled = null;
     probe.done = null;
 }
 """
 
 
 def _probe(scope) -> dict:
-    return scope.evaluate("() => { const p = window.__pvProbe; return {first: p.first, done: p.done, "
-                          "setting: p.setting, states: p.states}; }")
+    return scope.evaluate("() => { const p = window.__pvProbe; return {first: p.first, settled: p.settled, "
+                          "done: p.done, setting: p.setting, states: p.states, coming: p.coming}; }")
 
 
 @dataclass
@@ -522,8 +536,14 @@ def measure(ui: Ui, control: str, change: str, act, expect: str | None = None, t
         time.sleep(0.05)
     state = progress(ui.scope)
     assert state["state"] == "done", f"{control} {change}: the explorer shows an error: {explorer_text(ui.scope)}"
+    coming = probe["coming"]
+    if coming["state"] == "measuring":  # settled before done: what is still coming must say so on the page
+        assert "still timing the slower methods" in coming["text"], coming
+        named = [m for m in ("loop", "autograd_stack", "batched_grad", "torch_func") if m in coming["text"]]
+        assert set(named) <= set(coming["rows"]), f"{control} {change}: rows named as coming not marked: {coming}"
     first = None if probe["first"] is None else probe["first"] / 1000
-    return record(Latency(ui.frontend, control, change, probe["setting"], first, probe["done"] / 1000, note))
+    return record(Latency(ui.frontend, control, change, probe["setting"], first, probe["settled"] / 1000,
+                          probe["done"] / 1000, note))
 
 
 def press(ui: Ui, label: str, key: str, times: int = 1):

@@ -43,7 +43,8 @@ def test_stages_in_order_and_every_part_belongs_to_the_setting(model):
     views = list(model.stages(setting))
     assert [v.stage for v in views[:2]] == ["gradients", "gradients"] and views[-1].stage == "done"
     assert views[0].verdict is None and views[1].verdict is not None  # the heatmap first, then the verdict
-    assert all(v.stage == "timing" for v in views[2:-1])
+    stages = [v.stage for v in views[2:-1]]
+    assert stages == sorted(stages, key=["timing", "measuring"].index) and "measuring" in stages
     first = views[0]
     assert first.records == () and set(first.pending) == {*pv.STRATEGIES, bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR}
     assert first.progress.startswith("timed 0 of 7 methods at batch size B=4, hidden width 8")
@@ -278,6 +279,30 @@ def test_bad_settings_refused(model):
     with pytest.raises(ValueError, match="unknown strategies"):
         model.check(Setting(strategies=("nope",)))
     assert model.scaling_batches(8) == [1, 8] and model.scaling_batches(1) == [1]
+
+
+def test_the_fast_strategies_are_shown_first_and_the_slow_baselines_rows_come_after():
+    """Until the view says "measuring", no slow baseline is timed; from then on every fast row is final (not
+    provisional), the scaling curve has the fast methods at every batch size, and what is pending is the slow
+    baselines only; they arrive in later views, the fast rows unchanged."""
+    slow = {"loop", "autograd_stack", "batched_grad"}
+    model = ExplorerModel(batch_options=(1, 2, 4, 8), slow_limit=16, sweep_batches=2, **FAST)
+    views = list(model.stages(Setting(batch=4, hidden=8)))
+    before = [v for v in views if v.stage in ("gradients", "timing")]
+    assert all(r.strategy not in slow for v in before for r in v.records)
+    assert all(r.strategy not in slow for v in before for r in v.scaling_records)
+    shown = next(v for v in views if v.shown)
+    assert shown.stage == "measuring" and set(shown.pending) == slow and shown.provisional == ()
+    fast = {r.strategy: r.median_s for r in shown.records}
+    assert set(fast) == {"torch_func", "hooks", bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR}
+    assert {(r.strategy, r.batch_size) for r in shown.scaling_records} == {(m, b) for m in fast for b in (1, 4)}
+    assert "shown; timed 4 of 7 methods" in shown.progress and "still timing the slower methods" in shown.progress
+    done = views[-1]
+    assert done.done and done.pending == () and {r.strategy for r in done.records} == {*fast, *slow}
+    assert all(r.median_s == fast[r.strategy] for r in done.records if r.strategy in fast)  # kept, not retimed
+    assert {(r.strategy, r.batch_size) for r in done.scaling_records} == {(m, b) for m in {*fast, *slow}
+                                                                          for b in (1, 4)}
+    assert done.reused == 0 and done.records[0].speedup_vs_loop is not None  # vs loop once the loop is in
 
 
 def test_the_extra_rounds_share_one_budget_per_setting(monkeypatch):
@@ -585,3 +610,17 @@ def test_a_users_image_and_token_samples_are_drawn():
     assert tokens.first_layer == "0"
     with pytest.raises(TypeError, match="data must be"):
         user_spec(torch.nn.Linear(2, 2), torch.nn.MSELoss(), torch.randn(3, 2))
+
+
+def test_above_a_large_result_only_autos_method_is_timed_before_the_view_is_shown(monkeypatch):
+    """Where one result is over LARGE_RESULT bytes (B=256 at hidden 512: 398 MiB), torch_func (0.6 s a call there)
+    comes after the view is shown, as the slow baselines do; below it, it is timed with hooks."""
+    setting = Setting(batch=4, hidden=8, strategies=("hooks", "torch_func"))
+    views = list(ExplorerModel(batch_options=(1, 4), slow_limit=16, sweep_batches=2, **FAST).stages(setting))
+    assert not any(v.stage == "measuring" for v in views)  # nothing slow: shown when done
+    monkeypatch.setattr(model_module, "LARGE_RESULT", 0)
+    views = list(ExplorerModel(batch_options=(1, 4), slow_limit=16, sweep_batches=2, **FAST).stages(setting))
+    shown = next(v for v in views if v.shown)
+    assert shown.stage == "measuring" and shown.pending == ("torch_func",)
+    assert {r.strategy for r in shown.records} == {"hooks", bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR}
+    assert "torch_func" in {r.strategy for r in views[-1].records}

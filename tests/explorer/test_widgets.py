@@ -464,6 +464,38 @@ def test_two_workers_in_one_process_take_turns():
             worker.stop(timeout=5)
 
 
+def test_the_newest_job_goes_first_and_the_one_that_gave_way_runs_again():
+    """A learner moving a control of one explorer while another explorer of the kernel works (the dashboard's
+    second one computing its first setting) waits for it no longer: the running job gives way at its next check
+    to the job submitted after it, then runs again; a job that waits with an older one does not interrupt."""
+    from pergrad_viz.explorer.worker import Job, Worker
+
+    order, started = [], threading.Event()
+
+    def run_a(job):
+        order.append("a starts")
+        started.set()
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            if a.outranked():
+                order.append("a gives way")
+                return
+            time.sleep(0.01)
+        order.append("a ends")
+
+    a, b = Worker(run_a), Worker(lambda job: order.append("b runs"))
+    try:
+        setting = pv.explorer.model.Setting()
+        a.submit(Job(setting))
+        assert started.wait(5)
+        b.submit(Job(setting))
+        assert b.wait(5) and a.wait(5)
+        assert order == ["a starts", "a gives way", "b runs", "a starts", "a ends"]
+    finally:
+        a.stop(timeout=5)
+        b.stop(timeout=5)
+
+
 def test_layer_labels_are_short_and_tell_layers_apart():
     from pergrad_viz.explorer.panels import display_bounds, short_names
 
@@ -484,3 +516,35 @@ def test_an_image_beside_a_matrix():
     fig = image_matrix_figure(torch.rand(1, 28, 28), torch.randn(4, 32), row_labels=list("abcd"), title="t")
     image, matrix = fig.axes[:2]
     assert image.images[0].get_array().shape == (28, 28) and matrix.images[0].get_array().shape == (4, 32)
+
+
+def test_while_the_slow_baselines_are_timed_the_page_says_so(ex, monkeypatch):
+    """The "measuring" views: the scaling curve drawn (its title naming the baselines coming), the progress line
+    ``data-state='measuring'``, and a row marked as coming for each slow baseline not yet timed; at "done" no row
+    is marked any more."""
+    seen, bars = [], []
+    real, real_bars = page_module.Page.show, page_module.viz.bar_figure
+
+    def spy(self, view):
+        real(self, view)
+        drawn = [(r.strategy, r.median_s) for r in bars[-1]] if bars else None
+        seen.append((view.stage, self.progress_html.value, self.table_html.value,
+                     self.images["runtime"].layout.display, drawn == [(r.strategy, r.median_s) for r in view.records]))
+
+    def spy_bars(records, **kwargs):
+        bars.append(list(records))
+        return real_bars(records, **kwargs)
+
+    monkeypatch.setattr(page_module.Page, "show", spy)
+    monkeypatch.setattr(page_module.viz, "bar_figure", spy_bars)
+    ex.set(model="mlp", batch=2, hidden=16, quantity="grads", strategies=list(pv.STRATEGIES))
+    measuring = [s for s in seen if s[0] == "measuring"]
+    assert measuring and seen[-1][0] == "done"
+    _stage, progress, table, runtime, bars_final = measuring[0]
+    assert bars_final  # the bar chart shows the rows of the shown view (not one drawn earlier, while timing)
+    assert "data-state='measuring'" in progress and "still timing the slower methods" in progress
+    coming = {m for m in ("loop", "autograd_stack", "batched_grad") if f"data-method='{m}'" in table}
+    assert coming == {"loop", "autograd_stack", "batched_grad"} and "pergrad-coming" in table
+    assert runtime == ""  # this setting's curve (another setting's is hidden first), its fast methods drawn
+    assert "pergrad-coming" not in seen[-1][2] and "data-state='done'" in seen[-1][1]
+    assert all("data-state='busy'" in s[1] for s in seen if s[0] in ("gradients", "timing"))
