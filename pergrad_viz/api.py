@@ -17,7 +17,15 @@ from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
-from pergrad_viz.core.validate import batch_of, check_chunk, check_loss, check_modes, check_out, check_strategy_name
+from pergrad_viz.core.validate import (
+    batch_of,
+    check_chunk,
+    check_loss,
+    check_modes,
+    check_out,
+    check_out_memory,
+    check_strategy_name,
+)
 from pergrad_viz.engine.capture import PlanMismatchError, check_supported
 from pergrad_viz.engine.certify import CheckFailedError, check_grads, check_jacobian
 from pergrad_viz.engine.probe import plan_for
@@ -114,7 +122,8 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
 
 
 def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
-            loss_fn: object = None, model_kwargs: Mapping | None = None) -> tuple[Trainable, str, Batch, int]:
+            loss_fn: object = None, model_kwargs: Mapping | None = None, out: torch.Tensor | None = None,
+            flat: bool = True) -> tuple[Trainable, str, Batch, int]:
     """A call checked (``pergrad_viz.core.validate``) and planned: ``(trainable, resolved strategy, batch (B, ...),
     samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``)."""
     if loss_fn is not None:
@@ -123,6 +132,8 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     trainable = Trainable.of(model)
     batch = batch_of(trainable, inputs, targets, model_kwargs)
     chunk = check_chunk(chunk_size, batch.size)
+    if out is not None:
+        check_out_memory(out, trainable, flat, batch, targets)  # before the probe runs the model
     return trainable, resolve_strategy(strategy, trainable, batch), batch, chunk
 
 
@@ -211,7 +222,8 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     """
     requested = strategy
     targets = normal_tensor(targets) if isinstance(targets, torch.Tensor) else tree_map(normal_tensor, targets)
-    trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs)
+    trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs,
+                                                  out, flat)
     batch = inputs.size
     if out is not None:
         check_out(out, (batch, trainable.num_params), trainable, flat)
@@ -264,7 +276,7 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
     """
     requested = strategy
     trainable, strategy, inputs, chunk = prepare(model, inputs, None, strategy, chunk_size,
-                                                  model_kwargs=model_kwargs)
+                                                  model_kwargs=model_kwargs, out=out, flat=flat)
     if output is not None:
         trainable = trainable.selecting(output)
     batch = inputs.size
