@@ -46,7 +46,7 @@ from torch import nn
 
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.core.validate import check_loss, check_modes
+from pergrad_viz.core.validate import check_loss, check_modes, whole_number
 from pergrad_viz.scanning import runner, store
 from pergrad_viz.scanning.sketch import GradientSketch, layer_blocks
 from pergrad_viz.scanning.store import ScanMismatchError
@@ -112,12 +112,6 @@ def _check_quantities(quantities: Sequence[str] | str, proj_dim: int | None) -> 
     elif "projection" in wanted:
         raise ValueError("quantity 'projection' needs proj_dim: pass proj_dim=K (e.g. 256 columns per example)")
     return [q for q in QUANTITIES if q in wanted]
-
-
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _check_dataset(dataset: object) -> int:
@@ -202,12 +196,15 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
         BatchNorm in training mode.
     """
     check_loss(loss_fn)
+    proj_dim = None if proj_dim is None else whole_number("proj_dim", proj_dim, hint=" (columns per example)")
+    seed = whole_number("seed", seed, minimum=0)
+    num_workers = whole_number("num_workers", num_workers, minimum=0)
     wanted = _check_quantities(quantities, proj_dim)
-    batch_size = _positive("batch_size", batch_size)
+    batch_size = whole_number("batch_size", batch_size)
     n = _check_dataset(dataset)
     if chunk_size is None:
         chunk_size = batch_size * min(64, max(1, math.ceil(n / (16 * batch_size))))
-    chunk_size = _positive("chunk_size", chunk_size)
+    chunk_size = whole_number("chunk_size", chunk_size)
     if chunk_size % batch_size:
         raise ValueError(f"chunk_size={chunk_size} must be a multiple of batch_size={batch_size} "
                          f"(e.g. {batch_size * max(1, round(chunk_size / batch_size))})")
