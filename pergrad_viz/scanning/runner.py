@@ -190,8 +190,9 @@ def data_loader(dataset: torch.utils.data.Dataset, batches: list[list[int]], num
     if num_workers > 0:
         served = remote.GuardedBatches(served, collate or torch.utils.data.default_collate)
         collate = remote.first
+    # its own generator: a DataLoader draws its workers' base seed from the global RNG, which is the caller's
     return torch.utils.data.DataLoader(served, batch_sampler=batches, num_workers=num_workers, collate_fn=collate,
-                                       pin_memory=pin_memory)
+                                       pin_memory=pin_memory, generator=torch.Generator().manual_seed(0))
 
 
 class _Batches(torch.utils.data.Dataset):
