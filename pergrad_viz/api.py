@@ -19,6 +19,7 @@ from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
 from pergrad_viz.core.validate import (
     batch_of,
+    check_autocast,
     check_chunk,
     check_loss,
     check_modes,
@@ -134,6 +135,9 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     chunk = check_chunk(chunk_size, batch.size)
     if out is not None:
         check_out_memory(out, trainable, flat, batch, targets)  # before the probe runs the model
+    if check_autocast(strategy, trainable):  # under torch.autocast: each sample alone, as the definition runs it
+        check_modes(trainable)
+        return trainable, "loop", batch, chunk
     return trainable, resolve_strategy(strategy, trainable, batch), batch, chunk
 
 

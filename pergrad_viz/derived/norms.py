@@ -37,6 +37,7 @@ from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import default_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
+from pergrad_viz.core.validate import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.engine.capture import Layer, PlanMismatchError, loss_gradients
 from pergrad_viz.engine.certify import CheckFailedError, check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
@@ -113,10 +114,12 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, t
     """{name: (B,) squared norms}: per chunk 1 forward with hooks, 1 backward to the layer outputs."""
     batch = inputs.size
     squared = {n: torch.zeros(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
-    with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
+    # hooks remove their hooks; autograd.grad leaves .grad alone
+    with restoring_modes(trainable), refusing_reentrant_checkpoints():
         for start in range(0, batch, chunk):
             rows = slice(start, min(start + chunk, batch))
             calls, grads = loss_gradients(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
+            check_reached(trainable, calls)
             tied = tied_names(calls)
             summed: dict[str, torch.Tensor] = {}  # tied parameters: (B, *shape), summed over their layers
             for layer, seen in group_calls(calls, grads).values():

@@ -108,6 +108,14 @@ def _norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[float]:
     return norms
 
 
+def _grad(output: torch.Tensor, params: tuple, **kw: object) -> tuple:
+    """``autograd.grad`` with ``allow_unused``; None for every parameter where no trainable parameter reaches
+    ``output`` (a sample alone the forward sends past them: zeros, as in the loop)."""
+    if not output.requires_grad:
+        return (None,) * len(params)
+    return torch.autograd.grad(output, params, allow_unused=True, **kw)
+
+
 def _loss_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, i: int) -> torch.Tensor:
     """The definition: sample i's loss with the model run on sample i alone."""
     return scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
@@ -118,7 +126,7 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     """Raise :class:`CheckFailedError` unless row i of ``rows`` {name: (B, *param.shape)} is sample i's gradient."""
     i = draw(inputs.size)
     loss = _loss_alone(trainable, loss_fn, inputs, targets, i)
-    want = torch.autograd.grad(loss, trainable.params, allow_unused=True)
+    want = _grad(loss, trainable.params)
     _compare(trainable, want, {n: t[i] for n, t in rows.items()}, i, strategy, "gradient")
 
 
@@ -131,7 +139,7 @@ def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch
     output = trainable.outputs(inputs.sample(i)).reshape(-1)
     gen = torch.Generator(device=output.device).manual_seed(_DRAW.getrandbits(62))
     u = torch.randn(output.numel(), generator=gen, dtype=output.dtype, device=output.device)
-    want = torch.autograd.grad(output @ u, trainable.params, allow_unused=True)
+    want = _grad(output @ u, trainable.params)
     if flat is not None:
         combined = (u @ flat[i]).split([p.numel() for p in trainable.params])  # (P,), cut per parameter
         got = {n: c.view(p.shape) for n, c, p in zip(trainable.names, combined, trainable.params, strict=True)}
@@ -146,7 +154,7 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     gradient, per parameter."""
     i = draw(inputs.size)
     loss = _loss_alone(trainable, loss_fn, inputs, targets, i)
-    grads = _dense(torch.autograd.grad(loss, trainable.params, allow_unused=True), trainable)
+    grads = _dense(_grad(loss, trainable.params), trainable)
     wants = _norms(grads, trainable.dtype)
     gots = torch.stack([squared[name][i] for name in trainable.names]).double().sqrt().tolist()
     rtol = _tolerance(trainable.dtype)
@@ -167,7 +175,7 @@ def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:
     output = trainable.outputs(x).reshape(-1)
     rows = []
     for j in range(output.numel()):
-        grads = torch.autograd.grad(output[j], trainable.params, retain_graph=True, allow_unused=True)
+        grads = _grad(output[j], trainable.params, retain_graph=True)
         rows.append(torch.cat([(torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g).reshape(-1)
                                for g, p in zip(grads, trainable.params, strict=True)]))
     return torch.stack(rows)

@@ -43,6 +43,7 @@ from torch.nn.modules import module as module_mod
 from pergrad_viz.core.batch import Batch, differs
 from pergrad_viz.core.ownership import assign
 from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.core.validate import refusing_reentrant_checkpoints
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.observe import close, first_difference, observe
 from pergrad_viz.engine.plan_key import plan_key
@@ -368,7 +369,8 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
     if cached is not None and cached[0] == key and (cached[1].verified or inputs.size == 1):
         plan = cached[1]
     else:
-        plan = _make_plan(trainable, inputs)
+        with refusing_reentrant_checkpoints():  # the probe's backward passes meet it first
+            plan = _make_plan(trainable, inputs)
         _PLANS[trainable.model] = (key, plan)
     trainable.cache["probe.plan"] = plan
     return plan

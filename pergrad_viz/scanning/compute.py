@@ -26,6 +26,7 @@ from pergrad_viz import api
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.losses import LossFn, logits_of, per_sample_losses
 from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.core.validate import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.derived.norms import (
     ghost_kind,
     layer_squared_norms,
@@ -132,8 +133,9 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
     trainable = Trainable.of(model)
     batch = len(y)
     inputs = Batch.of(x, size=batch)
-    with restoring_modes(trainable):
+    with restoring_modes(trainable), refusing_reentrant_checkpoints():
         output, calls = capture(trainable, inputs)
+        check_reached(trainable, calls)
         if tied_names(calls):
             raise _NeedsMaterialising
         output, losses = _losses(loss_fn, output, y)  # (B,)

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 from pergrad_viz.api import resolve_strategy
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.core.validate import autocast_dtype
 from pergrad_viz.scanning import remote, store
 from pergrad_viz.scanning.compute import GRAD_QUANTITIES, batch_quantities
 from pergrad_viz.scanning.sketch import GradientSketch, layer_blocks
@@ -214,5 +215,7 @@ class _Batches(torch.utils.data.Dataset):
 
 
 def _hooks_ok(trainable: Trainable, x: object) -> bool:
+    if autocast_dtype(trainable.device) is not None:  # the layer rules do not follow autocast: per_sample_grads does
+        return False
     with restoring_modes(trainable):
         return resolve_strategy("auto", trainable, x) == "hooks"

@@ -13,6 +13,7 @@ from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.core.validate import check_takes_part
 from pergrad_viz.strategies.outputs import write
 
 
@@ -25,6 +26,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """1 forward, B backward passes through the batch graph; writes (B, *param.shape) into ``out``."""
     losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)  # (B,)
+    check_takes_part(trainable, losses)
     batch = losses.shape[0]
     for i in range(batch):
         g = torch.autograd.grad(losses[i], trainable.params, retain_graph=i < batch - 1, allow_unused=True)
@@ -34,6 +36,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """1 forward, B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
     outputs = flat_outputs(trainable.outputs(inputs))  # (B, Y)
+    check_takes_part(trainable, outputs, "model output")
     batch, y_count = outputs.shape
     for i in range(batch):
         for j in range(y_count):

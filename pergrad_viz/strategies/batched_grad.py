@@ -13,6 +13,7 @@ from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.core.validate import check_takes_part
 from pergrad_viz.strategies.outputs import write
 
 
@@ -25,6 +26,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """Writes (B, *param.shape) into ``out``: row i of the one-hot (B, B) picks the loss of sample i."""
     losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)  # (B,)
+    check_takes_part(trainable, losses)
     one_hot = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)
     g = torch.autograd.grad(losses, trainable.params, grad_outputs=one_hot, is_grads_batched=True,
                             allow_unused=True)
@@ -34,6 +36,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """Writes (B, Y, *param.shape) into ``out`` from B x Y one-hot grad outputs of shape (B, Y)."""
     outputs = flat_outputs(trainable.outputs(inputs))  # (B, Y)
+    check_takes_part(trainable, outputs, "model output")
     batch, y_count = outputs.shape
     one_hot = torch.eye(batch * y_count, dtype=outputs.dtype, device=outputs.device)
     g = torch.autograd.grad(outputs, trainable.params, grad_outputs=one_hot.view(-1, batch, y_count),

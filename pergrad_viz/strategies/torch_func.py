@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.core.validate import check_takes_part
 from pergrad_viz.errors import UnsupportedModelError
 
 
@@ -114,9 +115,14 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
                     ) -> torch.Tensor:
         return scalar_loss(loss_fn(_call_one(trainable, inputs, params, state, xs), _unsqueezed(y)))
 
+    def checked(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object) -> torch.Tensor:
+        loss = loss_of_one(params, xs, y)
+        check_takes_part(trainable, loss)  # under grad, requires_grad says whether the loss depends on params
+        return loss
+
     params = _trainable(trainable)
     leaves = inputs.leaves()
-    result = _vmapped(trainable, lambda: vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, leaves, targets),
+    result = _vmapped(trainable, lambda: vmap(grad(checked), in_dims=(None, 0, 0))(params, leaves, targets),
                       lambda state: loss_of_one(params, _first(leaves), _first(targets), state))
     for name in trainable.names:
         out[name].copy_(result[name])
@@ -131,9 +137,14 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
                        ) -> torch.Tensor:
         return select(_call_one(trainable, inputs, params, state, xs)).reshape(-1)
 
+    def checked(params: dict[str, torch.Tensor], xs: list[torch.Tensor]) -> torch.Tensor:
+        output = outputs_of_one(params, xs)
+        check_takes_part(trainable, output, "model output")
+        return output
+
     params = _trainable(trainable)
     leaves = inputs.leaves()
-    result = _vmapped(trainable, lambda: vmap(jacrev(outputs_of_one), in_dims=(None, 0))(params, leaves),
+    result = _vmapped(trainable, lambda: vmap(jacrev(checked), in_dims=(None, 0))(params, leaves),
                       lambda state: outputs_of_one(params, _first(leaves), state))
     for name in trainable.names:
         out[name].copy_(result[name])

@@ -53,11 +53,10 @@ BAD = {  # name -> (maker, what the message names)
     "graph-result": (lambda shape, x, m: (torch.zeros(shape, dtype=DT, requires_grad=True) * 1, x),
                      "requires grad"),
     "inference-tensor": (_inside_inference_mode, "inference tensor"),
-    "transposed": (lambda shape, x, m: (torch.zeros(tuple(reversed(shape)), dtype=DT).mT
-                                        if len(shape) == 2 else torch.zeros(shape, dtype=DT).transpose(1, 2)
-                                        .contiguous().transpose(1, 2), x), "not contiguous"),
 }
 GOOD = {
+    "column-major": lambda shape, x, m: (torch.full(tuple(reversed(shape)), float("nan"), dtype=DT).permute(
+        *reversed(range(len(shape)))), x),
     "fresh": lambda shape, x, m: (torch.full(shape, float("nan"), dtype=DT), x),
     "columns-of-larger": lambda shape, x, m: (torch.full((*shape[:-1], shape[-1] + 7), float("nan"),
                                                          dtype=DT)[..., 3:3 + shape[-1]], x),
