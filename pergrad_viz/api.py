@@ -13,13 +13,13 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
+from pergrad_viz.core.guards import check_autocast
 from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
 from pergrad_viz.core.validate import (
     batch_of,
-    check_autocast,
     check_chunk,
     check_loss,
     check_modes,

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from pergrad_viz.core.validate import real_number
+from pergrad_viz.core.numbers import real_number
 from pergrad_viz.errors import MemoryBudgetError, human_bytes
 
 BUDGET_SHARE = 0.5  # of the memory available when the call starts

@@ -7,13 +7,7 @@ that mixes the samples would also change its buffers).
 
 from __future__ import annotations
 
-import contextlib
-import math
-import numbers
-import operator
-import os
-import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +15,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from pergrad_viz.core.batch import Batch, Inputs, normal_tensor
+from pergrad_viz.core.guards import REENTRANT_CHECKPOINT
+from pergrad_viz.core.numbers import whole_number
 from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -52,14 +48,6 @@ def check_model(model: object, named_parameters: Sequence[tuple[str, nn.Paramete
             "to differentiate; unfreeze some with p.requires_grad_(True)"
         )
     return named
-
-
-REENTRANT_CHECKPOINT = (
-    "the model uses gradient checkpointing with use_reentrant=True, whose recomputation runs only inside .backward(): "
-    "PyTorch refuses torch.autograd.grad and torch.func through it, which every strategy (the loop included) needs. "
-    "Use use_reentrant=False (the default PyTorch recommends): torch.utils.checkpoint.checkpoint(fn, *args, "
-    "use_reentrant=False), or for a Hugging Face model model.gradient_checkpointing_enable("
-    "gradient_checkpointing_kwargs={'use_reentrant': False}); or turn it off (model.gradient_checkpointing_disable())")
 
 
 def check_modes(model: nn.Module | Trainable) -> None:
@@ -112,85 +100,6 @@ def check_modes(model: nn.Module | Trainable) -> None:
                 "whole batch, so the gradient of one sample would depend on the other samples. Create the "
                 "Embedding with scale_grad_by_freq=False."
             )
-
-
-def check_takes_part(trainable: Trainable, result: torch.Tensor, what: str = "loss") -> None:
-    """Refuse a call in which no trainable parameter takes part: ``result`` (the loss, or the model output of a
-    Jacobian) does not depend on any of them, so every per-sample gradient would be zero (where some take part,
-    those that do not get zeros, as the loop's ``allow_unused`` gives)."""
-    if isinstance(result, torch.Tensor) and not result.requires_grad:
-        raise nothing_takes_part(trainable, what)
-
-
-def check_reached(trainable: Trainable, calls: Sequence, what: str = "loss") -> None:
-    """Refuse a hooked forward (``calls``: the captured layer calls, ``pergrad_viz.engine.capture``) in which no
-    layer output carries a gradient: no trainable parameter takes part (as :func:`check_takes_part`)."""
-    if not any(t.requires_grad for c in calls for t in (*c.outputs, *c.internals)):
-        raise nothing_takes_part(trainable, what)
-
-
-def nothing_takes_part(trainable: Trainable, what: str = "loss") -> ValueError:
-    """The error of a call in which no trainable parameter takes part in ``what`` (see :func:`check_takes_part`)."""
-    names = list(trainable.names)
-    shown = ", ".join(f"'{n}'" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return ValueError(
-        f"no trainable parameter takes part in the {what}: {shown} (requires_grad=True) are not used by the forward "
-        "pass on these inputs, so every per-sample gradient would be zero. Typical causes: a peft model after "
-        "merge_adapter() (the adapters are merged into the frozen weights and no longer run: call "
-        "model.unmerge_adapter() first), a forward that runs those layers under torch.no_grad() or detaches their "
-        "outputs, or the wrong parameters unfrozen (set requires_grad_(True) on those the forward uses)")
-
-
-def _from_reentrant_checkpoint(error: BaseException) -> bool:
-    """Whether ``error`` (or its cause) is PyTorch refusing autograd.grad / torch.func through a reentrant checkpoint:
-    its message says so, or an autograd.Function without setup_context was applied from torch/utils/checkpoint.py."""
-    for e in (error, error.__cause__):
-        if e is None:
-            continue
-        msg = str(e)
-        if "use_reentrant=True" in msg and "checkpoint" in msg:
-            return True
-        frames = traceback.extract_tb(e.__traceback__)
-        if "autograd.Function" in msg and any(f.filename.endswith(os.path.join("utils", "checkpoint.py"))
-                                              for f in frames):
-            return True
-    return False
-
-
-@contextlib.contextmanager
-def refusing_reentrant_checkpoints() -> Iterator[None]:
-    """Turn PyTorch's error for a reentrant checkpoint (``use_reentrant=True``) into an
-    :class:`UnsupportedModelError` naming ``use_reentrant=False``; any other error passes unchanged."""
-    try:
-        yield
-    except (RuntimeError, ValueError) as e:
-        if not isinstance(e, UndefinedPerSampleError) and _from_reentrant_checkpoint(e):
-            raise UnsupportedModelError(REENTRANT_CHECKPOINT) from e
-        raise
-
-
-def autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` computes in on ``device``'s type now, or None outside autocast."""
-    if not torch.is_autocast_enabled(device.type):
-        return None
-    return torch.get_autocast_dtype(device.type)
-
-
-def check_autocast(strategy: str, trainable: Trainable) -> bool:
-    """Whether the call runs under ``torch.autocast`` for the parameters' device (then ``auto`` is the loop: each
-    sample alone under autocast, the very computation of the definition, the result in the parameters' dtype); any
-    other strategy than the loop is refused, naming it: the batched ones agree with the loop only to the autocast
-    dtype's precision, and the layer rules and torch.func mix the autocast dtype with the parameters'."""
-    dtype = autocast_dtype(trainable.device)
-    if dtype is None:
-        return False
-    if strategy not in ("auto", "loop"):
-        raise UnsupportedModelError(
-            f"the call runs under torch.autocast({trainable.device.type!r}, dtype={dtype}), which the {strategy} "
-            f"strategy cannot follow (its batched forward, layer rules or torch.func mix {dtype} with the "
-            f"parameters' {trainable.dtype}). Use strategy='auto' or 'loop' (each sample alone under autocast, the "
-            f"result in {trainable.dtype}), or call it outside the autocast block")
-    return True
 
 
 def check_loss(loss_fn: object) -> None:
@@ -268,55 +177,6 @@ def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model
                 f"cast one of them, e.g. {name}.to({trainable.dtype}) or model.to({t.dtype})"
             )
     return batch
-
-
-def real_number(name: str, value: object, *, positive: bool = False, hint: str = "") -> float:
-    """``value`` as a float, for an argument that asks for a number: any real scalar (an int or float, a numpy scalar
-    such as ``np.float32(0.5)``, a 0-dim real tensor), refused when it is not one (a bool, a complex, a tensor with
-    elements), not finite, negative, or (``positive``) zero. ``hint``: what the number means, for the message."""
-    number = _scalar(value)
-    if isinstance(number, complex):
-        number = None
-    what = "a finite number > 0" if positive else "a finite number >= 0"
-    if number is None or not math.isfinite(number) or number < 0 or (positive and number == 0):
-        raise ValueError(f"{name} must be {what}{hint}, got {value!r}")
-    return float(number)
-
-
-def whole_number(name: str, value: object, *, minimum: int = 1, hint: str = "") -> int:
-    """``value`` as an int, for an argument that asks for a count: an int, a numpy integer, a 0-dim integer tensor
-    (not a bool, nor a float, even 8.0), at least ``minimum``."""
-    try:
-        scalar = tuple(getattr(value, "shape", ())) == () and not (isinstance(value, bool) or _is_bool(value))
-        number = operator.index(value) if scalar else None
-    except TypeError:
-        number = None
-    if number is None or number < minimum:
-        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {what}{hint}, got {value!r}")
-    return number
-
-
-def _is_bool(value: object) -> bool:
-    dtype = getattr(value, "dtype", None)
-    return dtype is not None and str(dtype) in ("bool", "torch.bool")
-
-
-def _scalar(value: object) -> float | complex | None:
-    """A real or complex Python number from a number-like scalar, None for anything else."""
-    if isinstance(value, bool) or _is_bool(value):
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.dtype == torch.bool:
-            return None
-        return value.item()
-    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
-        return complex(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # a 0-dim numpy array
-        return _scalar(value.item())
-    return None
 
 
 def check_chunk(chunk_size: int | None, batch: int) -> int:

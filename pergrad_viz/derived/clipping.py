@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pergrad_viz.core.validate import real_number
+from pergrad_viz.core.numbers import real_number
 
 Grads = torch.Tensor | dict[str, torch.Tensor]
 

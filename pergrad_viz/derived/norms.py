@@ -34,15 +34,16 @@ from torch.utils._pytree import tree_map
 
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
+from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import default_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
-from pergrad_viz.core.validate import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.engine.capture import Layer, PlanMismatchError, loss_gradients
 from pergrad_viz.engine.certify import CheckFailedError, check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.probe import LayerKind, plan_for
 from pergrad_viz.rules import GhostRule, ghost_rule_for
+from pergrad_viz.rules.registry import sample_scaled
 from pergrad_viz.strategies import working_bytes
 
 
@@ -164,7 +165,8 @@ def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: s
 def row_squared_norms(g: torch.Tensor) -> torch.Tensor:
     """(B,) squared L2 norms of the rows of a (B, *shape) per-sample gradient; ``shape`` may be () (a 0-dim
     parameter such as a learnable temperature gives (B,), where ``flatten(1)`` would fail)."""
-    return g.reshape(g.shape[0], -1).square().sum(1)
+    scaled, s = sample_scaled(g.reshape(g.shape[0], -1))  # huge entries: no overflow where the result is finite
+    return scaled.square().sum(1) * s.square()
 
 
 def ghost_rule(layer: Layer) -> GhostRule | None:

@@ -28,9 +28,10 @@ from torch import nn
 
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, Inputs
+from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.memory import check_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
-from pergrad_viz.core.validate import batch_of, check_reached, refusing_reentrant_checkpoints
+from pergrad_viz.core.validate import batch_of
 from pergrad_viz.derived.norms import ghost_rule, stack_calls
 from pergrad_viz.engine.capture import Layer, PlanMismatchError, output_gradients
 from pergrad_viz.engine.certify import CheckFailedError, check_ntk

@@ -161,7 +161,7 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     total = sum(w * w for w in wants) ** 0.5
     for name, w, got in zip(trainable.names, wants, gots, strict=True):
         diff = abs(got - w)
-        if (diff > rtol * max(got, w, 1e-3 * total) and diff > 0) or not math.isfinite(diff):
+        if (diff > rtol * max(got, w, 1e-3 * total) and diff > 0) or (not math.isfinite(diff) and math.isfinite(w)):
             raise CheckFailedError(
                 f"the per-call check found that sample {i}'s gradient norm from the {strategy} strategy differs from "
                 f"sample {i} computed alone (parameter '{name}': {got:.6g} instead of {w:.6g}): this model's "

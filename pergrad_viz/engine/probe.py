@@ -41,9 +41,9 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 
 from pergrad_viz.core.batch import Batch, differs
+from pergrad_viz.core.guards import refusing_reentrant_checkpoints
 from pergrad_viz.core.ownership import assign
 from pergrad_viz.core.trainable import Trainable, restoring_modes
-from pergrad_viz.core.validate import refusing_reentrant_checkpoints
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.observe import close, first_difference, observe
 from pergrad_viz.engine.plan_key import plan_key

@@ -45,8 +45,9 @@ import torch
 from torch import nn
 
 from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.numbers import whole_number
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.core.validate import check_loss, check_modes, whole_number
+from pergrad_viz.core.validate import check_loss, check_modes
 from pergrad_viz.scanning import runner, store
 from pergrad_viz.scanning.compute import SelectedLoss
 from pergrad_viz.scanning.sketch import GradientSketch, layer_blocks

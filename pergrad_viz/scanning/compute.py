@@ -24,9 +24,9 @@ from torch import nn
 
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.losses import LossFn, logits_of, per_sample_losses
 from pergrad_viz.core.trainable import Trainable, restoring_modes
-from pergrad_viz.core.validate import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.derived.norms import (
     ghost_kind,
     layer_squared_norms,

@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.api import resolve_strategy
+from pergrad_viz.core.guards import autocast_dtype
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable, restoring_modes
-from pergrad_viz.core.validate import autocast_dtype
 from pergrad_viz.scanning import remote, store
 from pergrad_viz.scanning.compute import GRAD_QUANTITIES, batch_quantities
 from pergrad_viz.scanning.sketch import GradientSketch, layer_blocks

@@ -58,9 +58,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pergrad_viz.core.numbers import whole_number
 from pergrad_viz.core.ownership import first_owners
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.core.validate import whole_number
 
 __all__ = ["Block", "BlockSketch", "GradientSketch", "layer_blocks"]
 

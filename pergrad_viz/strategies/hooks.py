@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.guards import check_reached
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.core.validate import check_reached
 from pergrad_viz.engine.capture import describe, loss_gradients, output_gradients
 from pergrad_viz.engine.grouping import apply_rules
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch, cut
+from pergrad_viz.core.guards import nothing_takes_part
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.core.validate import nothing_takes_part
 from pergrad_viz.strategies.outputs import write
 
 

@@ -15,3 +15,14 @@ def write(out: dict[str, torch.Tensor], names: Sequence[str], grads: Sequence[to
             out[name][index].zero_()
         else:
             out[name][index].copy_(g.to_dense() if g.is_sparse else g)  # e.g. nn.Embedding(sparse=True)
+
+
+def non_finite_rows(out: dict[str, torch.Tensor]) -> list[int]:
+    """The samples i whose rows ``out[name][i]`` (B, ...) hold a NaN or an inf. After one batched backward these
+    may come from another sample (its inf activation times this sample's zero gradient in a weight's product): the
+    batched strategies recompute them alone."""
+    rows = None
+    for t in out.values():
+        finite = t.reshape(t.shape[0], -1).isfinite().all(1)
+        rows = finite if rows is None else rows & finite
+    return [] if rows is None else (~rows).nonzero().flatten().tolist()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pergrad_viz.core.validate import refusing_reentrant_checkpoints
+from pergrad_viz.core.guards import refusing_reentrant_checkpoints
 from pergrad_viz.strategies import autograd_stack, batched_grad, hooks, loop, torch_func
 
 # (trainable, loss_fn, inputs, targets, out) -> None; (trainable, inputs, out) -> None

@@ -19,9 +19,9 @@ from torch.func import functional_call, grad, jacrev, vmap
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.core.validate import check_takes_part
 from pergrad_viz.errors import UnsupportedModelError
 
 
