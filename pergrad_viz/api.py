@@ -253,7 +253,8 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
 
 def output_size(trainable: Trainable, inputs: Batch) -> int:
     """Y, the number of output elements per sample, from a forward pass of the first sample (no grad)."""
-    with torch.no_grad():
+    devices = [trainable.device] if trainable.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):  # a random forward is refused later, RNG untouched
         output = trainable.outputs(inputs.sample(0))
     if not isinstance(output, torch.Tensor):
         raise TypeError(

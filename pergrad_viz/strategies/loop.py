@@ -12,7 +12,7 @@ from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.core.guards import nothing_takes_part
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.strategies.outputs import write
+from pergrad_viz.strategies.outputs import refuse_random_forward, write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -23,6 +23,7 @@ def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int
 def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """B forward and B backward passes of one sample each; writes (B, *param.shape) into ``out``."""
+    refuse_random_forward(trainable, inputs)
     unused = [None] * len(trainable.params)
     took_part = False
     for i in range(inputs.size):
@@ -36,6 +37,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """B forward and B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
+    refuse_random_forward(trainable, inputs)
     unused = [None] * len(trainable.params)
     took_part = False
     for i in range(inputs.size):

@@ -6,6 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
+from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.engine.observe import observe
+from pergrad_viz.errors import UndefinedPerSampleError
+
 
 def write(out: dict[str, torch.Tensor], names: Sequence[str], grads: Sequence[torch.Tensor | None],
           index: int | tuple[int, ...] | slice) -> None:
@@ -26,3 +31,21 @@ def non_finite_rows(out: dict[str, torch.Tensor]) -> list[int]:
         finite = t.reshape(t.shape[0], -1).isfinite().all(1)
         rows = finite if rows is None else rows & finite
     return [] if rows is None else (~rows).nonzero().flatten().tolist()
+
+
+def refuse_random_forward(trainable: Trainable, inputs: Batch) -> None:
+    """Refuse, with :class:`UndefinedPerSampleError`, a forward that draws random numbers (stochastic depth such as
+    timm's ``drop_path_rate``, ``F.dropout(..., training=True)``, noise): one forward of the first sample, watched for
+    the operations PyTorch tags as seeded, under a forked RNG (the caller's random state is untouched), before a
+    strategy that does not probe (the loop, torch_func) runs the model; the batched ones refuse at the probe."""
+    device = trainable.device
+    with restoring_modes(trainable), torch.no_grad(), \
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        _, drew = observe(trainable, inputs.sample(0), None, random_ops=True)
+    if drew is not None:
+        module = dict(trainable.modules)[drew]
+        raise UndefinedPerSampleError(
+            f"the forward draws random numbers (first in layer '{drew or 'model'}' ({type(module).__name__}): "
+            "stochastic depth such as timm's drop_path_rate, dropout written as F.dropout(..., training=True), "
+            "noise), so per-sample gradients would be random and not comparable, whatever the strategy. Call "
+            "model.eval() (or turn the randomness off, e.g. drop_path_rate=0) before computing per-sample gradients.")

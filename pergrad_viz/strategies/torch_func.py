@@ -23,6 +23,7 @@ from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.errors import UnsupportedModelError
+from pergrad_viz.strategies.outputs import refuse_random_forward
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -109,6 +110,7 @@ def _call_one(trainable: Trainable, inputs: Batch, params: dict, state: dict, xs
 def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """Writes (B, *param.shape) into ``out`` with ``vmap(grad(loss of one sample))``."""
+    refuse_random_forward(trainable, inputs)
     frozen = trainable.frozen_state()
 
     def loss_of_one(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object, state: dict = frozen
@@ -130,6 +132,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """Writes (B, Y, *param.shape) into ``out`` with ``vmap(jacrev(outputs of one sample))``."""
+    refuse_random_forward(trainable, inputs)
     frozen = trainable.frozen_state()
     select = trainable.select or (lambda o: o)
 
