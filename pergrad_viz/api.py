@@ -261,6 +261,10 @@ def output_size(trainable: Trainable, inputs: Batch) -> int:
             f"per_sample_jacobian differentiates one output tensor, but this model returns a {type(output).__name__}: "
             "say which tensor with output=, e.g. output=lambda out: out.logits (or out[0])"
         )
+    if not output.is_floating_point():
+        raise TypeError(
+            f"per_sample_jacobian differentiates real floating outputs, but this model returns {output.dtype}: for a "
+            "complex output pass output=lambda out: torch.view_as_real(out) (its real and imaginary parts as outputs)")
     return output.numel()
 
 
@@ -304,5 +308,8 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
 
     def run(s: str) -> Result:
         return _run(trainable, s, run_chunk, batch, chunk, y_count, flat, out)
+
+    if y_count == 0:
+        return run("loop")  # nothing to differentiate: the empty (B, 0, ...) result, in every strategy
 
     return _run_auto(requested, strategy, trainable, inputs, run, check if verify else None)

@@ -29,8 +29,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)  # (B,)
     check_takes_part(trainable, losses)
     one_hot = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)
-    g = torch.autograd.grad(losses, trainable.params, grad_outputs=one_hot, is_grads_batched=True,
-                            allow_unused=True)
+    g = _batched_backward(losses, trainable.params, one_hot)
     write(out, trainable.names, g, slice(None))
     _alone(trainable, loss_fn, inputs, targets, out)
 
@@ -41,11 +40,25 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
     check_takes_part(trainable, outputs, "model output")
     batch, y_count = outputs.shape
     one_hot = torch.eye(batch * y_count, dtype=outputs.dtype, device=outputs.device)
-    g = torch.autograd.grad(outputs, trainable.params, grad_outputs=one_hot.view(-1, batch, y_count),
-                            is_grads_batched=True, allow_unused=True)
+    g = _batched_backward(outputs, trainable.params, one_hot.view(-1, batch, y_count))
     g = [None if t is None else t.view(batch, y_count, *t.shape[1:]) for t in g]
     write(out, trainable.names, g, slice(None))
     _alone(trainable, None, inputs, None, out)
+
+
+def _batched_backward(output: torch.Tensor, params: tuple, one_hot: torch.Tensor) -> tuple:
+    """``autograd.grad`` of ``output`` with the batched grad outputs ``one_hot`` (N, *output.shape): (N, *param.shape)
+    each, None where unused. Where the backward has no batching rule (anomaly detection mode, a backward hook that
+    reads a value: "Batching rule not implemented for aten::item"), one backward per row, the same numbers."""
+    try:
+        return torch.autograd.grad(output, params, grad_outputs=one_hot, is_grads_batched=True, allow_unused=True,
+                                   retain_graph=True)  # kept for the fallback; freed with ``output``
+    except RuntimeError as e:
+        if "atching rule" not in str(e) and "vmap" not in str(e):
+            raise
+    rows = [torch.autograd.grad(output, params, grad_outputs=row, retain_graph=k < len(one_hot) - 1, allow_unused=True)
+            for k, row in enumerate(one_hot)]
+    return tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows]) for k in range(len(params)))
 
 
 def _alone(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,

@@ -104,7 +104,25 @@ def _first(obj: object) -> object:
 def _call_one(trainable: Trainable, inputs: Batch, params: dict, state: dict, xs: list[torch.Tensor]) -> object:
     """The model on one sample: ``xs`` are that sample's batched tensors without their batch dimension."""
     one = inputs.with_leaves([x.unsqueeze(0) for x in xs])
-    return functional_call(trainable.model, {**params, **state}, one.args, one.kwargs)
+    root, prefix = _functional_root(trainable.model)
+    values = {**params, **state}
+    if prefix:
+        values = {n.removeprefix(prefix): t for n, t in values.items()}
+    return functional_call(root, values, one.args, one.kwargs)
+
+
+def _functional_root(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module ``functional_call`` can run and the prefix its names lose: an ``nn.DataParallel`` without devices
+    (on CPU) only calls its ``module``, which is run instead; one spread over devices is refused naming the fix."""
+    prefix = ""
+    while isinstance(model, nn.DataParallel):
+        if model.device_ids:
+            raise VmapError(
+                "torch.func cannot run nn.DataParallel over devices (it replicates the module on every call). Pass "
+                "model.module (the same parameters), or use strategy='auto' (which picks a strategy that works here) "
+                "or 'loop'.")
+        model, prefix = model.module, prefix + "module."
+    return model, prefix
 
 
 def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
