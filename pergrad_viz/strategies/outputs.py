@@ -38,6 +38,8 @@ def refuse_random_forward(trainable: Trainable, inputs: Batch) -> None:
     timm's ``drop_path_rate``, ``F.dropout(..., training=True)``, noise): one forward of the first sample, watched for
     the operations PyTorch tags as seeded, under a forked RNG (the caller's random state is untouched), before a
     strategy that does not probe (the loop, torch_func) runs the model; the batched ones refuse at the probe."""
+    if any(isinstance(m, torch.jit.ScriptModule) for _, m in trainable.modules):
+        return  # TorchScript takes no hooks to watch it with (and runs in the loop only)
     device = trainable.device
     with restoring_modes(trainable), torch.no_grad(), \
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
