@@ -37,6 +37,7 @@ from pergrad_viz.bench.records import (
 from pergrad_viz.bench.timing import synchronizer, time_interleaved
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.memory import result_bytes
+from pergrad_viz.core.progress import progress_bar
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.core.validate import check_modes
 from pergrad_viz.derived.norms import per_sample_grad_norms
@@ -132,9 +133,7 @@ def model_sweep(model_name: str, batch_sizes: Sequence[int] = (32,), *, strategi
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="benchmark", unit="method", disable=not enabled, leave=False)
+    return progress_bar(total=total, desc="benchmark", unit="method", disable=not enabled, leave=False)
 
 
 @dataclass

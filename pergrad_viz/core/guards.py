@@ -8,14 +8,24 @@ import contextlib
 import os
 import traceback
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
 
-if TYPE_CHECKING:
-    from pergrad_viz.core.trainable import Trainable
+
+class Trainable(Protocol):
+    """What these checks read of a :class:`pergrad_viz.core.trainable.Trainable` (which stands on this module through
+    ``core.validate``, so this module does not import it)."""
+
+    names: tuple[str, ...]
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 REENTRANT_CHECKPOINT = (
     "the model uses gradient checkpointing with use_reentrant=True, whose recomputation runs only inside .backward(): "

@@ -22,17 +22,13 @@ from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.errors import UnsupportedModelError
+from pergrad_viz.errors import VmapError
 from pergrad_viz.strategies.outputs import refuse_random_forward
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
     """vmap builds a chunk's result in fresh tensors before it is copied into the caller's."""
     return chunk * outputs * num_params * itemsize
-
-
-class VmapError(UnsupportedModelError):
-    """``torch.func`` cannot run the model (see the module docstring), although the model alone runs."""
 
 
 def _trainable(trainable: Trainable) -> dict[str, torch.Tensor]:
