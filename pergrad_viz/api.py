@@ -15,12 +15,21 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
+from pergrad_viz.core.guards import check_autocast
 from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
 from pergrad_viz.core.users import users_error
-from pergrad_viz.core.validate import batch_of, check_chunk, check_loss, check_modes, check_out, check_strategy_name
+from pergrad_viz.core.validate import (
+    batch_of,
+    check_chunk,
+    check_loss,
+    check_modes,
+    check_out,
+    check_out_memory,
+    check_strategy_name,
+)
 from pergrad_viz.engine.capture import check_supported
 from pergrad_viz.engine.certify import check_grads, check_jacobian
 from pergrad_viz.engine.probe import plan_for
@@ -159,7 +168,8 @@ def _check_memory(trainable: Trainable, strategy: str, batch: int, chunk: int, o
 
 
 def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
-            loss_fn: object = None, model_kwargs: Mapping | None = None) -> tuple[Trainable, str, Batch, int]:
+            loss_fn: object = None, model_kwargs: Mapping | None = None, out: torch.Tensor | None = None,
+            flat: bool = True) -> tuple[Trainable, str, Batch, int]:
     """A call checked (``pergrad_viz.core.validate``) and planned: ``(trainable, resolved strategy, batch (B, ...),
     samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``)."""
     if loss_fn is not None:
@@ -168,6 +178,11 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     trainable = Trainable.of(model)
     batch = batch_of(trainable, inputs, targets, model_kwargs)
     chunk = check_chunk(chunk_size, batch.size)
+    if out is not None:
+        check_out_memory(out, trainable, flat, batch, targets)  # before the probe runs the model
+    if check_autocast(strategy, trainable):  # under torch.autocast: each sample alone, as the definition runs it
+        check_modes(trainable)
+        return trainable, "loop", batch, chunk
     try:
         resolved = resolve_strategy(strategy, trainable, batch)  # the probe runs the model (auto, batched strategies)
     except Exception as e:
@@ -276,14 +291,14 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
         ``{name: Tensor (B, *param.shape)}`` in ``named_parameters()`` order, or (B, P) if ``flat``.
 
     Raises:
-        ValueError: mismatched batch sizes, empty batch, unknown strategy, no trainable parameters,
-            a bad ``out``; :class:`UnsupportedModelError` (a ValueError) for BatchNorm or Dropout in
-            training mode or a layer the strategy cannot handle; :class:`MemoryBudgetError` before
-            allocating a result over ``max_bytes``.
+        ValueError: mismatched batch sizes, empty batch, unknown strategy, no trainable parameters, a bad ``out``;
+            :class:`UnsupportedModelError` (a ValueError) for BatchNorm or Dropout in training mode or a layer the
+            strategy cannot handle; :class:`MemoryBudgetError` before allocating a result over ``max_bytes``.
     """
     requested = strategy
     targets = normal_tensor(targets) if isinstance(targets, torch.Tensor) else tree_map(normal_tensor, targets)
-    trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs)
+    trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs,
+                                                  out, flat)
     batch = inputs.size
     if out is not None:
         check_out(out, (batch, trainable.num_params), trainable, flat)
@@ -306,13 +321,18 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
 
 def output_size(trainable: Trainable, inputs: Batch) -> int:
     """Y, the number of output elements per sample, from a forward pass of the first sample (no grad)."""
-    with torch.no_grad():
+    devices = [trainable.device] if trainable.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):  # a random forward is refused later, RNG untouched
         output = trainable.outputs(inputs.sample(0))
     if not isinstance(output, torch.Tensor):
         raise TypeError(
             f"per_sample_jacobian differentiates one output tensor, but this model returns a {type(output).__name__}: "
             "say which tensor with output=, e.g. output=lambda out: out.logits (or out[0])"
         )
+    if not output.is_floating_point():
+        raise TypeError(
+            f"per_sample_jacobian differentiates real floating outputs, but this model returns {output.dtype}: for a "
+            "complex output pass output=lambda out: torch.view_as_real(out) (its real and imaginary parts as outputs)")
     return output.numel()
 
 
@@ -333,7 +353,7 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
     """
     requested = strategy
     trainable, strategy, inputs, chunk = prepare(model, inputs, None, strategy, chunk_size,
-                                                  model_kwargs=model_kwargs)
+                                                  model_kwargs=model_kwargs, out=out, flat=flat)
     if output is not None:
         trainable = trainable.selecting(output)
     batch = inputs.size
@@ -351,5 +371,8 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
 
     def run(s: str) -> Result:
         return _run(trainable, s, run_chunk, batch, chunk, y_count, flat, out)
+
+    if y_count == 0:
+        return run("loop")  # nothing to differentiate: the empty (B, 0, ...) result, in every strategy
 
     return hand_over(requested, strategy, trainable, inputs, run, check if verify else None, "jacobian", race=race)

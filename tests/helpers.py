@@ -158,3 +158,34 @@ def outside(fig: Figure) -> list[str]:
             bad.append(f"{what}: {box.x0:.0f}..{box.x1:.0f} x {box.y0:.0f}..{box.y1:.0f} "
                        f"(figure {width:.0f} x {height:.0f})")
     return bad
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+
+def process_state() -> tuple:
+    """What a call must leave as it found in the user's process: the global RNG, grad mode, inference mode."""
+    return torch.get_rng_state(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+def assert_process_unchanged(before: tuple) -> None:
+    rng, grad, inference = process_state()
+    assert torch.equal(rng, before[0]), "the global RNG was drawn from"
+    assert (grad, inference) == before[1:], f"grad / inference mode changed: {before[1:]} -> {(grad, inference)}"
+
+
+def assert_refuses(call, model: nn.Module, *fragments: str, error: type[BaseException] = ValueError
+                   ) -> BaseException:
+    """``call()`` raises ``error`` whose message holds every fragment, leaving ``model`` (parameters, ``.grad``,
+    buffers, modes, hooks) and the process (RNG, grad mode) as they were."""
+    import pytest
+
+    before, process = snapshot(model), process_state()
+    with pytest.raises(error) as info:
+        call()
+    msg = str(info.value)
+    missing = [f for f in fragments if f not in msg]
+    assert not missing, f"the message does not name {missing}: {msg!r}"
+    assert_state_unchanged(model, before)  # hooks too: none added, the user's own kept
+    assert_process_unchanged(process)
+    return info.value

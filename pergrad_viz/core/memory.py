@@ -13,6 +13,7 @@ import weakref
 
 import torch
 
+from pergrad_viz.core.numbers import real_number
 from pergrad_viz.errors import MemoryBudgetError, human_bytes
 
 BUDGET_SHARE = 0.5  # of the memory available when the call starts
@@ -51,7 +52,8 @@ def check_budget(*, what: str, result: int, working: int, max_bytes: int | None,
     need = (result if allocate_result else 0) + working
     if max_bytes is None and need <= SMALL:
         return
-    budget = default_budget(device) if max_bytes is None else int(max_bytes)
+    budget = default_budget(device) if max_bytes is None else int(real_number("max_bytes", max_bytes,
+                                                                                hint=" (a budget in bytes) or None"))
     if need <= budget:
         return
     raise MemoryBudgetError(_over_budget(what=what, result=result, working=working, budget=budget,

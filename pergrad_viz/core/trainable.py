@@ -86,10 +86,15 @@ class Trainable:
         return self.params[0].device
 
     def frozen_state(self) -> dict[str, torch.Tensor]:
-        """Frozen parameters and buffers, by name, for ``torch.func.functional_call``."""
-        trainable = set(self.names)
-        state = {n: p for n, p in self.model.named_parameters() if n not in trainable}
-        state.update(dict(self.model.named_buffers()))
+        """Frozen parameters and buffers, by name, for ``torch.func.functional_call``: each tensor once, and none that
+        is a trainable parameter (a buffer registered as another module's Parameter: ``functional_call`` ties the
+        names of one tensor, and would refuse two values for them)."""
+        seen = {id(p) for p in self.params}
+        state = {}
+        for n, t in [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers()]:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                state[n] = t
         return state
 
 

@@ -15,7 +15,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from pergrad_viz.core.batch import Batch, Inputs, normal_tensor
-from pergrad_viz.errors import UndefinedPerSampleError
+from pergrad_viz.core.guards import REENTRANT_CHECKPOINT
+from pergrad_viz.core.numbers import whole_number
+from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
 
 
 class TrainableLike(Protocol):
@@ -23,6 +25,7 @@ class TrainableLike(Protocol):
     module does not import it)."""
 
     modules: tuple[tuple[str, nn.Module], ...]
+    model: nn.Module
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -92,6 +95,10 @@ def check_modes(model: nn.Module | TrainableLike) -> None:
                 "and each sample, so results would be random and not comparable. Call model.eval() "
                 "(or set p=0) before computing per-sample gradients."
             )
+        checkpointing = getattr(m, "_gradient_checkpointing_func", None)  # Hugging Face's, in training mode only
+        if (m.training and getattr(m, "gradient_checkpointing", False) is True
+                and getattr(checkpointing, "keywords", {}).get("use_reentrant") is True):
+            raise UnsupportedModelError(f"{label}: {REENTRANT_CHECKPOINT}")
         if isinstance(m, nn.Embedding) and m.max_norm is not None:
             raise UndefinedPerSampleError(
                 f"{label} has max_norm={m.max_norm}, which rewrites its weight in place on every forward "
@@ -187,18 +194,13 @@ def check_chunk(chunk_size: int | None, batch: int) -> int:
     """The samples per chunk: ``chunk_size`` (a positive int) capped at B, or B for None."""
     if chunk_size is None:
         return batch
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int (samples per chunk) or None, got {chunk_size!r}")
-    return min(chunk_size, batch)
+    return min(whole_number("chunk_size", chunk_size, hint=" (samples per chunk) or None"), batch)
 
 
 def check_out(out: torch.Tensor, shape: tuple[int, ...], trainable: TrainableLike, flat: bool) -> None:
     """Refuse an ``out=`` buffer that is not a flat tensor of ``shape`` ((B, P) or (B, Y, P)) in the parameters'
     dtype and device, or that comes without ``flat=True``."""
-    if not flat:
-        raise ValueError("out= is a flat buffer: pass flat=True with it (or drop out= to get a dict)")
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    check_out_memory(out, trainable, flat)
     problems = []
     if tuple(out.shape) != shape:
         problems.append(f"shape {tuple(out.shape)} instead of {shape}")
@@ -207,7 +209,75 @@ def check_out(out: torch.Tensor, shape: tuple[int, ...], trainable: TrainableLik
     if out.device != trainable.device:
         problems.append(f"device {out.device} instead of {trainable.device}")
     if problems:
+        raise ValueError("out= does not fit the result: " + "; ".join(problems) + ". Allocate it with "
+                         + _fresh(shape, trainable))
+
+
+def _fresh(shape: tuple[int, ...] | None, trainable: TrainableLike) -> str:
+    dims = "(B, P)" if shape is None else shape
+    return f"torch.empty({dims}, dtype={trainable.dtype}, device={str(trainable.device)!r})"
+
+
+def check_out_memory(out: torch.Tensor, trainable: TrainableLike, flat: bool, inputs: Batch | None = None,
+                     targets: object = None) -> None:
+    """Refuse an ``out=`` buffer that cannot hold distinct results, before anything runs: a tensor that records
+    gradients, an inference tensor, one whose elements share memory (``torch.empty(P).expand(B, P)``: every row the
+    same memory), or one that overlaps the memory the call reads (the inputs, the targets, the model's parameters and
+    buffers: the results would overwrite them)."""
+    if not flat:
+        raise ValueError("out= is a flat buffer: pass flat=True with it (or drop out= to get a dict)")
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    fresh = _fresh(None, trainable)
+    if out.layout != torch.strided:
+        raise ValueError(f"out= is a {out.layout} tensor; the results are written into a dense one: {fresh}")
+    if out.requires_grad:
         raise ValueError(
-            "out= does not fit the result: " + "; ".join(problems) + ". Allocate it with "
-            f"torch.empty({shape}, dtype={trainable.dtype}, device={str(trainable.device)!r})"
-        )
+            "out= requires grad (a leaf with requires_grad=True, or a result of an autograd graph): the results are "
+            f"written into it in place, which autograd forbids. Pass a plain buffer, e.g. {fresh} (or out.detach())")
+    if out.is_inference():
+        raise ValueError(
+            "out= is an inference tensor (allocated under torch.inference_mode()), which cannot be written outside "
+            f"it. Allocate it outside inference_mode, e.g. {fresh}")
+    if out.numel() and _overlaps_itself(out):
+        raise ValueError(
+            f"out= has strides {tuple(out.stride())}: its elements share memory (e.g. an expand()ed tensor, where "
+            f"every row is the same memory), so its rows cannot hold distinct results. Allocate it with {fresh}")
+    read = list(trainable.model.named_parameters()) + list(trainable.model.named_buffers())
+    if inputs is not None:
+        read += inputs.named_leaves()
+    if targets is not None:
+        read += [("targets", t) for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
+    hit = next((name for name, t in read if out.numel() and t.numel() and _share_memory(out, t)), None)
+    if hit is not None:
+        raise ValueError(
+            f"out= overlaps the memory of {hit}, which the call reads while it writes the results: the results would "
+            f"overwrite it. Pass a buffer of its own, e.g. {fresh}")
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: its dimensions, from the smallest stride up, must each step
+    past everything the smaller ones span (a zero stride on a dimension of size > 1 never does)."""
+    span = 1
+    dims = sorted(((abs(st), s) for s, st in zip(t.shape, t.stride(), strict=True) if s > 1))
+    for stride, size in dims:
+        if stride < span:
+            return True
+        span = stride * (size - 1) + span
+    return False
+
+
+def _memory_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, stop)`` that ``t``'s elements lie in."""
+    low = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if st < 0)
+    high = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if st > 0)
+    start = t.data_ptr() + low * t.element_size()
+    return start, t.data_ptr() + (high + 1) * t.element_size()
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (on one storage) have bytes in common (conservatively: their ranges overlap)."""
+    if a.device != b.device or b.layout != torch.strided:
+        return False
+    (a0, a1), (b0, b1) = _memory_range(a), _memory_range(b)
+    return a0 < b1 and b0 < a1

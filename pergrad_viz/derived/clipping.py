@@ -6,9 +6,9 @@ Shapes: B samples, P trainable scalars. Gradients come either flat, (B, P), or a
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from pergrad_viz.core.numbers import real_number
 
 Grads = torch.Tensor | dict[str, torch.Tensor]
 
@@ -23,7 +23,7 @@ def clip_per_sample(grads: Grads, max_norm: float) -> tuple[Grads, torch.Tensor]
 
     Args:
         grads: a flat (B, P) tensor, or ``{name: Tensor (B, *param.shape)}`` with the same B everywhere.
-        max_norm: the bound, a finite number > 0.
+        max_norm: the bound, a finite number > 0 (any real scalar: a float, a numpy scalar, a 0-dim tensor).
 
     Returns:
         ``(clipped, norms)``: ``clipped`` has the structure of ``grads`` (new tensors; the input is not
@@ -33,7 +33,7 @@ def clip_per_sample(grads: Grads, max_norm: float) -> tuple[Grads, torch.Tensor]
         ValueError: ``max_norm`` not a finite positive number, an empty dict, a tensor that is not (B, P),
             dict entries with different B, dtypes or devices; TypeError: ``grads`` of another type.
     """
-    _check_positive("max_norm", max_norm)
+    max_norm = _bound(max_norm)
     norms = _norms(grads)
     factor = (max_norm / (norms + EPS)).clamp(max=1.0)  # (B,)
     if isinstance(grads, torch.Tensor):
@@ -62,10 +62,8 @@ def dp_sgd_gradient(grads: Grads, max_norm: float, noise_multiplier: float,
         ValueError: as :func:`clip_per_sample`, a negative or non-finite ``noise_multiplier``, or a
             ``generator`` on another device than the gradients; TypeError: ``generator`` not a Generator.
     """
-    _check_positive("max_norm", max_norm)
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, int | float) \
-            or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
-        raise ValueError(f"noise_multiplier must be a finite number >= 0 (0 adds no noise), got {noise_multiplier!r}")
+    max_norm = _bound(max_norm)
+    noise_multiplier = real_number("noise_multiplier", noise_multiplier, hint=" (0 adds no noise)")
     sample = grads if isinstance(grads, torch.Tensor) else next(iter(grads.values()), None)
     if generator is not None and sample is not None:  # checked before the (B, P) clipped copy is made
         if not isinstance(generator, torch.Generator):
@@ -88,9 +86,8 @@ def dp_sgd_gradient(grads: Grads, max_norm: float, noise_multiplier: float,
     return result[""] if isinstance(clipped, torch.Tensor) else result
 
 
-def _check_positive(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0 (the largest L2 norm a sample may keep), got {value!r}")
+def _bound(max_norm: object) -> float:
+    return real_number("max_norm", max_norm, positive=True, hint=" (the largest L2 norm a sample may keep)")
 
 
 def _norms(grads: Grads) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map
 
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
+from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import default_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
@@ -42,6 +43,7 @@ from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.probe import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
+from pergrad_viz.rules.registry import sample_scaled
 from pergrad_viz.strategies import working_bytes
 
 
@@ -109,10 +111,12 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, t
     """{name: (B,) squared norms}: per chunk 1 forward with hooks, 1 backward to the layer outputs."""
     batch = inputs.size
     squared = {n: torch.zeros(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
-    with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
+    # hooks remove their hooks; autograd.grad leaves .grad alone
+    with restoring_modes(trainable), refusing_reentrant_checkpoints():
         for start in range(0, batch, chunk):
             rows = slice(start, min(start + chunk, batch))
             calls, grads = loss_gradients(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
+            check_reached(trainable, calls)
             tied = tied_names(calls)
             summed: dict[str, torch.Tensor] = {}  # tied parameters: (B, *shape), summed over their layers
             for layer, seen in group_calls(calls, grads).values():
@@ -157,7 +161,8 @@ def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: s
 def row_squared_norms(g: torch.Tensor) -> torch.Tensor:
     """(B,) squared L2 norms of the rows of a (B, *shape) per-sample gradient; ``shape`` may be () (a 0-dim
     parameter such as a learnable temperature gives (B,), where ``flatten(1)`` would fail)."""
-    return g.reshape(g.shape[0], -1).square().sum(1)
+    scaled, s = sample_scaled(g.reshape(g.shape[0], -1))  # huge entries: no overflow where the result is finite
+    return scaled.square().sum(1) * s.square()
 
 
 def ghost_rule(layer: Layer) -> GhostRule | None:

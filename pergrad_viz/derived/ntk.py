@@ -28,6 +28,7 @@ from torch import nn
 
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, Inputs
+from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.memory import check_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.core.validate import batch_of
@@ -157,7 +158,7 @@ def _jacobian_ntk(model: nn.Module, x1: Batch, x2: Batch | None, full: bool,
 def _ghost_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, full: bool, chunk: int) -> torch.Tensor:
     rows1 = [slice(s, min(s + chunk, x1.size)) for s in range(0, x1.size, chunk)]
     rows2 = rows1 if x2 is None else [slice(s, min(s + chunk, x2.size)) for s in range(0, x2.size, chunk)]
-    with restoring_modes(trainable):
+    with restoring_modes(trainable), refusing_reentrant_checkpoints():
         f1 = [_features(trainable, x1.rows(r), full) for r in rows1]
         f2 = f1 if x2 is None else [_features(trainable, x2.rows(r), full) for r in rows2]
     y_count = f1[0].outputs
@@ -181,6 +182,7 @@ def _ghost_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, full: bool, ch
 def _features(trainable: Trainable, inputs: Batch, full: bool) -> _Features:
     """1 forward with hooks and 1 backward batched over the Y outputs; per layer ghost pieces or a Jacobian."""
     calls, grads, y_count = output_gradients(trainable, inputs)  # each (Y, N, ...)
+    check_reached(trainable, calls, "model output")
     features = _Features(y_count)
     tied = tied_names(calls)
     for layer, seen in group_calls(calls, grads).values():

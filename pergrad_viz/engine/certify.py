@@ -189,12 +189,20 @@ def _again(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn
 # -------------------------------------------------------------------------------------------- the references
 
 
+def _grad(output: torch.Tensor, params: tuple, **kw: object) -> tuple:
+    """``autograd.grad`` with ``allow_unused``; None for every parameter where no trainable parameter reaches
+    ``output`` (a sample alone the forward sends past them: zeros, as in the loop)."""
+    if not output.requires_grad:
+        return (None,) * len(params)
+    return torch.autograd.grad(output, params, allow_unused=True, **kw)
+
+
 def _weighted_grads(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None,
                     w: torch.Tensor) -> Tensors:
     """The gradient of ``sum_i w_i L_i`` from one plain batched forward and backward: {parameter: its shape}."""
     losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)
     total = (losses * w.to(losses.dtype)).sum()
-    return _dense(torch.autograd.grad(total, trainable.params, allow_unused=True), trainable.params)
+    return _dense(_grad(total, trainable.params), trainable.params)
 
 
 def _weighted_outputs(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None,
@@ -202,13 +210,13 @@ def _weighted_outputs(trainable: Trainable, inputs: Batch, targets: object, loss
     """The gradient of ``sum_{i,y} W_iy f_iy`` from one plain batched forward and backward."""
     outputs = flat_outputs(trainable.outputs(inputs))
     total = (outputs * w.to(outputs.dtype)).sum()
-    return _dense(torch.autograd.grad(total, trainable.params, allow_unused=True), trainable.params)
+    return _dense(_grad(total, trainable.params), trainable.params)
 
 
 def _alone_grads(i: int) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
     def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
         loss = scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
-        return _dense(torch.autograd.grad(loss, trainable.params, allow_unused=True), trainable.params)
+        return _dense(_grad(loss, trainable.params), trainable.params)
 
     return compute
 
@@ -216,7 +224,7 @@ def _alone_grads(i: int) -> Callable[[Trainable, Batch, object, LossFn | None], 
 def _alone_combination(i: int, u: torch.Tensor) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
     def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
         output = trainable.outputs(inputs.sample(i)).reshape(-1)
-        return _dense(torch.autograd.grad(output @ u.to(output.dtype), trainable.params, allow_unused=True),
+        return _dense(_grad(output @ u.to(output.dtype), trainable.params),
                       trainable.params)
 
     return compute
@@ -360,7 +368,7 @@ def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:
     output = trainable.outputs(x).reshape(-1)
     rows = []
     for j in range(output.numel()):
-        grads = torch.autograd.grad(output[j], trainable.params, retain_graph=True, allow_unused=True)
+        grads = _grad(output[j], trainable.params, retain_graph=True)
         rows.append(torch.cat([g.reshape(-1) for g in _dense(grads, trainable.params)]))
     return torch.stack(rows)
 

@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 
 from pergrad_viz.core.batch import Batch, differs
+from pergrad_viz.core.guards import refusing_reentrant_checkpoints
 from pergrad_viz.core.ownership import assign
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.engine import broadcast
@@ -390,7 +391,8 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
     if cached is not None and cached[0] == key and (cached[1].verified or inputs.size == 1):
         plan = cached[1]
     else:
-        plan = _make_plan(trainable, inputs)
+        with refusing_reentrant_checkpoints():  # the probe's backward passes meet it first
+            plan = _make_plan(trainable, inputs)
         _PLANS[trainable.model] = (key, plan)
     trainable.call.plan = plan
     return plan

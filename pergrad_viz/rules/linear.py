@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pergrad_viz.rules.registry import join_positions, register, register_ghost
+from pergrad_viz.rules.registry import join_positions, register, register_ghost, sample_scaled
 
 
 @register(nn.Linear, features=lambda module: 1)
@@ -106,20 +106,23 @@ class LinearGhost:
     def squared_norms(module, a, g, local):
         result = {}
         tokens = a.shape[1]
+        a, sa = sample_scaled(a)  # per sample: the squares below neither overflow nor underflow on their own
+        g, sg = sample_scaled(g)
         if tokens == 1:  # the ghost norm: ||g a^T||^2 = ||g||^2 ||a||^2, and ||g||^2 for the bias
-            g_squared = torch.linalg.vector_norm(g[:, 0], dim=1).square()
+            g_norm = torch.linalg.vector_norm(g[:, 0], dim=1) * sg
             if "weight" in local:
-                result["weight"] = g_squared * torch.linalg.vector_norm(a[:, 0], dim=1).square()
+                result["weight"] = (g_norm * (torch.linalg.vector_norm(a[:, 0], dim=1) * sa)).square()
             if "bias" in local:
-                result["bias"] = g_squared
+                result["bias"] = g_norm.square()
             return result
+        scale = (sa * sg).square()
         if "weight" in local:
             if gram_is_cheaper(tokens, a.shape[-1] * g.shape[-1]):
-                result["weight"] = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2)).clamp_min(0)
-            else:
-                result["weight"] = torch.bmm(g.mT, a).square().sum((1, 2))  # (B, out, in), this layer only
+                result["weight"] = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2)).clamp_min(0) * scale
+            else:  # (B, out, in), this layer only
+                result["weight"] = torch.bmm(g.mT, a).square().sum((1, 2)) * scale
         if "bias" in local:
-            result["bias"] = g.sum(1).square().sum(1)
+            result["bias"] = g.sum(1).square().sum(1) * sg.square()
         return result
 
     @staticmethod

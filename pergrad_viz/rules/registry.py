@@ -90,6 +90,16 @@ class _Registry:
         return False
 
 
+def sample_scaled(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t / s, s)`` for ``t`` (B, ...), ``s`` (B,) each sample's largest magnitude (1 where 0 or not finite): the
+    squares and products of the scaled tensor neither overflow nor underflow where the squared norm they make up
+    (times ``s`` squared) is finite, e.g. huge activations (1e20 in float32) meeting tiny or zero gradients, whose
+    plain squares would give inf * 0 = NaN."""
+    s = t.detach().reshape(t.shape[0], -1).abs().amax(1) if t.numel() else t.new_ones(t.shape[0])
+    s = torch.where((s > 0) & torch.isfinite(s), s, torch.ones_like(s))
+    return t / s.view(-1, *(1,) * (t.dim() - 1)), s
+
+
 def class_path(cls: type) -> str:
     """``"package.module.Class"``: how a class is named for lazy registration."""
     return f"{cls.__module__}.{cls.__qualname__}"

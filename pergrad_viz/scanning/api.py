@@ -38,16 +38,18 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.numbers import whole_number
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.core.validate import check_loss, check_modes
 from pergrad_viz.scanning import runner, store
+from pergrad_viz.scanning.compute import SelectedLoss
 from pergrad_viz.scanning.sketch import GradientSketch, layer_blocks
 from pergrad_viz.scanning.store import ScanMismatchError
 
@@ -114,12 +116,6 @@ def _check_quantities(quantities: Sequence[str] | str, proj_dim: int | None) -> 
     return [q for q in QUANTITIES if q in wanted]
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _check_dataset(dataset: object) -> int:
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
         raise TypeError(
@@ -167,7 +163,7 @@ def _prepare(out: Path, new: dict) -> tuple[dict, set[int]]:
 def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *,
          quantities: Sequence[str] | str = ("loss", "grad_norm"), batch_size: int = 256, proj_dim: int | None = None,
          out: str | Path, seed: int = 0, chunk_size: int | None = None, num_workers: int = 0,
-         progress: bool = True) -> Scan:
+         progress: bool = True, output: Callable[[object], torch.Tensor] | None = None) -> Scan:
     """Scan ``dataset`` with ``model`` and write per-example quantities to ``out``, in dataset order.
 
     Run it in every process of a ``torch.distributed`` group (e.g. under ``torchrun``) to share the work: each
@@ -191,6 +187,10 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
             make about 16 chunks, at most 64 batches).
         num_workers: ``DataLoader`` worker processes.
         progress: show a tqdm bar (examples per second) on rank 0.
+        output: the tensor the loss (and EL2N) is of, picked from what the model returns, as in
+            :func:`pergrad_viz.per_sample_jacobian`: ``output=lambda out: out.logits`` for a Hugging Face model and a
+            ``torch.nn`` loss (the package's ``causal_lm_loss`` / ``sequence_classification_loss`` take the model
+            output as it is). Default: the output itself.
 
     Returns:
         :class:`Scan`, as :func:`load_scan` gives: ``{quantity: Tensor (N, ...)}``, memory-mapped.
@@ -201,13 +201,24 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
         non-empty directory that is not a scan; :class:`pergrad_viz.UnsupportedModelError` for Dropout or
         BatchNorm in training mode.
     """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "pv.scan was called under torch.inference_mode(), where the gradients it computes cannot be recorded and "
+            "the tensors it is handed cannot be used for them: call it outside the inference_mode block (it records "
+            "gradients itself and leaves the model's .grad untouched)")
     check_loss(loss_fn)
+    if output is not None and not callable(output):
+        raise TypeError(f"output= must be a callable picking a tensor from the model's output, e.g. "
+                        f"output=lambda out: out.logits, got {type(output).__name__}")
+    proj_dim = None if proj_dim is None else whole_number("proj_dim", proj_dim, hint=" (columns per example)")
+    seed = whole_number("seed", seed, minimum=0)
+    num_workers = whole_number("num_workers", num_workers, minimum=0)
     wanted = _check_quantities(quantities, proj_dim)
-    batch_size = _positive("batch_size", batch_size)
+    batch_size = whole_number("batch_size", batch_size)
     n = _check_dataset(dataset)
     if chunk_size is None:
         chunk_size = batch_size * min(64, max(1, math.ceil(n / (16 * batch_size))))
-    chunk_size = _positive("chunk_size", chunk_size)
+    chunk_size = whole_number("chunk_size", chunk_size)
     if chunk_size % batch_size:
         raise ValueError(f"chunk_size={chunk_size} must be a multiple of batch_size={batch_size} "
                          f"(e.g. {batch_size * max(1, round(chunk_size / batch_size))})")
@@ -229,7 +240,8 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
         manifest = store.read_manifest(out)
 
     batches = runner.my_batches(done, manifest["chunks"]["count"], chunk_size, batch_size, n, rank, world)
-    seconds, rows = runner.run(model, trainable, loss_fn, dataset, out, manifest, wanted, sketch, batches,
+    scan_loss = loss_fn if output is None else SelectedLoss(loss_fn, output)
+    seconds, rows = runner.run(model, trainable, scan_loss, dataset, out, manifest, wanted, sketch, batches,
                                chunk_size, num_workers, progress and rank == 0, rank, world)
 
     runner.barrier(world)

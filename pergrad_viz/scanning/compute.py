@@ -17,12 +17,15 @@ Shapes: B samples in the batch, C classes, L layers (blocks, see :mod:`pergrad_v
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch
-from pergrad_viz.core.losses import LossFn, per_sample_losses
+from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
+from pergrad_viz.core.losses import LossFn, logits_of, per_sample_losses
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.norms import (
     ghost_kind,
@@ -44,8 +47,42 @@ class _NeedsMaterialising(Exception):
     """The hooks pass cannot serve this batch (tied parameters): materialise it instead."""
 
 
+class SelectedLoss:
+    """``loss_fn(select(output), targets)``: a scan's loss on the tensor ``output=`` picks from what the model returns
+    (``lambda out: out.logits`` for a Hugging Face ``ModelOutput``); the scan hands ``select(output)`` to
+    ``loss_fn`` itself where it has the output, keeping the ``torch.nn`` losses' one-call path."""
+
+    def __init__(self, loss_fn: LossFn, select: Callable[[object], torch.Tensor]):
+        self.loss_fn, self.select = loss_fn, select
+
+    def __call__(self, output: object, targets: object) -> torch.Tensor:
+        return self.loss_fn(self.select(output), targets)
+
+
+def _split(loss_fn: LossFn) -> tuple[LossFn, Callable[[object], object]]:
+    """(the loss, the selector) of a scan's loss: the selector is the identity without ``output=``."""
+    if isinstance(loss_fn, SelectedLoss):
+        return loss_fn.loss_fn, loss_fn.select
+    return loss_fn, lambda out: out
+
+
+def _losses(loss_fn: LossFn, output: object, y: object) -> tuple[object, torch.Tensor]:
+    """(the selected output, per-sample losses (B,)); a ``torch.nn`` loss handed a model output that is not a tensor
+    is refused naming ``output=``."""
+    loss, select = _split(loss_fn)
+    output = select(output)
+    if isinstance(loss, nn.modules.loss._Loss) and not isinstance(output, torch.Tensor):
+        raise TypeError(
+            f"the model returns a {type(output).__name__}, not a tensor, and {type(loss).__name__} takes a tensor: "
+            "say which tensor the loss is of with pv.scan(..., output=lambda out: out.logits) (or out[0]), or use a "
+            "loss that takes the model output (pergrad_viz.core.losses.sequence_classification_loss / causal_lm_loss)")
+    return output, per_sample_losses(loss, output, y)
+
+
 def el2n(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """EL2N scores (B,): ||softmax(logits_i) - onehot(y_i)||_2 for logits (B, C) and class indices y (B,)."""
+    """EL2N scores (B,): ||softmax(logits_i) - onehot(y_i)||_2 for logits (B, C) and class indices y (B,) (or a model
+    output holding the logits: a Hugging Face ``ModelOutput``, see :func:`pergrad_viz.core.losses.logits_of`)."""
+    output = logits_of(output)
     if output.dim() != 2 or y.dim() != 1 or y.is_floating_point() or y.shape[0] != output.shape[0]:
         raise ValueError(
             f"el2n needs class logits (B, C) and class-index labels (B,), got output {tuple(output.shape)} and labels "
@@ -82,8 +119,8 @@ def batch_quantities(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     ``el2n`` (B,), ``projection`` (B, K), as asked in ``want``."""
     if not want & GRAD_QUANTITIES:
         with torch.no_grad():
-            output = Batch.of(x, size=len(y))(model)
-            return _outputs(want, output, per_sample_losses(loss_fn, output, y), y)
+            output, losses = _losses(loss_fn, Batch.of(x, size=len(y))(model), y)
+            return _outputs(want, output, losses, y)
     if use_hooks:
         try:
             return _hooks_batch(model, loss_fn, x, y, want, blocks, sketch)
@@ -97,11 +134,12 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
     trainable = Trainable.of(model)
     batch = len(y)
     inputs = Batch.of(x, size=batch)
-    with restoring_modes(trainable):
+    with restoring_modes(trainable), refusing_reentrant_checkpoints():
         output, calls = capture(trainable, inputs)
+        check_reached(trainable, calls)
         if tied_names(calls):
             raise _NeedsMaterialising
-        losses = per_sample_losses(loss_fn, output, y)  # (B,)
+        output, losses = _losses(loss_fn, output, y)  # (B,)
         per_call = backward_to_layers(calls, losses.sum())
     res = _outputs(want, output, losses, y)
     kw = {"dtype": trainable.dtype, "device": trainable.device}
@@ -145,10 +183,9 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
 def _materialised_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, want: set[str],
                         blocks: list[Block], sketch: GradientSketch | None) -> dict[str, torch.Tensor]:
     res: dict[str, torch.Tensor] = {}
-    if want & {"loss", "el2n"}:
-        with torch.no_grad():
-            output = Batch.of(x, size=len(y))(model)
-            res.update(_outputs(want, output, per_sample_losses(loss_fn, output, y), y))
+    with torch.no_grad():  # also where neither is wanted: a loss that cannot take the output is refused clearly
+        output, losses = _losses(loss_fn, Batch.of(x, size=len(y))(model), y)
+        res.update(_outputs(want, output, losses, y))
     if sketch is not None and "projection" in want:
         grads = api.per_sample_grads(model, loss_fn, x, y)  # {name: (B, *shape)}: this batch only
         squared = {n: row_squared_norms(g) for n, g in grads.items()}

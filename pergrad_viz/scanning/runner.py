@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.api import resolve_strategy
+from pergrad_viz.core.guards import autocast_dtype
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.progress import progress_bar
 from pergrad_viz.core.trainable import Trainable, restoring_modes
@@ -189,8 +190,9 @@ def data_loader(dataset: torch.utils.data.Dataset, batches: list[list[int]], num
     if num_workers > 0:
         served = remote.GuardedBatches(served, collate or torch.utils.data.default_collate)
         collate = remote.first
+    # its own generator: a DataLoader draws its workers' base seed from the global RNG, which is the caller's
     return torch.utils.data.DataLoader(served, batch_sampler=batches, num_workers=num_workers, collate_fn=collate,
-                                       pin_memory=pin_memory)
+                                       pin_memory=pin_memory, generator=torch.Generator().manual_seed(0))
 
 
 class _Batches(torch.utils.data.Dataset):
@@ -212,5 +214,7 @@ class _Batches(torch.utils.data.Dataset):
 
 
 def _hooks_ok(trainable: Trainable, x: object) -> bool:
+    if autocast_dtype(trainable.device) is not None:  # the layer rules do not follow autocast: per_sample_grads does
+        return False
     with restoring_modes(trainable):
         return resolve_strategy("auto", trainable, x) == "hooks"

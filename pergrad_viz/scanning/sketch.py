@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pergrad_viz.core.numbers import whole_number
 from pergrad_viz.core.ownership import first_owners
 from pergrad_viz.core.trainable import Trainable
 
@@ -235,9 +236,9 @@ class GradientSketch:
     def __init__(self, model: nn.Module | Trainable, proj_dim: int, seed: int = 0):
         trainable = model if isinstance(model, Trainable) else Trainable.of(model)
         if isinstance(proj_dim, bool) or not isinstance(proj_dim, int):
-            raise TypeError(f"proj_dim must be an int, got {type(proj_dim).__name__}")
+            proj_dim = whole_number("proj_dim", proj_dim, hint=" (columns of the sketch)")
         self.proj_dim = proj_dim
-        self.seed = seed
+        self.seed = whole_number("seed", seed, minimum=0)
         self.param_order = list(trainable.names)  # rows of dense_matrix(), columns of a flat (B, P)
         self.dtype, self.device = trainable.dtype, trainable.device
         self.blocks = allocate(layer_blocks(trainable), proj_dim)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.batch import Batch, cut
+from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.strategies.outputs import write
+from pergrad_viz.strategies import loop
+from pergrad_viz.strategies.outputs import non_finite_rows, write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -25,18 +27,47 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """Writes (B, *param.shape) into ``out``: row i of the one-hot (B, B) picks the loss of sample i."""
     losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)  # (B,)
+    check_takes_part(trainable, losses)
     one_hot = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)
-    g = torch.autograd.grad(losses, trainable.params, grad_outputs=one_hot, is_grads_batched=True,
-                            allow_unused=True)
+    g = _batched_backward(losses, trainable.params, one_hot)
     write(out, trainable.names, g, slice(None))
+    _alone(trainable, loss_fn, inputs, targets, out)
 
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """Writes (B, Y, *param.shape) into ``out`` from B x Y one-hot grad outputs of shape (B, Y)."""
     outputs = flat_outputs(trainable.outputs(inputs))  # (B, Y)
+    check_takes_part(trainable, outputs, "model output")
     batch, y_count = outputs.shape
     one_hot = torch.eye(batch * y_count, dtype=outputs.dtype, device=outputs.device)
-    g = torch.autograd.grad(outputs, trainable.params, grad_outputs=one_hot.view(-1, batch, y_count),
-                            is_grads_batched=True, allow_unused=True)
+    g = _batched_backward(outputs, trainable.params, one_hot.view(-1, batch, y_count))
     g = [None if t is None else t.view(batch, y_count, *t.shape[1:]) for t in g]
     write(out, trainable.names, g, slice(None))
+    _alone(trainable, None, inputs, None, out)
+
+
+def _batched_backward(output: torch.Tensor, params: tuple, one_hot: torch.Tensor) -> tuple:
+    """``autograd.grad`` of ``output`` with the batched grad outputs ``one_hot`` (N, *output.shape): (N, *param.shape)
+    each, None where unused. Where the backward has no batching rule (anomaly detection mode, a backward hook that
+    reads a value: "Batching rule not implemented for aten::item"), one backward per row, the same numbers."""
+    try:
+        return torch.autograd.grad(output, params, grad_outputs=one_hot, is_grads_batched=True, allow_unused=True,
+                                   retain_graph=True)  # kept for the fallback; freed with ``output``
+    except RuntimeError as e:
+        if "atching rule" not in str(e) and "vmap" not in str(e):
+            raise
+    rows = [torch.autograd.grad(output, params, grad_outputs=row, retain_graph=k < len(one_hot) - 1, allow_unused=True)
+            for k, row in enumerate(one_hot)]
+    return tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows]) for k in range(len(params)))
+
+
+def _alone(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
+           out: dict[str, torch.Tensor]) -> None:
+    """Rows that came out non-finite recomputed for their sample alone (the loop): a non-finite sample (an inf input,
+    an overflow) must not spread into the other samples' rows through the batched backward's weight products."""
+    for i in non_finite_rows(out):
+        rows = {n: t[i:i + 1] for n, t in out.items()}
+        if loss_fn is None:
+            loop.jacobian(trainable, inputs.sample(i), rows)
+        else:
+            loop.grads(trainable, loss_fn, inputs.sample(i), cut(targets, slice(i, i + 1), inputs.size), rows)

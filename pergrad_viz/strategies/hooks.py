@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.guards import check_reached
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.capture import describe, loss_gradients, output_gradients
@@ -29,10 +30,13 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward (to the layer outputs only), then the rules; writes (B, *param.shape)."""
     calls, g = loss_gradients(trainable, loss_fn, inputs, targets)
+    check_reached(trainable, calls, "loss")
     apply_rules(trainable, calls, g, {n: t.unsqueeze(0) for n, t in out.items()})
 
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward batched over the Y outputs, then the rules; writes (B, Y, *param.shape)."""
     calls, g, _ = output_gradients(trainable, inputs)
+    check_reached(trainable, calls, "model output")
     apply_rules(trainable, calls, g, {n: t.transpose(0, 1) for n, t in out.items()})
+

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch, cut
+from pergrad_viz.core.guards import nothing_takes_part
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.strategies.outputs import write
+from pergrad_viz.strategies.outputs import refuse_random_forward, write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -22,16 +23,30 @@ def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int
 def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """B forward and B backward passes of one sample each; writes (B, *param.shape) into ``out``."""
+    refuse_random_forward(trainable, inputs)
+    unused = [None] * len(trainable.params)
+    took_part = False
     for i in range(inputs.size):
         loss = scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
-        write(out, trainable.names, torch.autograd.grad(loss, trainable.params, allow_unused=True), i)
+        took_part |= loss.requires_grad  # a sample no trainable parameter reaches: zeros (allow_unused)
+        write(out, trainable.names, torch.autograd.grad(loss, trainable.params, allow_unused=True)
+              if loss.requires_grad else unused, i)
+    if not took_part:
+        raise nothing_takes_part(trainable)
 
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """B forward and B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
+    refuse_random_forward(trainable, inputs)
+    unused = [None] * len(trainable.params)
+    took_part = False
     for i in range(inputs.size):
         output = trainable.outputs(inputs.sample(i)).reshape(-1)
         y_count = output.numel()
+        took_part |= output.requires_grad
         for j in range(y_count):
-            g = torch.autograd.grad(output[j], trainable.params, retain_graph=j < y_count - 1, allow_unused=True)
+            g = torch.autograd.grad(output[j], trainable.params, retain_graph=j < y_count - 1, allow_unused=True
+                                    ) if output.requires_grad else unused
             write(out, trainable.names, g, (i, j))
+    if not took_part and inputs.size:
+        raise nothing_takes_part(trainable, "model output")

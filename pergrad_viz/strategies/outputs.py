@@ -6,6 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
+from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.engine.observe import observe
+from pergrad_viz.errors import UndefinedPerSampleError
+
 
 def write(out: dict[str, torch.Tensor], names: Sequence[str], grads: Sequence[torch.Tensor | None],
           index: int | tuple[int, ...] | slice) -> None:
@@ -15,3 +20,34 @@ def write(out: dict[str, torch.Tensor], names: Sequence[str], grads: Sequence[to
             out[name][index].zero_()
         else:
             out[name][index].copy_(g.to_dense() if g.is_sparse else g)  # e.g. nn.Embedding(sparse=True)
+
+
+def non_finite_rows(out: dict[str, torch.Tensor]) -> list[int]:
+    """The samples i whose rows ``out[name][i]`` (B, ...) hold a NaN or an inf. After one batched backward these
+    may come from another sample (its inf activation times this sample's zero gradient in a weight's product): the
+    batched strategies recompute them alone."""
+    rows = None
+    for t in out.values():
+        finite = t.reshape(t.shape[0], -1).isfinite().all(1)
+        rows = finite if rows is None else rows & finite
+    return [] if rows is None else (~rows).nonzero().flatten().tolist()
+
+
+def refuse_random_forward(trainable: Trainable, inputs: Batch) -> None:
+    """Refuse, with :class:`UndefinedPerSampleError`, a forward that draws random numbers (stochastic depth such as
+    timm's ``drop_path_rate``, ``F.dropout(..., training=True)``, noise): one forward of the first sample, watched for
+    the operations PyTorch tags as seeded, under a forked RNG (the caller's random state is untouched), before a
+    strategy that does not probe (the loop, torch_func) runs the model; the batched ones refuse at the probe."""
+    if any(isinstance(m, torch.jit.ScriptModule) for _, m in trainable.modules):
+        return  # TorchScript takes no hooks to watch it with (and runs in the loop only)
+    device = trainable.device
+    with restoring_modes(trainable), torch.no_grad(), \
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        _, drew = observe(trainable, inputs.sample(0), None, random_ops=True)
+    if drew is not None:
+        module = dict(trainable.modules)[drew]
+        raise UndefinedPerSampleError(
+            f"the forward draws random numbers (first in layer '{drew or 'model'}' ({type(module).__name__}): "
+            "stochastic depth such as timm's drop_path_rate, dropout written as F.dropout(..., training=True), "
+            "noise), so per-sample gradients would be random and not comparable, whatever the strategy. Call "
+            "model.eval() (or turn the randomness off, e.g. drop_path_rate=0) before computing per-sample gradients.")

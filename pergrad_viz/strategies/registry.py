@@ -10,11 +10,14 @@ the model.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from pergrad_viz.core.guards import refusing_reentrant_checkpoints
 from pergrad_viz.strategies import autograd_stack, batched_grad, hooks, loop, torch_func
 
 # (trainable, loss_fn, inputs, targets, out) -> None; (trainable, inputs, out) -> None
@@ -44,7 +47,20 @@ class Strategy:
     summary: str = ""
 
 
-REGISTRY: dict[str, Strategy] = {s.name: s for s in (
+def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` with PyTorch's refusal of a reentrant checkpoint turned into one clear error, the same in every
+    strategy (:func:`pergrad_viz.core.validate.refusing_reentrant_checkpoints`)."""
+
+    @functools.wraps(fn)
+    def run(*args: object, **kwargs: object) -> None:
+        with refusing_reentrant_checkpoints():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+REGISTRY: dict[str, Strategy] = {s.name: dataclasses.replace(s, grads=_guarded(s.grads), jacobian=_guarded(s.jacobian))
+                                 for s in (
     Strategy("loop", loop.grads, loop.jacobian, loop.working_bytes, batched_forward=False, slow_baseline=True,
              summary="a Python loop over samples (and outputs): the definition every other strategy is checked "
                      "against"),

@@ -19,9 +19,11 @@ from torch.func import functional_call, grad, jacrev, vmap
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.errors import VmapError
+from pergrad_viz.strategies.outputs import refuse_random_forward
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -98,21 +100,45 @@ def _first(obj: object) -> object:
 def _call_one(trainable: Trainable, inputs: Batch, params: dict, state: dict, xs: list[torch.Tensor]) -> object:
     """The model on one sample: ``xs`` are that sample's batched tensors without their batch dimension."""
     one = inputs.with_leaves([x.unsqueeze(0) for x in xs])
-    return functional_call(trainable.model, {**params, **state}, one.args, one.kwargs)
+    root, prefix = _functional_root(trainable.model)
+    values = {**params, **state}
+    if prefix:
+        values = {n.removeprefix(prefix): t for n, t in values.items()}
+    return functional_call(root, values, one.args, one.kwargs)
+
+
+def _functional_root(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module ``functional_call`` can run and the prefix its names lose: an ``nn.DataParallel`` without devices
+    (on CPU) only calls its ``module``, which is run instead; one spread over devices is refused naming the fix."""
+    prefix = ""
+    while isinstance(model, nn.DataParallel):
+        if model.device_ids:
+            raise VmapError(
+                "torch.func cannot run nn.DataParallel over devices (it replicates the module on every call). Pass "
+                "model.module (the same parameters), or use strategy='auto' (which picks a strategy that works here) "
+                "or 'loop'.")
+        model, prefix = model.module, prefix + "module."
+    return model, prefix
 
 
 def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """Writes (B, *param.shape) into ``out`` with ``vmap(grad(loss of one sample))``."""
+    refuse_random_forward(trainable, inputs)
     frozen = trainable.frozen_state()
 
     def loss_of_one(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object, state: dict = frozen
                     ) -> torch.Tensor:
         return scalar_loss(loss_fn(_call_one(trainable, inputs, params, state, xs), _unsqueezed(y)))
 
+    def checked(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object) -> torch.Tensor:
+        loss = loss_of_one(params, xs, y)
+        check_takes_part(trainable, loss)  # under grad, requires_grad says whether the loss depends on params
+        return loss
+
     params = _trainable(trainable)
     leaves = inputs.leaves()
-    result = _vmapped(trainable, lambda: vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, leaves, targets),
+    result = _vmapped(trainable, lambda: vmap(grad(checked), in_dims=(None, 0, 0))(params, leaves, targets),
                       lambda state: loss_of_one(params, _first(leaves), _first(targets), state))
     for name in trainable.names:
         out[name].copy_(result[name])
@@ -120,6 +146,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """Writes (B, Y, *param.shape) into ``out`` with ``vmap(jacrev(outputs of one sample))``."""
+    refuse_random_forward(trainable, inputs)
     frozen = trainable.frozen_state()
     select = trainable.select or (lambda o: o)
 
@@ -127,9 +154,14 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
                        ) -> torch.Tensor:
         return select(_call_one(trainable, inputs, params, state, xs)).reshape(-1)
 
+    def checked(params: dict[str, torch.Tensor], xs: list[torch.Tensor]) -> torch.Tensor:
+        output = outputs_of_one(params, xs)
+        check_takes_part(trainable, output, "model output")
+        return output
+
     params = _trainable(trainable)
     leaves = inputs.leaves()
-    result = _vmapped(trainable, lambda: vmap(jacrev(outputs_of_one), in_dims=(None, 0))(params, leaves),
+    result = _vmapped(trainable, lambda: vmap(jacrev(checked), in_dims=(None, 0))(params, leaves),
                       lambda state: outputs_of_one(params, _first(leaves), state))
     for name in trainable.names:
         out[name].copy_(result[name])

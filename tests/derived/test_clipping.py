@@ -77,7 +77,7 @@ def test_clips_the_output_of_per_sample_grads():
     assert (torch.linalg.norm(flatten(clipped), dim=1) <= 0.1 * (1 + 1e-6)).all()
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, "1", None, torch.tensor(1.0)])
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, "1", None, torch.tensor([1.0, 2.0])])
 def test_max_norm_must_be_a_positive_number(bad):
     with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
         pv.clip_per_sample(flatten(grads_dict()), bad)

@@ -1,0 +1,117 @@
+"""Checks of what a call finds while it runs, each refusal naming the fix: no trainable parameter reached by the
+forward (a peft model after ``merge_adapter()``), gradient checkpointing with ``use_reentrant=True`` (which refuses
+``torch.autograd.grad``), a call under ``torch.autocast``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch
+
+from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
+
+
+class Trainable(Protocol):
+    """What these checks read of a :class:`pergrad_viz.core.trainable.Trainable` (which stands on this module through
+    ``core.validate``, so this module does not import it)."""
+
+    names: tuple[str, ...]
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+REENTRANT_CHECKPOINT = (
+    "the model uses gradient checkpointing with use_reentrant=True, whose recomputation runs only inside .backward(): "
+    "PyTorch refuses torch.autograd.grad and torch.func through it, which every strategy (the loop included) needs. "
+    "Use use_reentrant=False (the default PyTorch recommends): torch.utils.checkpoint.checkpoint(fn, *args, "
+    "use_reentrant=False), or for a Hugging Face model model.gradient_checkpointing_enable("
+    "gradient_checkpointing_kwargs={'use_reentrant': False}); or turn it off (model.gradient_checkpointing_disable())")
+
+
+def check_takes_part(trainable: Trainable, result: torch.Tensor, what: str = "loss") -> None:
+    """Refuse a call in which no trainable parameter takes part: ``result`` (the loss, or the model output of a
+    Jacobian) does not depend on any of them, so every per-sample gradient would be zero (where some take part,
+    those that do not get zeros, as the loop's ``allow_unused`` gives)."""
+    if isinstance(result, torch.Tensor) and not result.requires_grad:
+        raise nothing_takes_part(trainable, what)
+
+
+def check_reached(trainable: Trainable, calls: Sequence, what: str = "loss") -> None:
+    """Refuse a hooked forward (``calls``: the captured layer calls, ``pergrad_viz.engine.capture``) in which no
+    layer output carries a gradient: no trainable parameter takes part (as :func:`check_takes_part`)."""
+    if not any(t.requires_grad for c in calls for t in (*c.outputs, *c.internals)):
+        raise nothing_takes_part(trainable, what)
+
+
+def nothing_takes_part(trainable: Trainable, what: str = "loss") -> ValueError:
+    """The error of a call in which no trainable parameter takes part in ``what`` (see :func:`check_takes_part`)."""
+    names = list(trainable.names)
+    shown = ", ".join(f"'{n}'" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return ValueError(
+        f"no trainable parameter takes part in the {what}: {shown} (requires_grad=True) are not used by the forward "
+        "pass on these inputs, so every per-sample gradient would be zero. Typical causes: a peft model after "
+        "merge_adapter() (the adapters are merged into the frozen weights and no longer run: call "
+        "model.unmerge_adapter() first), a forward that runs those layers under torch.no_grad() or detaches their "
+        "outputs, or the wrong parameters unfrozen (set requires_grad_(True) on those the forward uses)")
+
+
+def _from_reentrant_checkpoint(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) is PyTorch refusing autograd.grad / torch.func through a reentrant checkpoint:
+    its message says so, or an autograd.Function without setup_context was applied from torch/utils/checkpoint.py."""
+    for e in (error, error.__cause__):
+        if e is None:
+            continue
+        msg = str(e)
+        if "use_reentrant=True" in msg and "checkpoint" in msg:
+            return True
+        frames = traceback.extract_tb(e.__traceback__)
+        if "autograd.Function" in msg and any(f.filename.endswith(os.path.join("utils", "checkpoint.py"))
+                                              for f in frames):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def refusing_reentrant_checkpoints() -> Iterator[None]:
+    """Turn PyTorch's error for a reentrant checkpoint (``use_reentrant=True``) into an
+    :class:`UnsupportedModelError` naming ``use_reentrant=False``; any other error passes unchanged."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as e:
+        if not isinstance(e, UndefinedPerSampleError) and _from_reentrant_checkpoint(e):
+            # torch.func's own error type is kept (auto hands it over to the loop, which then says it, or computes
+            # what PyTorch computes where no checkpointed input records gradients)
+            kind = type(e) if isinstance(e, UnsupportedModelError) else UnsupportedModelError
+            raise kind(REENTRANT_CHECKPOINT) from e
+        raise
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes in on ``device``'s type now, or None outside autocast."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+def check_autocast(strategy: str, trainable: Trainable) -> bool:
+    """Whether the call runs under ``torch.autocast`` for the parameters' device (then ``auto`` is the loop: each
+    sample alone under autocast, the very computation of the definition, the result in the parameters' dtype); any
+    other strategy than the loop is refused, naming it: the batched ones agree with the loop only to the autocast
+    dtype's precision, and the layer rules and torch.func mix the autocast dtype with the parameters'."""
+    dtype = autocast_dtype(trainable.device)
+    if dtype is None:
+        return False
+    if strategy not in ("auto", "loop"):
+        raise UnsupportedModelError(
+            f"the call runs under torch.autocast({trainable.device.type!r}, dtype={dtype}), which the {strategy} "
+            f"strategy cannot follow (its batched forward, layer rules or torch.func mix {dtype} with the "
+            f"parameters' {trainable.dtype}). Use strategy='auto' or 'loop' (each sample alone under autocast, the "
+            f"result in {trainable.dtype}), or call it outside the autocast block")
+    return True

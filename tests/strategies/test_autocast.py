@@ -1,0 +1,78 @@
+"""A float32 model inside torch.autocast (issue 28, tests/zoo/autocast.py): ``auto`` gives the autocast loop's
+numbers (each sample alone under autocast: the definition's own computation), in the parameters' dtype (float32);
+every other strategy but the loop refuses naming 'auto' / 'loop', leaving the model, .grad, the RNG and the grad
+mode as they were. Grads, Jacobians, norms, flat or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_refuses, flatten_ref
+from zoo.autocast import AUTOCAST, CASES, inputs
+
+import pergrad_viz as pv
+
+ALL = (*pv.STRATEGIES, "auto")
+B = 4
+
+
+def _autocast_loop(model, x, y, dtype, quantity):
+    """The definition under autocast: sample i alone, its loss (or each output) differentiated."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for i in range(x.shape[0]):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            out = model(x[i:i + 1])
+            scalars = [torch.nn.functional.cross_entropy(out, y[i:i + 1])] if quantity == "grads" else out.reshape(-1)
+        per = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(s, params, retain_graph=True)]) for s in scalars]
+        rows.append(per[0] if quantity == "grads" else torch.stack(per))
+    return torch.stack(rows)
+
+
+def _call(quantity, model, x, y, strategy, flat):
+    if quantity == "grads":
+        return pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, strategy=strategy, flat=flat)
+    if quantity == "norms":
+        return pv.per_sample_grad_norms(model, torch.nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    return pv.per_sample_jacobian(model, x, strategy=strategy, flat=flat)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("quantity", ["grads", "jacobian", "norms"])
+@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize(("label", "dtype"), AUTOCAST, ids=[a[0] for a in AUTOCAST])
+@pytest.mark.parametrize(("name", "make"), CASES, ids=[c[0] for c in CASES])
+def test_autocast_gives_the_autocast_loop_or_refuses(name, make, label, dtype, strategy, quantity, flat):
+    if quantity == "norms" and flat:
+        pytest.skip("norms have no flat form")
+    model = make()
+    x, y = inputs(B)
+    first = next(model.parameters())
+    first.grad = torch.full_like(first, 0.25)
+    if strategy not in ("auto", "loop"):
+        with torch.autocast("cpu", dtype=dtype):
+            assert_refuses(lambda: _call(quantity, model, x, y, strategy, flat), model, "torch.autocast",
+                           "strategy='auto' or 'loop'", error=pv.UnsupportedModelError)
+        return
+    with torch.autocast("cpu", dtype=dtype):
+        got = _call(quantity, model, x, y, strategy, flat)
+    want = _autocast_loop(model, x, y, dtype, "grads" if quantity == "norms" else quantity)
+    tol = {"rtol": 1.6e-2, "atol": 1e-5}  # the autocast dtype's precision (it is the same computation here)
+    if quantity == "norms":
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want.norm(dim=1), **tol)
+        return
+    if not flat:
+        assert all(t.dtype == torch.float32 for t in got.values())
+        got = flatten_ref(got, 1 if quantity == "grads" else 2)
+    assert got.dtype == torch.float32, "the result is in the parameters' dtype"
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_the_autocast_loop_differs_from_the_float32_loop():
+    """Else the test above could not tell a result computed without autocast from the autocast loop's."""
+    model = CASES[1][1]()
+    x, y = inputs(B)
+    low = _autocast_loop(model, x, y, torch.bfloat16, "grads")
+    full = _autocast_loop(model, x, y, None, "grads")
+    assert (low - full).abs().max() > 1e-4

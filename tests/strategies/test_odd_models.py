@@ -1,0 +1,88 @@
+"""Odd but valid models (issue 28, tests/zoo/odd.py): the loop's numbers from auto and the loop, and from every other
+strategy or a clear UnsupportedModelError naming one that works; complex outputs refused naming
+output=torch.view_as_real (which then works), empty outputs give empty Jacobians, a lazy module a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_refuses, assert_state_unchanged, flatten_ref, ref_grads, ref_jacobian, snapshot
+from zoo.odd import CASES, complex_model, empty_model, lazy_model
+
+import pergrad_viz as pv
+
+ALL = (*pv.STRATEGIES, "auto")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _xy(batch=3):
+    g = torch.Generator().manual_seed(8)
+    return torch.randn(batch, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("quantity", ["grads", "jacobian"])
+@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize(("name", "make", "context"), CASES, ids=[c[0] for c in CASES])
+def test_odd_models_give_the_loops_numbers_or_refuse_clearly(name, make, context, strategy, quantity, flat):
+    model, (x, y) = make(), _xy()
+    loss = torch.nn.CrossEntropyLoss()
+    want = ref_grads(model, loss, x, y) if quantity == "grads" else ref_jacobian(model, x)
+    before = snapshot(model)
+    try:
+        with context():
+            got = (pv.per_sample_grads(model, loss, x, y, strategy=strategy, flat=flat) if quantity == "grads"
+                   else pv.per_sample_jacobian(model, x, strategy=strategy, flat=flat))
+    except pv.UnsupportedModelError as e:
+        assert strategy not in ("auto", "loop"), f"{name}: {strategy} must not refuse: {e}"
+        assert any(s in str(e) for s in ("'auto'", "'loop'", "torch_func")), str(e)
+        assert_state_unchanged(model, before)
+        return
+    assert_state_unchanged(model, before)
+    lead = 1 if quantity == "grads" else 2
+    torch.testing.assert_close(got if flat else flatten_ref(got, lead), flatten_ref(want, lead))
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_complex_outputs_are_refused_naming_view_as_real_which_works(strategy):
+    model, (x, _) = complex_model(), _xy()
+    assert_refuses(lambda: pv.per_sample_jacobian(model, x, strategy=strategy), model, "torch.view_as_real",
+                   error=TypeError)
+    try:
+        got = pv.per_sample_jacobian(model, x, strategy=strategy, flat=True, output=torch.view_as_real)
+    except pv.UnsupportedModelError as e:
+        assert strategy not in ("auto", "loop"), str(e)
+        return
+    want = ref_jacobian(torch.nn.Sequential(model, _ViewAsReal()), x)
+    torch.testing.assert_close(got, flatten_ref({k.removeprefix("0."): v for k, v in want.items()}, 2))
+
+
+class _ViewAsReal(torch.nn.Module):
+    def forward(self, z):
+        return torch.view_as_real(z)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("strategy", ALL)
+def test_empty_outputs_give_empty_jacobians(strategy, flat):
+    model, (x, _) = empty_model(), _xy()
+    got = pv.per_sample_jacobian(model, x, strategy=strategy, flat=flat)
+    p = sum(q.numel() for q in model.parameters())
+    if flat:
+        assert got.shape == (3, 0, p)
+    else:
+        assert {n: tuple(t.shape) for n, t in got.items()} == {"fc.weight": (3, 0, 3, 4), "fc.bias": (3, 0, 3)}
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_a_lazy_module_not_initialised_names_the_fix(strategy):
+    model, (x, y) = lazy_model(), _xy()
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError, match="not initialised yet .* run one forward pass first"):
+        pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    assert torch.equal(torch.get_rng_state(), rng) and torch.is_grad_enabled()
+    assert isinstance(model[0].weight, torch.nn.parameter.UninitializedParameter)  # nothing ran
+    with torch.no_grad():
+        model(x[:1])
+    got = pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, strategy=strategy, flat=True)
+    torch.testing.assert_close(got, flatten_ref(ref_grads(model, torch.nn.CrossEntropyLoss(), x, y), 1))

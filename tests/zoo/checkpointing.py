@@ -1,0 +1,77 @@
+"""Gradient checkpointing as people turn it on (issue 28): ``torch.utils.checkpoint.checkpoint`` in a custom forward,
+and a Hugging Face model's ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ...})``
+(which checkpoints in training mode only), each with ``use_reentrant=True`` (refused by every strategy, naming
+``use_reentrant=False``) and ``use_reentrant=False`` (the loop's numbers).
+
+Each maker returns a model taking one float64 tensor (B, 4) or (B, T) token ids, and giving (B, 3) logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+DT = torch.float64
+
+
+class CheckpointedBlock(nn.Module):
+    """stem -> checkpointed (fc, tanh, fc2) -> head, as a memory-saving custom forward writes it."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.stem = nn.Linear(4, 6)
+        self.fc = nn.Linear(6, 6)
+        self.fc2 = nn.Linear(6, 5)
+        self.head = nn.Linear(5, 3)
+        self.reentrant = reentrant
+
+    def block(self, h):
+        return self.fc2(torch.tanh(self.fc(h)))
+
+    def forward(self, x):
+        h = checkpoint(self.block, torch.relu(self.stem(x)), use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def custom(reentrant: bool) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return CheckpointedBlock(reentrant).to(DT)
+
+    return make
+
+
+def hf_bert(reentrant: bool) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        import transformers
+
+        from pergrad_viz.tutorial.hf_models import Logits
+
+        torch.manual_seed(0)
+        config = transformers.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=24, max_position_embeddings=16, num_labels=3,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = transformers.BertForSequenceClassification(config).to(DT)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return Logits(model.train(), "input_ids")  # checkpointing runs in training mode only (dropout is 0)
+
+    return make
+
+
+def floats(batch: int) -> torch.Tensor:
+    return torch.randn(batch, 4, generator=torch.Generator().manual_seed(11), dtype=DT)
+
+
+def tokens(batch: int) -> torch.Tensor:
+    return torch.randint(1, 30, (batch, 6), generator=torch.Generator().manual_seed(12))
+
+
+CASES = [  # (name, maker, inputs, reentrant, optional package)
+    ("custom-reentrant", custom(True), floats, True, ""),
+    ("custom-non-reentrant", custom(False), floats, False, ""),
+    ("hf-bert-reentrant", hf_bert(True), tokens, True, "transformers"),
+    ("hf-bert-non-reentrant", hf_bert(False), tokens, False, "transformers"),
+]
