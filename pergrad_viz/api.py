@@ -305,10 +305,9 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     race = _check_memory(trainable, strategy, batch, chunk, None, max_bytes, out)
 
     def run_chunk(chosen: Strategy, rows: slice, views: dict[str, torch.Tensor]) -> None:
-        if rows.stop - rows.start == batch:
-            chosen.grads(trainable, loss_fn, inputs, targets, views)
-        else:
-            chosen.grads(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), views)
+        whole = rows.stop - rows.start == batch
+        chosen.grads(trainable, loss_fn, inputs if whole else inputs.rows(rows),
+                     targets if whole else cut(targets, rows, batch), views)
 
     def check(result: Result, used: str) -> None:
         check_grads(trainable, loss_fn, inputs, targets, _rows(result, trainable, 1), used,
