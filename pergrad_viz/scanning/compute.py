@@ -37,14 +37,14 @@ from pergrad_viz.derived.norms import (
 from pergrad_viz.engine.capture import backward_to_layers, capture
 from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import dense_grads, group_calls, tied_names
-from pergrad_viz.errors import CheckFailedError, PlanMismatchError
+from pergrad_viz.errors import HandOverError
 from pergrad_viz.scanning.sketch import Block, GradientSketch
 
 GRAD_QUANTITIES = frozenset({"grad_norm", "layer_norms", "projection"})
 
 
-class _NeedsMaterialising(Exception):
-    """The hooks pass cannot serve this batch (tied parameters): materialise it instead."""
+class _NeedsMaterialising(HandOverError):
+    """Tied parameters: their per-layer shares must be summed before a norm, which the materialised path does."""
 
 
 class SelectedLoss:
@@ -121,24 +121,34 @@ def batch_quantities(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
         with torch.no_grad():
             output, losses = _losses(loss_fn, Batch.of(x, size=len(y))(model), y)
             return _outputs(want, output, losses, y)
-    if use_hooks:
-        try:
-            return _hooks_batch(model, loss_fn, x, y, want, blocks, sketch)
-        except (PlanMismatchError, CheckFailedError, _NeedsMaterialising):
-            pass
-    return _materialised_batch(model, loss_fn, x, y, want, blocks, sketch)
+    trainable, inputs = Trainable.of(model), Batch.of(x, size=len(y))
+
+    def run(used: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        if used == "hooks":
+            return _hooks_batch(trainable, inputs, loss_fn, y, want, blocks, sketch)
+        return _materialised_batch(model, loss_fn, x, y, want, blocks, sketch), None
+
+    def check(result: tuple, used: str) -> None:
+        if used == "hooks":  # materialised gradients were checked as they were computed
+            check_norms(trainable, loss_fn, inputs, y, result[1], used)
+
+    # The one hand-over (api.hand_over): the hooked pass, then materialised gradients where it cannot be trusted.
+    res, _ = api.hand_over("auto", "hooks" if use_hooks else "torch_func", trainable, inputs, run, check, "scan", y,
+                           race=False)
+    return res
 
 
-def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, want: set[str],
-                 blocks: list[Block], sketch: GradientSketch | None) -> dict[str, torch.Tensor]:
-    trainable = Trainable.of(model)
+def _hooks_batch(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.Tensor, want: set[str],
+                 blocks: list[Block], sketch: GradientSketch | None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The batch's quantities from one hooked forward and backward, and the squared norms {name: (B,)} (for the
+    check)."""
     batch = len(y)
-    inputs = Batch.of(x, size=batch)
     with restoring_modes(trainable), refusing_reentrant_checkpoints():
         output, calls = capture(trainable, inputs)
         check_reached(trainable, calls)
         if tied_names(calls):
-            raise _NeedsMaterialising
+            raise _NeedsMaterialising("tied parameters: the scan materialises their gradients")
         output, losses = _losses(loss_fn, output, y)  # (B,)
         per_call = backward_to_layers(calls, losses.sum())
     res = _outputs(want, output, losses, y)
@@ -165,8 +175,6 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
                 dense[local[ln]] = t[0]
                 if kind is None:
                     squared[local[ln]] = row_squared_norms(t[0])
-    with restoring_modes(trainable):
-        check_norms(trainable, loss_fn, inputs, y, squared, "hooks")  # the per-call check (pergrad_viz.engine.certify)
     res.update(_from_squared(want, squared, blocks))
     if want_sketch:
         for i, bs in enumerate(sketch.blocks):
@@ -177,7 +185,7 @@ def _hooks_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Te
                         dense[n] = torch.zeros(batch, *shape, **kw)
                 sketched[i] = sketch.project_block(i, dense)
         res["projection"] = torch.cat([sketched[i] for i in range(len(sketch.blocks))], dim=1)
-    return res
+    return res, squared
 
 
 def _materialised_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, want: set[str],
