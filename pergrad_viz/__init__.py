@@ -12,6 +12,7 @@ from pergrad_viz import moved
 from pergrad_viz.api import per_sample_grads, per_sample_jacobian, resolve_strategy
 from pergrad_viz.core.losses import causal_lm_loss, sequence_classification_loss
 from pergrad_viz.derived.clipping import clip_per_sample, dp_sgd_gradient
+from pergrad_viz.derived.dp import clipped_grad_sum, dp_step
 from pergrad_viz.derived.norms import per_sample_grad_norms
 from pergrad_viz.derived.ntk import empirical_ntk
 from pergrad_viz.errors import MemoryBudgetError, UnsupportedModelError
@@ -26,7 +27,9 @@ __all__ = [
     "UnsupportedModelError",
     "causal_lm_loss",
     "clip_per_sample",
+    "clipped_grad_sum",
     "dp_sgd_gradient",
+    "dp_step",
     "empirical_ntk",
     "load_scan",
     "per_sample_grad_norms",

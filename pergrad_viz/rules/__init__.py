@@ -45,7 +45,9 @@ fallback), with ``captured_grads`` one (N, *internal.shape) gradient or None per
 ``@register_ghost(*types)`` for layers whose per-sample weight gradient is a sum over the T positions they saw of
 outer products (``nn.Linear``: g_t a_t^T; ``nn.Embedding``: g_t in row idx_t): a class of static methods that give
 per-sample gradient norms and NTK terms from Gram matrices, never the per-sample gradient itself (see
-:class:`GhostRule`).
+:class:`GhostRule`). ``@register_weighted_sum(*types)``, beside a ghost rule: the sum over samples of the
+per-sample gradients weighted by c (B,), from the same captured inputs and output gradients (the clipped sum of
+DP-SGD, ``pergrad_viz.derived.dp``), never the per-sample gradients.
 
 Each decorator also takes a class path instead of a type, e.g. ``"transformers.pytorch_utils.Conv1D"``
 (``f"{cls.__module__}.{cls.__qualname__}"``): registered lazily, resolved when a module of that class (or a subclass)
@@ -77,8 +79,10 @@ from pergrad_viz.rules.registry import (
     register,
     register_call,
     register_ghost,
+    register_weighted_sum,
     rule_for,
     rule_takes_batch_dim,
+    weighted_sum_rule_for,
 )
 
 __all__ = [
@@ -96,8 +100,10 @@ __all__ = [
     "register",
     "register_call",
     "register_ghost",
+    "register_weighted_sum",
     "rule_for",
     "rule_takes_batch_dim",
+    "weighted_sum_rule_for",
 ]
 
 # The rules register themselves on import; the integrations register by class path and import neither package.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pergrad_viz.rules.registry import join_positions, register, register_ghost
+from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum
 
 
 @register(nn.Linear, features=lambda module: 1)
@@ -144,3 +144,32 @@ class LinearInOutGhost(LinearGhost):
     def gram_cost(module, tokens, y_count, pairs):
         width_in, width_out = module.weight.shape
         return _gram_cost(width_in, width_out, tokens, y_count, pairs)
+
+
+def _scaled(g: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """g (B, *, out) with sample b's rows times weights[b], as (B * T, out)."""
+    return (g * weights.view(-1, *(1,) * (g.dim() - 1))).reshape(-1, g.shape[-1])
+
+
+def _linear_sums(seen, weights: dict[str, torch.Tensor], in_out: bool) -> dict[str, torch.Tensor]:
+    """sum_b c_b sum_t g_bt a_bt^T = (c G)^T A over the B * T rows of every call: one matmul per call and parameter
+    (``in_out``: the weight stored (in, out), A^T (c G))."""
+    result: dict[str, torch.Tensor] = {}
+    for a, g in seen:
+        rows_a = a.reshape(-1, a.shape[-1])  # (B * T, in)
+        for ln, c in weights.items():
+            cg = _scaled(g, c)  # (B * T, out)
+            term = cg.sum(0) if ln == "bias" else (rows_a.mT @ cg if in_out else cg.mT @ rows_a)
+            result[ln] = term if ln not in result else result[ln].add_(term)
+    return result
+
+
+@register_weighted_sum(nn.Linear)
+def linear_weighted_sum(module, seen, weights):
+    """nn.Linear: weight (out, in) = (c G)^T A, bias (out,) = the c-weighted sum of the output gradients."""
+    return _linear_sums(seen, weights, in_out=False)
+
+
+def linear_in_out_weighted_sum(module, seen, weights):
+    """A Linear with its weight stored (in, out): weight = A^T (c G); registered with :func:`linear_in_out`."""
+    return _linear_sums(seen, weights, in_out=True)

@@ -1,6 +1,7 @@
-"""The rule registry: the three decorators (``register``, ``register_call``, ``register_ghost``), the lazy
-registration by class path, and one lookup (:func:`rule_for`, :func:`call_rule_for`, :func:`ghost_rule_for` and
-:func:`capture_for` all go through it). What a rule is and may assume: see :mod:`pergrad_viz.rules`."""
+"""The rule registry: the four decorators (``register``, ``register_call``, ``register_ghost``,
+``register_weighted_sum``), the lazy registration by class path, and one lookup (:func:`rule_for`,
+:func:`call_rule_for`, :func:`ghost_rule_for`, :func:`weighted_sum_rule_for` and :func:`capture_for` all go
+through it). What a rule is and may assume: see :mod:`pergrad_viz.rules`."""
 
 from __future__ import annotations
 
@@ -118,6 +119,7 @@ _CODE_FLAGS = (1 << 16) - 1
 _RULES = _Registry()
 _CALL_RULES = _Registry()
 _GHOST_RULES = _Registry()
+_SUM_RULES = _Registry()
 
 ModuleType = type[nn.Module] | str  # a type, or a class path registered lazily
 
@@ -167,6 +169,32 @@ def register_ghost(*module_types: ModuleType, forward_like: Callable | None = No
         return cls
 
     return deco
+
+
+# sum_i c_i g_i for one layer: (module, seen [(activation (B, ...), grad_output (B, ...))], {local name: c (B,)})
+# -> {local name: Tensor (*param.shape)}; ``seen`` has the samples first, one entry per call of the layer.
+WeightedSumRule = Callable[[nn.Module, Sequence[tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]],
+                           dict[str, torch.Tensor]]
+
+
+def register_weighted_sum(*module_types: ModuleType, forward_like: Callable | None = None
+                          ) -> Callable[[WeightedSumRule], WeightedSumRule]:
+    """Decorator: the weighted sum over samples of the per-sample gradients, ``sum_i c_i g_i``, of these module types
+    straight from the captured inputs and output gradients (book-keeping: never the (B, *param.shape) gradients);
+    used only where the type's ghost rule applies (the norms come from it)."""
+
+    def deco(rule: WeightedSumRule) -> WeightedSumRule:
+        for t in module_types:
+            _SUM_RULES.add(t, rule, forward_like)
+        return rule
+
+    return deco
+
+
+def weighted_sum_rule_for(module: nn.Module) -> WeightedSumRule | None:
+    """The weighted-sum rule of ``module``, or None (also where its ghost rule does not apply)."""
+    rule = _lookup(_SUM_RULES, module)
+    return rule if rule is not None and ghost_rule_for(module) is not None else None
 
 
 def ghost_rule_for(module: nn.Module) -> GhostRule | None:
@@ -231,4 +259,4 @@ def capture_for(module: nn.Module) -> Callable | None:
 
 def lazy_paths() -> tuple[str, ...]:
     """Class paths registered lazily and not yet resolved (their packages need not be installed)."""
-    return tuple(sorted({*_RULES.paths, *_CALL_RULES.paths, *_GHOST_RULES.paths}))
+    return tuple(sorted({*_RULES.paths, *_CALL_RULES.paths, *_GHOST_RULES.paths, *_SUM_RULES.paths}))
