@@ -47,14 +47,20 @@ def _weighted(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.tensordot(c.to(g.dtype), g, dims=1)
 
 
-def _add(sums: dict[str, torch.Tensor], name: str, term: torch.Tensor) -> None:
-    sums[name].add_(term.reshape(sums[name].shape))
+def _add(sums: dict[str, torch.Tensor], shapes: Mapping[str, torch.Size], name: str, term: torch.Tensor) -> None:
+    """sums[name] += term (the first term is kept as it is: no zero-filled tensor first)."""
+    term = term.reshape(shapes[name])
+    if name in sums:
+        sums[name].add_(term)
+    else:
+        sums[name] = term if term.is_contiguous() else term.contiguous()
 
 
 def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, chunk: int, groups: Groups,
                 sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Add the clipped sum into ``sums`` {name: (*shape)}; returns {name: (B,) squared norms} (for the check)."""
-    batch = inputs.size
+    """Add the clipped sum into ``sums`` {name: (*shape)} (entries made where missing; a parameter the forward never
+    reaches gets none); returns {name: (B,) squared norms} (for the check)."""
+    batch, shapes = inputs.size, trainable.shapes
     squared = {n: torch.zeros(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
     with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
         for start in range(0, batch, chunk):
@@ -84,9 +90,9 @@ def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
             with torch.no_grad():
                 for module, rule, seen_first, local in kept:
                     for ln, term in rule(module, seen_first, {ln: factors[n] for ln, n in local.items()}).items():
-                        _add(sums, local[ln], term)
+                        _add(sums, shapes, local[ln], term)
                 for name, g in dense.items():
-                    _add(sums, name, _weighted(g, factors[name]))
+                    _add(sums, shapes, name, _weighted(g, factors[name]))
             del calls, grads, kept, dense
     return squared
 
@@ -97,7 +103,7 @@ def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_f
     """The clipped sum into ``sums`` from :func:`pergrad_viz.per_sample_grads` with ``strategy``, one chunk of samples
     at a time (chunks sized for ``resolved``, the strategy it runs): exact, slower, O(chunk * P) memory. Returns the
     (B,) squared norms per name."""
-    batch = inputs.size
+    batch, shapes = inputs.size, trainable.shapes
     if chunk_size is None:
         p = trainable.num_params
         per_sample = result_bytes(1, p, trainable.dtype) + working_bytes(resolved, 1, 1, p, trainable.dtype)
@@ -114,6 +120,6 @@ def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_f
         factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)
         with torch.no_grad():
             for name, g in grads.items():
-                _add(sums, name, _weighted(g, factors[name]))
+                _add(sums, shapes, name, _weighted(g, factors[name]))
         del grads
     return squared

@@ -142,11 +142,28 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     sums, squared = _sums(trainable, resolved, strategy, loss_fn, batch, targets, chunk, chunk_size, verify, groups)
     std = noise_multiplier * sensitivity(groups)
     if std > 0:
-        for total in sums.values():
-            total.add_(torch.randn(total.shape, generator=generator, dtype=total.dtype, device=total.device), alpha=std)
+        add_noise(sums, std, generator)
     if return_norms:
         return sums, torch.stack(list(squared.values())).sum(0).sqrt()
     return sums
+
+
+NOISE_BLOCK = 1 << 16  # noise is drawn this many numbers at a time into one buffer: no parameter-sized temporary
+
+
+def add_noise(sums: dict[str, torch.Tensor], std: float, generator: torch.Generator) -> None:
+    """sums[name] += std * N(0, I), in place: per parameter in order, its flattened numbers in blocks of
+    :data:`NOISE_BLOCK`, each block ``torch.randn(block, generator=generator)``."""
+    buffer = None
+    for total in sums.values():
+        flat = total.view(-1)
+        if buffer is None or buffer.dtype != flat.dtype:
+            buffer = torch.empty(min(NOISE_BLOCK, max(flat.numel(), 1)), dtype=flat.dtype, device=flat.device)
+        for start in range(0, flat.numel(), NOISE_BLOCK):
+            block = flat[start:start + NOISE_BLOCK]
+            noise = buffer[:block.numel()] if block.numel() <= buffer.numel() else torch.empty_like(block)
+            torch.randn(block.numel(), generator=generator, dtype=flat.dtype, device=flat.device, out=noise)
+            block.add_(noise, alpha=std)
 
 
 def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, batch, targets: object, chunk: int,
@@ -154,28 +171,28 @@ def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, b
     """({name: (*shape) clipped sum}, {name: (B,) squared norms}): book-keeping where the hooks strategy runs, else
     (and under ``auto`` where it finds it cannot be trusted for this call) the per-sample gradients in chunks."""
 
-    def zeros() -> dict[str, torch.Tensor]:
-        return {n: torch.zeros_like(p, memory_format=torch.contiguous_format)
+    def in_order(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # zeros where no sample reached one
+        return {n: sums[n] if n in sums else torch.zeros_like(p, memory_format=torch.contiguous_format)
                 for n, p in zip(trainable.names, trainable.params, strict=True)}
 
     if resolved == "hooks":
-        sums = zeros()
+        sums: dict[str, torch.Tensor] = {}
         try:
             squared = hooked_sums(trainable, loss_fn, batch, targets, chunk, groups, sums)
             if verify:
                 with restoring_modes(trainable):
                     check_norms(trainable, loss_fn, batch, targets, squared, "hooks")
-            return sums, squared
+            return in_order(sums), squared
         except (PlanMismatchError, CheckFailedError) as e:
             if strategy != "auto":
                 raise
             if isinstance(e, CheckFailedError):
                 plan_for(trainable, batch).interaction = f"the samples interact: {str(e).split(' (')[0]}"
             resolved = "torch_func"
-    sums = zeros()
+    sums = {}
     squared = materialised_sums(trainable, resolved, "auto" if strategy == "auto" else resolved, loss_fn, batch,
                                 targets, chunk_size, verify, groups, sums)
-    return sums, squared
+    return in_order(sums), squared
 
 
 def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, max_norm: float | None, *,

@@ -109,8 +109,11 @@ def conv_weighted_sum(module, seen, weights):
             mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
             a = F.pad(a, pad, mode=mode) if any(pad) else a
             padding = (0,) * dims
+        scaled: dict[int, torch.Tensor] = {}
         for ln, c in weights.items():
-            cg = g * c.view(-1, *(1,) * (g.dim() - 1))
+            cg = scaled.get(id(c))
+            if cg is None:
+                cg = scaled[id(c)] = g * c.view(-1, *(1,) * (g.dim() - 1))
             if ln == "bias":
                 term = cg.transpose(0, 1).reshape(module.out_channels, -1).sum(1)
             else:

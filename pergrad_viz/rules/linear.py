@@ -153,12 +153,15 @@ def _scaled(g: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 def _linear_sums(seen, weights: dict[str, torch.Tensor], in_out: bool) -> dict[str, torch.Tensor]:
     """sum_b c_b sum_t g_bt a_bt^T = (c G)^T A over the B * T rows of every call: one matmul per call and parameter
-    (``in_out``: the weight stored (in, out), A^T (c G))."""
+    (``in_out``: the weight stored (in, out), A^T (c G)); c G is formed once where weight and bias share c."""
     result: dict[str, torch.Tensor] = {}
     for a, g in seen:
         rows_a = a.reshape(-1, a.shape[-1])  # (B * T, in)
+        scaled: dict[int, torch.Tensor] = {}
         for ln, c in weights.items():
-            cg = _scaled(g, c)  # (B * T, out)
+            cg = scaled.get(id(c))
+            if cg is None:
+                cg = scaled[id(c)] = _scaled(g, c)  # (B * T, out)
             term = cg.sum(0) if ln == "bias" else (rows_a.mT @ cg if in_out else cg.mT @ rows_a)
             result[ln] = term if ln not in result else result[ln].add_(term)
     return result

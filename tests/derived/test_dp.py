@@ -15,7 +15,7 @@ from zoo.cases import CASES
 
 import pergrad_viz as pv
 from pergrad_viz import api
-from pergrad_viz.derived import bookkeeping
+from pergrad_viz.derived import bookkeeping, dp
 from pergrad_viz.tutorial import hf_models
 from pergrad_viz.tutorial.networks import MLP, LSTMClassifier, SmallCNN, TransformerClassifier
 
@@ -241,9 +241,22 @@ def test_noise_comes_from_the_generator_alone():
                                 generator=torch.Generator().manual_seed(5))
     assert torch.equal(torch.get_rng_state(), state)
     g = torch.Generator().manual_seed(5)
-    for n, p in model.named_parameters():
-        want = plain[n] + 1.3 * 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+    block = dp.NOISE_BLOCK
+    for n, p in model.named_parameters():  # in order, in blocks of the flattened parameter
+        noise = torch.cat([torch.randn(min(block, p.numel() - s), generator=g, dtype=p.dtype)
+                           for s in range(0, p.numel(), block)])
+        want = plain[n] + 1.3 * 0.5 * noise.view(p.shape)
         torch.testing.assert_close(noisy[n], want, rtol=1e-12, atol=1e-12)
+
+
+def test_noise_in_blocks_has_the_right_spread(monkeypatch):
+    """A parameter larger than one block of noise: every number drawn once, std sigma * C."""
+    monkeypatch.setattr(dp, "NOISE_BLOCK", 7)
+    sums = {"a": torch.zeros(40, 30, dtype=torch.float64), "b": torch.zeros(5, dtype=torch.float64)}
+    dp.add_noise(sums, 2.0, torch.Generator().manual_seed(0))
+    values = torch.cat([sums["a"].reshape(-1), sums["b"]])
+    assert values.unique().numel() == values.numel()
+    assert 1.9 < float(values.std()) < 2.1
 
 
 @pytest.mark.parametrize("strategy", ["torch_func", "loop"])
