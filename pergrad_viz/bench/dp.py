@@ -220,9 +220,10 @@ def format_dp_table(name: str, rows: list[dict], batch: int) -> str:
     for r in rows:
         ms = None if r["median_s"] is None else r["median_s"] * 1e3
         mb = None if r["peak"] is None else r["peak"] / 2**20
-        lines.append(f"{r['method']:24} {fmt(ms, '.1f', ' ms'):>10} {fmt(r['iqr'] and 100 * r['iqr'], '.0f', '%'):>6} "
-                     f"{fmt(r['vs_plain'], '.2f', 'x'):>10} {fmt(mb, '.1f'):>9} {fmt(r['peak_vs_plain'], '.2f', 'x'):>8} "
-                     f"{fmt(r['max_diff'], '.1e'):>10}  {r['note']}")
+        iqr = None if r["iqr"] is None else 100 * r["iqr"]
+        lines.append(f"{r['method']:24} {fmt(ms, '.1f', ' ms'):>10} {fmt(iqr, '.0f', '%'):>6} "
+                     f"{fmt(r['vs_plain'], '.2f', 'x'):>10} {fmt(mb, '.1f'):>9} "
+                     f"{fmt(r['peak_vs_plain'], '.2f', 'x'):>8} {fmt(r['max_diff'], '.1e'):>10}  {r['note']}")
     opacus = next((r for r in rows if r["method"] == "opacus ghost clipping" and r["median_s"]), None)
     ours = next(r for r in rows if r["method"] == "pv clipped_grad_sum")
     if opacus is not None:

@@ -187,7 +187,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"error: peer(s) not installed: {', '.join(missing)} (pip install opacus backpack-for-pytorch)",
               file=sys.stderr)
         return 2
-    if args.model is None or args.dp:  # the MLP sweep, --dp and the targets read the bundled images: fail before any progress bar
+    if args.model is None or args.dp:  # the MLP sweep, --dp, the targets read the bundled images: fail before a bar
         problem = _sample_missing()
         if problem is not None:
             print(f"error: {problem}", file=sys.stderr)
