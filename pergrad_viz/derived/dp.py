@@ -224,3 +224,20 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
         total.div_(divisor)
         params[name].grad = total
     return sums
+
+
+def noise_step(model: nn.Module, max_norm: float, *, noise_multiplier: float, generator: torch.Generator,
+               expected_batch_size: int) -> dict[str, torch.Tensor]:
+    """The DP step of an empty batch (Poisson sampling draws one with probability (1 - q)^n): ``.grad`` = noise of
+    std ``noise_multiplier * max_norm`` / ``expected_batch_size``, drawn from ``generator`` as :func:`dp_step` draws
+    it, so that every step the accountant counts is taken. Returns the tensors now in ``.grad``."""
+    check_dp_arguments(max_norm, noise_multiplier, generator, False)
+    if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1:
+        raise ValueError(f"expected_batch_size must be a positive int, got {expected_batch_size!r}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    sums = {n: torch.zeros_like(p, memory_format=torch.contiguous_format).detach() for n, p in named}
+    if noise_multiplier > 0:
+        add_noise(sums, noise_multiplier * max_norm, generator)
+    for n, p in named:
+        p.grad = sums[n].div_(expected_batch_size)
+    return sums
