@@ -13,9 +13,9 @@ from pergrad_viz.api import per_sample_grads, per_sample_jacobian, resolve_strat
 from pergrad_viz.core.losses import causal_lm_loss, sequence_classification_loss
 from pergrad_viz.derived.clipping import clip_per_sample, dp_sgd_gradient
 from pergrad_viz.derived.dp import clipped_grad_sum, dp_step, noise_step
-from pergrad_viz.derived.privacy import PoissonBatches, epsilon, noise_multiplier_for
 from pergrad_viz.derived.norms import per_sample_grad_norms
 from pergrad_viz.derived.ntk import empirical_ntk
+from pergrad_viz.derived.privacy import PoissonBatches, epsilon, noise_multiplier_for
 from pergrad_viz.errors import MemoryBudgetError, UnsupportedModelError
 from pergrad_viz.scanning.api import load_scan, scan
 from pergrad_viz.strategies import STRATEGIES
