@@ -12,7 +12,7 @@ builds the per-sample gradients with :func:`pergrad_viz.per_sample_grads` one ch
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -23,9 +23,11 @@ from pergrad_viz.core.memory import default_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.clipping import EPS
 from pergrad_viz.derived.norms import ghost_rule, row_squared_norms
-from pergrad_viz.engine.capture import loss_gradients
-from pergrad_viz.engine.grouping import dense_grads, group_calls, tied_names
-from pergrad_viz.rules import ghost_rule_for, weighted_sum_rule_for
+from pergrad_viz.engine.capture import Layer, loss_gradients
+from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
+from pergrad_viz.engine.probe import LayerKind
+from pergrad_viz.rules import ghost_rule_for, linear_views_for, weighted_sum_rule_for
+from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 from pergrad_viz.strategies import working_bytes
 
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
@@ -56,6 +58,64 @@ def _add(sums: dict[str, torch.Tensor], shapes: Mapping[str, torch.Size], name: 
         sums[name] = term if term.is_contiguous() else term.contiguous()
 
 
+# One layer's share of the clipped sum once the clip factors {full name: (B,)} are known: {full name: term}.
+SumOf = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def _ghost_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumOf] | None:
+    """A layer with a weighted-sum rule: ({full name: (B,) squared norm}, its share of the sum), else None."""
+    ghost = ghost_rule(layer)
+    rule = weighted_sum_rule_for(layer.module) if ghost is not None else None
+    if rule is None:
+        return None
+    module, local = layer.module, layer.local
+    seen_first = [(call.activation, call.rule_grad(gs[0])[0]) for call, gs in seen]
+    a, g = ghost_rule_for(module).stack(module, [(a, g[None]) for a, g in seen_first])
+    squared = {local[ln]: sq for ln, sq in ghost.squared_norms(module, a, g[0], local).items()}
+    del a, g  # the stacked form (a convolution's columns) is not kept
+
+    def share(factors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        terms = rule(module, seen_first, {ln: factors[n] for ln, n in local.items()})
+        return {local[ln]: t for ln, t in terms.items()}
+
+    return squared, share
+
+
+def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumOf] | None:
+    """A call layer made of Linear maps (``register_linear_views``), called once: each map's ghost norm and
+    book-keeping; None where the layer's rule must give its per-sample gradients."""
+    views_rule = linear_views_for(layer.module) if layer.kind is LayerKind.CALL else None
+    if views_rule is None or len(seen) != 1:
+        return None
+    call, gs = seen[0]
+    outputs = len(call.outputs)
+    views = views_rule(layer.module, call.inputs, gs[:outputs], call.captured, gs[outputs:])
+    if views is None:
+        return None
+    local = layer.local
+    pairs = []  # (a (B, T, in), g (B, T, out), {"weight" / "bias": full name}) of the trainable ones
+    for a, g, names in views:
+        full = {role: local[ln] for role, ln in names.items() if ln in local}
+        if full:
+            a3, g3 = a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+            pairs.append((a3, g3, full))
+    if {n for *_, full in pairs for n in full.values()} != set(local.values()):
+        return None  # a parameter of the layer outside its Linear maps (bias_k, bias_v)
+    squared = {}
+    for a, g, full in pairs:
+        for role, sq in LinearGhost.squared_norms(None, a, g, full).items():
+            squared[full[role]] = sq
+
+    def share(factors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        terms = {}
+        for a, g, full in pairs:
+            for role, t in linear_weighted_sum(None, [(a, g)], {r: factors[n] for r, n in full.items()}).items():
+                terms[full[role]] = t
+        return terms
+
+    return squared, share
+
+
 def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, chunk: int, groups: Groups,
                 sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Add the clipped sum into ``sums`` {name: (*shape)} (entries made where missing; a parameter the forward never
@@ -67,33 +127,30 @@ def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
             rows = slice(start, min(start + chunk, batch))
             calls, grads = loss_gradients(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
             tied = tied_names(calls)
-            kept = []  # (module, rule, [(activation, grad)], local) of the layers with a weighted-sum rule
+            shares: list[SumOf] = []  # the layers whose share comes from the captures
             dense: dict[str, torch.Tensor] = {}  # the other layers' (B, *shape), summed over tied layers
             for layer, seen in group_calls(calls, grads).values():
-                local = layer.local
-                ghost = ghost_rule(layer)
-                rule = weighted_sum_rule_for(layer.module) if ghost is not None else None
-                if rule is not None and tied.isdisjoint(local.values()):
-                    seen_first = [(call.activation, call.rule_grad(gs[0])[0]) for call, gs in seen]
-                    a, g = ghost_rule_for(layer.module).stack(layer.module, [(a, g[None]) for a, g in seen_first])
-                    for ln, sq in ghost.squared_norms(layer.module, a, g[0], local).items():
-                        squared[local[ln]][rows] = sq
-                    del a, g  # the stacked form (a convolution's columns) is not kept
-                    kept.append((layer.module, rule, seen_first, local))
+                entry = None
+                if tied.isdisjoint(layer.local.values()):
+                    entry = _ghost_layer(layer, seen) or _call_layer(layer, seen)
+                if entry is not None:
+                    for name, sq in entry[0].items():
+                        squared[name][rows] = sq
+                    shares.append(entry[1])
                     continue
                 for ln, g in dense_grads(layer, seen).items():
-                    name = local[ln]
+                    name = layer.local[ln]
                     dense[name] = g[0] if name not in dense else dense[name] + g[0]
             for name, g in dense.items():
                 squared[name][rows] = row_squared_norms(g)
             factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)
             with torch.no_grad():
-                for module, rule, seen_first, local in kept:
-                    for ln, term in rule(module, seen_first, {ln: factors[n] for ln, n in local.items()}).items():
-                        _add(sums, shapes, local[ln], term)
+                for share in shares:
+                    for name, term in share(factors).items():
+                        _add(sums, shapes, name, term)
                 for name, g in dense.items():
                     _add(sums, shapes, name, _weighted(g, factors[name]))
-            del calls, grads, kept, dense
+            del calls, grads, shares, dense
     return squared
 
 

@@ -47,7 +47,8 @@ outer products (``nn.Linear``: g_t a_t^T; ``nn.Embedding``: g_t in row idx_t): a
 per-sample gradient norms and NTK terms from Gram matrices, never the per-sample gradient itself (see
 :class:`GhostRule`). ``@register_weighted_sum(*types)``, beside a ghost rule: the sum over samples of the
 per-sample gradients weighted by c (B,), from the same captured inputs and output gradients (the clipped sum of
-DP-SGD, ``pergrad_viz.derived.dp``), never the per-sample gradients.
+DP-SGD, ``pergrad_viz.derived.dp``), never the per-sample gradients; ``@register_linear_views(*types)``, beside a
+call rule: the Linear maps inside one captured call (attention's projections), which then take those two.
 
 Each decorator also takes a class path instead of a type, e.g. ``"transformers.pytorch_utils.Conv1D"``
 (``f"{cls.__module__}.{cls.__qualname__}"``): registered lazily, resolved when a module of that class (or a subclass)
@@ -76,9 +77,11 @@ from pergrad_viz.rules.registry import (
     ghost_rule_for,
     join_positions,
     lazy_paths,
+    linear_views_for,
     register,
     register_call,
     register_ghost,
+    register_linear_views,
     register_weighted_sum,
     rule_for,
     rule_takes_batch_dim,
@@ -97,9 +100,11 @@ __all__ = [
     "ghost_rule_for",
     "join_positions",
     "lazy_paths",
+    "linear_views_for",
     "register",
     "register_call",
     "register_ghost",
+    "register_linear_views",
     "register_weighted_sum",
     "rule_for",
     "rule_takes_batch_dim",

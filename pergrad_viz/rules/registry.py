@@ -120,6 +120,7 @@ _RULES = _Registry()
 _CALL_RULES = _Registry()
 _GHOST_RULES = _Registry()
 _SUM_RULES = _Registry()
+_VIEW_RULES = _Registry()
 
 ModuleType = type[nn.Module] | str  # a type, or a class path registered lazily
 
@@ -197,6 +198,30 @@ def weighted_sum_rule_for(module: nn.Module) -> WeightedSumRule | None:
     return rule if rule is not None and ghost_rule_for(module) is not None else None
 
 
+# A call layer's Linear maps: (module, inputs (args, kwargs), grad_outputs, captured, captured_grads) ->
+# [(a (B, T, in), g (B, T, out), {"weight": local name, "bias": local name})] or None (N = 1 dropped).
+LinearViews = Callable[..., list[tuple[torch.Tensor, torch.Tensor, dict[str, str]]] | None]
+
+
+def register_linear_views(*module_types: ModuleType) -> Callable[[LinearViews], LinearViews]:
+    """Decorator: for a call layer (``register_call``) made of Linear maps applied at every token (attention's
+    in- and out-projections), the (input, output gradient) pairs of those maps in one captured call, so that its
+    norms and weighted sums take the Linear's ghost norm and book-keeping (None: the layer's own rule instead)."""
+
+    def deco(rule: LinearViews) -> LinearViews:
+        for t in module_types:
+            _VIEW_RULES.add(t, rule)
+        return rule
+
+    return deco
+
+
+def linear_views_for(module: nn.Module) -> LinearViews | None:
+    """The linear-views rule of ``module`` where its call rule applies, or None."""
+    rule = _lookup(_VIEW_RULES, module)
+    return rule if rule is not None and call_rule_for(module) is not None else None
+
+
 def ghost_rule_for(module: nn.Module) -> GhostRule | None:
     """The :class:`GhostRule` for ``module``, or None (also where it does not apply to this configuration)."""
     ghost = _lookup(_GHOST_RULES, module)
@@ -259,4 +284,5 @@ def capture_for(module: nn.Module) -> Callable | None:
 
 def lazy_paths() -> tuple[str, ...]:
     """Class paths registered lazily and not yet resolved (their packages need not be installed)."""
-    return tuple(sorted({*_RULES.paths, *_CALL_RULES.paths, *_GHOST_RULES.paths, *_SUM_RULES.paths}))
+    return tuple(sorted({*_RULES.paths, *_CALL_RULES.paths, *_GHOST_RULES.paths, *_SUM_RULES.paths,
+                              *_VIEW_RULES.paths}))

@@ -94,7 +94,9 @@ def test_zoo_equals_the_loop(case):
     model = case.prepare(case.make_model(), 0)
     x, y = case.make_inputs(case.batches[0])
     loss_fn = next(iter(case.loss_fns.values()))()
-    check(model, loss_fn, x, y, median_bound(model, loss_fn, x, y))
+    # hooks where it runs: a wrong rule is then an error here, not a silent hand-over to torch_func
+    strategy = "hooks" if case.expects(0) == "hooks" else "auto"
+    check(model, loss_fn, x, y, median_bound(model, loss_fn, x, y), strategy=strategy)
 
 
 # The tutorial's networks and the bench's kinds, float64 -----------------------------------------------------------
@@ -119,7 +121,7 @@ def test_tutorial_networks_equal_the_loop(name):
     model, x = _tutorial(name)
     y = torch.randint(0, 4, (x.shape[0],), generator=torch.Generator().manual_seed(2))
     loss_fn = nn.CrossEntropyLoss()
-    check(model, loss_fn, x, y, median_bound(model, loss_fn, x, y))
+    check(model, loss_fn, x, y, median_bound(model, loss_fn, x, y), strategy="hooks")
 
 
 def test_hooked_path_never_materialises(monkeypatch):
@@ -169,7 +171,7 @@ def test_causal_lms_with_ignored_labels(name):
     x = _ids(3, hf_models.VOCAB)
     y = x.clone()
     y[1, 5:] = -100  # fewer targets in sample 1: its own token mean
-    check(model, pv.causal_lm_loss, x, y, median_bound(model, pv.causal_lm_loss, x, y))
+    check(model, pv.causal_lm_loss, x, y, median_bound(model, pv.causal_lm_loss, x, y), strategy="hooks")
 
 
 def _masked_batch(batch: int, vocab: int):
@@ -190,7 +192,8 @@ def test_bert_with_attention_mask_and_padding():
     model = t.BertForSequenceClassification(config).double().eval()
     x = _masked_batch(4, 50)
     y = torch.tensor([0, 1, 2, 1])
-    check(model, pv.sequence_classification_loss, x, y, median_bound(model, pv.sequence_classification_loss, x, y))
+    loss_fn = pv.sequence_classification_loss
+    check(model, loss_fn, x, y, median_bound(model, loss_fn, x, y), strategy="hooks")
 
 
 def test_gpt2_with_attention_mask_padding_and_ignored_labels():
@@ -201,7 +204,7 @@ def test_gpt2_with_attention_mask_padding_and_ignored_labels():
     model = t.GPT2LMHeadModel(config).double().eval()
     x = _masked_batch(3, 50)
     y = x["input_ids"].masked_fill(x["attention_mask"] == 0, -100)
-    check(model, pv.causal_lm_loss, x, y, median_bound(model, pv.causal_lm_loss, x, y))
+    check(model, pv.causal_lm_loss, x, y, median_bound(model, pv.causal_lm_loss, x, y), strategy="hooks")
 
 
 # Per-layer clipping ------------------------------------------------------------------------------------------------
@@ -329,3 +332,20 @@ def test_generator_type_and_expected_batch_size_are_checked():
         pv.dp_step(model, nn.CrossEntropyLoss(), x, y, 1.0, noise_multiplier=0.0, generator=None,
                    expected_batch_size=0)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_attention_and_linears_take_book_keeping(monkeypatch):
+    """In the transformer only the LayerNorms give their per-sample gradients (B, D); MultiheadAttention's
+    projections and the Linears take their ghost norms and weighted sums."""
+    model, x = _tutorial("transformer")
+    y = torch.tensor([0, 1, 2, 3, 0])
+    dense_types = []
+    real = bookkeeping.dense_grads
+
+    def recording(layer, seen):
+        dense_types.append(type(layer.module).__name__)
+        return real(layer, seen)
+
+    monkeypatch.setattr(bookkeeping, "dense_grads", recording)
+    check(model, nn.CrossEntropyLoss(), x, y, 0.05, strategy="hooks")
+    assert dense_types and set(dense_types) == {"LayerNorm"}
