@@ -96,7 +96,8 @@ def sensitivity(groups: Groups) -> float:
 def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, max_norm: float | None, *,
                      noise_multiplier: float = 0.0, generator: torch.Generator | None = None,
                      per_layer: PerLayer = False, strategy: str = "auto", chunk_size: int | None = None,
-                     verify: bool = True, model_kwargs: Mapping | None = None, return_norms: bool = False
+                     verify: bool = True, model_kwargs: Mapping | None = None, return_norms: bool = False,
+                     distributed: bool = False
                      ) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The DP-SGD gradient of a batch: each sample's gradient clipped to ``max_norm``, summed, plus Gaussian noise.
 
@@ -119,6 +120,10 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             trainable parameters), or ``{name prefix: bound}`` (each parameter clipped with the group of its longest
             matching prefix, ``""`` matching all; then ``max_norm=None``).
         return_norms: also return the (B,) norms of the per-sample gradients before clipping.
+        distributed: under ``torch.distributed`` (torchrun; gloo or NCCL), each process passes its own samples: their
+            clipped sums are all-reduced (one flat buffer), the noise is drawn once, on rank 0, from its ``generator``
+            (every rank passes one; only rank 0's draws), so every rank returns the same sum as one process given
+            all the samples. The norms returned are this process's.
 
     Returns:
         ``{name: Tensor (*param.shape)}`` per trainable parameter, in ``named_parameters()`` order (and the (B,)
@@ -132,6 +137,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
     if not isinstance(return_norms, bool):
         raise TypeError(f"return_norms must be True or False, got {return_norms!r}")
+    check_distributed(distributed)
     targets = tree_map(normal_tensor, targets)
     trainable, resolved, batch, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
                                                     model_kwargs)
@@ -141,11 +147,32 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     groups = clipping_groups(trainable.names, max_norm, per_layer)
     sums, squared = _sums(trainable, resolved, strategy, loss_fn, batch, targets, chunk, chunk_size, verify, groups)
     std = noise_multiplier * sensitivity(groups)
-    if std > 0:
+    if std > 0 and (not distributed or torch.distributed.get_rank() == 0):
         add_noise(sums, std, generator)
+    if distributed:
+        all_reduce_sums(sums)
     if return_norms:
         return sums, torch.stack(list(squared.values())).sum(0).sqrt()
     return sums
+
+
+def check_distributed(distributed: object) -> None:
+    """Refuse ``distributed=True`` outside an initialised ``torch.distributed`` process group."""
+    if not isinstance(distributed, bool):
+        raise TypeError(f"distributed must be True or False, got {distributed!r}")
+    if distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError("distributed=True needs torch.distributed initialised: run under torchrun and call "
+                         "torch.distributed.init_process_group('gloo') (or 'nccl') first")
+
+
+def all_reduce_sums(sums: dict[str, torch.Tensor]) -> None:
+    """Sum every process's ``sums`` in place, in one all-reduce of one flat buffer."""
+    if not sums:
+        return
+    flat = torch.cat([t.reshape(-1) for t in sums.values()])
+    torch.distributed.all_reduce(flat)
+    for t, part in zip(sums.values(), flat.split([t.numel() for t in sums.values()]), strict=True):
+        t.copy_(part.view(t.shape))
 
 
 NOISE_BLOCK = 1 << 16  # noise is drawn this many numbers at a time into one buffer: no parameter-sized temporary
@@ -202,12 +229,14 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
 
     ``.grad = clipped_grad_sum(...) / expected_batch_size`` (Opacus' convention: with Poisson sampling, divide by
     the expected batch size q * N, not by this batch's size, which is itself private); ``expected_batch_size=None``
-    divides by this batch's B. ``.grad`` is replaced, as after ``optimizer.zero_grad()`` and ``loss.backward()``:
-    nothing is accumulated. This is the one call of the package that writes ``.grad``.
+    divides by this batch's B (with ``distributed=True``, the B of every process together). ``.grad`` is replaced,
+    as after ``optimizer.zero_grad()`` and ``loss.backward()``: nothing is accumulated. With :func:`noise_step`, the
+    only calls of the package that write ``.grad``.
 
     Args:
         expected_batch_size: a positive int, or None (this batch's size).
-        options: ``per_layer``, ``strategy``, ``chunk_size``, ``verify``, ``model_kwargs`` as :func:`clipped_grad_sum`.
+        options: ``per_layer``, ``strategy``, ``chunk_size``, ``verify``, ``model_kwargs``, ``distributed`` as
+            :func:`clipped_grad_sum`.
 
     Returns:
         ``{name: Tensor (*param.shape)}``, the tensors now in ``.grad``.
@@ -218,7 +247,12 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
                          f"None, got {expected_batch_size!r}")
     sums, norms = clipped_grad_sum(model, loss_fn, inputs, targets, max_norm, noise_multiplier=noise_multiplier,
                                    generator=generator, return_norms=True, **options)
-    divisor = norms.shape[0] if expected_batch_size is None else expected_batch_size
+    divisor = expected_batch_size
+    if divisor is None:  # this batch's size (under distributed=True: over every process)
+        count = torch.tensor(float(norms.shape[0]), dtype=torch.float64, device=norms.device)
+        if options.get("distributed"):
+            torch.distributed.all_reduce(count)
+        divisor = int(count.item())
     params = dict(model.named_parameters())
     for name, total in sums.items():
         total.div_(divisor)
