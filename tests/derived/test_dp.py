@@ -12,6 +12,8 @@ import torch
 from helpers import assert_state_unchanged, snapshot
 from torch import nn
 from zoo.cases import CASES
+from zoo.nets import CASES as NET_CASES
+from zoo.nets import DoublyTiedNet, build_net
 
 import pergrad_viz as pv
 from pergrad_viz import api
@@ -349,3 +351,24 @@ def test_attention_and_linears_take_book_keeping(monkeypatch):
     monkeypatch.setattr(bookkeeping, "dense_grads", recording)
     check(model, nn.CrossEntropyLoss(), x, y, 0.05, strategy="hooks")
     assert dense_types and set(dense_types) == {"LayerNorm"}
+
+
+# The agreement grid's networks: every convolution configuration (padding modes, 'same', groups, strides), tied and
+# shared layers, frozen and unused parameters, in-place ReLU, layers on the per-layer fallback ---------------------
+
+
+@pytest.mark.parametrize("name", NET_CASES)
+def test_agreement_grid_networks_equal_the_loop(name):
+    model, x, y, loss_fn, _ = build_net(name)
+    model = model.double()
+    x = x.double() if x.is_floating_point() else x
+    y = y.double() if y.is_floating_point() else y
+    strategy = "hooks" if pv.resolve_strategy("auto", model, x) == "hooks" else "auto"
+    check(model, loss_fn, x, y, median_bound(model, loss_fn, x, y), strategy=strategy)
+
+
+def test_doubly_tied_and_shared_layers():
+    model = DoublyTiedNet().double()
+    x = torch.tensor([[1, 2, 1], [3, 3, 0], [5, 4, 2], [0, 1, 5]])
+    y = torch.tensor([0, 3, 5, 1])
+    check(model, nn.CrossEntropyLoss(), x, y, median_bound(model, nn.CrossEntropyLoss(), x, y), strategy="hooks")
