@@ -76,7 +76,14 @@ def opacus_ghost(model: nn.Module, loss_fn: Callable, x, y, max_norm: float) -> 
         net = ModuleValidator.fix(net)  # DPMultiheadAttention, the same weights under other names
     gsm = GradSampleModuleFastGradientClipping(net, batch_first=True, loss_reduction="sum",
                                                max_grad_norm=max_norm, use_ghost_clipping=True, strict=False)
-    gsm.train(model.training)
+    # Opacus records activations in training mode only: where eval differs from training only in Dropout of p=0
+    # (and there is no BatchNorm), training mode computes the same function.
+    same = all(not isinstance(m, nn.modules.batchnorm._BatchNorm) and not (isinstance(m, nn.Dropout) and m.p > 0)
+               for m in net.modules())
+    if not model.training and not same:
+        raise NotImplementedError("Opacus records in training mode only, where this model (Dropout, BatchNorm) "
+                                  "computes another function")
+    gsm.train()
     params = [(n.removeprefix("_module."), p) for n, p in gsm.named_parameters() if p.requires_grad]
     optimizer = DPOptimizerFastGradientClipping(torch.optim.SGD([p for _, p in params], lr=0.0), noise_multiplier=0.0,
                                                 max_grad_norm=max_norm, expected_batch_size=y.shape[0],
