@@ -44,22 +44,14 @@ def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups) -> dict[st
     return factors
 
 
-def _weighted(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """sum_i c_i g_i of a (B, *shape) per-sample gradient: (*shape)."""
-    return torch.tensordot(c.to(g.dtype), g, dims=1)
+def _add_weighted(dest: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> None:
+    """dest (*shape) += sum_i c_i g_i of a (B, *shape) per-sample gradient, one ``addmm_`` into ``dest``."""
+    dest.view(1, -1).addmm_(c.to(g.dtype).unsqueeze(0), g.reshape(g.shape[0], -1))
 
 
-def _add(sums: dict[str, torch.Tensor], shapes: Mapping[str, torch.Size], name: str, term: torch.Tensor) -> None:
-    """sums[name] += term (the first term is kept as it is: no zero-filled tensor first)."""
-    term = term.reshape(shapes[name])
-    if name in sums:
-        sums[name].add_(term)
-    else:
-        sums[name] = term if term.is_contiguous() else term.contiguous()
-
-
-# One layer's share of the clipped sum once the clip factors {full name: (B,)} are known: {full name: term}.
-SumOf = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+# One layer's share of the clipped sum once the clip factors {full name: (B,)} are known, added into the sums
+# {full name: (*shape)}.
+SumOf = Callable[[Mapping[str, torch.Tensor], dict[str, torch.Tensor]], None]
 
 
 def _ghost_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumOf] | None:
@@ -74,9 +66,8 @@ def _ghost_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], Sum
     squared = {local[ln]: sq for ln, sq in ghost.squared_norms(module, a, g[0], local).items()}
     del a, g  # the stacked form (a convolution's columns) is not kept
 
-    def share(factors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        terms = rule(module, seen_first, {ln: factors[n] for ln, n in local.items()})
-        return {local[ln]: t for ln, t in terms.items()}
+    def share(factors: Mapping[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
+        rule(module, seen_first, {ln: factors[n] for ln, n in local.items()}, {ln: sums[n] for ln, n in local.items()})
 
     return squared, share
 
@@ -106,21 +97,18 @@ def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumO
         for role, sq in LinearGhost.squared_norms(None, a, g, full).items():
             squared[full[role]] = sq
 
-    def share(factors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        terms = {}
+    def share(factors: Mapping[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
         for a, g, full in pairs:
-            for role, t in linear_weighted_sum(None, [(a, g)], {r: factors[n] for r, n in full.items()}).items():
-                terms[full[role]] = t
-        return terms
+            linear_weighted_sum(None, [(a, g)], {r: factors[n] for r, n in full.items()},
+                                {r: sums[n] for r, n in full.items()})
 
     return squared, share
 
 
 def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, chunk: int, groups: Groups,
                 sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Add the clipped sum into ``sums`` {name: (*shape)} (entries made where missing; a parameter the forward never
-    reaches gets none); returns {name: (B,) squared norms} (for the check)."""
-    batch, shapes = inputs.size, trainable.shapes
+    """Add the clipped sum into ``sums`` {name: (*shape)}; returns {name: (B,) squared norms} (for the check)."""
+    batch = inputs.size
     squared = {n: torch.zeros(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
     with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
         for start in range(0, batch, chunk):
@@ -146,10 +134,9 @@ def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
             factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)
             with torch.no_grad():
                 for share in shares:
-                    for name, term in share(factors).items():
-                        _add(sums, shapes, name, term)
+                    share(factors, sums)
                 for name, g in dense.items():
-                    _add(sums, shapes, name, _weighted(g, factors[name]))
+                    _add_weighted(sums[name], g, factors[name])
             del calls, grads, shares, dense
     return squared
 
@@ -160,7 +147,7 @@ def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_f
     """The clipped sum into ``sums`` from :func:`pergrad_viz.per_sample_grads` with ``strategy``, one chunk of samples
     at a time (chunks sized for ``resolved``, the strategy it runs): exact, slower, O(chunk * P) memory. Returns the
     (B,) squared norms per name."""
-    batch, shapes = inputs.size, trainable.shapes
+    batch = inputs.size
     if chunk_size is None:
         p = trainable.num_params
         per_sample = result_bytes(1, p, trainable.dtype) + working_bytes(resolved, 1, 1, p, trainable.dtype)
@@ -177,6 +164,6 @@ def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_f
         factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)
         with torch.no_grad():
             for name, g in grads.items():
-                _add(sums, shapes, name, _weighted(g, factors[name]))
+                _add_weighted(sums[name], g, factors[name])
         del grads
     return squared

@@ -145,10 +145,19 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
         raise ValueError(f"generator is on {generator.device} but the parameters are on {trainable.device}; create it "
                          f"with torch.Generator(device={str(trainable.device)!r}).manual_seed(seed)")
     groups = clipping_groups(trainable.names, max_norm, per_layer)
-    sums, squared = _sums(trainable, resolved, strategy, loss_fn, batch, targets, chunk, chunk_size, verify, groups)
     std = noise_multiplier * sensitivity(groups)
-    if std > 0 and (not distributed or torch.distributed.get_rank() == 0):
-        add_noise(sums, std, generator)
+    if distributed and torch.distributed.get_rank() != 0:
+        std = 0.0  # the noise is drawn once, on rank 0
+    shapes = [(n, p.shape, p.dtype, p.device) for n, p in zip(trainable.names, trainable.params, strict=True)]
+    state = None if generator is None else generator.get_state()
+
+    def start() -> dict[str, torch.Tensor]:  # the noise, drawn into the sums the clipped gradients are added to
+        if generator is not None:
+            generator.set_state(state)  # a hand-over to another route draws the same noise again
+        return initial_sums(shapes, std, generator)
+
+    sums, squared = _sums(trainable, resolved, strategy, loss_fn, batch, targets, chunk, chunk_size, verify, groups,
+                          start)
     if distributed:
         all_reduce_sums(sums)
     if return_norms:
@@ -175,51 +184,39 @@ def all_reduce_sums(sums: dict[str, torch.Tensor]) -> None:
         t.copy_(part.view(t.shape))
 
 
-NOISE_BLOCK = 1 << 16  # noise is drawn this many numbers at a time into one buffer: no parameter-sized temporary
-
-
-def add_noise(sums: dict[str, torch.Tensor], std: float, generator: torch.Generator) -> None:
-    """sums[name] += std * N(0, I), in place: per parameter in order, its flattened numbers in blocks of
-    :data:`NOISE_BLOCK`, each block ``torch.randn(block, generator=generator)``."""
-    buffer = None
-    for total in sums.values():
-        flat = total.view(-1)
-        if buffer is None or buffer.dtype != flat.dtype:
-            buffer = torch.empty(min(NOISE_BLOCK, max(flat.numel(), 1)), dtype=flat.dtype, device=flat.device)
-        for start in range(0, flat.numel(), NOISE_BLOCK):
-            block = flat[start:start + NOISE_BLOCK]
-            noise = buffer[:block.numel()] if block.numel() <= buffer.numel() else torch.empty_like(block)
-            torch.randn(block.numel(), generator=generator, dtype=flat.dtype, device=flat.device, out=noise)
-            block.add_(noise, alpha=std)
+def initial_sums(shapes, std: float, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    """{name: (*shape)}: ``std * N(0, I)`` drawn in place (``normal_``, parameter by parameter in order, from
+    ``generator`` alone), or zeros for ``std=0``; the clipped gradients are then added into these (no temporary)."""
+    sums = {}
+    for name, shape, dtype, device in shapes:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        sums[name] = t.normal_(0.0, std, generator=generator) if std > 0 else t.zero_()
+    return sums
 
 
 def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, batch, targets: object, chunk: int,
-          chunk_size: int | None, verify: bool, groups: Groups) -> tuple[dict, dict]:
-    """({name: (*shape) clipped sum}, {name: (B,) squared norms}): book-keeping where the hooks strategy runs, else
-    (and under ``auto`` where it finds it cannot be trusted for this call) the per-sample gradients in chunks."""
-
-    def in_order(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # zeros where no sample reached one
-        return {n: sums[n] if n in sums else torch.zeros_like(p, memory_format=torch.contiguous_format)
-                for n, p in zip(trainable.names, trainable.params, strict=True)}
-
+          chunk_size: int | None, verify: bool, groups: Groups, start) -> tuple[dict, dict]:
+    """({name: (*shape) clipped sum added to ``start()``}, {name: (B,) squared norms}): book-keeping where the hooks
+    strategy runs, else (and under ``auto`` where it finds it cannot be trusted for this call) the per-sample
+    gradients in chunks."""
     if resolved == "hooks":
-        sums: dict[str, torch.Tensor] = {}
+        sums = start()
         try:
             squared = hooked_sums(trainable, loss_fn, batch, targets, chunk, groups, sums)
             if verify:
                 with restoring_modes(trainable):
                     check_norms(trainable, loss_fn, batch, targets, squared, "hooks")
-            return in_order(sums), squared
+            return sums, squared
         except (PlanMismatchError, CheckFailedError) as e:
             if strategy != "auto":
                 raise
             if isinstance(e, CheckFailedError):
                 plan_for(trainable, batch).interaction = f"the samples interact: {str(e).split(' (')[0]}"
             resolved = "torch_func"
-    sums = {}
+    sums = start()
     squared = materialised_sums(trainable, resolved, "auto" if strategy == "auto" else resolved, loss_fn, batch,
                                 targets, chunk_size, verify, groups, sums)
-    return in_order(sums), squared
+    return sums, squared
 
 
 def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, max_norm: float | None, *,
@@ -269,9 +266,7 @@ def noise_step(model: nn.Module, max_norm: float, *, noise_multiplier: float, ge
     if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1:
         raise ValueError(f"expected_batch_size must be a positive int, got {expected_batch_size!r}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    sums = {n: torch.zeros_like(p, memory_format=torch.contiguous_format).detach() for n, p in named}
-    if noise_multiplier > 0:
-        add_noise(sums, noise_multiplier * max_norm, generator)
+    sums = initial_sums([(n, p.shape, p.dtype, p.device) for n, p in named], noise_multiplier * max_norm, generator)
     for n, p in named:
         p.grad = sums[n].div_(expected_batch_size)
     return sums

@@ -97,10 +97,9 @@ _WEIGHT_GRAD = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight}
 
 
 @register_weighted_sum(nn.Conv1d, nn.Conv2d)
-def conv_weighted_sum(module, seen, weights):
-    """The weight gradient of the batch with each sample's output gradient times c_b (the convolution's own weight
-    gradient kernel: no im2col); bias: the c-weighted sum of the output gradients."""
-    result: dict[str, torch.Tensor] = {}
+def conv_weighted_sum(module, seen, weights, out):
+    """out += the weight gradient of the batch with each sample's output gradient times c_b (the convolution's own
+    weight gradient kernel: no im2col); bias: the c-weighted sum of the output gradients."""
     dims = len(module.kernel_size)
     for a, g in seen:
         padding = module.padding
@@ -115,12 +114,10 @@ def conv_weighted_sum(module, seen, weights):
             if cg is None:
                 cg = scaled[id(c)] = g * c.view(-1, *(1,) * (g.dim() - 1))
             if ln == "bias":
-                term = cg.transpose(0, 1).reshape(module.out_channels, -1).sum(1)
+                out[ln].add_(cg.transpose(0, 1).reshape(module.out_channels, -1).sum(1))
             else:
-                term = _WEIGHT_GRAD[dims](a, module.weight.shape, cg, module.stride, padding, module.dilation,
-                                          module.groups)
-            result[ln] = term if ln not in result else result[ln].add_(term)
-    return result
+                out[ln].add_(_WEIGHT_GRAD[dims](a, module.weight.shape, cg, module.stride, padding, module.dilation,
+                                                module.groups))
 
 
 def _conv_by_correlation(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,

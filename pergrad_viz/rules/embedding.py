@@ -70,20 +70,16 @@ class EmbeddingGhost:
 
 
 @register_weighted_sum(nn.Embedding)
-def embedding_weighted_sum(module, seen, weights):
-    """weight (V, D): the c-weighted output gradients added into the rows of their indices (``index_add``); the
-    ``padding_idx`` row gets nothing."""
+def embedding_weighted_sum(module, seen, weights, out):
+    """weight (V, D) += the c-weighted output gradients, added into the rows of their indices (``index_add_``);
+    the ``padding_idx`` row gets nothing."""
     if "weight" not in weights:
-        return {}
+        return
     c = weights["weight"]
-    total = None
     for a, g in seen:
         idx = a.reshape(-1)  # (B * T,)
         rows = g.reshape(a.shape[0], -1, module.embedding_dim) * c.view(-1, 1, 1)
         rows = rows.reshape(-1, module.embedding_dim)
         if module.padding_idx is not None:
             rows = rows * (idx != module.padding_idx).unsqueeze(1).to(rows.dtype)
-        if total is None:
-            total = rows.new_zeros(module.num_embeddings, module.embedding_dim)
-        total.index_add_(0, idx, rows)
-    return {"weight": total}
+        out["weight"].index_add_(0, idx, rows)

@@ -151,10 +151,10 @@ def _scaled(g: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (g * weights.view(-1, *(1,) * (g.dim() - 1))).reshape(-1, g.shape[-1])
 
 
-def _linear_sums(seen, weights: dict[str, torch.Tensor], in_out: bool) -> dict[str, torch.Tensor]:
-    """sum_b c_b sum_t g_bt a_bt^T = (c G)^T A over the B * T rows of every call: one matmul per call and parameter
-    (``in_out``: the weight stored (in, out), A^T (c G)); c G is formed once where weight and bias share c."""
-    result: dict[str, torch.Tensor] = {}
+def _linear_sums(seen, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor], in_out: bool) -> None:
+    """out += sum_b c_b sum_t g_bt a_bt^T = (c G)^T A over the B * T rows of every call: one ``addmm_`` per call
+    and parameter, straight into ``out`` (``in_out``: the weight stored (in, out), A^T (c G)); c G is formed once
+    where weight and bias share c."""
     for a, g in seen:
         rows_a = a.reshape(-1, a.shape[-1])  # (B * T, in)
         scaled: dict[int, torch.Tensor] = {}
@@ -162,17 +162,20 @@ def _linear_sums(seen, weights: dict[str, torch.Tensor], in_out: bool) -> dict[s
             cg = scaled.get(id(c))
             if cg is None:
                 cg = scaled[id(c)] = _scaled(g, c)  # (B * T, out)
-            term = cg.sum(0) if ln == "bias" else (rows_a.mT @ cg if in_out else cg.mT @ rows_a)
-            result[ln] = term if ln not in result else result[ln].add_(term)
-    return result
+            if ln == "bias":
+                out[ln].add_(cg.sum(0))
+            elif in_out:
+                out[ln].addmm_(rows_a.mT, cg)
+            else:
+                out[ln].addmm_(cg.mT, rows_a)
 
 
 @register_weighted_sum(nn.Linear)
-def linear_weighted_sum(module, seen, weights):
-    """nn.Linear: weight (out, in) = (c G)^T A, bias (out,) = the c-weighted sum of the output gradients."""
-    return _linear_sums(seen, weights, in_out=False)
+def linear_weighted_sum(module, seen, weights, out):
+    """nn.Linear: weight (out, in) += (c G)^T A, bias (out,) += the c-weighted sum of the output gradients."""
+    _linear_sums(seen, weights, out, in_out=False)
 
 
-def linear_in_out_weighted_sum(module, seen, weights):
-    """A Linear with its weight stored (in, out): weight = A^T (c G); registered with :func:`linear_in_out`."""
-    return _linear_sums(seen, weights, in_out=True)
+def linear_in_out_weighted_sum(module, seen, weights, out):
+    """A Linear with its weight stored (in, out): weight += A^T (c G); registered with :func:`linear_in_out`."""
+    _linear_sums(seen, weights, out, in_out=True)

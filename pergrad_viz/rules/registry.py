@@ -172,10 +172,10 @@ def register_ghost(*module_types: ModuleType, forward_like: Callable | None = No
     return deco
 
 
-# sum_i c_i g_i for one layer: (module, seen [(activation (B, ...), grad_output (B, ...))], {local name: c (B,)})
-# -> {local name: Tensor (*param.shape)}; ``seen`` has the samples first, one entry per call of the layer.
-WeightedSumRule = Callable[[nn.Module, Sequence[tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]],
-                           dict[str, torch.Tensor]]
+# out[name] += sum_i c_i g_i for one layer: (module, seen [(activation (B, ...), grad_output (B, ...))],
+# {local name: c (B,)}, out {local name: Tensor (*param.shape)}); ``seen`` has the samples first, one per call.
+WeightedSumRule = Callable[[nn.Module, Sequence[tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor],
+                            dict[str, torch.Tensor]], None]
 
 
 def register_weighted_sum(*module_types: ModuleType, forward_like: Callable | None = None

@@ -246,22 +246,25 @@ def test_noise_comes_from_the_generator_alone():
                                 generator=torch.Generator().manual_seed(5))
     assert torch.equal(torch.get_rng_state(), state)
     g = torch.Generator().manual_seed(5)
-    block = dp.NOISE_BLOCK
-    for n, p in model.named_parameters():  # in order, in blocks of the flattened parameter
-        noise = torch.cat([torch.randn(min(block, p.numel() - s), generator=g, dtype=p.dtype)
-                           for s in range(0, p.numel(), block)])
-        want = plain[n] + 1.3 * 0.5 * noise.view(p.shape)
+    for n, p in model.named_parameters():  # in order, each parameter's noise drawn at once
+        want = plain[n] + torch.empty(p.shape, dtype=p.dtype).normal_(0.0, 1.3 * 0.5, generator=g)
         torch.testing.assert_close(noisy[n], want, rtol=1e-12, atol=1e-12)
 
 
-def test_noise_in_blocks_has_the_right_spread(monkeypatch):
-    """A parameter larger than one block of noise: every number drawn once, std sigma * C."""
-    monkeypatch.setattr(dp, "NOISE_BLOCK", 7)
-    sums = {"a": torch.zeros(40, 30, dtype=torch.float64), "b": torch.zeros(5, dtype=torch.float64)}
-    dp.add_noise(sums, 2.0, torch.Generator().manual_seed(0))
+def test_noise_has_the_stated_spread_and_a_hand_over_draws_it_again():
+    sums = dp.initial_sums([("a", (40, 30), torch.float64, "cpu"), ("b", (5,), torch.float64, "cpu")], 2.0,
+                           torch.Generator().manual_seed(0))
     values = torch.cat([sums["a"].reshape(-1), sums["b"]])
-    assert values.unique().numel() == values.numel()
-    assert 1.9 < float(values.std()) < 2.1
+    assert values.unique().numel() == values.numel() and 1.9 < float(values.std()) < 2.1
+    model, x = _tutorial("mlp")
+    y = torch.tensor([0, 1, 2, 3, 0, 1])
+    loss_fn = nn.CrossEntropyLoss()
+    hooks = pv.clipped_grad_sum(model, loss_fn, x, y, 0.5, noise_multiplier=1.0,
+                                generator=torch.Generator().manual_seed(3))
+    func = pv.clipped_grad_sum(model, loss_fn, x, y, 0.5, noise_multiplier=1.0,
+                               generator=torch.Generator().manual_seed(3), strategy="torch_func")
+    for n in hooks:
+        torch.testing.assert_close(hooks[n], func[n], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("strategy", ["torch_func", "loop"])

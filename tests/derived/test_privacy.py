@@ -91,8 +91,8 @@ def test_accountant_refuses_bad_input(call, match):
 def test_noise_step_writes_noise_alone():
     model = nn.Linear(3, 2).double()
     pv.noise_step(model, 0.5, noise_multiplier=2.0, generator=torch.Generator().manual_seed(4), expected_batch_size=10)
-    sums = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    dp.add_noise(sums, 1.0, torch.Generator().manual_seed(4))
+    sums = dp.initial_sums([(n, p.shape, p.dtype, p.device) for n, p in model.named_parameters()], 1.0,
+                           torch.Generator().manual_seed(4))
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, sums[n] / 10)
     with pytest.raises(ValueError, match="needs generator="):
