@@ -59,12 +59,16 @@ browser:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
 		|| echo "could not install chromium: the browser tests will skip (and fail under CI=true)"; }
 
-## Debian's full Fashion-MNIST (60,000 + 10,000 images) for whole-dataset scans; without it, the bundled sample
+## Debian's full Fashion-MNIST (60,000 + 10,000 images) in data/fashion-mnist/ (links); without it, the bundled sample
 FASHION_MNIST ?= /usr/share/datasets/fashion-mnist
+FASHION_FILES := train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte t10k-labels-idx1-ubyte
 data:
 	@test -f $(FASHION_MNIST)/train-images-idx3-ubyte.gz || { echo "installing Debian's dataset-fashion-mnist"; \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist) \
 		|| echo "could not install dataset-fashion-mnist: scans will use the bundled 1,000-image sample"; }
+	@if test -f $(FASHION_MNIST)/train-images-idx3-ubyte.gz; then mkdir -p data/fashion-mnist && \
+		for f in $(FASHION_FILES); do ln -sf $(FASHION_MNIST)/$$f.gz data/fashion-mnist/$$f.gz; done && \
+		echo "data/fashion-mnist/: the full Fashion-MNIST (links to $(FASHION_MNIST))"; fi
 
 clean:
 	rm -rf $(VENV) test-artifacts bench-out

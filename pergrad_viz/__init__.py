@@ -16,17 +16,37 @@ from pergrad_viz.derived.dp import clipped_grad_sum, dp_step, noise_step
 from pergrad_viz.derived.norms import per_sample_grad_norms
 from pergrad_viz.derived.ntk import empirical_ntk
 from pergrad_viz.derived.privacy import PoissonBatches, epsilon, noise_multiplier_for
-from pergrad_viz.errors import MemoryBudgetError, UnsupportedModelError
+from pergrad_viz.errors import (
+    CheckFailedError,
+    HandOverError,
+    MemoryBudgetError,
+    MissingExtraError,
+    PlanMismatchError,
+    UndefinedPerSampleError,
+    UnsupportedModelError,
+    VmapError,
+)
 from pergrad_viz.scanning.api import load_scan, scan
+from pergrad_viz.scanning.remote import RemoteTraceback
+from pergrad_viz.scanning.store import ScanMismatchError
 from pergrad_viz.strategies import STRATEGIES
 
 __version__ = "0.1.0"  # the single source: pyproject.toml reads it (dynamic version); CHANGELOG.md
 
 __all__ = [
     "STRATEGIES",
+    # the exceptions a caller may catch (every public one the package defines)
+    "CheckFailedError",
+    "HandOverError",
     "MemoryBudgetError",
+    "MissingExtraError",
+    "PlanMismatchError",
     "PoissonBatches",
+    "RemoteTraceback",
+    "ScanMismatchError",
+    "UndefinedPerSampleError",
     "UnsupportedModelError",
+    "VmapError",
     "causal_lm_loss",
     "clip_per_sample",
     "clipped_grad_sum",

@@ -6,7 +6,9 @@ Shapes: B samples, P trainable scalars (all parameters with ``requires_grad``, i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -17,36 +19,28 @@ from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
+from pergrad_viz.core.users import users_error
 from pergrad_viz.core.validate import batch_of, check_chunk, check_loss, check_modes, check_out, check_strategy_name
-from pergrad_viz.engine.capture import PlanMismatchError, check_supported
-from pergrad_viz.engine.certify import CheckFailedError, check_grads, check_jacobian
+from pergrad_viz.engine.capture import check_supported
+from pergrad_viz.engine.certify import check_grads, check_jacobian
 from pergrad_viz.engine.probe import plan_for
-from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
+from pergrad_viz.engine.schedule import Race, race_for, schedule_for
+from pergrad_viz.errors import (
+    CheckFailedError,
+    HandOverError,
+    MemoryBudgetError,
+    UndefinedPerSampleError,
+    UnsupportedModelError,
+)
 from pergrad_viz.strategies import REGISTRY, STRATEGIES, Strategy, working_bytes
-from pergrad_viz.strategies.torch_func import VmapError
 
 Result = dict[str, torch.Tensor] | torch.Tensor
+R = TypeVar("R")
 
 
-def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs | Batch | None = None) -> str:
-    """The strategy a call on ``model`` with ``inputs`` (B, ...; or a tuple / dict of tensors, see
-    :mod:`pergrad_viz.core.batch`) will use.
-
-    ``auto`` is ``hooks`` (closed-form layer rules, and the per-layer fallback for layers without one) unless a
-    probe of the model on two samples (cached per model and input signature, see ``pergrad_viz.engine.probe``) finds
-    that the samples interact, that a layer with trainable parameters does not keep the samples apart (e.g. a
-    positional embedding broadcast over the batch), or that a parameter is used outside the forward of the
-    layer that holds it: then ``torch_func``, which computes each sample alone. Without ``inputs`` nothing is
-    probed and ``auto`` answers ``hooks``.
-
-    Raises ValueError for an unknown name; :class:`UnsupportedModelError` when ``hooks``, ``autograd_stack`` or
-    ``batched_grad`` (one batched forward pass) would not give the per-sample definition for these inputs.
-    """
-    check_strategy_name(strategy, STRATEGIES)
-    trainable = model if isinstance(model, Trainable) else Trainable.of(model)
-    if inputs is not None:
-        inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs).map(normal_tensor)
-        check_modes(trainable)  # before the probe runs the model
+def _special_model(trainable: Trainable, strategy: str) -> str | None:
+    """The strategy for a model with a gradient hook on a parameter, a compiled or a TorchScript layer (None: none of
+    these); raises :class:`UnsupportedModelError` where ``strategy`` cannot run it."""
     hooked = hooked_parameter(trainable)
     if hooked is not None:
         if strategy == "auto":
@@ -73,6 +67,31 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
             f"layer '{scripted or 'model'}' is a TorchScript module (torch.jit.script / trace): its calls cannot be "
             f"hooked nor run under torch.func, which the {strategy} strategy needs. Use strategy='loop' (or 'auto', "
             "which picks it), or pass the module as it was before scripting.")
+    return None
+
+
+def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs | Batch | None = None) -> str:
+    """The strategy a call on ``model`` with ``inputs`` (B, ...; or a tuple / dict of tensors, see
+    :mod:`pergrad_viz.core.batch`) will use.
+
+    ``auto`` is ``hooks`` (closed-form layer rules, and the per-layer fallback for layers without one) unless a
+    probe of the model on two samples (cached per model and input signature, see ``pergrad_viz.engine.probe``) finds
+    that the samples interact, that a layer with trainable parameters does not keep the samples apart (e.g. a
+    positional embedding broadcast over the batch), or that a parameter is used outside the forward of the
+    layer that holds it: then ``torch_func``, which computes each sample alone. Without ``inputs`` nothing is
+    probed and ``auto`` answers ``hooks``.
+
+    Raises ValueError for an unknown name; :class:`UnsupportedModelError` when ``hooks``, ``autograd_stack`` or
+    ``batched_grad`` (one batched forward pass) would not give the per-sample definition for these inputs.
+    """
+    check_strategy_name(strategy, STRATEGIES)
+    trainable = model if isinstance(model, Trainable) else Trainable.of(model)
+    if inputs is not None:
+        inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs).map(normal_tensor)
+        check_modes(trainable)  # before the probe runs the model
+    special = _special_model(trainable, strategy)
+    if special is not None:
+        return special
     if strategy == "auto":
         try:
             check_supported(trainable, inputs)
@@ -80,7 +99,7 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
         except UndefinedPerSampleError:
             raise
         except UnsupportedModelError:
-            return "torch_func"
+            return "loop" if "torch_func" in plan_for(trainable, inputs).failed else "torch_func"
     if strategy == "hooks":
         check_supported(trainable, inputs)
     elif REGISTRY[strategy].batched_forward and inputs is not None:
@@ -105,12 +124,38 @@ def _run(trainable: Trainable, strategy: str, run_chunk: Callable, batch: int, c
         else:
             result = {name: empty_result((*lead, *shape), **kw) for name, shape in trainable.shapes.items()}
             views = result
-        trainable.cache["api.rows"] = (result, views)  # for the per-call check (_rows)
+        trainable.call.rows = (result, views)  # for the per-call check (_rows)
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)
             rows = views if chunk == batch else {n: v[start:stop] for n, v in views.items()}
             run_chunk(REGISTRY[strategy], slice(start, stop), rows)
     return result
+
+
+def _check_memory(trainable: Trainable, strategy: str, batch: int, chunk: int, outputs: int | None,
+                  max_bytes: int | None, out: torch.Tensor | None) -> bool:
+    """:class:`MemoryBudgetError` before anything is allocated where the result (B, [Y,] P) and ``strategy``'s working
+    memory for a chunk would not fit ``max_bytes``. Returns whether ``torch_func``'s would fit too (then ``auto`` may
+    time it against ``hooks``)."""
+    p = trainable.num_params
+
+    def check(used: str) -> None:
+        what = (f"per-sample gradients of {batch} samples x {p:,} parameters" if outputs is None else
+                f"per-sample Jacobians of {batch} samples x {outputs} outputs x {p:,} parameters")
+        check_budget(what=what, result=result_bytes(batch, p, trainable.dtype, outputs or 1),
+                     working=working_bytes(used, chunk, batch, p, trainable.dtype, outputs or 1,
+                                           trainable.largest_param),
+                     max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch,
+                     chunk=chunk)
+
+    check(strategy)
+    if strategy != "hooks":
+        return False
+    try:
+        check("torch_func")
+    except MemoryBudgetError:
+        return False
+    return True
 
 
 def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
@@ -123,47 +168,73 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     trainable = Trainable.of(model)
     batch = batch_of(trainable, inputs, targets, model_kwargs)
     chunk = check_chunk(chunk_size, batch.size)
-    return trainable, resolve_strategy(strategy, trainable, batch), batch, chunk
+    try:
+        resolved = resolve_strategy(strategy, trainable, batch)  # the probe runs the model (auto, batched strategies)
+    except Exception as e:
+        users_error(e, batch, targets)  # the model's own error: a note on the inputs it was called on
+        raise
+    return trainable, resolved, batch, chunk
 
 
-def _run_auto(requested: str, resolved: str, trainable: Trainable, inputs: Batch,
-              run: Callable[[str], Result], check: Callable[[Result, str], None] | None) -> Result:
-    """Run ``resolved`` and, where it ran the model once on the whole batch, ``check`` its result (the per-call check,
-    ``engine.certify``; None: not asked for). Under ``auto``, a fast path that finds it cannot be trusted for this
-    call hands over to one that computes each sample alone (``torch_func``, then the loop where ``vmap`` cannot), and
-    a failed check is remembered in the plan (later calls go straight to ``torch_func``); any other error is the
-    user's."""
+_CHAIN = {"hooks": ("hooks", "torch_func", "loop"), "torch_func": ("torch_func", "loop")}  # auto's hand-over
 
-    def checked(strategy: str) -> Result:
-        result = run(strategy)
-        if check is not None and REGISTRY[strategy].batched_forward:
-            with restoring_modes(trainable):
+
+def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch, run: Callable[[str], R],
+              check: Callable[[R, str], None] | None, quantity: str, targets: object = None,
+              race: bool = True) -> R:
+    """The package's one hand-over: run ``resolved`` and check its result when the schedule says the call is due
+    (:mod:`pergrad_viz.engine.schedule`; ``check`` None: not asked for); under ``requested == "auto"`` a fast path
+    that finds it cannot give the definition for this call (:class:`~pergrad_viz.errors.HandOverError`: the plan
+    does not fit the call, torch.func cannot run the model, the check failed) hands over to the next of
+    ``hooks -> torch_func -> loop``, and a failed check is remembered in the plan (later calls skip that strategy).
+    An explicit strategy raises instead; any other error (the model's, the loss's, out of memory) is the user's and
+    reaches the user unchanged, raised once, with a note on the inputs the package cut (see ``users_error``).
+
+    Where the probe lets ``hooks`` run (and ``race``: ``torch_func``'s memory fits too), ``auto`` races it against
+    ``torch_func`` on a few early calls and runs the faster from then on (:class:`~pergrad_viz.engine.schedule.Race`);
+    both are checked alike.
+
+    ``run(strategy)`` computes the result; ``quantity`` ("grads", "jacobian", "norms") keys the check's schedule."""
+    race = race_for(trainable, inputs, quantity) if requested == "auto" and resolved == "hooks" and race else None
+    chain = (*race.order(), "loop") if race else _CHAIN.get(resolved, (resolved,)) if requested == "auto" else (
+        resolved,)
+    for k, strategy in enumerate(chain):
+        try:
+            return _checked(strategy, trainable, inputs, run, check, quantity, race)
+        except HandOverError as e:
+            if race is not None:
+                race.lose(strategy)
+            if k == len(chain) - 1:
+                raise
+            if isinstance(e, CheckFailedError):
+                plan_for(trainable, inputs).demote(strategy, e.reason, REGISTRY[strategy].batched_forward)
+        except Exception as e:
+            users_error(e, inputs, targets)  # the same error, a note added (core/users.py)
+            raise
+    raise AssertionError("unreachable: the last strategy of a chain returns or raises")
+
+
+def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[str], R],
+             check: Callable[[R, str], None] | None, quantity: str, race: Race | None = None) -> R:
+    start = time.perf_counter()
+    result = run(strategy)
+    seconds = time.perf_counter() - start
+    if race is not None:
+        race.ran(strategy, seconds)
+    if check is not None and strategy != "loop":  # the loop is the definition
+        schedule = schedule_for(trainable, inputs, quantity, strategy)
+        if schedule.due():
+            with restoring_modes(trainable), schedule.checking():
                 check(result, strategy)
-        return result
-
-    if requested != "auto":
-        return checked(resolved)
-    if resolved == "hooks":
-        try:
-            return checked("hooks")
-        except CheckFailedError as e:
-            plan_for(trainable, inputs).interaction = f"the samples interact: {str(e).split(' (')[0]}"
-            resolved = "torch_func"
-        except PlanMismatchError:
-            resolved = "torch_func"
-    if resolved == "torch_func":
-        try:
-            return run("torch_func")
-        except VmapError:
-            return run("loop")  # torch.func cannot run this model (vmap or grad): the loop runs what PyTorch runs
-    return run(resolved)
+        schedule.computed(seconds)
+    return result
 
 
 def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Tensor]:
     """{name: (B, [Y,] *param.shape)} views of a dict or flat result (``lead``: 1 for gradients, 2 for Jacobians)."""
     if isinstance(result, dict):
         return result
-    made = trainable.cache.get("api.rows")
+    made = trainable.call.rows
     if made is not None and made[0] is result:  # the views _run wrote through
         return made[1]
     return flat_views(result, trainable.shapes, tuple(result.shape[:lead]))
@@ -195,9 +266,10 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
         max_bytes: memory budget (default: half of the memory available on the device).
         out: with ``flat=True``, a preallocated (B, P) tensor to write into (same dtype and device as
             the parameters); it is returned.
-        verify: after a strategy that runs the model once on the whole batch, compare one randomly drawn sample's
-            row with that sample computed alone (one small forward and backward; see ``pergrad_viz.engine.certify``).
-            ``False`` skips it: only for models you know keep their samples apart.
+        verify: check the result against the definition (every strategy but the loop; see
+            ``pergrad_viz.engine.certify``): every row at once against a plain batched backward (``torch_func``:
+            forward mode), and one sample computed alone; amortised (a plan's first calls, then within 10% of the
+            time spent: ``pergrad_viz.engine.schedule``). ``False`` skips it.
         model_kwargs: more keyword arguments for the model, cut like the inputs.
 
     Returns:
@@ -215,12 +287,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     batch = inputs.size
     if out is not None:
         check_out(out, (batch, trainable.num_params), trainable, flat)
-    p = trainable.num_params
-    check_budget(what=f"per-sample gradients of {batch} samples x {p:,} parameters",
-                 result=result_bytes(batch, p, trainable.dtype),
-                 working=working_bytes(strategy, chunk, batch, p, trainable.dtype,
-                                       largest_param=trainable.largest_param),
-                 max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
+    race = _check_memory(trainable, strategy, batch, chunk, None, max_bytes, out)
 
     def run_chunk(chosen: Strategy, rows: slice, views: dict[str, torch.Tensor]) -> None:
         if rows.stop - rows.start == batch:
@@ -229,10 +296,12 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             chosen.grads(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), views)
 
     def check(result: Result, used: str) -> None:
-        check_grads(trainable, loss_fn, inputs, targets, _rows(result, trainable, 1), used)
+        check_grads(trainable, loss_fn, inputs, targets, _rows(result, trainable, 1), used,
+                    batched=REGISTRY[used].batched_forward)
 
-    return _run_auto(requested, strategy, trainable, inputs,
-                     lambda s: _run(trainable, s, run_chunk, batch, chunk, None, flat, out), check if verify else None)
+    return hand_over(requested, strategy, trainable, inputs,
+                     lambda s: _run(trainable, s, run_chunk, batch, chunk, None, flat, out), check if verify else None,
+                     "grads", targets, race)
 
 
 def output_size(trainable: Trainable, inputs: Batch) -> int:
@@ -270,22 +339,17 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
     batch = inputs.size
     with restoring_modes(trainable):
         y_count = output_size(trainable, inputs)
-    p = trainable.num_params
     if out is not None:
-        check_out(out, (batch, y_count, p), trainable, flat)
-    check_budget(what=f"per-sample Jacobians of {batch} samples x {y_count} outputs x {p:,} parameters",
-                 result=result_bytes(batch, p, trainable.dtype, y_count),
-                 working=working_bytes(strategy, chunk, batch, p, trainable.dtype, y_count, trainable.largest_param),
-                 max_bytes=max_bytes, allocate_result=out is None, device=trainable.device, batch=batch, chunk=chunk)
+        check_out(out, (batch, y_count, trainable.num_params), trainable, flat)
+    race = _check_memory(trainable, strategy, batch, chunk, y_count, max_bytes, out)
 
     def run_chunk(chosen: Strategy, rows: slice, views: dict[str, torch.Tensor]) -> None:
         chosen.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
 
     def check(result: Result, used: str) -> None:
-        check_jacobian(trainable, inputs, _rows(result, trainable, 2), used,
-                       flat=result if isinstance(result, torch.Tensor) else None)
+        check_jacobian(trainable, inputs, _rows(result, trainable, 2), used, batched=REGISTRY[used].batched_forward)
 
     def run(s: str) -> Result:
         return _run(trainable, s, run_chunk, batch, chunk, y_count, flat, out)
 
-    return _run_auto(requested, strategy, trainable, inputs, run, check if verify else None)
+    return hand_over(requested, strategy, trainable, inputs, run, check if verify else None, "jacobian", race=race)

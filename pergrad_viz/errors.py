@@ -17,11 +17,41 @@ class UndefinedPerSampleError(UnsupportedModelError):
     random numbers, mixes the samples through batch statistics, or writes its buffers (``auto`` refuses too)."""
 
 
+class HandOverError(UnsupportedModelError):
+    """This fast path cannot give the definition for this call, although a slower exact one can: under
+    ``strategy="auto"`` the call hands over (``hooks`` -> ``torch_func`` -> ``loop``); an explicit strategy raises it.
+
+    ``reason``: what was found, as a phrase (the message is built from it; nothing parses the message)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = message if reason is None else reason
+
+
+class CheckFailedError(HandOverError):
+    """The per-call check (:mod:`pergrad_viz.engine.certify`) found a strategy's result differing from the
+    definition by more than rounding: the plan that chose the strategy is demoted for this model."""
+
+
+class PlanMismatchError(HandOverError):
+    """A call captured shapes the probe did not see (data-dependent behaviour): the layer rules cannot be trusted."""
+
+
+class VmapError(HandOverError):
+    """``torch.func`` cannot run the model (an operation without a batching rule, data-dependent shapes, an
+    ``autograd.Function`` without ``setup_context``), although the model alone runs."""
+
+
 class MemoryBudgetError(MemoryError):
     """The result (and the working memory a strategy needs) would not fit the memory budget.
 
     Raised before anything large is allocated; the message gives the estimate.
     """
+
+
+class MissingExtraError(ImportError):
+    """A feature needs an optional package that is not installed. An ``ImportError``; the message names the
+    extra that installs it, e.g. ``pip install 'pergrad-viz[viz]'`` (``.name`` is the missing module)."""
 
 
 def human_bytes(n: float) -> str:

@@ -9,6 +9,16 @@ pure :mod:`~pergrad_viz.explorer.model`: setting -> views).
 
 from __future__ import annotations
 
+from pergrad_viz.core.extras import missing_extra
+
+try:  # what the widget is drawn with
+    import IPython  # noqa: F401
+    import ipywidgets  # noqa: F401
+    import matplotlib  # noqa: F401
+except ImportError as e:
+    raise missing_extra(e.name or "ipywidgets", "pv.widgets.explorer() (the interactive explorer)",
+                        extra="widgets") from e
+
 from pergrad_viz.explorer.factory import explorer
 from pergrad_viz.explorer.model import ExplorerModel
 from pergrad_viz.explorer.state import Setting, View

@@ -3,13 +3,16 @@ README's quick start, the CLI's help and a small benchmark from a directory outs
 
 The fresh environment reuses the torch (and everything else) already installed here through a ``.pth`` file, so
 nothing is downloaded; only pergrad_viz itself comes from the wheel, which is what is under test: the package
-data (the bundled sample), the metadata, and that nothing needs the repository's checkout. About 30-60 s (each
-process imports torch). Deselect with ``-m "not install"``. Also: the README stays short and its links resolve,
+data (the bundled sample), the metadata, and that nothing needs the repository's checkout. A second one, the core
+install, sees only torch, numpy and what they need to run (links to them): the quick start computes there, checked
+against a loop, and each extra's feature says which extra to install. About 60-90 s (each process imports torch).
+Deselect with ``-m "not install"``. Also: the README stays short and its links resolve,
 and the version is the same in every file that states it.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -20,6 +23,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import pergrad_viz
 
@@ -44,9 +49,9 @@ def _run(args: list[str], cwd: Path, timeout: int = 120) -> subprocess.Completed
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """(the wheel, the fresh venv's python, a working directory outside the repository)."""
-    tmp = tmp_path_factory.mktemp("install")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel, built from a copy of the package's files."""
+    tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"  # build from a copy: the build writes build/ and *.egg-info next to its sources
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
     shutil.copytree(REPO / "pergrad_viz", src / "pergrad_viz", ignore=ignore)
@@ -55,8 +60,13 @@ def installed(tmp_path_factory) -> tuple[Path, Path, Path]:
     built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
                   "-w", str(tmp / "dist"), str(src)], cwd=tmp, timeout=300)
     assert built.returncode == 0, built.stderr
-    (wheel,) = (tmp / "dist").glob("pergrad_viz-*.whl")
+    (built_wheel,) = (tmp / "dist").glob("pergrad_viz-*.whl")
+    return built_wheel
 
+
+def _venv_with(wheel: Path, tmp: Path, reuse: list[Path]) -> tuple[Path, Path]:
+    """A fresh virtual environment with only the wheel installed and the folders ``reuse`` on its path (a plain
+    .pth line each: the .pth files in them are not run). Returns (its python, its site-packages)."""
     venv = tmp / "venv"
     made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp)
     assert made.returncode == 0, made.stderr
@@ -67,13 +77,161 @@ def installed(tmp_path_factory) -> tuple[Path, Path, Path]:
     assert done.returncode == 0, done.stderr
     site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                      cwd=tmp).stdout.strip())
-    # torch and the other dependencies: this environment's site-packages, after the new one's. A plain path line:
-    # the .pth files in there (this checkout's editable install among them) are not run.
+    (site / "_reuse_installed_dependencies.pth").write_text("".join(f"{p}\n" for p in reuse))
+    return python, site
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(the wheel, a fresh venv's python, a working directory outside the repository); torch and everything else
+    from this environment's site-packages, after the new one's."""
+    tmp = tmp_path_factory.mktemp("install")
     ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
-    (site / "_reuse_installed_dependencies.pth").write_text("".join(f"{p}\n" for p in ours))
+    python, _ = _venv_with(wheel, tmp, [Path(p) for p in ours])
     work = tmp / "elsewhere"
     work.mkdir()
     return wheel, python, work
+
+
+CORE = ("torch", "numpy")  # what `pip install pergrad-viz` requires; every other package is an extra
+EXTRA_MODULES = ("matplotlib", "torchvision", "tqdm", "ipywidgets", "IPython", "transformers", "timm", "peft",
+                 "opacus", "backpack", "jupyterlab", "scipy", "PIL", "yaml")
+
+
+def _closure(names: tuple[str, ...]) -> list[importlib.metadata.Distribution]:
+    """The installed distributions ``names`` need to run: they and their requirements, recursively (no extras;
+    requirements not installed here are left out, like the CUDA libraries of a CPU build)."""
+    seen: dict[str, importlib.metadata.Distribution] = {}
+    todo = list(names)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        try:
+            seen[name] = dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in dist.requires or ():
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return list(seen.values())
+
+
+@pytest.fixture(scope="module")
+def bare(wheel, tmp_path_factory) -> tuple[Path, Path]:
+    """(the python of a fresh venv holding the wheel and, reused from here through links, only torch, numpy and
+    what they need to run; a working directory outside the repository). No matplotlib, torchvision, tqdm, ..."""
+    tmp = tmp_path_factory.mktemp("bare")
+    links = tmp / "core-deps"
+    links.mkdir()
+    for dist in _closure(CORE):
+        tops = {Path(str(f)).parts[0] for f in dist.files or () if not str(f).startswith("..")}
+        for top in tops:
+            source = Path(str(dist.locate_file(top)))
+            if source.exists() and not (links / top).exists() and not top.endswith(".pth"):
+                (links / top).symlink_to(source)
+    python, _ = _venv_with(wheel, tmp, [links])
+    work = tmp / "elsewhere"
+    work.mkdir()
+    return python, work
+
+
+@pytest.mark.install
+def test_the_core_install_needs_torch_and_numpy_only(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        metadata = next(z.read(n).decode() for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    required = [r for r in re.findall(r"^Requires-Dist: (.+)$", metadata, re.M) if "extra ==" not in r]
+    assert sorted(Requirement(r).name for r in required) == sorted(CORE)
+    extras = set(re.findall(r"^Provides-Extra: (\S+)$", metadata, re.M))
+    assert {"viz", "widgets", "tutorial", "bench", "notebooks", "dp", "peers", "hf", "dev"} <= extras
+    pinned = [r for r in re.findall(r"^Requires-Dist: (.+)$", metadata, re.M) if "==" in r.split(";")[0]]
+    assert not pinned, f"exact pins belong in requirements.txt, not in the package's metadata: {pinned}"
+
+
+QUICK_START_CHECK = """
+import torch
+from torch import nn
+import pergrad_viz as pv
+from pergrad_viz.tutorial.data import load_sample
+
+torch.manual_seed(0)
+model, loss_fn = nn.Sequential(nn.Flatten(), nn.Linear(784, 20), nn.ReLU(), nn.Linear(20, 10)), nn.CrossEntropyLoss()
+x, y = load_sample(16, flatten=False)
+G = pv.per_sample_grads(model, loss_fn, x, y, flat=True)
+rows = []
+for i in range(16):  # the definition: each sample alone, one backward
+    model.zero_grad()
+    loss_fn(model(x[i:i + 1]), y[i:i + 1]).backward()
+    rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+torch.testing.assert_close(G, torch.stack(rows), rtol=1e-5, atol=1e-6)
+print("per-sample gradients equal the loop", tuple(G.shape))
+"""
+
+
+@pytest.mark.install
+def test_without_extras_the_quick_start_computes_and_the_extras_are_absent(bare):
+    python, work = bare
+    missing = ("import importlib.util as u; "
+               f"print(' '.join(m for m in {EXTRA_MODULES!r} if u.find_spec(m) is not None))")
+    present = _run([str(python), "-c", missing], cwd=work)
+    assert present.returncode == 0, present.stderr
+    assert present.stdout.split() == [], f"the bare environment sees extras: {present.stdout}"
+    code, expected = quick_start()
+    (work / "quick_start.py").write_text(code + QUICK_START_CHECK)
+    result = _run([str(python), "quick_start.py"], cwd=work, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [*expected, "per-sample gradients equal the loop (16, 15910)"]
+
+
+FEATURES = """
+import sys
+import pergrad_viz as pv
+from pergrad_viz.errors import MissingExtraError
+
+def extra_named(call):
+    try:
+        call()
+    except MissingExtraError as e:
+        assert isinstance(e, ImportError)
+        return str(e).split("pip install ")[1].split()[0]
+    return "(ran)"
+
+print(extra_named(lambda: pv.viz))
+print(extra_named(lambda: pv.widgets.explorer))
+from pergrad_viz.tutorial.data import load_sample
+print(extra_named(lambda: load_sample(5, dataset="mnist", root="mnist", download=True)))
+from pergrad_viz.bench import peers, problems
+print(extra_named(lambda: peers.make_peer("opacus", None, None, None, None)))
+print(extra_named(lambda: problems.problem("resnet18", 2)))
+from pergrad_viz.tutorial import hf_models
+print(extra_named(lambda: hf_models.gpt2()))
+import contextlib, io
+from pergrad_viz.cli.main import main
+for args in (["--model", "resnet18"], ["--plot", "p.png"]):  # the command line: refused before any timing
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["bench", "--batch-sizes", "2", *args]) == 2
+    assert err.getvalue().startswith("error: "), err.getvalue()
+    print(err.getvalue().split("pip install ")[1].split()[0])
+assert main(["scan", "--data", "fashion-mnist-sample", "--model", "mlp", "--limit", "20", "--batch-size", "10",
+             "--quantities", "loss,grad_norm", "--out", "scan-out", "--no-progress", "--device", "cpu"]) == 0
+print(pv.load_scan("scan-out")["grad_norm"].shape)
+"""
+
+
+@pytest.mark.install
+def test_without_extras_each_feature_names_its_extra_and_the_cli_runs(bare):
+    python, work = bare
+    result = _run([str(python), "-c", FEATURES], cwd=work, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:8] == ["'pergrad-viz[viz]'", "'pergrad-viz[widgets]'", "'pergrad-viz[tutorial]'",
+                         "'pergrad-viz[peers]'", "'pergrad-viz[bench]'", "'pergrad-viz[hf]'",
+                         "'pergrad-viz[bench]'", "'pergrad-viz[viz]'"]
+    assert "scanned 20 of 20 examples" in result.stdout and lines[-1] == "torch.Size([20])"
+    top = _run([str(python), "-m", "pergrad_viz", "--help"], cwd=work)
+    assert top.returncode == 0 and "scan-bench" in top.stdout, top.stderr
 
 
 @pytest.mark.install

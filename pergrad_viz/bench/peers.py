@@ -8,12 +8,14 @@ so that their per-sample gradients are the plain gradients of each sample's loss
 from __future__ import annotations
 
 import copy
-import importlib.util
 import warnings
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from pergrad_viz.core.extras import available as importable
+from pergrad_viz.core.extras import missing_extra
 
 PEERS: tuple[str, ...] = ("opacus", "backpack")
 _MODULE = {"opacus": "opacus", "backpack": "backpack"}
@@ -21,7 +23,7 @@ _MODULE = {"opacus": "opacus", "backpack": "backpack"}
 
 def available(name: str) -> bool:
     """Whether the peer's package is installed."""
-    return importlib.util.find_spec(_MODULE[name]) is not None
+    return importable(_MODULE[name])
 
 
 def _opacus(model: nn.Module, loss_fn: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
@@ -68,11 +70,11 @@ def make_peer(name: str, model: nn.Module, loss_fn: nn.Module, inputs: torch.Ten
               ) -> Callable[[], dict[str, torch.Tensor]]:
     """A no-argument function computing ``{name: (B, *param.shape)}`` with the peer library.
 
-    Raises ValueError for an unknown peer name, ImportError (naming the pip package) when not installed.
+    Raises ValueError for an unknown peer name, MissingExtraError (an ImportError naming the extra ``peers``)
+    when not installed.
     """
     if name not in PEERS:
         raise ValueError(f"unknown peer {name!r}; valid names: {', '.join(PEERS)}")
     if not available(name):
-        package = {"opacus": "opacus", "backpack": "backpack-for-pytorch"}[name]
-        raise ImportError(f"peer {name!r} needs the package {package!r}: pip install {package}")
+        raise missing_extra(_MODULE[name], f"the peer {name!r}")
     return {"opacus": _opacus, "backpack": _backpack}[name](model, loss_fn, inputs, targets)

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pergrad_viz.core.extras import require
 from pergrad_viz.core.losses import causal_lm_loss
 from pergrad_viz.tutorial import hf_models as zoo_hf
 from pergrad_viz.tutorial.data import load_sample
@@ -78,8 +79,7 @@ def problem(name: str, batch: int, *, device: str | torch.device = "cpu", dtype:
         y = torch.randint(0, CLASSES, (batch,), generator=generator)
     else:
         if name in ("resnet18", "mobilenet"):
-            import torchvision
-
+            torchvision = require("torchvision", f"the benchmark model {name!r}", extra="bench")
             build = torchvision.models.resnet18 if name == "resnet18" else torchvision.models.mobilenet_v3_small
             model = build(num_classes=CLASSES)
             x = torch.randn(batch, 3, 32, 32, generator=generator)

@@ -52,7 +52,7 @@ def torchrun_command(nproc: int, scan_args: list[str], port: int | None = None) 
 
 
 def _dataset(data: str, split: str, n: int | None) -> torch.utils.data.TensorDataset:
-    source = fashion_mnist.DEBIAN_SOURCE if data == "fashion-mnist" else None
+    source = fashion_mnist.FIND if data == "fashion-mnist" else None
     return fashion_mnist.fashion_mnist(split, limit=n, source=source, quiet=True)
 
 

@@ -37,6 +37,7 @@ from pergrad_viz.bench.records import (
 from pergrad_viz.bench.timing import synchronizer, time_interleaved
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.memory import result_bytes
+from pergrad_viz.core.progress import progress_bar
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.core.validate import check_modes
 from pergrad_viz.derived.norms import per_sample_grad_norms
@@ -132,9 +133,7 @@ def model_sweep(model_name: str, batch_sizes: Sequence[int] = (32,), *, strategi
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="benchmark", unit="method", disable=not enabled, leave=False)
+    return progress_bar(total=total, desc="benchmark", unit="method", disable=not enabled, leave=False)
 
 
 @dataclass
@@ -188,10 +187,24 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
         FORWARD_BACKWARD: (forward_backward, nbytes, {}),
         MEMORY_FLOOR: (functools.partial(torch.empty(shape, **kw).fill_, 0.5), nbytes, {}),
     }
+    rows = _checked_rows(methods, timed, quantity, batch, hidden, trainable.dtype, nbytes, check, bar)
+    # All methods and both reference rows in interleaved rounds: a stall of the machine hits them alike.
+    bar.set_postfix_str(f"B={batch}: {len(timed)} methods, {rounds} interleaved rounds")
+    timings = time_interleaved({label: fn for label, (fn, _, _) in timed.items()}, rounds=rounds,
+                               min_block_s=min_run_time / rounds, synchronize=synchronizer(trainable.device))
+    bar.update(len(timed))
+    return _records(timed, timings, rows, quantity, batch, hidden)
+
+
+def _checked_rows(methods: list[_Method], timed: dict, quantity: str, batch: int, hidden: int | None,
+                  dtype: torch.dtype, nbytes: int, check: bool, bar) -> list[Record | str]:
+    """Each method run once and checked against the first result of its kind (a peer that fails or disagrees is not
+    timed, its row says why); the methods to time go into ``timed``. Returns the rows in table order: a
+    :class:`Record` (not timed) or the label of a timed method."""
     rows: list[Record | str] = []  # a Record (not timed) or the label of a timed method, in table order
     references: dict[str, torch.Tensor] = {}
     for m in methods:
-        size = result_bytes(batch, 1, trainable.dtype) if m.kind == "norms" else nbytes
+        size = result_bytes(batch, 1, dtype) if m.kind == "norms" else nbytes
         if m.fn is None:
             rows.append(Record(m.label, quantity, batch, hidden, None, None, size, note=m.note))
             bar.update()
@@ -224,12 +237,13 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
     # The checked results are let go before the timing: held, they swung the timing of large results (ResNet-18's
     # 1.33 GiB) by 40-70% (IQR) through the allocator and page faults.
     references.clear()
-    result = reference = None
-    # All methods and both reference rows in interleaved rounds: a stall of the machine hits them alike.
-    bar.set_postfix_str(f"B={batch}: {len(timed)} methods, {rounds} interleaved rounds")
-    timings = time_interleaved({label: fn for label, (fn, _, _) in timed.items()}, rounds=rounds,
-                               min_block_s=min_run_time / rounds, synchronize=synchronizer(trainable.device))
-    bar.update(len(timed))
+    return rows
+
+
+def _records(timed: dict, timings: dict, rows: list[Record | str], quantity: str, batch: int,
+             hidden: int | None) -> list[Record]:
+    """The table: the methods' records in order (ratios to the loop, forward+backward and the memory floor), then
+    the two reference rows."""
     records: dict[str, Record] = {}
     for label, (_fn, size, fields) in timed.items():
         t = timings[label]

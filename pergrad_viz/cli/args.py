@@ -15,6 +15,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         kwargs.setdefault("max_help_position", 30)
         super().__init__(prog, **kwargs)
 
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):  # argparse measures the commands one indent short
+            for command in action._get_subactions():
+                width = len(command.dest) + self._current_indent + 2 * self._indent_increment
+                self._action_max_length = max(self._action_max_length, width)
+
     def _split_lines(self, text: str, width: int) -> list[str]:
         # Never break an option name such as --batch-sizes at its hyphen.
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)

@@ -20,19 +20,14 @@ from pergrad_viz import __version__, bench
 from pergrad_viz.bench import peers
 from pergrad_viz.bench import problems as bench_models
 from pergrad_viz.cli.args import HelpFormatter, positive_ints
+from pergrad_viz.core import extras
+from pergrad_viz.errors import MissingExtraError
 from pergrad_viz.strategies import STRATEGIES
 
 DESCRIPTION = """\
 pergrad-viz from the command line. Per-sample gradients (B, P) and per-sample output
-Jacobians (B, Y, P) in PyTorch:
-
-  bench       time the ways of computing them side by side, print a table
-  scan        per-example losses, gradient norms, EL2N scores and gradient sketches of
-              a whole dataset, written to a directory (resumable; several processes
-              under torchrun)
-  scan-bench  a scan's throughput next to a plain forward+backward, on 1 and N processes
-
-Run a subcommand with --help for its options."""
+Jacobians (B, Y, P) in PyTorch: benchmarks and whole-dataset scans. Run a command with
+--help for its options."""
 
 EXAMPLES = """\
 examples:
@@ -95,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pergrad_viz", description=DESCRIPTION, epilog=EXAMPLES,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"pergrad-viz {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,scan,scan-bench}")
+    sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
     b = sub.add_parser("bench", help="time the strategies (and peers) side by side, print a table",
                        description=BENCH_DESCRIPTION, epilog=BENCH_COLUMNS, formatter_class=HelpFormatter)
     strategies = ", ".join(STRATEGIES)
@@ -184,9 +179,11 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     missing = [p for p in args.peers if not peers.available(p)]
     if missing:
-        print(f"error: peer(s) not installed: {', '.join(missing)} (pip install opacus backpack-for-pytorch)",
+        print(f"error: peer(s) not installed: {', '.join(missing)} (pip install 'pergrad-viz[peers]')",
               file=sys.stderr)
         return 2
+    if args.plot and not extras.available("matplotlib"):  # before the timing, not after it
+        raise extras.missing_extra("matplotlib", "--plot", extra="viz")
     if args.model is None or args.dp:  # the MLP sweep, --dp, the targets read the bundled images: fail before a bar
         problem = _sample_missing()
         if problem is not None:
@@ -252,7 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``) and run the subcommand; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if getattr(args, "run", None) is not None:  # scan, scan-bench (pergrad_viz.cli.scan)
-        return args.run(args)
-    return run_bench(args) if args.command == "bench" else 2
+    try:
+        if getattr(args, "run", None) is not None:  # scan, scan-bench (pergrad_viz.cli.scan)
+            return args.run(args)
+        return run_bench(args) if args.command == "bench" else 2
+    except MissingExtraError as e:  # a model, a plot, ... whose extra is not installed: the message names it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 

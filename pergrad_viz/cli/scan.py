@@ -66,8 +66,9 @@ def _quantities(text: str) -> list[str]:
 
 def _common(p: argparse.ArgumentParser, limit: int | None, threads: int | None) -> None:
     p.add_argument("--data", choices=DATA, default="fashion-mnist",
-                   help="fashion-mnist: the full 60,000 + 10,000 images from Debian's dataset-fashion-mnist "
-                        "(make data installs it), else the bundled sample with a note; fashion-mnist-sample: "
+                   help="fashion-mnist: the full 60,000 + 10,000 images from $PERGRAD_VIZ_DATA/fashion-mnist, the "
+                        "checkout's data/ (make data puts them there) or Debian's dataset-fashion-mnist, else "
+                        "the bundled sample with a note; fashion-mnist-sample: "
                         "always the bundled 1,000 + 1,000 images (default: fashion-mnist)")
     p.add_argument("--split", choices=("train", "test"), default="train", help="which split (default: train)")
     p.add_argument("--limit", type=int, default=limit, metavar="N",
@@ -151,7 +152,7 @@ def run_scan(args: argparse.Namespace) -> int:
         if rank == 0 and not args.checkpoint:
             print(f"note: no --checkpoint: scanning an untrained {args.model} (torch.manual_seed({args.model_seed}))",
                   file=sys.stderr)
-        source = fashion_mnist.DEBIAN_SOURCE if args.data == "fashion-mnist" else None
+        source = fashion_mnist.FIND if args.data == "fashion-mnist" else None
         dataset = fashion_mnist.fashion_mnist(args.split, limit=args.limit, source=source, quiet=rank != 0)
         try:
             result = scan(model, torch.nn.CrossEntropyLoss(), dataset, quantities=args.quantities,

@@ -109,11 +109,13 @@ def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch
         losses = torch.func.vmap(lambda o, t: loss_fn(from_pytree(_sample(o, None)), _sample(t, None)),
                                  in_dims=(dims, 0))(output, targets)
     except Exception:  # loss functions that vmap cannot batch (data-dependent control flow, .item(), ...)
-        losses = [torch.as_tensor(loss_fn(from_pytree(cut(output, slice(i, i + 1), batch)),
-                                          cut(targets, slice(i, i + 1), batch))) for i in range(batch)]
-        if any(t.dim() for t in losses):
-            return _check_scalars(torch.stack([t.reshape(-1) for t in losses]), batch)
-        losses = torch.stack(losses)
+        losses = None  # one sample at a time, below: outside this block, so that the loss's own error is raised alone
+    if losses is None:
+        each = [torch.as_tensor(loss_fn(from_pytree(cut(output, slice(i, i + 1), batch)),
+                                        cut(targets, slice(i, i + 1), batch))) for i in range(batch)]
+        if any(t.dim() for t in each):
+            return _check_scalars(torch.stack([t.reshape(-1) for t in each]), batch)
+        losses = torch.stack(each)
     return _check_scalars(losses, batch)
 
 

@@ -54,17 +54,44 @@ def check_budget(*, what: str, result: int, working: int, max_bytes: int | None,
     budget = default_budget(device) if max_bytes is None else int(max_bytes)
     if need <= budget:
         return
-    per_sample = max(1, need // max(batch, 1))
-    fits = budget // per_sample
-    origin = "max_bytes" if max_bytes is not None else f"{BUDGET_SHARE:.0%} of the memory available on {device}"
-    raise MemoryBudgetError(
+    raise MemoryBudgetError(_over_budget(what=what, result=result, working=working, budget=budget,
+                                         given=max_bytes is not None, allocate_result=allocate_result,
+                                         device=device, batch=batch, chunk=chunk))
+
+
+def _over_budget(*, what: str, result: int, working: int, budget: int, given: bool, allocate_result: bool,
+                 device: torch.device, batch: int, chunk: int) -> str:
+    """The message of :func:`check_budget`: the estimate, the budget, what one sample takes, and what to change."""
+    need = (result if allocate_result else 0) + working
+    batch, chunk = max(batch, 1), max(chunk, 1)
+    row = (result if allocate_result else 0) / batch  # one sample's row of the result
+    per_chunk_sample = working / chunk  # the working memory grows with the chunk, not with the batch
+    origin = "max_bytes" if given else f"{BUDGET_SHARE:.0%} of the memory available on {device}"
+    one = row + per_chunk_sample
+    sizes = [f"its row of the result {human_bytes(row)}"] if allocate_result else []
+    if working:
+        sizes.append(f"working memory {human_bytes(per_chunk_sample)} per sample of a chunk")
+    fixes = []
+    room = budget - row * batch  # what the working memory may take
+    fit = int(room // per_chunk_sample) if working and room > 0 else 0
+    if 1 <= fit < chunk:
+        fixes.append(f"pass chunk_size={fit}" + (" or less" if fit > 1 else "") + " to bound the working memory")
+    if one > budget:
+        fixes.append(f"a smaller batch or chunk_size= does not help: one sample alone needs about "
+                     f"{human_bytes(one)}")
+    elif row:  # n rows of the result and one chunk of one sample's working memory
+        fixes.append(f"use a smaller batch (about {min(int((budget - per_chunk_sample) // row), batch - 1)} "
+                     "samples fit" + (", with chunk_size=1)" if working else ")"))
+    fixes.append(f"raise max_bytes= to {need} or more if you know the memory is there" if given else
+                 f"pass max_bytes={need} or more if you know the memory is there")
+    fixes.append("freeze parameters you do not need (requires_grad_(False)), or call per_sample_grad_norms if "
+                 "norms are all you need; flat=False does not help (results are written in place either way)")
+    return (
         f"{what} would need about {human_bytes(need)} (result {human_bytes(result)}"
         f"{'' if allocate_result else ', in your out= buffer'}, working memory {human_bytes(working)} "
         f"for chunks of {chunk}), more than the budget of {human_bytes(budget)} ({origin}). "
-        f"Use a smaller batch (about {fits} samples fit), pass chunk_size= to bound the working memory, "
-        "freeze parameters you do not need (requires_grad_(False)), or call per_sample_grad_norms if norms "
-        "are all you need; flat=False does not help here (results are written in place either way). "
-        "If you know the memory is there, raise max_bytes=."
+        f"One sample takes about {human_bytes(one)} ({', '.join(sizes) or 'working memory only'}). "
+        "To fix: " + "; ".join(fixes) + "."
     )
 
 

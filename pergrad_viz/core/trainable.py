@@ -14,12 +14,25 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pergrad_viz.core.users import drop_package_frames, is_package_error
 from pergrad_viz.core.validate import check_model
 from pergrad_viz.errors import UndefinedPerSampleError
 
 if TYPE_CHECKING:
     from pergrad_viz.core.batch import Batch
 
+
+
+@dataclass
+class CallState:
+    """What one call works out once and reads again (a :class:`Trainable` is made per call): the plan and its key
+    (``engine.probe.plan_for``), the layers the hooked forward hooks (``engine.capture``), and the result with the
+    views the strategy wrote through (``api``, for the per-call check)."""
+
+    plan: object = None
+    key: tuple | None = None  # the plan's key (engine.plan_key), read once per call
+    layers: dict | None = None
+    rows: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -30,13 +43,13 @@ class Trainable:
     names: tuple[str, ...]
     params: tuple[nn.Parameter, ...]
     modules: tuple[tuple[str, nn.Module], ...]  # named_modules(), walked once per call
-    cache: dict = field(default_factory=dict, compare=False, repr=False)  # scratch space for one call
+    call: CallState = field(default_factory=lambda: CallState(), compare=False, repr=False)  # this call's state
     select: Callable[[object], torch.Tensor] | None = None  # the output tensor a Jacobian differentiates
     named_parameters: tuple[tuple[str, nn.Parameter], ...] = ()  # all of them, frozen ones too, read by of()
 
     def selecting(self, select: Callable[[object], torch.Tensor]) -> Trainable:
         """The same trainable parameters, with Jacobians of ``select(model output)``."""
-        return dataclasses.replace(self, select=select, cache={})
+        return dataclasses.replace(self, select=select, call=CallState())
 
     def outputs(self, batch: Batch) -> torch.Tensor | object:
         """The model's output on ``batch``, or the tensor ``select`` picks from it (what a Jacobian differentiates)."""
@@ -153,7 +166,12 @@ def computing_gradients(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with torch.inference_mode(False), torch.enable_grad():
-            return fn(*args, **kwargs)
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                return fn(*args, **kwargs)
+        except Exception as e:
+            if not is_package_error(e):  # the model's or the loss's own error: shown from the user's frames
+                drop_package_frames(e)
+            raise
 
     return wrapper

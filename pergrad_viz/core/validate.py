@@ -8,7 +8,7 @@ that mixes the samples would also change its buffers).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -17,8 +17,18 @@ from torch.utils._pytree import tree_flatten
 from pergrad_viz.core.batch import Batch, Inputs, normal_tensor
 from pergrad_viz.errors import UndefinedPerSampleError
 
-if TYPE_CHECKING:
-    from pergrad_viz.core.trainable import Trainable
+
+class TrainableLike(Protocol):
+    """What the checks read of a :class:`pergrad_viz.core.trainable.Trainable` (which stands on this module, so this
+    module does not import it)."""
+
+    modules: tuple[tuple[str, nn.Module], ...]
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _RANDOM_IN_TRAINING = (*_DROPOUT, nn.RReLU)  # draw random numbers on every forward in training mode
@@ -48,7 +58,7 @@ def check_model(model: object, named_parameters: Sequence[tuple[str, nn.Paramete
     return named
 
 
-def check_modes(model: nn.Module | Trainable) -> None:
+def check_modes(model: nn.Module | TrainableLike) -> None:
     """Refuse layers whose per-sample gradients are undefined or random in the model's current mode.
 
     BatchNorm that uses batch statistics mixes the samples of a batch, so "the gradient of sample i"
@@ -120,7 +130,7 @@ def check_strategy_name(strategy: str, valid: Sequence[str]) -> None:
         raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, valid)))
 
 
-def batch_of(trainable: Trainable, inputs: Inputs, targets: object = None, model_kwargs: Mapping | None = None
+def batch_of(trainable: TrainableLike, inputs: Inputs, targets: object = None, model_kwargs: Mapping | None = None
              ) -> Batch:
     """The call's :class:`~pergrad_viz.core.batch.Batch`, checked: B from the targets (or the first input tensor), every
     target tensor with B samples, some input tensor with B samples, every tensor on the parameters' device, floating
@@ -182,7 +192,7 @@ def check_chunk(chunk_size: int | None, batch: int) -> int:
     return min(chunk_size, batch)
 
 
-def check_out(out: torch.Tensor, shape: tuple[int, ...], trainable: Trainable, flat: bool) -> None:
+def check_out(out: torch.Tensor, shape: tuple[int, ...], trainable: TrainableLike, flat: bool) -> None:
     """Refuse an ``out=`` buffer that is not a flat tensor of ``shape`` ((B, P) or (B, Y, P)) in the parameters'
     dtype and device, or that comes without ``flat=True``."""
     if not flat:

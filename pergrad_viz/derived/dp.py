@@ -23,11 +23,9 @@ from torch.utils._pytree import tree_map
 from pergrad_viz import api
 from pergrad_viz.core.batch import Inputs, normal_tensor
 from pergrad_viz.core.losses import LossFn
-from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
+from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.derived.bookkeeping import Groups, hooked_sums, materialised_sums
-from pergrad_viz.engine.capture import PlanMismatchError
-from pergrad_viz.engine.certify import CheckFailedError, check_norms
-from pergrad_viz.engine.probe import plan_for
+from pergrad_viz.engine.certify import check_norms
 
 PerLayer = bool | Mapping[str, float]
 
@@ -197,26 +195,22 @@ def initial_sums(shapes, std: float, generator: torch.Generator | None) -> dict[
 def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, batch, targets: object, chunk: int,
           chunk_size: int | None, verify: bool, groups: Groups, start) -> tuple[dict, dict]:
     """({name: (*shape) clipped sum added to ``start()``}, {name: (B,) squared norms}): book-keeping where the hooks
-    strategy runs, else (and under ``auto`` where it finds it cannot be trusted for this call) the per-sample
+    strategy runs, else (and under ``auto`` where the hand-over moves on, ``api.hand_over``) the per-sample
     gradients in chunks."""
-    if resolved == "hooks":
+
+    def run(used: str) -> tuple[dict, dict]:
         sums = start()
-        try:
-            squared = hooked_sums(trainable, loss_fn, batch, targets, chunk, groups, sums)
-            if verify:
-                with restoring_modes(trainable):
-                    check_norms(trainable, loss_fn, batch, targets, squared, "hooks")
-            return sums, squared
-        except (PlanMismatchError, CheckFailedError) as e:
-            if strategy != "auto":
-                raise
-            if isinstance(e, CheckFailedError):
-                plan_for(trainable, batch).interaction = f"the samples interact: {str(e).split(' (')[0]}"
-            resolved = "torch_func"
-    sums = start()
-    squared = materialised_sums(trainable, resolved, "auto" if strategy == "auto" else resolved, loss_fn, batch,
-                                targets, chunk_size, verify, groups, sums)
-    return sums, squared
+        if used == "hooks":
+            return sums, hooked_sums(trainable, loss_fn, batch, targets, chunk, groups, sums)
+        return sums, materialised_sums(trainable, used, used, loss_fn, batch, targets, chunk_size, verify, groups,
+                                       sums)
+
+    def check(result: tuple[dict, dict], used: str) -> None:
+        if used == "hooks":  # the other strategies' gradients were checked as they were computed
+            check_norms(trainable, loss_fn, batch, targets, result[1], used)
+
+    return api.hand_over(strategy, resolved, trainable, batch, run, check if verify else None, "norms", targets,
+                         race=False)  # book-keeping never builds (B, P); torch_func would
 
 
 def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, max_norm: float | None, *,

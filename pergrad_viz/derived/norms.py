@@ -37,10 +37,10 @@ from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import default_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
-from pergrad_viz.engine.capture import Layer, PlanMismatchError, loss_gradients
-from pergrad_viz.engine.certify import CheckFailedError, check_norms
+from pergrad_viz.engine.capture import Layer, loss_gradients
+from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
-from pergrad_viz.engine.probe import LayerKind, plan_for
+from pergrad_viz.engine.probe import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
 from pergrad_viz.strategies import working_bytes
 
@@ -68,8 +68,9 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
         per_parameter: return ``{name: (B,)}`` norms per trainable parameter instead of the total (B,).
         chunk_size: process at most this many samples at a time.
         model_kwargs: more keyword arguments for the model, cut like the inputs (see ``pergrad_viz.core.batch``).
-        verify: check one randomly drawn sample's norms against that sample computed alone, as
-            :func:`pergrad_viz.per_sample_grads` does (``pergrad_viz.engine.certify``); ``False`` skips it.
+        verify: check one randomly drawn sample's norms against that sample computed alone (the ghost norms;
+            materialised gradients are checked as :func:`pergrad_viz.per_sample_grads` checks them), amortised as
+            there (``pergrad_viz.engine.schedule``); ``False`` skips it.
 
     Returns:
         (B,) norms in the parameters' dtype, or ``{name: Tensor (B,)}`` in ``named_parameters()`` order
@@ -86,23 +87,18 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
     targets = tree_map(normal_tensor, targets)
     trainable, resolved, inputs, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
                                                       model_kwargs)
-    squared = None
-    if resolved == "hooks":
-        try:
-            squared = _ghost_squared_norms(trainable, loss_fn, inputs, targets, chunk)
-            if verify:
-                with restoring_modes(trainable):
-                    check_norms(trainable, loss_fn, inputs, targets, squared, "hooks")
-        except (PlanMismatchError, CheckFailedError) as e:
-            if strategy != "auto":
-                raise
-            if isinstance(e, CheckFailedError):
-                plan_for(trainable, inputs).interaction = f"the samples interact: {str(e).split(' (')[0]}"
-            squared, resolved = None, "torch_func"  # each sample alone
-    if squared is None:
-        # Under auto, per_sample_grads(strategy="auto") hands over from torch_func to the loop where it must.
-        squared = _materialised_squared_norms(trainable, resolved, "auto" if strategy == "auto" else resolved,
-                                              loss_fn, inputs, targets, chunk_size, verify)
+
+    def run(used: str) -> dict[str, torch.Tensor]:
+        if used == "hooks":
+            return _ghost_squared_norms(trainable, loss_fn, inputs, targets, chunk)
+        return _materialised_squared_norms(trainable, used, used, loss_fn, inputs, targets, chunk_size, verify)
+
+    def check(squared: dict[str, torch.Tensor], used: str) -> None:
+        if used == "hooks":  # the other strategies' gradients were checked as they were computed
+            check_norms(trainable, loss_fn, inputs, targets, squared, used)
+
+    squared = api.hand_over(strategy, resolved, trainable, inputs, run, check if verify else None, "norms", targets,
+                            race=False)  # ghost norms never build (B, P); torch_func would
     if per_parameter:
         return {name: s.sqrt() for name, s in squared.items()}
     return torch.stack(list(squared.values())).sum(0).sqrt()

@@ -32,8 +32,8 @@ from pergrad_viz.core.memory import check_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.core.validate import batch_of
 from pergrad_viz.derived.norms import ghost_rule, stack_calls
-from pergrad_viz.engine.capture import Layer, PlanMismatchError, output_gradients
-from pergrad_viz.engine.certify import CheckFailedError, check_ntk
+from pergrad_viz.engine.capture import Layer, output_gradients
+from pergrad_viz.engine.certify import check_ntk
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.rules import ghost_rule_for
 
@@ -116,16 +116,19 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
                  result=result_bytes(n1 * n2, 1, trainable.dtype, y_count * y_count if full else 1),
                  working=0, max_bytes=max_bytes, allocate_result=True, device=trainable.device, batch=n1,
                  chunk=chunk)
-    if strategy == "hooks" and (x2 is None or api.resolve_strategy("auto", trainable, x2) == "hooks"):
-        try:
-            kernel = _ghost_ntk(trainable, x1, x2, full, chunk)
-            if verify:
-                with restoring_modes(trainable):
-                    check_ntk(trainable, x1, x2, kernel, full)
-            return kernel
-        except (PlanMismatchError, CheckFailedError):
-            pass  # data-dependent layer calls, or a coupling the probe did not see: each sample alone
-    return _jacobian_ntk(model, x1, x2, full, chunk_size, verify)
+    if strategy == "hooks" and x2 is not None and api.resolve_strategy("auto", trainable, x2) != "hooks":
+        strategy = "torch_func"
+
+    def run(used: str) -> torch.Tensor:
+        if used == "hooks":
+            return _ghost_ntk(trainable, x1, x2, full, chunk)
+        return _jacobian_ntk(model, x1, x2, full, chunk_size, verify, used)
+
+    def check(kernel: torch.Tensor, used: str) -> None:
+        if used == "hooks":  # the per-sample Jacobians of the others were checked as they were computed
+            check_ntk(trainable, x1, x2, kernel, full)
+
+    return api.hand_over("auto", strategy, trainable, x1, run, check if verify else None, "ntk", race=False)
 
 
 def _expected(x: Batch) -> str:
@@ -137,14 +140,14 @@ def _describe(x: Batch) -> str:
 
 
 def _jacobian_ntk(model: nn.Module, x1: Batch, x2: Batch | None, full: bool,
-                  chunk_size: int | None, verify: bool) -> torch.Tensor:
+                  chunk_size: int | None, verify: bool, strategy: str = "auto") -> torch.Tensor:
     """The fallback: materialise (N, Y, P) Jacobians with :func:`pergrad_viz.per_sample_jacobian` and contract.
 
-    Always with ``torch_func``: what ``"auto"`` picks for layers without rules, and what works where a layer
-    sees its input as (N*T, ...) rows.
+    With ``strategy`` as the hand-over (``api.hand_over``) goes: ``torch_func``, which works where a layer sees its
+    input as (N*T, ...) rows, then the loop.
     """
-    j1 = api.per_sample_jacobian(model, x1, strategy="auto", flat=True, chunk_size=chunk_size, verify=verify)
-    j2 = j1 if x2 is None else api.per_sample_jacobian(model, x2, strategy="auto", flat=True,
+    j1 = api.per_sample_jacobian(model, x1, strategy=strategy, flat=True, chunk_size=chunk_size, verify=verify)
+    j2 = j1 if x2 is None else api.per_sample_jacobian(model, x2, strategy=strategy, flat=True,
                                                        chunk_size=chunk_size, verify=verify)
     _check_outputs(j1.shape[1], j2.shape[1])
     kernel = torch.einsum("iyp,jzp->ijyz" if full else "iyp,jyp->ij", j1, j2)

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import torch
 
+from pergrad_viz.core.extras import missing_extra
+
 ACCOUNTANTS = ("rdp", "prv")
 
 
@@ -65,8 +67,7 @@ def _accountants():
         from opacus import accountants
         from opacus.accountants.utils import get_noise_multiplier
     except ImportError as e:
-        raise ImportError("the privacy accountant is Opacus': pip install 'pergrad-viz[dp]' (or pip install "
-                          "opacus)") from e
+        raise missing_extra("opacus", "the privacy accountant (pv.epsilon, pv.noise_multiplier_for)", extra="dp") from e
     return accountants, get_noise_multiplier
 
 

@@ -39,12 +39,8 @@ from pergrad_viz.engine.probe import (
     Plan,
     plan_for,
 )
-from pergrad_viz.errors import UnsupportedModelError
+from pergrad_viz.errors import PlanMismatchError, UnsupportedModelError
 from pergrad_viz.rules import Captured, capture_for, rule_for
-
-
-class PlanMismatchError(UnsupportedModelError):
-    """A call captured shapes the probe did not see (data-dependent behaviour): the rules cannot be trusted."""
 
 
 @dataclass
@@ -183,10 +179,9 @@ def _capturing_forward(layer: Layer, capture, pending: list[Captured | None]):
         signature = _call_signature(args, kwargs) if result is not None else None
         if result is not None and signature not in layer.plan.captures_checked:
             want = own(module, *args, **kwargs)  # with grad, as in this pass (no_grad may take a fast path)
-            if outputs_close(result[0], want):
-                layer.plan.captures_checked.add(signature)
-            else:
-                layer.plan.kind = LayerKind.FALLBACK
+            same = outputs_close(result[0], want)
+            layer.plan.check_capture(signature, same)
+            if not same:
                 result = None
         if result is None:
             pending.append(None)
@@ -197,48 +192,76 @@ def _capturing_forward(layer: Layer, capture, pending: list[Captured | None]):
     return forward
 
 
-def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool
-             ) -> tuple[torch.Tensor, list[Call]]:
-    calls: list[Call] = []
-    counts: Counter[str] = Counter()
-    batch = inputs.size
-    names = {id(layer.module): name for name, layer in layers.items()}
-    pending: dict[int, list[Captured | None]] = {}  # per capturing layer, what its forward kept, until its hook
-    before_hooks: dict[int, list[tuple]] = {}  # per layer with forward pre-hooks: its calls' arguments before them
+class _Recorder:
+    """One hooked forward pass's record: every call of a hooked layer, checked against the plan as it happens."""
 
-    def detach(t):
+    def __init__(self, layers: dict[str, Layer], batch: int, copy: bool):
+        self.layers, self.batch, self.copy = layers, batch, copy
+        self.calls: list[Call] = []
+        self.counts: Counter[str] = Counter()
+        self.names = {id(layer.module): name for name, layer in layers.items()}
+        self.pending: dict[int, list[Captured | None]] = {}  # per capturing layer, what its forward kept
+        self.before_hooks: dict[int, list[tuple]] = {}  # per layer with pre-hooks: its arguments before them
+
+    def detach(self, t: object) -> object:
         if not isinstance(t, torch.Tensor):
             return t
-        return t.detach().clone() if copy else t.detach()
+        return t.detach().clone() if self.copy else t.detach()
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
-        name = names[id(module)]
-        layer = layers[name]
-        if id(module) in before_hooks:  # the call's arguments as given, before the layer's own pre-hooks changed them
-            args, kwargs = before_hooks[id(module)].pop()
+    def hook(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
+        name = self.names[id(module)]
+        layer = self.layers[name]
+        if id(module) in self.before_hooks:  # the call's arguments as given, before the layer's own pre-hooks
+            args, kwargs = self.before_hooks[id(module)].pop()
         if layer.plan.spread:  # a call that holds no samples: its input and output (1, ...) as (B, ...) copies
-            args, kwargs = tree_map(lambda t: t.expand(batch, *t.shape[1:]) if isinstance(t, torch.Tensor) else t,
-                                    (args, kwargs))
-            output = broadcast.spread(output, batch)
+            args, kwargs = tree_map(lambda t: t.expand(self.batch, *t.shape[1:]) if isinstance(t, torch.Tensor)
+                                    else t, (args, kwargs))
+            output = broadcast.spread(output, self.batch)
         ins = tensors_of(args) if not kwargs else tensors_of((args, kwargs))
-        handed, outputs = _handed_downstream(output, copy)
-        spec = _check_call(layer, name, counts[name], ins, outputs, batch)
-        counts[name] += 1
+        handed, outputs = _handed_downstream(output, self.copy)
+        spec = _check_call(layer, name, self.counts[name], ins, outputs, self.batch)
+        self.counts[name] += 1
         if not kwargs and len(ins) == len(args):  # the common case: tensors only, positional
-            saved_ins = [detach(t) for t in ins]
+            saved_ins = [self.detach(t) for t in ins]
             saved = (tuple(saved_ins), {})
         else:
-            saved = tree_map(detach, (args, kwargs))
+            saved = tree_map(self.detach, (args, kwargs))
             saved_ins = tensors_of(saved)
-        captured = pending[id(module)].pop() if id(module) in pending else None
+        captured = self.pending[id(module)].pop() if id(module) in self.pending else None
         call = Call(layer, saved, saved_ins, outputs, spec, captured=captured)
         call.versions = tuple(t._version for t in call.tensors())
-        calls.append(call)
+        self.calls.append(call)
         return handed
 
-    def remember_arguments(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        before_hooks[id(module)].append((args, kwargs))
+    def remember_arguments(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.before_hooks[id(module)].append((args, kwargs))
 
+    def install(self, hooked: list[Layer]) -> list:
+        """Forward hooks on ``hooked`` (and pre-hooks where a layer has pre-hooks of its own); their handles."""
+        handles = [layer.module.register_forward_hook(self.hook, with_kwargs=True) for layer in hooked]
+        for layer in hooked:
+            if layer.module._forward_pre_hooks:  # the per-layer fallback replays the call, pre-hooks included
+                self.before_hooks[id(layer.module)] = []
+                handles.append(layer.module.register_forward_pre_hook(self.remember_arguments, with_kwargs=True,
+                                                                      prepend=True))
+        return handles
+
+    def finish(self, spread: dict[str, Layer], made: dict[str, dict[str, torch.Tensor]]) -> list[Call]:
+        """The calls, once every layer was called as often as in the probe; broadcast layers' copies last."""
+        for name, layer in self.layers.items():
+            if 0 < self.counts[name] < len(layer.plan.calls):
+                raise _mismatch(layer, name, f"is called {self.counts[name]} time(s), not {len(layer.plan.calls)},")
+        for name, layer in spread.items():
+            copied = list(made[name].values())
+            spec = CallSpec((), (), (0,) * len(copied), tuple(tuple(e.shape[1:]) for e in copied))
+            self.calls.append(Call(layer, ((), {}), [], copied, spec, versions=tuple(e._version for e in copied)))
+        return self.calls
+
+
+def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool
+             ) -> tuple[torch.Tensor, list[Call]]:
+    batch = inputs.size
+    record = _Recorder(layers, batch, copy)
     # Layers whose call rule runs a forward of its own: an instance attribute for the duration of this pass.
     captures = {name: capture_for(layer.module) for name, layer in layers.items() if layer.kind is LayerKind.CALL}
     patched = [(layers[name], capture) for name, capture in captures.items() if capture is not None]
@@ -246,16 +269,11 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
     spread = {name: layer for name, layer in layers.items() if layer.kind is LayerKind.BROADCAST}
     made = {name: broadcast.copies({ln: layer.module.get_parameter(ln) for ln in layer.local}, batch)
             for name, layer in spread.items()}
-    hooked = [layer for layer in layers.values() if layer.kind is not LayerKind.BROADCAST]
-    handles = [layer.module.register_forward_hook(hook, with_kwargs=True) for layer in hooked]
-    for layer in hooked:
-        if layer.module._forward_pre_hooks:  # the per-layer fallback replays the call, pre-hooks included
-            before_hooks[id(layer.module)] = []
-            handles.append(layer.module.register_forward_pre_hook(remember_arguments, with_kwargs=True, prepend=True))
+    handles = record.install([layer for layer in layers.values() if layer.kind is not LayerKind.BROADCAST])
     try:
         for layer, capture in patched:
-            pending[id(layer.module)] = []
-            layer.module.forward = _capturing_forward(layer, capture, pending[id(layer.module)])
+            record.pending[id(layer.module)] = []
+            layer.module.forward = _capturing_forward(layer, capture, record.pending[id(layer.module)])
         with broadcast.substituted({name: layer.module for name, layer in spread.items()}, made):
             output = inputs(trainable.model)
     finally:
@@ -263,14 +281,7 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
             layer.module.__dict__.pop("forward", None)
         for h in handles:
             h.remove()
-    for name, layer in layers.items():
-        if 0 < counts[name] < len(layer.plan.calls):
-            raise _mismatch(layer, name, f"is called {counts[name]} time(s), not {len(layer.plan.calls)},")
-    for name, layer in spread.items():
-        copied = list(made[name].values())
-        spec = CallSpec((), (), (0,) * len(copied), tuple(tuple(e.shape[1:]) for e in copied))
-        calls.append(Call(layer, ((), {}), [], copied, spec, versions=tuple(e._version for e in copied)))
-    return output, calls
+    return output, record.finish(spread, made)
 
 
 def _handed_downstream(output: object, copy: bool) -> tuple[object, list[torch.Tensor]]:
@@ -304,12 +315,12 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
     plan = plan_for(trainable, inputs)
     if plan.interaction is not None or plan.hooks_problem is not None:
         check_supported(trainable, inputs)
-    layers = trainable.cache.get("hooks.layers")
+    layers = trainable.call.layers
     if layers is None:
-        layers = trainable.cache["hooks.layers"] = _layers(trainable, plan)
+        layers = trainable.call.layers = _layers(trainable, plan)
     output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
     if not plan.copy_captures and any(c.modified_in_place() for c in calls):  # ReLU(inplace=True), `out += x`
-        plan.copy_captures = True  # known from now on for this model and input signature: one forward pass
+        plan.copy_captured_tensors()  # known from now on for this model and input signature: one forward pass
         output, calls = _forward(trainable, inputs, layers, copy=True)
     return output, calls
 

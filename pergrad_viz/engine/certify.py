@@ -1,48 +1,69 @@
-"""The per-call check: one randomly chosen sample, computed alone by the definition, against its row of a result.
+"""The per-call check: every row of a result against references computed independently of the strategy.
 
-A strategy that runs the model once on the whole batch (``hooks``, ``autograd_stack``, ``batched_grad``) relies on
-what the probe measured (``engine.probe``): that the samples do not interact and where each layer holds them.
-No probe of a few samples can prove that for every batch: rows reordered inside ``forward`` in a way a pair does not
-show, a coupling through a batch statistic that only some inputs trigger, code that depends on the batch size, a
-coupling only in a custom backward, a plan gone stale after the model changed. So every such call ends with this
-check: sample i, drawn uniformly from the batch with a private random generator (the caller's RNG is untouched), runs
-alone (``loss_fn(model(inputs[i:i+1]), targets[i:i+1])``, one small forward and backward) and its gradient is
-compared with row i of the result; for a Jacobian, a random combination ``u^T J_i`` of its rows (one backward).
+No probe of a few samples can prove that a fast path is right for every batch (rows reordered inside ``forward`` in
+a way a pair does not show, a coupling through a batch statistic that only some inputs trigger, code that depends
+on the batch size, a wrong rule, a wrong batching rule inside ``torch.func``, a plan gone stale). So results are
+checked against the definition, when :mod:`pergrad_viz.engine.schedule` says a call is due (its first calls, then
+within 10% of the time spent):
 
-What it catches: any wrong row it draws, so a fault that touches a fraction f of the rows with probability f per
-call (1 for faults that touch every row: batch-size dependent code, a stale plan, a coupling through the batch; at
-least 1/B for a single misplaced row), and with probability 1 - (1 - f)^k over k calls. Differences below the
-tolerance (relative 1e-6 in float64, 1e-3 in float32, per parameter tensor) pass.
+* **every row at once** (``hooks``, ``autograd_stack``, ``batched_grad``): with random weights w (B,) (for a
+  Jacobian W (B, Y)), ``sum_i w_i G_i`` from the result, per parameter tensor, against the gradient of
+  ``sum_i w_i L_i`` from one plain forward and backward of the batch (no hooks, no rules: the loop's own backward,
+  batched). A row that is wrong by a relative e in any parameter tensor changes the combination by ``|w_i| e`` of
+  that row's size, so a single wrong or misplaced row is caught with probability above 1/2 per checked call once
+  its error is a few times the tolerance (a whole wrong row: about 0.9 and more).
+* **one sample alone** (the same strategies): sample i, drawn from the check's own generator, runs alone and its
+  gradient (a random combination ``u^T J_i`` of its Jacobian) is compared with row i: couplings between samples,
+  which a batched reference shares with a batched strategy, show here (they touch every row).
+* **every row by forward mode** (``torch_func``): ``vmap`` over the samples, each alone, of a ``jvp`` along a random
+  direction v, against ``G_i . v`` (``J_i v``) from the result. Forward-mode formulas are independent of the
+  backward ones ``vmap(grad)`` batches (PyTorch's own batching of ``cdist``'s backward is wrong; its ``jvp`` is
+  not). The direction is scaled per parameter tensor by that tensor's size in the result, so that a wrong small
+  tensor (a bias) counts as much as a wrong large one. A suspect row is then checked alone, as above.
+* ``loop`` is the definition: nothing to compare it with.
+
+No false alarm from rounding: a difference above the tolerance (relative 1e-6 in float64, 1e-3 in float32, 5e-2 in
+half precision, per parameter tensor) is only a suspicion in a precision below float64. The reference is then
+computed again in float64 on a float64 copy of the model, and the result fails only where it is further from that
+exact value than the tolerance and 8 times as far as the reference in the result's precision is: where a float32
+reduction cancels (a first convolution under batch norm can lose 2 digits), the float32 loop is as far off, and
+the result passes. Where no float64 copy can be made, a suspicion fails beyond 30 times the tolerance.
+
+A failed check raises :class:`~pergrad_viz.errors.CheckFailedError` (``auto`` then hands over, and the plan
+remembers it). The check draws its random numbers from a generator of its own: the caller's state is untouched.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
-from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
+from torch.func import functional_call, jvp, vmap
+from torch.utils._pytree import tree_map
 
+from pergrad_viz.core import tolerances
 from pergrad_viz.core.batch import Batch, cut
-from pergrad_viz.core.losses import LossFn, scalar_loss
+from pergrad_viz.core.layout import flat_outputs
+from pergrad_viz.core.losses import LossFn, per_sample_losses, scalar_loss
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.errors import UnsupportedModelError
+from pergrad_viz.errors import CheckFailedError
+
+__all__ = ["CheckFailedError", "check_grads", "check_jacobian", "check_norms", "check_ntk", "draw"]
 
 _DRAW = random.Random(int.from_bytes(os.urandom(8), "little"))  # private: the caller's random state is not touched
+AGAIN = 8.0  # a result may be this many times as far from the float64 value as the reference in its precision is
+LOOSE = 30.0  # without a float64 copy, a suspicion fails beyond this many times the tolerance
+
+Tensors = list[torch.Tensor]
 
 
-class CheckFailedError(UnsupportedModelError):
-    """A batched strategy's row differs from that sample computed alone (see the module docstring)."""
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    if dtype == torch.float64:
-        return 1e-6
-    if dtype in (torch.float16, torch.bfloat16):
-        return 5e-2
-    return 1e-3
+def tolerance(dtype: torch.dtype) -> float:
+    """The check's relative tolerance per parameter tensor for results in ``dtype`` (``core.tolerances``)."""
+    return tolerances.tolerance(dtype).check
 
 
 def draw(batch: int) -> int:
@@ -50,57 +71,21 @@ def draw(batch: int) -> int:
     return _DRAW.randrange(batch)
 
 
-def _compare(trainable: Trainable, want: tuple[torch.Tensor | None, ...], got: Mapping[str, torch.Tensor],
-             sample: int, strategy: str, what: str) -> None:
-    """Per parameter tensor: |got - want| <= rtol * max(|want|, 1e-3 |want of all parameters|) (2-norms).
-
-    All norms in one ``_foreach_norm`` and read with one ``tolist``: a few kernel launches and one host read whatever
-    the number of parameters (per-tensor ``float()`` reads cost half the check on small models). In the result's own
-    precision (float32 at least): a norm's rounding (about 1e-4 of it over a million float32 values) moves a
-    threshold of 1e-3 relative by a tenth of its size at most; only where a float32 norm overflows are they taken
-    again in float64 (casting every gradient to float64 cost a sixth of the check on a ViT). The differences are
-    taken in the result's dtype: a rounded subtraction is within one ulp of the exact difference, far below every
-    tolerance, and one that overflows is a real failure (and reads as one). The scale is |want| alone, not
-    max(|want|, |got|): since |got| <= |want| + |got - want|, the two differ only where the difference is within a
-    factor 1 + rtol of the tolerance, and there this one is the stricter; it saves a third of the reads."""
-    rtol = _tolerance(trainable.dtype)
-    wants = _dense(want, trainable)
-    n = len(wants)
-    norms = _norms(wants, trainable.dtype)
-    # want - got written over want (fresh gradients of this check): a second set of parameter-sized temporaries
-    # would cost its page faults on every call (20 ms of 46 on ResNet-18). Not over an expanded gradient, nor over one
-    # whose memory another parameter's gradient shares (autograd hands the same tensor to two biases (1, D) added to
-    # the same output).
-    storages = Counter(w.untyped_storage().data_ptr() for w in wants)
-    diffs = [w.sub_(got[name]) if w.is_contiguous() and storages[w.untyped_storage().data_ptr()] == 1
-             else w - got[name] for w, name in zip(wants, trainable.names, strict=True)]
-    norms += _norms(diffs, trainable.dtype)
-    total = sum(w * w for w in norms[:n]) ** 0.5
-    for k, name in enumerate(trainable.names):
-        w, diff = norms[k], norms[n + k]
-        size = max(w, 1e-3 * total)
-        if (diff > rtol * size and diff > 0) or (not math.isfinite(diff) and math.isfinite(w)):
-            raise CheckFailedError(
-                f"the per-call check found that sample {sample}'s {what} from the {strategy} strategy differs from "
-                f"sample {sample} computed alone (parameter '{name}': relative difference "
-                f"{diff / max(size, 1e-300):.1e}): this model's forward does not keep the samples apart in a way "
-                "the probe of a few samples could see "
-                "(rows reordered inside forward, a batch statistic, code that depends on the batch size, a coupling "
-                "in a custom backward, or a model changed since its plan was made). Use strategy='auto' (which then "
-                "computes each sample alone) or 'torch_func' / 'loop'."
-            )
+def _randn(shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    gen = torch.Generator(device=like.device).manual_seed(_DRAW.getrandbits(62))
+    return torch.randn(shape, generator=gen, dtype=like.dtype, device=like.device)
 
 
-def _dense(grads: tuple[torch.Tensor | None, ...], trainable: Trainable) -> list[torch.Tensor]:
-    """One gradient per parameter, each a dense tensor: zeros where a parameter was not used, dense where it is sparse
-    (``nn.Embedding(sparse=True)``)."""
+def _dense(grads: tuple[torch.Tensor | None, ...], params: tuple[torch.Tensor, ...]) -> Tensors:
+    """One gradient per parameter, each dense: zeros where a parameter was not used, dense where it is sparse."""
     return [torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
-            for g, p in zip(grads, trainable.params, strict=True)]
+            for g, p in zip(grads, params, strict=True)]
 
 
-def _norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[float]:
-    """The 2-norms of ``tensors`` as floats: one ``_foreach_norm``, one host read; in ``dtype`` (float32 at least),
-    again in float64 where one is not finite (an overflowed float32 sum of squares, or a real inf / nan)."""
+def _norms(tensors: Tensors, dtype: torch.dtype) -> list[float]:
+    """2-norms as floats, one ``_foreach_norm`` and one host read; again in float64 where one is not finite."""
+    if not tensors:
+        return []
     low = dtype in (torch.float16, torch.bfloat16)
     norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32 if low else None)).tolist()
     if not all(map(math.isfinite, norms)):
@@ -108,58 +93,266 @@ def _norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[float]:
     return norms
 
 
-def _loss_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, i: int) -> torch.Tensor:
-    """The definition: sample i's loss with the model run on sample i alone."""
-    return scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
+# ----------------------------------------------------------------------------------------------- the verdict
+
+
+def _fails(got: float, size: float, rtol: float) -> bool:
+    return (got > rtol * size and got > 0) or (not math.isfinite(got) and math.isfinite(size))
+
+
+def verdict(names: tuple[str, ...], got: Tensors, want: Tensors, dtype: torch.dtype,
+            exact: Callable[[], Tensors | None]) -> tuple[str, float] | None:
+    """The first parameter tensor where ``got`` (the result's) is not ``want`` (the reference in the result's
+    precision) up to rounding, with its relative difference; None where every one passes. ``exact()``: the
+    reference again in float64 (None where it cannot be had), asked only on a suspicion below float64."""
+    rtol = tolerance(dtype)
+    n = len(want)
+    norms = _norms([*want, *torch._foreach_sub(got, want)], dtype)
+    total = math.sqrt(sum(w * w for w in norms[:n]))
+    suspects = [k for k in range(n) if _fails(norms[n + k], max(norms[k], 1e-3 * total), rtol)]
+    if not suspects:
+        return None
+    first = suspects[0]
+    relative = norms[n + first] / max(norms[first], 1e-3 * total, 1e-300)
+    if dtype == torch.float64:
+        return names[first], relative
+    again = exact()
+    if again is None:
+        loose = [k for k in suspects if _fails(norms[n + k], max(norms[k], 1e-3 * total), LOOSE * rtol)]
+        return None if not loose else (names[loose[0]], norms[n + loose[0]] / max(norms[loose[0]], 1e-300))
+    pick = [got[k].double() - again[k] for k in suspects] + [want[k].double() - again[k] for k in suspects]
+    pick += [again[k] for k in suspects]
+    m = len(suspects)
+    far = _norms(pick, torch.float64)  # per suspect: |got - exact|, then |want - exact|, then |exact|
+    total64 = math.sqrt(sum(a * a for a in _norms(again, torch.float64)))
+    for j, k in enumerate(suspects):
+        size = max(far[2 * m + j], 1e-3 * total64)
+        allowed = max(rtol * size, AGAIN * far[m + j])  # rounding: as far off as the reference in its precision
+        if (far[j] > allowed and far[j] > 0) or not math.isfinite(far[j]):
+            return names[k], far[j] / max(size, 1e-300)
+    return None
+
+
+def _raise(found: tuple[str, float] | None, where: str, strategy: str, what: str) -> None:
+    if found is None:
+        return
+    name, relative = found
+    reason = (f"the per-call check found that {where} from the {strategy} strategy differs from the definition "
+              f"(parameter '{name}': relative difference {relative:.1e}, beyond rounding)")
+    raise CheckFailedError(
+        f"{reason}: {what}. Use strategy='auto' (which then computes each sample alone) or 'torch_func' / 'loop'.",
+        reason=reason)
+
+
+_BATCHED_WHY = ("this model's forward does not keep the samples apart in a way the probe of a few samples could see "
+                "(rows reordered inside forward, a batch statistic, code that depends on the batch size, a coupling "
+                "in a custom backward, or a model changed since its plan was made)")
+
+
+# --------------------------------------------------------------------------------------- float64 references
+
+
+def _float64(trainable: Trainable) -> Trainable | None:
+    """A float64 copy of the model as a :class:`Trainable` with the same names; None where it cannot be made."""
+    try:
+        model = copy.deepcopy(trainable.model).double()
+    except Exception:  # a model that cannot be copied: the check decides without float64
+        return None
+    params = dict(model.named_parameters())
+    if any(n not in params for n in trainable.names):
+        return None
+    return Trainable(model, trainable.names, tuple(params[n] for n in trainable.names), tuple(model.named_modules()),
+                     select=trainable.select, named_parameters=tuple(model.named_parameters()))
+
+
+def _to64(obj: object) -> object:
+    return tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, obj)
+
+
+def _again(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None,
+           compute: Callable[[Trainable, Batch, object, LossFn | None], Tensors]) -> Callable[[], Tensors | None]:
+    """``compute`` again on a float64 copy of the model, inputs, targets and loss (asked only on a suspicion)."""
+
+    def again() -> Tensors | None:
+        copied = _float64(trainable)
+        if copied is None:
+            return None
+        loss = copy.deepcopy(loss_fn).double() if isinstance(loss_fn, torch.nn.Module) else loss_fn
+        try:
+            return [g.double() for g in compute(copied, inputs.map(_to64), _to64(targets), loss)]
+        except (RuntimeError, TypeError, ValueError):  # the model does not run in float64 (a dtype hard-coded)
+            return None
+
+    return again
+
+
+# -------------------------------------------------------------------------------------------- the references
+
+
+def _weighted_grads(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None,
+                    w: torch.Tensor) -> Tensors:
+    """The gradient of ``sum_i w_i L_i`` from one plain batched forward and backward: {parameter: its shape}."""
+    losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)
+    total = (losses * w.to(losses.dtype)).sum()
+    return _dense(torch.autograd.grad(total, trainable.params, allow_unused=True), trainable.params)
+
+
+def _weighted_outputs(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None,
+                      w: torch.Tensor) -> Tensors:
+    """The gradient of ``sum_{i,y} W_iy f_iy`` from one plain batched forward and backward."""
+    outputs = flat_outputs(trainable.outputs(inputs))
+    total = (outputs * w.to(outputs.dtype)).sum()
+    return _dense(torch.autograd.grad(total, trainable.params, allow_unused=True), trainable.params)
+
+
+def _alone_grads(i: int) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
+    def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
+        loss = scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
+        return _dense(torch.autograd.grad(loss, trainable.params, allow_unused=True), trainable.params)
+
+    return compute
+
+
+def _alone_combination(i: int, u: torch.Tensor) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
+    def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
+        output = trainable.outputs(inputs.sample(i)).reshape(-1)
+        return _dense(torch.autograd.grad(output @ u.to(output.dtype), trainable.params, allow_unused=True),
+                      trainable.params)
+
+    return compute
+
+
+# ------------------------------------------------------------------------------------------------ the checks
 
 
 def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
-                rows: Mapping[str, torch.Tensor], strategy: str) -> None:
-    """Raise :class:`CheckFailedError` unless row i of ``rows`` {name: (B, *param.shape)} is sample i's gradient."""
-    i = draw(inputs.size)
-    loss = _loss_alone(trainable, loss_fn, inputs, targets, i)
-    want = torch.autograd.grad(loss, trainable.params, allow_unused=True)
-    _compare(trainable, want, {n: t[i] for n, t in rows.items()}, i, strategy, "gradient")
+                rows: Mapping[str, torch.Tensor], strategy: str, batched: bool = True) -> None:
+    """Raise :class:`CheckFailedError` unless ``rows`` {name: (B, *param.shape)} are the per-sample gradients
+    (see the module docstring; ``batched``: the strategy ran the model once on the whole batch)."""
+    if not batched:
+        _check_directional(trainable, loss_fn, inputs, targets, rows, strategy)
+        return
+    lead = trainable.params[0]
+    w = _randn((inputs.size,), lead)
+    got = [torch.tensordot(w, rows[name], dims=1) for name in trainable.names]
+    want = _weighted_grads(trainable, inputs, targets, loss_fn, w)
+    again = _again(trainable, inputs, targets, loss_fn, lambda t, x, y, f: _weighted_grads(t, x, y, f, w))
+    _raise(verdict(trainable.names, got, want, trainable.dtype, again),
+           "a random combination of the rows", strategy, _BATCHED_WHY)
+    _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, draw(inputs.size))
 
 
-def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch.Tensor],
-                   strategy: str, flat: torch.Tensor | None = None) -> None:
-    """Raise :class:`CheckFailedError` unless ``u^T`` row i of ``rows`` {name: (B, Y, *param.shape)} is ``u^T J_i``
-    for a random u (Y,). ``flat``: the (B, Y, P) tensor ``rows`` are views of, if any (then ``u^T`` row i is one
-    matrix-vector product instead of one per parameter)."""
-    i = draw(inputs.size)
-    output = trainable.outputs(inputs.sample(i)).reshape(-1)
-    gen = torch.Generator(device=output.device).manual_seed(_DRAW.getrandbits(62))
-    u = torch.randn(output.numel(), generator=gen, dtype=output.dtype, device=output.device)
-    want = torch.autograd.grad(output @ u, trainable.params, allow_unused=True)
-    if flat is not None:
-        combined = (u @ flat[i]).split([p.numel() for p in trainable.params])  # (P,), cut per parameter
-        got = {n: c.view(p.shape) for n, c, p in zip(trainable.names, combined, trainable.params, strict=True)}
+def _check_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
+                 rows: Mapping[str, torch.Tensor], strategy: str, i: int) -> None:
+    compute = _alone_grads(i)
+    want = compute(trainable, inputs, targets, loss_fn)
+    got = [rows[name][i] for name in trainable.names]
+    _raise(verdict(trainable.names, got, want, trainable.dtype, _again(trainable, inputs, targets, loss_fn, compute)),
+           f"sample {i}'s gradient", strategy, _BATCHED_WHY)
+
+
+def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch.Tensor], strategy: str,
+                   batched: bool = True) -> None:
+    """Raise :class:`CheckFailedError` unless ``rows`` {name: (B, Y, *param.shape)} are the per-sample Jacobians."""
+    if not batched:
+        _check_directional(trainable, None, inputs, None, rows, strategy)
+        return
+    first = rows[trainable.names[0]]
+    w = _randn(tuple(first.shape[:2]), first)
+    got = [torch.tensordot(w, rows[name], dims=2) for name in trainable.names]
+    want = _weighted_outputs(trainable, inputs, None, None, w)
+    again = _again(trainable, inputs, None, None, lambda t, x, y, f: _weighted_outputs(t, x, y, f, w))
+    _raise(verdict(trainable.names, got, want, trainable.dtype, again),
+           "a random combination of the Jacobians' rows", strategy, _BATCHED_WHY)
+    _check_alone_jacobian(trainable, inputs, rows, strategy, draw(inputs.size))
+
+
+def _check_alone_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch.Tensor], strategy: str,
+                          i: int) -> None:
+    first = rows[trainable.names[0]]
+    u = _randn((first.shape[1],), first)
+    compute = _alone_combination(i, u)
+    want = compute(trainable, inputs, None, None)
+    got = [torch.tensordot(u, rows[name][i], dims=1) for name in trainable.names]
+    _raise(verdict(trainable.names, got, want, trainable.dtype, _again(trainable, inputs, None, None, compute)),
+           f"sample {i}'s Jacobian (a random combination of its rows)", strategy, _BATCHED_WHY)
+
+
+def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
+                       rows: Mapping[str, torch.Tensor], strategy: str) -> None:
+    """Every row against a forward-mode directional derivative of that sample alone (``vmap`` of ``jvp``); the worst
+    row beyond the tolerance, if any, is then checked alone. Where forward mode cannot run the model, one random
+    row is checked alone."""
+    jacobian = loss_fn is None
+    lead = 2 if jacobian else 1
+    batch = inputs.size
+    blocks = [rows[name].reshape(*rows[name].shape[:lead], -1) for name in trainable.names]  # (B, [Y,] n_k)
+    block_norms = torch.stack([b.flatten(1).norm(dim=1) for b in blocks], 1)  # (B, K)
+    typical = (block_norms.square().mean(0)).sqrt().clamp_min(torch.finfo(block_norms.dtype).tiny)
+    scale = 1 / typical  # (K,): each parameter tensor's part of the direction, relative to its size in the result
+    tangents = {name: _randn(tuple(p.shape), p) * scale[k]
+                for k, (name, p) in enumerate(zip(trainable.names, trainable.params, strict=True))}
+    try:
+        derivative = _jvp_each(trainable, loss_fn, inputs, targets, tangents)  # (B,) or (B, Y)
+    except (RuntimeError, NotImplementedError):  # no forward-mode formula, or vmap cannot run the model
+        derivative = None
+    i = draw(batch)
+    if derivative is not None:
+        got = sum(torch.einsum("b...p,p->b...", b, tangents[n].reshape(-1)) for b, n in zip(blocks, trainable.names,
+                                                                                             strict=True))
+        diff = (got - derivative).reshape(batch, -1).norm(dim=1)
+        size = (block_norms * scale).square().sum(1).sqrt()
+        size = torch.maximum(size, 1e-3 * size.max())
+        excess = diff / (tolerance(trainable.dtype) * size)
+        worst = int(torch.nan_to_num(excess, nan=math.inf).argmax())
+        if not bool(excess[worst] <= 1):
+            i = worst
+        else:
+            return
+    if jacobian:
+        _check_alone_jacobian(trainable, inputs, rows, strategy, i)
     else:
-        got = {n: torch.tensordot(u, t[i], dims=1) for n, t in rows.items()}
-    _compare(trainable, want, got, i, strategy, "Jacobian (a random combination of its rows)")
+        _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, i)
+
+
+def _jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
+              tangents: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per sample, alone: the derivative of its loss (of its outputs (Y,)) along ``tangents``; (B,) or (B, Y)."""
+    params = {n: p.detach() for n, p in zip(trainable.names, trainable.params, strict=True)}
+    frozen = trainable.frozen_state()
+    select = trainable.select or (lambda o: o)
+
+    def one(xs: list[torch.Tensor], y: object) -> torch.Tensor:
+        sample = inputs.with_leaves([x.unsqueeze(0) for x in xs])
+
+        def value(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            output = functional_call(trainable.model, {**p, **frozen}, sample.args, sample.kwargs)
+            if loss_fn is None:
+                return select(output).reshape(-1)
+            return scalar_loss(loss_fn(output, tree_map(lambda t: t.unsqueeze(0), y)))
+
+        return jvp(value, (params,), (tangents,))[1]
+
+    if loss_fn is None:
+        return vmap(lambda xs: one(xs, None))(inputs.leaves())
+    return vmap(one)(inputs.leaves(), targets)
 
 
 def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
                 squared: Mapping[str, torch.Tensor], strategy: str) -> None:
     """Raise :class:`CheckFailedError` unless entry i of ``squared`` {name: (B,)} is the squared norm of sample i's
-    gradient, per parameter."""
+    gradient, per parameter, for one random sample i."""
     i = draw(inputs.size)
-    loss = _loss_alone(trainable, loss_fn, inputs, targets, i)
-    grads = _dense(torch.autograd.grad(loss, trainable.params, allow_unused=True), trainable)
-    wants = _norms(grads, trainable.dtype)
-    gots = torch.stack([squared[name][i] for name in trainable.names]).double().sqrt().tolist()
-    rtol = _tolerance(trainable.dtype)
-    total = sum(w * w for w in wants) ** 0.5
-    for name, w, got in zip(trainable.names, wants, gots, strict=True):
-        diff = abs(got - w)
-        if (diff > rtol * max(got, w, 1e-3 * total) and diff > 0) or not math.isfinite(diff):
-            raise CheckFailedError(
-                f"the per-call check found that sample {i}'s gradient norm from the {strategy} strategy differs from "
-                f"sample {i} computed alone (parameter '{name}': {got:.6g} instead of {w:.6g}): this model's "
-                "forward does not keep the samples apart in a way the probe of a few samples could see. Use "
-                "strategy='auto' (which then computes each sample alone) or 'torch_func' / 'loop'."
-            )
+    alone = _alone_grads(i)
+
+    def norms_of(t: Trainable, x: Batch, y: object, f: LossFn | None) -> Tensors:
+        return [g.norm().reshape(1) for g in alone(t, x, y, f)]
+
+    want = norms_of(trainable, inputs, targets, loss_fn)
+    got = [squared[name][i].clamp_min(0).sqrt().reshape(1).to(w.dtype) for name, w in zip(trainable.names, want,
+                                                                                          strict=True)]
+    _raise(verdict(trainable.names, got, want, trainable.dtype, _again(trainable, inputs, targets, loss_fn, norms_of)),
+           f"sample {i}'s gradient norm", strategy, _BATCHED_WHY)
 
 
 def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:
@@ -168,13 +361,11 @@ def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:
     rows = []
     for j in range(output.numel()):
         grads = torch.autograd.grad(output[j], trainable.params, retain_graph=True, allow_unused=True)
-        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g).reshape(-1)
-                               for g, p in zip(grads, trainable.params, strict=True)]))
+        rows.append(torch.cat([g.reshape(-1) for g in _dense(grads, trainable.params)]))
     return torch.stack(rows)
 
 
-def check_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: torch.Tensor,
-              full: bool) -> None:
+def check_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: torch.Tensor, full: bool) -> None:
     """Raise :class:`CheckFailedError` unless the block K[i, j] of ``kernel`` ((N1, N2, Y, Y) if ``full``, else
     (N1, N2)) for one random pair equals ``J_i J_j^T`` (or its trace) from the two samples computed alone."""
     i = draw(x1.size)
@@ -182,12 +373,10 @@ def check_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: torch.T
     j = draw(other.size)
     j1, j2 = _jacobian_alone(trainable, x1.sample(i)), _jacobian_alone(trainable, other.sample(j))
     want = j1 @ j2.T if full else (j1 * j2).sum()
-    got = kernel[i, j]
-    diff = float((got.double() - want.double()).norm())
+    diff = float((kernel[i, j].double() - want.double()).norm())
     scale = float(j1.double().norm() * j2.double().norm())
-    if (diff > _tolerance(trainable.dtype) * max(scale, 1e-300) and diff > 0) or not math.isfinite(diff):
-        raise CheckFailedError(
-            f"the per-call check found that the kernel entry K[{i}, {j}] differs from J_{i} J_{j}^T computed from the "
-            f"two samples alone (difference {diff:.2e} against a scale of {scale:.2e}): the model's forward does not "
-            "keep the samples apart in a way the probe could see."
-        )
+    if _fails(diff, max(scale, 1e-300), tolerance(trainable.dtype)):
+        reason = (f"the per-call check found that the kernel entry K[{i}, {j}] differs from J_{i} J_{j}^T computed "
+                  f"from the two samples alone (difference {diff:.2e} against a scale of {scale:.2e})")
+        raise CheckFailedError(f"{reason}: the model's forward does not keep the samples apart in a way the probe "
+                               "could see.", reason=reason)

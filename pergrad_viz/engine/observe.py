@@ -12,15 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from pergrad_viz.core.batch import Batch, as_pytree
+from pergrad_viz.core.tolerances import tolerance
 from pergrad_viz.core.trainable import Trainable
-
-
-def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    if dtype == torch.float64:
-        return 1e-7, 1e-9
-    if dtype in (torch.float16, torch.bfloat16):
-        return 2e-2, 1e-3
-    return 1e-3, 1e-5
 
 
 def close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
@@ -33,7 +26,7 @@ def close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -
         return bool(torch.equal(a, b))
     if a.numel() == 0:
         return True
-    rtol, atol = _tolerance(a.dtype)
+    rtol, atol = tolerance(a.dtype).probe
     size = torch.maximum(a.abs(), b.abs()) if scale is None else scale
     size = size.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # infinities (a -inf attention mask) compare equal
     floor = max(float(size.max()) * 1e-2, 1.0)

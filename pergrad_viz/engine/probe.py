@@ -97,6 +97,14 @@ class LayerPlan:
     captures_checked: set = field(default_factory=set)  # kinds of call whose capturing forward equals the layer's
     spread: bool = False  # its calls hold no samples: its output (1, ...) goes downstream as a (B, ...) copy
 
+    def check_capture(self, signature: tuple, same: bool) -> None:
+        """The layer's capturing forward (its call rule's) was compared with its own forward for calls of this
+        ``signature``: ``same``, or the layer takes the per-layer fallback from now on."""
+        if same:
+            self.captures_checked.add(signature)
+        else:
+            self.kind = LayerKind.FALLBACK
+
 
 @dataclass
 class Plan:
@@ -105,6 +113,20 @@ class Plan:
     hooks_problem: str | None  # why the hooks strategy cannot be used (None: it can)
     verified: bool  # the probe had two different samples (else interaction could not be tested)
     copy_captures: bool = False  # set once a forward modified a captured tensor in place (ReLU(inplace=True), +=)
+    failed: dict[str, str] = field(default_factory=dict)  # strategy -> why the per-call check found it wrong here
+
+    def demote(self, strategy: str, reason: str, batched: bool) -> None:
+        """The per-call check found ``strategy`` wrong on this model (``reason``, a phrase): ``auto`` skips it from
+        now on, and an explicit call of it is refused. ``batched``: it ran the model once on the whole batch, so
+        the samples interact in a way the probe did not see, and every batched strategy is refused from now on."""
+        self.failed[strategy] = reason
+        if batched and self.interaction is None:
+            self.interaction = f"the samples interact: {reason}"
+
+    def copy_captured_tensors(self) -> None:
+        """A forward modified a captured tensor in place (``ReLU(inplace=True)``, ``out += x``): capture copies from
+        now on for this model and input signature."""
+        self.copy_captures = True
 
 
 def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | Unbatched:
@@ -360,15 +382,15 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
 
     A plan found on a batch whose samples were all equal is not cached once a call has different samples.
     """
-    if "probe.plan" in trainable.cache:
-        return trainable.cache["probe.plan"]
+    if trainable.call.plan is not None:
+        return trainable.call.plan
     inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs)
-    key = plan_key(trainable, inputs)
+    key = trainable.call.key = plan_key(trainable, inputs)
     cached = _PLANS.get(trainable.model)
     if cached is not None and cached[0] == key and (cached[1].verified or inputs.size == 1):
         plan = cached[1]
     else:
         plan = _make_plan(trainable, inputs)
         _PLANS[trainable.model] = (key, plan)
-    trainable.cache["probe.plan"] = plan
+    trainable.call.plan = plan
     return plan

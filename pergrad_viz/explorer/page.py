@@ -12,7 +12,7 @@ import html
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
 import ipywidgets as w
 from matplotlib.figure import Figure
@@ -22,9 +22,6 @@ from pergrad_viz.explorer import panels
 from pergrad_viz.explorer.panels import WIDTHS
 from pergrad_viz.explorer.specs import ModelSpec
 from pergrad_viz.explorer.state import QUANTITY_NAMES, Setting, View
-
-if TYPE_CHECKING:
-    from pergrad_viz.explorer.view import Explorer
 
 __all__ = ["PANELS", "Page", "arrange", "close_all"]
 
@@ -147,8 +144,9 @@ class Page:
                 display(Image(data=bytes(image.value), format="png", width=int(image.layout.width[:-2])))
 
 
-def arrange(ex: Explorer) -> list[w.Widget]:
-    """The explorer's children, top to bottom: the controls, the progress line, the figures in pairs."""
+def arrange(ex: Any) -> list[w.Widget]:
+    """The explorer's children, top to bottom: the controls, the progress line, the figures in pairs (``ex``: the
+    :class:`~pergrad_viz.explorer.view.Explorer` whose widgets these are; not imported: it stands on this module)."""
     img = ex.images
 
     def heading(text: str) -> w.HTML:

@@ -66,6 +66,56 @@ def bind(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> tuple:
     return tuple(bound.arguments.values())[1:]
 
 
+def _appended(module: nn.MultiheadAttention, query: torch.Tensor, embed: int
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Tokens appended to the keys and values, (1, 1, E) each: ``bias_k`` / ``bias_v``, then zero attention."""
+    extra = []
+    if module.bias_k is not None:
+        extra.append((module.bias_k.reshape(1, 1, embed), module.bias_v.reshape(1, 1, embed)))
+    if module.add_zero_attn:
+        zero = query.new_zeros(1, 1, embed)
+        extra.append((zero, zero))
+    return extra
+
+
+def _projections(module: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 self_attention: bool, extra: list, batch: int, embed: int):
+    """The in-projections: ``(q (B, L, E), k (B, S', E), v (B, S', E), qkv (B, L, 3E) or None, packed)`` (k and v
+    with the appended tokens; packed: one projection of the query gave all three)."""
+    packed = self_attention and module._qkv_same_embed_dim
+    qkv = None
+    if packed:
+        qkv = F.linear(query, module.in_proj_weight, module.in_proj_bias)  # (B, L, 3E)
+        q, k, v = qkv.chunk(3, dim=-1)
+    else:
+        if module._qkv_same_embed_dim:
+            w_q, w_k, w_v = module.in_proj_weight.chunk(3)
+        else:
+            w_q, w_k, w_v = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
+        b_q, b_k, b_v = (None, None, None) if module.in_proj_bias is None else module.in_proj_bias.chunk(3)
+        q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)  # (B, T, E)
+    if extra:
+        k = torch.cat([k, *(ek.expand(batch, 1, embed) for ek, _ in extra)], dim=1)
+        v = torch.cat([v, *(ev.expand(batch, 1, embed) for _, ev in extra)], dim=1)
+    return q, k, v, qkv, packed
+
+
+def _mask(attn_mask: torch.Tensor | None, kpm: torch.Tensor | None, dtype: torch.dtype, appended: int, batch: int,
+          heads: int, length: int, total: int) -> torch.Tensor | None:
+    """The additive mask, broadcastable to (B, H, L, S'), from ``attn_mask`` and ``key_padding_mask`` (padded for
+    the ``appended`` tokens); None without either."""
+    mask = None
+    attn_mask = _additive(attn_mask, dtype)
+    if attn_mask is not None:
+        attn_mask = F.pad(attn_mask, (0, appended))
+        mask = attn_mask if attn_mask.dim() == 2 else attn_mask.view(batch, heads, length, total)
+    kpm = _additive(kpm, dtype)
+    if kpm is not None:
+        kpm = F.pad(kpm, (0, appended)).view(batch, 1, 1, total)
+        mask = kpm if mask is None else mask + kpm
+    return mask
+
+
 def capture_attention(module: nn.MultiheadAttention, args: tuple, kwargs: dict
                       ) -> tuple[tuple[torch.Tensor, torch.Tensor | None], Captured] | None:
     """The layer's forward on ``(args, kwargs)``: ``((attn_output, attn_weights or None), Captured)``, with
@@ -83,26 +133,8 @@ def capture_attention(module: nn.MultiheadAttention, args: tuple, kwargs: dict
     heads, dim = module.num_heads, module.head_dim
     dtype = query.dtype
 
-    extra = []  # tokens appended to the keys and values: bias_kv, then zero attention
-    if module.bias_k is not None:
-        extra.append((module.bias_k.reshape(1, 1, embed), module.bias_v.reshape(1, 1, embed)))
-    if module.add_zero_attn:
-        zero = query.new_zeros(1, 1, embed)
-        extra.append((zero, zero))
-    packed = self_attention and module._qkv_same_embed_dim
-    if packed:
-        qkv = F.linear(query, module.in_proj_weight, module.in_proj_bias)  # (B, L, 3E)
-        q, k, v = qkv.chunk(3, dim=-1)
-    else:
-        if module._qkv_same_embed_dim:
-            w_q, w_k, w_v = module.in_proj_weight.chunk(3)
-        else:
-            w_q, w_k, w_v = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
-        b_q, b_k, b_v = (None, None, None) if module.in_proj_bias is None else module.in_proj_bias.chunk(3)
-        q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)  # (B, T, E)
-    if extra:
-        k = torch.cat([k, *(ek.expand(batch, 1, embed) for ek, _ in extra)], dim=1)
-        v = torch.cat([v, *(ev.expand(batch, 1, embed) for _, ev in extra)], dim=1)
+    extra = _appended(module, query, embed)
+    q, k, v, qkv, packed = _projections(module, query, key, value, self_attention, extra, batch, embed)
     packed = packed and not extra
     internals = [qkv] if packed else [q, k, v]
     total = source + len(extra)
@@ -111,17 +143,8 @@ def capture_attention(module: nn.MultiheadAttention, args: tuple, kwargs: dict
     kh = k.reshape(batch, total, heads, dim).transpose(1, 2)  # (B, H, S', d)
     vh = v.reshape(batch, total, heads, dim).transpose(1, 2)
 
-    mask = None  # additive, broadcastable to (B, H, L, S')
     causal = bool(is_causal) and kpm is None and not need_weights  # the is_causal hint wins over attn_mask
-    if not causal:
-        attn_mask = _additive(attn_mask, dtype)
-        if attn_mask is not None:
-            attn_mask = F.pad(attn_mask, (0, len(extra)))
-            mask = attn_mask if attn_mask.dim() == 2 else attn_mask.view(batch, heads, length, total)
-        kpm = _additive(kpm, dtype)
-        if kpm is not None:
-            kpm = F.pad(kpm, (0, len(extra))).view(batch, 1, 1, total)
-            mask = kpm if mask is None else mask + kpm
+    mask = None if causal else _mask(attn_mask, kpm, dtype, len(extra), batch, heads, length, total)
 
     weights = None
     if need_weights:

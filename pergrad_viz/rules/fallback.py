@@ -31,6 +31,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pergrad_viz.core.batch import as_pytree
+from pergrad_viz.core.tolerances import tolerance
 
 
 def per_sample_vjp(module: nn.Module, inputs: tuple[tuple, dict], in_dims: tuple[int | None, ...],
@@ -146,7 +147,7 @@ def _agrees(layer, params: dict[str, torch.Tensor], tensors: list[torch.Tensor],
     trial = {name: torch.empty_like(t) for name, t in out.items()}
     if not _expanded(layer, params, tensors, cotangents, trial):
         return False
-    tol = 1e-10 if next(iter(out.values())).dtype == torch.float64 else 1e-4
+    tol = tolerance(next(iter(out.values())).dtype).replay
     return all(torch.allclose(trial[name], t, rtol=tol, atol=tol * float(t.abs().max())) for name, t in out.items())
 
 

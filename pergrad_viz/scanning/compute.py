@@ -31,9 +31,10 @@ from pergrad_viz.derived.norms import (
     row_squared_norms,
     stack_calls,
 )
-from pergrad_viz.engine.capture import PlanMismatchError, backward_to_layers, capture
-from pergrad_viz.engine.certify import CheckFailedError, check_norms
+from pergrad_viz.engine.capture import backward_to_layers, capture
+from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import dense_grads, group_calls, tied_names
+from pergrad_viz.errors import CheckFailedError, PlanMismatchError
 from pergrad_viz.scanning.sketch import Block, GradientSketch
 
 GRAD_QUANTITIES = frozenset({"grad_norm", "layer_norms", "projection"})

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 
 from pergrad_viz.api import resolve_strategy
 from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.progress import progress_bar
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.scanning import remote, store
 from pergrad_viz.scanning.compute import GRAD_QUANTITIES, batch_quantities
@@ -105,8 +106,6 @@ def run(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: object
         wanted: list[str], sketch: GradientSketch | None, batches: list[list[int]], chunk_size: int,
         num_workers: int, progress: bool, rank: int, world: int) -> tuple[float, int]:
     """This process's share: compute ``batches``, write rows, mark chunks done. Returns (seconds, rows)."""
-    from tqdm.auto import tqdm
-
     if not batches:
         return 0.0, 0
     arrays = store.open_arrays(out, manifest["arrays"])
@@ -116,8 +115,8 @@ def run(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: object
     loader = data_loader(dataset, batches, num_workers, pin_memory=device.type == "cuda")
     total = sum(len(b) for b in batches)
     n = next(iter(manifest["arrays"].values()))["shape"][0]
-    bar = tqdm(total=total, unit="ex", unit_scale=True, disable=not progress, dynamic_ncols=True,
-               desc="scan" if world == 1 else f"scan (rank 0 of {world})")
+    bar = progress_bar(total=total, unit="ex", unit_scale=True, disable=not progress, dynamic_ncols=True,
+                       desc="scan" if world == 1 else f"scan (rank 0 of {world})")
     use_hooks = None
     pending: list[int] = []  # finished chunks not yet flushed and marked
     start = last_sync = time.perf_counter()

@@ -21,16 +21,12 @@ from torch.utils._pytree import tree_map
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.errors import UnsupportedModelError
+from pergrad_viz.errors import VmapError
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
     """vmap builds a chunk's result in fresh tensors before it is copied into the caller's."""
     return chunk * outputs * num_params * itemsize
-
-
-class VmapError(UnsupportedModelError):
-    """``torch.func`` cannot run the model (see the module docstring), although the model alone runs."""
 
 
 def _trainable(trainable: Trainable) -> dict[str, torch.Tensor]:

@@ -1,19 +1,21 @@
-"""Small real data for the examples: the bundled Fashion-MNIST sample, or MNIST when it is present.
+"""Small real data for the examples: Fashion-MNIST (the full set where it is found, else the bundled sample), or
+MNIST when it is present.
 
 The package ships the first 1,000 training and first 1,000 test images of Fashion-MNIST as package data,
 in ``pergrad_viz/tutorial/sample/FashionMNIST/raw/`` (uncompressed IDX files, built by
 ``python -m pergrad_viz.tutorial.sample.make_sample``;
-see ``pergrad_viz/tutorial/sample/README.md``). :func:`load_sample` reads
-them through ``torchvision.datasets.FashionMNIST`` (or ``torchvision.datasets.MNIST`` for ``dataset="mnist"``,
-which is not bundled) and returns normalised float tensors, ready to feed a model::
+see ``pergrad_viz/tutorial/sample/README.md``). :func:`load_sample` reads IDX files in torchvision's layout
+(``ROOT/FashionMNIST/raw/``, ``ROOT/MNIST/raw/``; :mod:`.idx`, torchvision is not needed) and returns normalised
+float tensors, ready to feed a model::
 
     X, y = load_sample(256)                   # X: (256, 784) float32, y: (256,) int64
     X, y = load_sample(64, flatten=False)     # X: (64, 1, 28, 28)
 
-The default ``root`` is :data:`DEFAULT_ROOT`, the sample's folder inside the package, found from this file's
-location, so the call works from a checkout or a ``pip install``, from ``notebooks/``, from the tests or from any
-other working directory. A relative ``root`` you pass yourself is taken relative to the current working
-directory, as usual.
+By default Fashion-MNIST comes from the full set where :mod:`.locate` finds it (``$PERGRAD_VIZ_DATA``, the
+checkout's ``data/`` after ``make data``, Debian's package), else from :data:`DEFAULT_ROOT`, the sample's folder
+inside the package, found from this file's location: the call works from a checkout or a ``pip install``, from
+``notebooks/``, from the tests or from any other working directory, and gives the same first 1,000 images either
+way. A relative ``root`` you pass yourself is taken relative to the current working directory, as usual.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from pathlib import Path
 
 import torch
 
+from pergrad_viz.core.extras import require
+from pergrad_viz.tutorial.idx import read_idx
+from pergrad_viz.tutorial.locate import find_fashion_mnist
 from pergrad_viz.tutorial.sample import ROOT as SAMPLE_ROOT
 
-__all__ = ["CLASS_NAMES", "DATASETS", "DEFAULT_ROOT", "MEAN_STD", "clear_cache", "load_sample"]
+__all__ = ["CLASS_NAMES", "DATASETS", "DEFAULT_ROOT", "MEAN_STD", "clear_cache", "load_sample", "read_split"]
 
 DEFAULT_ROOT: Path = SAMPLE_ROOT
 """The bundled sample's root, ``pergrad_viz/tutorial/sample/`` (holds ``FashionMNIST/raw/``), independent of the working
@@ -77,10 +82,9 @@ _RAW_FILES = (
 _LEGACY_FILES = ("training.pt", "test.pt")
 
 
-def _dataset_class(dataset: str) -> type:
-    import torchvision  # imported lazily: importing torchvision takes a while
-
-    return getattr(torchvision.datasets, _TORCHVISION_CLASS[dataset])
+def _download(dataset: str, root: Path, train: bool) -> None:
+    torchvision = require("torchvision", "load_sample(download=True)")
+    getattr(torchvision.datasets, _TORCHVISION_CLASS[dataset])(root=str(root), train=train, download=True)
 
 
 def missing_files(dataset: str, root: Path) -> list[Path]:
@@ -107,19 +111,57 @@ def _not_found(dataset: str, root: Path, missing: list[Path]) -> FileNotFoundErr
 
 @functools.lru_cache(maxsize=8)
 def _load_uint8(
-    dataset: str, root: str, train: bool, stamp: tuple[tuple[str, int, int], ...]
+    dataset: str, root: str, train: bool, limit: int | None, stamp: tuple[tuple[str, int, int], ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All images (N, 28, 28) uint8 and labels (N,) int64 of one split, read by torchvision; cached.
+    """The first ``limit`` (or all) images (N, 28, 28) uint8 and labels (N,) int64 of one split; cached.
 
     ``stamp`` (names, sizes and modification times of the files) is part of the cache key only, so that
     rebuilt files are read again. The returned tensors are shared by every caller: never mutate them.
     """
     del stamp
+    folder = Path(root) / _TORCHVISION_CLASS[dataset]
+    legacy = folder / "processed" / _LEGACY_FILES[0 if train else 1]
     try:
-        ds = _dataset_class(dataset)(root=root, train=train, download=False)
-    except RuntimeError as exc:  # "Dataset not found": the files vanished since the check
+        if all((folder / "processed" / name).is_file() for name in _LEGACY_FILES):  # torchvision's old cache
+            images, labels = torch.load(legacy, weights_only=True)
+            return images[:limit], labels[:limit]
+        prefix = "train" if train else "t10k"
+        images = read_idx(folder / "raw" / f"{prefix}-images-idx3-ubyte", limit)
+        labels = read_idx(folder / "raw" / f"{prefix}-labels-idx1-ubyte", limit)
+    except FileNotFoundError as exc:  # the files vanished since the check
         raise _not_found(dataset, Path(root), []) from exc
-    return ds.data, ds.targets
+    return images, labels.to(torch.int64)
+
+
+def read_split(dataset: str, root: Path, train: bool, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``limit`` (or all) images (N, 28, 28) uint8 and labels (N,) int64 of a split under a
+    torchvision-style ``root`` (``ROOT/FashionMNIST/raw/``), read once and cached: never mutate them.
+
+    Raises:
+        FileNotFoundError: files are missing (the message names the fix).
+    """
+    missing = missing_files(dataset, root)
+    if missing:
+        raise _not_found(dataset, root, missing)
+    return _load_uint8(dataset, str(root), train, limit, _stamp(dataset, root))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_gz(folder: str, train: bool, limit: int, stamp: tuple[tuple[int, int], ...]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``limit`` images and labels of a split from a folder of gzip-compressed IDX files (Debian's
+    layout); cached like :func:`_load_uint8` (``stamp``: the files' sizes and modification times)."""
+    del stamp
+    prefix = "train" if train else "t10k"
+    images = read_idx(Path(folder) / f"{prefix}-images-idx3-ubyte.gz", limit)
+    labels = read_idx(Path(folder) / f"{prefix}-labels-idx1-ubyte.gz", limit)
+    return images, labels.to(torch.int64)
+
+
+def _read_full(source: Path, train: bool, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    prefix = "train" if train else "t10k"
+    files = [source / f"{prefix}-{kind}-idx{d}-ubyte.gz" for kind, d in (("images", 3), ("labels", 1))]
+    return _load_gz(str(source), train, limit, tuple((f.stat().st_size, f.stat().st_mtime_ns) for f in files))
 
 
 def _stamp(dataset: str, root: Path) -> tuple[tuple[str, int, int], ...]:
@@ -135,13 +177,14 @@ def _stamp(dataset: str, root: Path) -> tuple[tuple[str, int, int], ...]:
 def clear_cache() -> None:
     """Forget the images cached by :func:`load_sample` (they are re-read on the next call)."""
     _load_uint8.cache_clear()
+    _load_gz.cache_clear()
 
 
 def load_sample(
     n: int = 1000,
     train: bool = True,
     dataset: str = "fashion-mnist",
-    root: str | os.PathLike[str] = DEFAULT_ROOT,
+    root: str | os.PathLike[str] | None = None,
     flatten: bool = True,
     download: bool = False,
     device: torch.device | str | None = None,
@@ -156,8 +199,11 @@ def load_sample(
         train: the training split (``train-*`` files) if true, else the test split (``t10k-*``).
         dataset: ``"fashion-mnist"`` (bundled) or ``"mnist"`` (used when present under ``ROOT/MNIST/raw/``,
             or fetched with ``download=True``).
-        root: the dataset root torchvision reads (``ROOT/FashionMNIST/raw/``, ``ROOT/MNIST/raw/``). Defaults
-            to :data:`DEFAULT_ROOT`, the bundled sample inside the package, whatever the working directory.
+        root: a dataset root in torchvision's layout (``ROOT/FashionMNIST/raw/``, ``ROOT/MNIST/raw/``). By
+            default, for Fashion-MNIST, the full dataset where :func:`~.locate.find_fashion_mnist` finds it
+            (``$PERGRAD_VIZ_DATA``, the checkout's ``data/`` after ``make data``, Debian's package), else
+            :data:`DEFAULT_ROOT`, the bundled sample inside the package (whose images are the full dataset's first
+            1,000 of each split: the same values for ``n <= 1000``); for MNIST, :data:`DEFAULT_ROOT`.
         flatten: return ``X`` as ``(n, 784)`` if true, else as ``(n, 1, 28, 28)``.
         download: passed to torchvision: fetch the full dataset into ``root`` when absent (needs internet).
         device: where to put both tensors (default: CPU).
@@ -186,15 +232,18 @@ def load_sample(
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype (e.g. torch.float32), got {dtype}")
 
-    root_path = Path(root).expanduser().resolve()
+    source = find_fashion_mnist() if root is None and dataset == "fashion-mnist" else None
+    if source is not None:  # the full set: its first n + 1 images straight from the .gz files (no decompressed copy)
+        images, labels = _read_full(source, train, n + 1)
+        if n > images.shape[0]:
+            raise ValueError(f"n={n} but the full Fashion-MNIST in {source} has only {images.shape[0]} "
+                             f"{'training' if train else 'test'} images")
+        return _normalised(dataset, images[:n], labels[:n], flatten, device, dtype)
+    root_path = Path(DEFAULT_ROOT if root is None else root).expanduser().resolve()
     if download:
         # torchvision skips the download when the files are there already.
-        _dataset_class(dataset)(root=str(root_path), train=train, download=True)
-    missing = missing_files(dataset, root_path)
-    if missing:
-        raise _not_found(dataset, root_path, missing)
-
-    images, labels = _load_uint8(dataset, str(root_path), train, _stamp(dataset, root_path))
+        _download(dataset, root_path, train)
+    images, labels = read_split(dataset, root_path, train, n + 1)  # one more: was n too many?
     available = images.shape[0]
     if n > available:
         split, flag = ("training", "--n-train") if train else ("test", "--n-test")
@@ -202,15 +251,24 @@ def load_sample(
         if dataset == "fashion-mnist":
             root_opt = "" if root_path == DEFAULT_ROOT else f" --root {root_path}"
             fix = f"rebuild a bigger sample with `{MAKE_SAMPLE} {flag} {n}{root_opt}`"
+            if root_path == DEFAULT_ROOT:
+                fix = f"run `make data` in a checkout (or `apt-get install dataset-fashion-mnist`), or {fix}"
         else:
             fix = f"put the full MNIST IDX files under {raw}/ (or pass download=True with internet access)"
         raise ValueError(
             f"n={n} but only {available} {split} images are available in {raw}; to use more, {fix}."
         )
 
+    return _normalised(dataset, images[:n], labels[:n], flatten, device, dtype)
+
+
+def _normalised(dataset: str, images: torch.Tensor, labels: torch.Tensor, flatten: bool,
+                device: torch.device | str | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, 784) or (n, 1, 28, 28) floats ``(x / 255 - mean) / std`` and (n,) int64 labels, fresh copies."""
+    n = images.shape[0]
     mean, std = MEAN_STD[dataset]
-    x = images[:n].to(device=device, dtype=dtype)  # a copy: uint8 -> float
+    x = images.to(device=device, dtype=dtype)  # a copy: uint8 -> float
     x = x.div_(255.0).sub_(mean).div_(std)
     x = x.reshape(n, 784) if flatten else x.reshape(n, 1, 28, 28)
-    y = labels[:n].to(device=device, dtype=torch.int64, copy=True)
+    y = labels.to(device=device, dtype=torch.int64, copy=True)
     return x, y

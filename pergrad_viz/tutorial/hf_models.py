@@ -8,18 +8,20 @@ builder returns a module that takes ONE tensor and returns logits:
 
 Hugging Face models return a ``ModelOutput``; :class:`Logits` wraps them so that ``model(x)`` is the logits tensor.
 ``transformers``, ``timm`` and ``peft`` are optional: they are imported inside the builders, never by
-``import pergrad_viz``; a builder raises ImportError naming the pip package when its library is missing.
+``import pergrad_viz``; a builder raises :class:`~pergrad_viz.errors.MissingExtraError` (an ImportError) naming
+the extra ``hf`` when its library is missing.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import warnings
 from types import ModuleType
 
 import torch
 from torch import nn
+
+from pergrad_viz.core.extras import require
 
 HIDDEN = 128  # hidden size of every model here (timm ConvNeXt: the width of its last stage)
 LAYERS = 2  # transformer blocks (ConvNeXt: one block in each of its four stages)
@@ -32,12 +34,9 @@ PATCH = 8
 
 
 def _need(name: str) -> ModuleType:
-    """Import an optional library, or an ImportError that names the pip package."""
+    """Import an optional library, or a MissingExtraError (an ImportError) that names the extra ``hf``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may come from a hub
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise ImportError(f"this model needs {name!r}: pip install {name} (or pip install 'pergrad-viz[hf]')") from e
+    return require(name, "this Hugging Face / timm / peft model (pergrad_viz.tutorial.hf_models)")
 
 
 class Logits(nn.Module):

@@ -19,6 +19,13 @@ The figures, by what they show:
 - :mod:`~pergrad_viz.viz.canvas`: what they all stand on (:func:`to_png`, :func:`fit_text`, the colours).
 """
 
+from pergrad_viz.core.extras import missing_extra
+
+try:
+    import matplotlib  # noqa: F401  (every figure is a matplotlib Figure)
+except ImportError as e:
+    raise missing_extra("matplotlib", "pergrad_viz.viz (the figures)") from e
+
 from pergrad_viz.core.layout import param_boundaries
 from pergrad_viz.viz.applications import (
     aligned_edges,

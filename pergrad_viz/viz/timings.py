@@ -81,13 +81,28 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
     others = sorted({getattr(r, other) for r in records})
     quantities = sorted({r.quantity for r in records})
 
+    if legend not in ("right", "below"):
+        raise ValueError(f"legend must be 'right' or 'below', got {legend!r}")
+    fig, ax, new = fixed_axes(ax, (width, height))
+    labels = _draw_lines(ax, records, x, other, others, quantities, short)
+    _log_axes(ax, sorted({getattr(r, x) for r in records}), xlabel, highlight)
+    if title is None:
+        what = " & ".join(_QUANTITY_TITLES.get(q, q) for q in quantities)
+        fixed = f", {_X_AXES[other][1]}={others[0]}" if len(others) == 1 else ""
+        title = f"{what}: time vs {xlabel}{fixed}"
+    _place_legend(fig, ax, new, labels, title, legend, width, height)
+    return fig
+
+
+def _draw_lines(ax: Axes, records: list, x: str, other: str, others: list, quantities: list, short: str
+                ) -> list[str]:
+    """One line per (method, quantity, other setting), references last and dashed; returns the legend labels."""
     groups: dict[tuple, list] = {}
     for r in records:
         groups.setdefault((r.strategy, r.quantity, getattr(r, other)), []).append(r)
     # methods in order of first appearance, references last
     order = sorted(groups, key=lambda k: (k[0] in REFERENCES, REFERENCES.index(k[0]) if k[0] in REFERENCES else 0))
 
-    fig, ax, new = fixed_axes(ax, (width, height))
     labels = []
     for key in order:
         name, quantity, other_value = key
@@ -113,9 +128,13 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
             ax.errorbar(xs, ys, yerr=[lower, half], label=label, capsize=3, markersize=5, **style)
         else:  # nothing timed: a legend entry all the same
             ax.plot([], [], label=label, **style)
+    return labels
+
+
+def _log_axes(ax: Axes, xs_all: list, xlabel: str, highlight: int | None) -> None:
+    """Log-log axes with the measured x values as ticks, times as people read them."""
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    xs_all = sorted({getattr(r, x) for r in records})
     ax.set_xticks(xs_all)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
@@ -128,12 +147,11 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
     ax.set_xlabel(xlabel)
     ax.set_ylabel("median time per call")
     ax.grid(True, which="major", alpha=0.3)
-    if title is None:
-        what = " & ".join(_QUANTITY_TITLES.get(q, q) for q in quantities)
-        fixed = f", {_X_AXES[other][1]}={others[0]}" if len(others) == 1 else ""
-        title = f"{what}: time vs {xlabel}{fixed}"
-    if legend not in ("right", "below"):
-        raise ValueError(f"legend must be 'right' or 'below', got {legend!r}")
+
+
+def _place_legend(fig: Figure, ax: Axes, new: bool, labels: list[str], title: str, legend: str, width: float,
+                  height: float) -> None:
+    """The title, and the legend right of the axes or below them in columns, inside the figure."""
     if legend == "right" or not new:
         right = min(text_width_in(labels, "small") + 0.6, width * 0.45)
         if new:  # wrapped to the axes' width: a title centred over the axes stays inside the figure
@@ -142,7 +160,7 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         if new:
             place_margins(fig, left=0.85, right=right, bottom=0.55, top=title_height_in(title))
-        return fig
+        return
     entry = text_width_in(labels, "small") + 0.55  # a line sample and its label
     ncol = max(1, min(len(labels), int((width - 0.3) // entry)))
     rows = -(-len(labels) // ncol)
@@ -154,7 +172,6 @@ def runtime_figure(records: Iterable[Any], *, x: str = "batch_size", ax: Axes | 
     axes_h = height - bottom - top
     ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.5 / axes_h), ncol=ncol,
               frameon=False, columnspacing=1.2, handlelength=1.8, borderaxespad=0.0)
-    return fig
 
 
 def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | None = None,

@@ -131,7 +131,7 @@ def test_fallback_model(name, mode, use_x2, chunk_size, monkeypatch):
     if name == "fallback":  # a layer without a rule: the per-layer fallback, no whole-model Jacobians
         assert calls == []
     else:  # a layer on (N*T, ...) rows: the Jacobians of each sample alone
-        assert calls == ([(5, "auto"), (3, "auto")] if use_x2 else [(5, "auto")])
+        assert calls == ([(5, "torch_func"), (3, "torch_func")] if use_x2 else [(5, "torch_func")])
 
 
 @pytest.mark.parametrize("mode", ntk.MODES)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pergrad_viz.tutorial import locate
 from pergrad_viz.tutorial.data import CLASS_NAMES, DATASETS, DEFAULT_ROOT, MEAN_STD, clear_cache, load_sample
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +29,14 @@ needs_debian = pytest.mark.skipif(
     not all((DEBIAN_SOURCE / f"{name}.gz").is_file() for name in RAW_FILES),
     reason="Debian's dataset-fashion-mnist is not installed (/usr/share/datasets/fashion-mnist/)",
 )
+
+
+@pytest.fixture
+def no_full_dataset(monkeypatch, tmp_path):
+    """No full Fashion-MNIST in any place the lookup tries: the defaults are the bundled sample."""
+    monkeypatch.delenv(locate.DATA_ENV, raising=False)
+    monkeypatch.setattr(locate, "checkout_data", lambda: tmp_path / "no-checkout-data")
+    monkeypatch.setattr(locate, "DEBIAN_SOURCE", tmp_path / "no-debian")
 
 
 def test_default_root_is_the_sample_inside_the_package():
@@ -167,11 +176,12 @@ def test_non_floating_dtype():
 @pytest.mark.parametrize(
     ("train", "split", "flag"), [(True, "training", "--n-train"), (False, "test", "--n-test")]
 )
-def test_n_larger_than_available(train, split, flag):
+def test_n_larger_than_available(train, split, flag, no_full_dataset):
     with pytest.raises(ValueError) as info:
-        load_sample(1001, train=train)
+        load_sample(1001, train=train)  # the bundled sample: no full dataset anywhere
     message = str(info.value)
     assert f"only 1000 {split} images are available" in message
+    assert "make data" in message
     assert f"python -m pergrad_viz.tutorial.sample.make_sample {flag} 1001`" in message
 
 
@@ -271,3 +281,71 @@ def test_the_command_the_messages_name_runs_from_any_directory(tmp_path):
     )
     assert result.returncode == 1, result.stderr
     assert "apt-get install dataset-fashion-mnist" in result.stderr
+
+
+# --- where the full Fashion-MNIST is looked for (pergrad_viz/tutorial/locate.py) ------------------------------
+
+
+def _fake_full_dataset(folder: Path, label: int, n: int = 5) -> None:
+    """The four gzip-compressed IDX files of a tiny 'full' Fashion-MNIST whose labels are all ``label``."""
+    folder.mkdir(parents=True)
+    for prefix in ("train", "t10k"):
+        images = bytes.fromhex("00000803") + n.to_bytes(4, "big") + (28).to_bytes(4, "big") * 2
+        images += bytes((label * 20 + i) % 256 for i in range(n * 28 * 28))
+        labels = bytes.fromhex("00000801") + n.to_bytes(4, "big") + bytes([label] * n)
+        (folder / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(images))
+        (folder / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(gzip.compress(labels))
+
+
+def test_the_lookup_order_argument_env_checkout_debian_then_the_sample(tmp_path, monkeypatch, capsys):
+    from pergrad_viz.tutorial.fashion_mnist import fashion_mnist
+
+    env, checkout, debian, given = (tmp_path / n for n in ("env", "checkout", "debian", "given"))
+    _fake_full_dataset(env / "fashion-mnist", 1)
+    _fake_full_dataset(checkout / "fashion-mnist", 2)
+    _fake_full_dataset(debian, 3)
+    _fake_full_dataset(given, 4)
+    monkeypatch.setenv("PERGRAD_VIZ_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(locate.DATA_ENV, str(env))
+    monkeypatch.setattr(locate, "checkout_data", lambda: checkout)
+    monkeypatch.setattr(locate, "DEBIAN_SOURCE", debian)
+
+    def labels_found() -> tuple[int, int, int]:
+        """(load_sample's label, fashion_mnist's label, fashion_mnist's length) with the defaults."""
+        y = load_sample(3)[1]
+        ds = fashion_mnist("test", quiet=True)
+        assert y.tolist() == [y[0].item()] * 3
+        return y[0].item(), ds.tensors[1][0].item(), len(ds)
+
+    assert labels_found() == (1, 1, 5)  # $PERGRAD_VIZ_DATA first
+    with pytest.raises(ValueError, match=r"full Fashion-MNIST in .*env/fashion-mnist has only 5 training images"):
+        load_sample(6)
+    assert fashion_mnist("train", source=given).tensors[1].tolist() == [4] * 5  # an argument wins
+    monkeypatch.delenv(locate.DATA_ENV)
+    assert labels_found() == (2, 2, 5)  # the checkout's data/
+    monkeypatch.setattr(locate, "checkout_data", lambda: None)  # an installed package: no checkout
+    assert labels_found() == (3, 3, 5)  # Debian's folder
+    (debian / "t10k-labels-idx1-ubyte.gz").unlink()  # incomplete: not used
+    y_sample = load_sample(3, root=SAMPLE)[1]
+    assert load_sample(3)[1].tolist() == y_sample.tolist()
+    ds = fashion_mnist("test")
+    assert len(ds) == 1000 and "bundled sample" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="only 5 test images"):  # the full dataset's own count, not the sample's
+        load_sample(6, train=False, root=locate.full_fashion_mnist_root(given))
+
+
+def test_the_checkout_data_folder_is_the_repositorys():
+    assert locate.checkout_data() == REPO / "data"
+    assert (REPO / "data" / "README.md").is_file()
+
+
+@needs_debian
+def test_the_full_dataset_by_default_starts_with_the_bundled_sample(tmp_path, monkeypatch):
+    monkeypatch.setenv("PERGRAD_VIZ_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(locate.DATA_ENV, raising=False)
+    assert locate.find_fashion_mnist() is not None
+    for train in (True, False):
+        X, y = load_sample(1000, train=train)
+        X_s, y_s = load_sample(1000, train=train, root=SAMPLE)
+        assert torch.equal(X, X_s) and torch.equal(y, y_s)
+    assert load_sample(5000)[0].shape == (5000, 784)

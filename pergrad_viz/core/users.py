@@ -1,0 +1,82 @@
+"""Errors that are the user's own (the model's, the loss's), shown as the user's own.
+
+When the user's model or loss fails inside a call, the user sees that one error, once: the package's frames are
+taken out of its traceback (what is left runs from the user's call to the user's code that failed), and a note names
+the inputs as the package cut them (shapes and dtypes), with the fix for the common mistakes (class-index targets
+of shape (B, 1) for cross-entropy, integer inputs to a float model).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+from pergrad_viz.core.batch import Batch
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../pergrad_viz/
+_TRANSFORMS = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_functorch") + os.sep  # vmap's frames
+_NOTE = "pergrad_viz: "
+
+
+def _ours(tb: types.TracebackType) -> bool:
+    """A frame of the package's machinery: its own code, and torch.func's transforms that it wraps the model in."""
+    return tb.tb_frame.f_code.co_filename.startswith((_PACKAGE, _TRANSFORMS))
+
+
+def is_package_error(error: BaseException) -> bool:
+    """Whether ``error`` is one of the package's own exceptions (they keep their tracebacks)."""
+    return type(error).__module__.startswith("pergrad_viz")
+
+
+def drop_package_frames(error: BaseException) -> BaseException:
+    """``error`` with the package's frames taken out of its traceback (at least one frame is kept)."""
+    kept = []
+    tb = error.__traceback__
+    while tb is not None:
+        if not _ours(tb):
+            kept.append(tb)
+        tb = tb.tb_next
+    if kept:
+        for a, b in zip(kept, kept[1:], strict=False):
+            a.tb_next = b
+        kept[-1].tb_next = None
+        error.__traceback__ = kept[0]
+    return error
+
+
+def describe_inputs(inputs: Batch) -> str:
+    """``x (64, 1, 28, 28) float32, mask (64, 10) int64``: the call's tensors as the package cut them."""
+    return ", ".join(f"{name} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                     for name, t in inputs.named_leaves())
+
+
+def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
+    text = str(error)
+    if isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dim() == 2 \
+            and targets.shape[1] == 1 and ("target" in text or "multi-target" in text):
+        return ("the targets have shape (B, 1): cross-entropy takes class indices of shape (B,); pass "
+                "targets.squeeze(1) (or targets.view(-1))")
+    dtype_words = ("expected scalar type", "must have the same dtype", "found Long", "found Int", "dtype")
+    ints = [name for name, t in inputs.named_leaves() if not t.is_floating_point() and not t.is_complex()]
+    if ints and any(w in text for w in dtype_words):
+        return (f"the input tensor '{ints[0]}' holds integers but the model computes in floating point: pass "
+                "it as .float() (or .to(the model's dtype)); integer inputs are for models that start with an "
+                "Embedding")
+    return None
+
+
+def users_error(error: BaseException, inputs: Batch, targets: object = None) -> BaseException:
+    """``error`` (raised by the user's model or loss inside a call) with a note naming the call's inputs, and the
+    fix where the mistake is a common one. The error itself is unchanged: the same type and message."""
+    if is_package_error(error) or isinstance(error, (MemoryError, KeyboardInterrupt)):
+        return error
+    if any(str(n).startswith(_NOTE) for n in getattr(error, "__notes__", ())):
+        return error
+    error.add_note(f"{_NOTE}the call's inputs: {describe_inputs(inputs)} (the model runs on them whole, or on one "
+                   "sample at a time: its first dimension then 1)")
+    hint = _hint(error, inputs, targets)
+    if hint is not None:
+        error.add_note(_NOTE + hint)
+    return error

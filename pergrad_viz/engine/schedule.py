@@ -1,0 +1,136 @@
+"""When the per-call check runs: on the first calls of every plan, then within a share of the time spent.
+
+A check (:mod:`pergrad_viz.engine.certify`) costs about one plain forward and backward of the batch: on a call
+whose fast path is 1.5-3x that, a check of every call would be a third to a half of its cost. So the check is
+amortised, per model, input signature (the plan's key, :func:`pergrad_viz.engine.plan_key.plan_key`: a change of
+structure, of a flag a forward may branch on, of the inputs' shapes or dtypes starts a new schedule), quantity and
+strategy:
+
+* the first :data:`FIRST` calls are always checked (a plan that is wrong for every batch, a rule that is wrong, a
+  misplaced row: caught on the first call);
+* after them a call is checked when the time spent on checks, with this one's expected cost (the last one's),
+  stays within :data:`SHARE` of the time spent computing. Over many calls the checks cost at most that share, on
+  any device: it is a share of measured time, not a count.
+
+The same account keeps ``auto``'s choice between two sound strategies (:class:`Race`): where the probe lets
+``hooks`` run, ``torch_func`` is timed too on a few early calls, and ``auto`` runs the faster from then on, so it is
+never slower than ``vmap(grad(functional_call))`` for long.
+
+On CUDA the call's time is read without a synchronisation (the check ends with a host read, which does wait): a
+call whose kernels are still running when it returns counts for less, so checks run less often, never more.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from torch import nn
+
+from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.plan_key import plan_key
+
+FIRST = 2  # calls of a new plan that are always checked
+SHARE = 0.10  # of the time spent computing, at most, spent on checks after them
+MARGIN = 0.8  # auto takes torch_func over hooks where its best time is under this share of hooks' best
+
+
+@dataclass
+class Schedule:
+    """The check's account for one (model, input signature, quantity, strategy)."""
+
+    calls: int = 0
+    checks: int = 0
+    compute_seconds: float = 0.0
+    check_seconds: float = 0.0
+    last_check: float = 0.0
+
+    def due(self) -> bool:
+        """Whether the call being made now is checked."""
+        if self.calls < FIRST:
+            return True
+        return self.check_seconds + self.last_check <= SHARE * self.compute_seconds
+
+    def computed(self, seconds: float) -> None:
+        """A call computed its result in ``seconds`` (before any check)."""
+        self.calls += 1
+        self.compute_seconds += seconds
+
+    @contextmanager
+    def checking(self) -> Iterator[None]:
+        """Times the check run inside (counted even when it fails)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.last_check = time.perf_counter() - start
+            self.check_seconds += self.last_check
+            self.checks += 1
+
+
+_SCHEDULES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict[tuple, Schedule | Race]]] = (
+    weakref.WeakKeyDictionary())
+
+
+@dataclass
+class Race:
+    """Which of two sound strategies ``auto`` runs for one (model, input signature, quantity, batch size): the fast
+    path (``hooks``) for its first :data:`FIRST` calls, then ``torch_func`` once; where that took less than
+    :data:`MARGIN` of the fast path's best time, ``torch_func`` once more, and from then on ``torch_func`` if its best
+    is still under that margin, else ``hooks`` (on a noisy machine a wrong pick costs more than a missed one). A
+    strategy that failed (it could not run, or its check failed) loses the race."""
+
+    times: dict[str, list[float]]
+    lost: set[str]
+
+    def order(self) -> tuple[str, str]:
+        """The strategy to run for this call, then the one to hand over to."""
+        hooks, func = self.times["hooks"], self.times["torch_func"]
+        if "torch_func" in self.lost or len(hooks) < FIRST:
+            return "hooks", "torch_func"
+        if "hooks" in self.lost:
+            return "torch_func", "hooks"
+        ahead = bool(func) and min(func) < MARGIN * min(hooks)
+        if not func or (len(func) < 2 and ahead):
+            return "torch_func", "hooks"
+        return ("torch_func", "hooks") if ahead else ("hooks", "torch_func")
+
+    def ran(self, strategy: str, seconds: float) -> None:
+        if strategy in self.times and len(self.times[strategy]) < 2 * FIRST:
+            self.times[strategy].append(seconds)
+
+    def lose(self, strategy: str) -> None:
+        self.lost.add(strategy)
+
+
+def _kept(trainable: Trainable, inputs: Batch) -> dict:
+    key = trainable.call.key  # read by the probe's plan_for in this call, if it ran
+    if key is None:
+        key = trainable.call.key = plan_key(trainable, inputs)
+    kept = _SCHEDULES.get(trainable.model)
+    if kept is None or kept[0] != key:
+        kept = (key, {})
+        _SCHEDULES[trainable.model] = kept
+    return kept[1]
+
+
+def schedule_for(trainable: Trainable, inputs: Batch, quantity: str, strategy: str) -> Schedule:
+    """The schedule of ``quantity`` ("grads", "jacobian", "norms") by ``strategy`` for this model on inputs like
+    ``inputs``: a new one (its first calls checked) whenever the plan's key changed."""
+    return _kept(trainable, inputs).setdefault((quantity, strategy), Schedule())
+
+
+def race_for(trainable: Trainable, inputs: Batch, quantity: str) -> Race:
+    """The :class:`Race` between ``hooks`` and ``torch_func`` for this model, input signature, quantity and batch
+    size (kept with the schedules: a new one whenever the plan's key changed)."""
+    return _kept(trainable, inputs).setdefault(("race", quantity, inputs.size),
+                                               Race({"hooks": [], "torch_func": []}, set()))
+
+
+def forget(model: nn.Module) -> None:
+    """Drop ``model``'s schedules: its next calls are checked as a new plan's are."""
+    _SCHEDULES.pop(model, None)

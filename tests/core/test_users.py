@@ -1,0 +1,65 @@
+"""The user's own errors (the model's, the loss's) shown as the user's own (core/users.py): the same error once, no
+frame of the package in its traceback, no chained retry, a note on the inputs, and the fix for common mistakes."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz.tutorial.networks import MLP
+
+PACKAGE = pv.__file__.rsplit("/", 1)[0] + "/"
+STRATEGIES = ["auto", *pv.STRATEGIES]
+
+
+def _raised(strategy: str, x: torch.Tensor, y: torch.Tensor, loss=None) -> BaseException:
+    torch.manual_seed(0)
+    with pytest.raises(Exception) as info:
+        pv.per_sample_grads(MLP(784, 20, 10), loss or nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    return info.value
+
+
+def _frames(error: BaseException) -> list[str]:
+    return [frame.filename for frame in traceback.extract_tb(error.__traceback__)]
+
+
+def _notes(error: BaseException) -> str:
+    return "\n".join(getattr(error, "__notes__", []))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_target_of_shape_b_1_for_cross_entropy_is_the_users_error_with_its_fix(strategy):
+    error = _raised(strategy, torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8, 1)))
+    assert isinstance(error, (RuntimeError, AssertionError, ValueError))
+    assert not pv.errors.__name__ == type(error).__module__
+    assert not [f for f in _frames(error) if f.startswith(PACKAGE)], _frames(error)
+    assert error.__context__ is None or error.__suppress_context__, "one error, not a chain of retries"
+    assert "targets.squeeze(1)" in _notes(error)
+    assert "(8, 1, 28, 28) float32" in _notes(error)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_integer_inputs_to_a_float_model_name_the_fix(strategy):
+    error = _raised(strategy, torch.randint(0, 3, (8, 1, 28, 28)), torch.randint(0, 10, (8,)))
+    assert not [f for f in _frames(error) if f.startswith(PACKAGE)]
+    assert ".float()" in _notes(error) and "int64" in _notes(error)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_wrong_feature_size_is_raised_once_with_the_inputs_shapes(strategy):
+    error = _raised(strategy, torch.randn(8, 1, 28, 27), torch.randint(0, 10, (8,)))
+    assert "shapes cannot be multiplied" in str(error)
+    assert "(8, 1, 28, 27)" in _notes(error)
+    assert _notes(error).count("pergrad_viz:") == 1  # noted once, though strategies hand over
+    assert not [f for f in _frames(error) if f.startswith(PACKAGE)]
+
+
+def test_the_package_own_errors_keep_their_messages_and_no_note():
+    with pytest.raises(pv.UnsupportedModelError) as info:
+        pv.per_sample_grads(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)), nn.MSELoss(), torch.randn(4, 4),
+                            torch.randn(4, 2))
+    assert "eval" in str(info.value) and not _notes(info.value)
