@@ -185,7 +185,7 @@ def dp_table(name: str, *, batch: int = 32, rounds: int = 5, device: str = "cpu"
             run = opacus_ghost(model, loss_fn, x, y, MAX_NORM)
             run()
             methods["opacus ghost clipping"] = noiseless["opacus ghost clipping"] = run
-            renamed = set(dict(model.named_parameters())) - set(run())
+            renamed = {n for n, p in model.named_parameters() if p.requires_grad} - set(run())
             notes["opacus ghost clipping"] = "noise not included" + (
                 f"; diff without {len(renamed)} renamed parameters" if renamed else "")
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this model is a row with a note
