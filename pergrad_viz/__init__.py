@@ -12,8 +12,10 @@ from pergrad_viz import moved
 from pergrad_viz.api import per_sample_grads, per_sample_jacobian, resolve_strategy
 from pergrad_viz.core.losses import causal_lm_loss, sequence_classification_loss
 from pergrad_viz.derived.clipping import clip_per_sample, dp_sgd_gradient
+from pergrad_viz.derived.dp import clipped_grad_sum, dp_step, noise_step
 from pergrad_viz.derived.norms import per_sample_grad_norms
 from pergrad_viz.derived.ntk import empirical_ntk
+from pergrad_viz.derived.privacy import PoissonBatches, epsilon, noise_multiplier_for
 from pergrad_viz.errors import (
     CheckFailedError,
     HandOverError,
@@ -39,6 +41,7 @@ __all__ = [
     "MemoryBudgetError",
     "MissingExtraError",
     "PlanMismatchError",
+    "PoissonBatches",
     "RemoteTraceback",
     "ScanMismatchError",
     "UndefinedPerSampleError",
@@ -46,9 +49,14 @@ __all__ = [
     "VmapError",
     "causal_lm_loss",
     "clip_per_sample",
+    "clipped_grad_sum",
     "dp_sgd_gradient",
+    "dp_step",
     "empirical_ntk",
+    "epsilon",
     "load_scan",
+    "noise_multiplier_for",
+    "noise_step",
     "per_sample_grad_norms",
     "per_sample_grads",
     "per_sample_jacobian",

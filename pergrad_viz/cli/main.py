@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--targets", action="store_true",
                    help="measure the project's performance goals instead: several tables, then one line per goal "
                         "(a few minutes; default: off)")
+    b.add_argument("--dp", action="store_true",
+                   help="the DP-SGD gradient of one batch instead: plain forward+backward, pv.clipped_grad_sum, "
+                        "per_sample_grads + clipping, Opacus' ghost clipping; one table per model (mlp = MLP(784, "
+                        "512, 10), transformer, resnet18, gpt2, bert, lora-llama, or --model), B=32 unless "
+                        "--batch-sizes; time, peak memory, max |diff| from the loop (default: off)")
     b.add_argument("--quantity", choices=bench.QUANTITIES, default="grads",
                    help="grads: per-sample gradients (B, P) of the loss; jacobian: per-sample output Jacobians "
                         "(B, Y, P) (default: grads)")
@@ -179,11 +184,18 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     if args.plot and not extras.available("matplotlib"):  # before the timing, not after it
         raise extras.missing_extra("matplotlib", "--plot", extra="viz")
-    if args.model is None:  # the MLP sweep and the targets read the bundled images: fail before any progress bar
+    if args.model is None or args.dp:  # the MLP sweep, --dp, the targets read the bundled images: fail before a bar
         problem = _sample_missing()
         if problem is not None:
             print(f"error: {problem}", file=sys.stderr)
             return 2
+    if args.dp:
+        from pergrad_viz.bench import dp as bench_dp
+
+        models = (args.model,) if args.model is not None else bench_dp.DP_MODELS
+        for batch in args.batch_sizes or [32]:
+            bench_dp.report(models, batch=batch, device=args.device, emit=lambda text: print(text, flush=True))
+        return 0
     if args.targets:
         from pergrad_viz.bench import targets as bench_targets
 

@@ -45,7 +45,10 @@ fallback), with ``captured_grads`` one (N, *internal.shape) gradient or None per
 ``@register_ghost(*types)`` for layers whose per-sample weight gradient is a sum over the T positions they saw of
 outer products (``nn.Linear``: g_t a_t^T; ``nn.Embedding``: g_t in row idx_t): a class of static methods that give
 per-sample gradient norms and NTK terms from Gram matrices, never the per-sample gradient itself (see
-:class:`GhostRule`).
+:class:`GhostRule`). ``@register_weighted_sum(*types)``, beside a ghost rule: the sum over samples of the
+per-sample gradients weighted by c (B,), from the same captured inputs and output gradients (the clipped sum of
+DP-SGD, ``pergrad_viz.derived.dp``), never the per-sample gradients; ``@register_linear_views(*types)``, beside a
+call rule: the Linear maps inside one captured call (attention's projections), which then take those two.
 
 Each decorator also takes a class path instead of a type, e.g. ``"transformers.pytorch_utils.Conv1D"``
 (``f"{cls.__module__}.{cls.__qualname__}"``): registered lazily, resolved when a module of that class (or a subclass)
@@ -74,11 +77,15 @@ from pergrad_viz.rules.registry import (
     ghost_rule_for,
     join_positions,
     lazy_paths,
+    linear_views_for,
     register,
     register_call,
     register_ghost,
+    register_linear_views,
+    register_weighted_sum,
     rule_for,
     rule_takes_batch_dim,
+    weighted_sum_rule_for,
 )
 
 __all__ = [
@@ -93,11 +100,15 @@ __all__ = [
     "ghost_rule_for",
     "join_positions",
     "lazy_paths",
+    "linear_views_for",
     "register",
     "register_call",
     "register_ghost",
+    "register_linear_views",
+    "register_weighted_sum",
     "rule_for",
     "rule_takes_batch_dim",
+    "weighted_sum_rule_for",
 ]
 
 # The rules register themselves on import; the integrations register by class path and import neither package.

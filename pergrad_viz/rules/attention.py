@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pergrad_viz.rules.linear import token_outer_sum
-from pergrad_viz.rules.registry import Captured, register_call
+from pergrad_viz.rules.registry import Captured, register_call, register_linear_views
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -218,3 +218,20 @@ def _in_projection(module: nn.Module, state: _State, query: torch.Tensor, key: t
             token_outer_sum(d, tokens, w)
         if b_in is not None:
             torch.sum(d, dim=2, out=b_in[:, :, rows])
+
+
+@register_linear_views(nn.MultiheadAttention)
+def attention_linear_views(module: nn.Module, inputs: tuple[tuple, dict], grad_outputs: list,
+                           captured: Captured | None, captured_grads: list) -> list | None:
+    """Packed self-attention (one (B, L, 3E) in-projection): the out-projection on the merged heads (B, L, E) with
+    the output gradient, and the in-projection on the query (B, L, E) with the gradient of q, k, v (B, L, 3E). None
+    otherwise (separate q / k / v projections, appended tokens: the call rule's per-sample gradients)."""
+    if captured is None or not captured.state.packed or not grad_outputs or grad_outputs[0] is None \
+            or captured_grads[0] is None:
+        return None
+    query = bind(module, *inputs)[0]
+    g = grad_outputs[0][0]
+    if not module.batch_first:
+        query, g = query.transpose(0, 1), g.transpose(0, 1)
+    return [(captured.state.merged, g, {"weight": "out_proj.weight", "bias": "out_proj.bias"}),
+            (query, captured_grads[0][0], {"weight": "in_proj_weight", "bias": "in_proj_bias"})]

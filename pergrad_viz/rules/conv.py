@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pergrad_viz.rules.linear import LinearGhost
-from pergrad_viz.rules.registry import join_positions, register, register_ghost
+from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -91,6 +91,33 @@ class ConvGhost(LinearGhost):
         inputs, width = module.weight[0].numel(), module.out_channels
         gram = tokens * tokens * (inputs + y_count * width) + tokens * pairs * width
         return gram, pairs * module.weight.numel()
+
+
+_WEIGHT_GRAD = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight}
+
+
+@register_weighted_sum(nn.Conv1d, nn.Conv2d)
+def conv_weighted_sum(module, seen, weights, out):
+    """out += the weight gradient of the batch with each sample's output gradient times c_b (the convolution's own
+    weight gradient kernel: no im2col); bias: the c-weighted sum of the output gradients."""
+    dims = len(module.kernel_size)
+    for a, g in seen:
+        padding = module.padding
+        if module.padding_mode != "zeros" or isinstance(padding, str):  # pad explicitly as the layer does
+            pad = list(module._reversed_padding_repeated_twice)
+            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            a = F.pad(a, pad, mode=mode) if any(pad) else a
+            padding = (0,) * dims
+        scaled: dict[int, torch.Tensor] = {}
+        for ln, c in weights.items():
+            cg = scaled.get(id(c))
+            if cg is None:
+                cg = scaled[id(c)] = g * c.view(-1, *(1,) * (g.dim() - 1))
+            if ln == "bias":
+                out[ln].add_(cg.transpose(0, 1).reshape(module.out_channels, -1).sum(1))
+            else:
+                out[ln].add_(_WEIGHT_GRAD[dims](a, module.weight.shape, cg, module.stride, padding, module.dilation,
+                                                module.groups))
 
 
 def _conv_by_correlation(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pergrad_viz.rules.registry import join_positions, register, register_ghost, sample_scaled
+from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum, sample_scaled
 
 
 @register(nn.Embedding, features=lambda module: 0)
@@ -68,3 +68,19 @@ class EmbeddingGhost:
     def gram_cost(module, tokens, y_count, pairs):
         gram = tokens * tokens * (1 + y_count * module.embedding_dim) + tokens * pairs * module.embedding_dim
         return gram, pairs * module.weight.numel()
+
+
+@register_weighted_sum(nn.Embedding)
+def embedding_weighted_sum(module, seen, weights, out):
+    """weight (V, D) += the c-weighted output gradients, added into the rows of their indices (``index_add_``);
+    the ``padding_idx`` row gets nothing."""
+    if "weight" not in weights:
+        return
+    c = weights["weight"]
+    for a, g in seen:
+        idx = a.reshape(-1)  # (B * T,)
+        rows = g.reshape(a.shape[0], -1, module.embedding_dim) * c.view(-1, 1, 1)
+        rows = rows.reshape(-1, module.embedding_dim)
+        if module.padding_idx is not None:
+            rows = rows * (idx != module.padding_idx).unsqueeze(1).to(rows.dtype)
+        out["weight"].index_add_(0, idx, rows)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pergrad_viz.rules.registry import join_positions, register, register_ghost, sample_scaled
+from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum, sample_scaled
 
 
 @register(nn.Linear, features=lambda module: 1)
@@ -147,3 +147,38 @@ class LinearInOutGhost(LinearGhost):
     def gram_cost(module, tokens, y_count, pairs):
         width_in, width_out = module.weight.shape
         return _gram_cost(width_in, width_out, tokens, y_count, pairs)
+
+
+def _scaled(g: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """g (B, *, out) with sample b's rows times weights[b], as (B * T, out)."""
+    return (g * weights.view(-1, *(1,) * (g.dim() - 1))).reshape(-1, g.shape[-1])
+
+
+def _linear_sums(seen, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor], in_out: bool) -> None:
+    """out += sum_b c_b sum_t g_bt a_bt^T = (c G)^T A over the B * T rows of every call: one ``addmm_`` per call
+    and parameter, straight into ``out`` (``in_out``: the weight stored (in, out), A^T (c G)); c G is formed once
+    where weight and bias share c."""
+    for a, g in seen:
+        rows_a = a.reshape(-1, a.shape[-1])  # (B * T, in)
+        scaled: dict[int, torch.Tensor] = {}
+        for ln, c in weights.items():
+            cg = scaled.get(id(c))
+            if cg is None:
+                cg = scaled[id(c)] = _scaled(g, c)  # (B * T, out)
+            if ln == "bias":
+                out[ln].add_(cg.sum(0))
+            elif in_out:
+                out[ln].addmm_(rows_a.mT, cg)
+            else:
+                out[ln].addmm_(cg.mT, rows_a)
+
+
+@register_weighted_sum(nn.Linear)
+def linear_weighted_sum(module, seen, weights, out):
+    """nn.Linear: weight (out, in) += (c G)^T A, bias (out,) += the c-weighted sum of the output gradients."""
+    _linear_sums(seen, weights, out, in_out=False)
+
+
+def linear_in_out_weighted_sum(module, seen, weights, out):
+    """A Linear with its weight stored (in, out): weight += A^T (c G); registered with :func:`linear_in_out`."""
+    _linear_sums(seen, weights, out, in_out=True)

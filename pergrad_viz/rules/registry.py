@@ -1,6 +1,7 @@
-"""The rule registry: the three decorators (``register``, ``register_call``, ``register_ghost``), the lazy
-registration by class path, and one lookup (:func:`rule_for`, :func:`call_rule_for`, :func:`ghost_rule_for` and
-:func:`capture_for` all go through it). What a rule is and may assume: see :mod:`pergrad_viz.rules`."""
+"""The rule registry: the four decorators (``register``, ``register_call``, ``register_ghost``,
+``register_weighted_sum``), the lazy registration by class path, and one lookup (:func:`rule_for`,
+:func:`call_rule_for`, :func:`ghost_rule_for`, :func:`weighted_sum_rule_for` and :func:`capture_for` all go
+through it). What a rule is and may assume: see :mod:`pergrad_viz.rules`."""
 
 from __future__ import annotations
 
@@ -128,6 +129,8 @@ _CODE_FLAGS = (1 << 16) - 1
 _RULES = _Registry()
 _CALL_RULES = _Registry()
 _GHOST_RULES = _Registry()
+_SUM_RULES = _Registry()
+_VIEW_RULES = _Registry()
 
 ModuleType = type[nn.Module] | str  # a type, or a class path registered lazily
 
@@ -177,6 +180,56 @@ def register_ghost(*module_types: ModuleType, forward_like: Callable | None = No
         return cls
 
     return deco
+
+
+# out[name] += sum_i c_i g_i for one layer: (module, seen [(activation (B, ...), grad_output (B, ...))],
+# {local name: c (B,)}, out {local name: Tensor (*param.shape)}); ``seen`` has the samples first, one per call.
+WeightedSumRule = Callable[[nn.Module, Sequence[tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor],
+                            dict[str, torch.Tensor]], None]
+
+
+def register_weighted_sum(*module_types: ModuleType, forward_like: Callable | None = None
+                          ) -> Callable[[WeightedSumRule], WeightedSumRule]:
+    """Decorator: the weighted sum over samples of the per-sample gradients, ``sum_i c_i g_i``, of these module types
+    straight from the captured inputs and output gradients (book-keeping: never the (B, *param.shape) gradients);
+    used only where the type's ghost rule applies (the norms come from it)."""
+
+    def deco(rule: WeightedSumRule) -> WeightedSumRule:
+        for t in module_types:
+            _SUM_RULES.add(t, rule, forward_like)
+        return rule
+
+    return deco
+
+
+def weighted_sum_rule_for(module: nn.Module) -> WeightedSumRule | None:
+    """The weighted-sum rule of ``module``, or None (also where its ghost rule does not apply)."""
+    rule = _lookup(_SUM_RULES, module)
+    return rule if rule is not None and ghost_rule_for(module) is not None else None
+
+
+# A call layer's Linear maps: (module, inputs (args, kwargs), grad_outputs, captured, captured_grads) ->
+# [(a (B, T, in), g (B, T, out), {"weight": local name, "bias": local name})] or None (N = 1 dropped).
+LinearViews = Callable[..., list[tuple[torch.Tensor, torch.Tensor, dict[str, str]]] | None]
+
+
+def register_linear_views(*module_types: ModuleType) -> Callable[[LinearViews], LinearViews]:
+    """Decorator: for a call layer (``register_call``) made of Linear maps applied at every token (attention's
+    in- and out-projections), the (input, output gradient) pairs of those maps in one captured call, so that its
+    norms and weighted sums take the Linear's ghost norm and book-keeping (None: the layer's own rule instead)."""
+
+    def deco(rule: LinearViews) -> LinearViews:
+        for t in module_types:
+            _VIEW_RULES.add(t, rule)
+        return rule
+
+    return deco
+
+
+def linear_views_for(module: nn.Module) -> LinearViews | None:
+    """The linear-views rule of ``module`` where its call rule applies, or None."""
+    rule = _lookup(_VIEW_RULES, module)
+    return rule if rule is not None and call_rule_for(module) is not None else None
 
 
 def ghost_rule_for(module: nn.Module) -> GhostRule | None:
@@ -241,4 +294,5 @@ def capture_for(module: nn.Module) -> Callable | None:
 
 def lazy_paths() -> tuple[str, ...]:
     """Class paths registered lazily and not yet resolved (their packages need not be installed)."""
-    return tuple(sorted({*_RULES.paths, *_CALL_RULES.paths, *_GHOST_RULES.paths}))
+    return tuple(sorted({*_RULES.paths, *_CALL_RULES.paths, *_GHOST_RULES.paths, *_SUM_RULES.paths,
+                              *_VIEW_RULES.paths}))

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pergrad_viz.rules.linear import LinearInOutGhost, linear_in_out
+from pergrad_viz.rules.linear import LinearInOutGhost, linear_in_out, linear_in_out_weighted_sum
 from pergrad_viz.rules.normalization import affine_sums
-from pergrad_viz.rules.registry import register, register_ghost
+from pergrad_viz.rules.registry import register, register_ghost, register_weighted_sum
 
 # ----------------------------------------------------------------------------------------------------------- Conv1D
 
@@ -36,6 +36,7 @@ def conv1d(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tenso
 
 
 register_ghost(CONV1D, forward_like=_conv1d_forward)(LinearInOutGhost)
+register_weighted_sum(CONV1D, forward_like=_conv1d_forward)(linear_in_out_weighted_sum)
 
 # -------------------------------------------------------------------------------------------------------- RMSNorm
 

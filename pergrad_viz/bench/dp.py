@@ -1,0 +1,252 @@
+"""``bench --dp``: the DP-SGD gradient of one batch, five ways, in one interleaved table per model.
+
+Rows: a plain forward+backward (``loss.backward()`` into ``.grad``: the cost to beat); this package's DP step
+(:func:`pergrad_viz.clipped_grad_sum` with noise, as called by default, i.e. with its per-call check, and with
+``verify=False``); the materialised route (:func:`pergrad_viz.per_sample_grads`, then
+:func:`pergrad_viz.dp_sgd_gradient`); Opacus' ghost clipping (``GradSampleModuleFastGradientClipping``, two
+backward passes) where opacus is installed. Columns: median time and IQR over interleaved rounds, time / plain,
+peak memory and peak / plain's, max |diff| of the noiseless clipped sum from the loop reference (the package's loop
+strategy, clipped and summed).
+
+Peak memory: on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``); on Linux CPUs the process's peak
+resident memory above its level at the start of the call (``VmHWM`` reset through ``/proc/self/clear_refs``, with
+glibc's ``malloc_trim`` before and a fixed mmap threshold, so that freed tensors leave the resident set); elsewhere a
+dash.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import gc
+import sys
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz.bench import peers, problems
+from pergrad_viz.bench.timing import time_interleaved
+from pergrad_viz.core.losses import causal_lm_loss
+from pergrad_viz.tutorial.networks import MLP
+
+DP_MODELS: tuple[str, ...] = ("mlp", "transformer", "resnet18", "gpt2", "bert", "lora-llama")
+MAX_NORM = 1.0
+SIGMA = 1.0
+
+
+def dp_problem(name: str, batch: int, device: str = "cpu") -> tuple[nn.Module, Callable, object, torch.Tensor]:
+    """(model, loss_fn with reduction='sum', inputs, targets): ``mlp`` is MLP(784, 512, 10) on the bundled images,
+    the others :func:`pergrad_viz.bench.problems.problem` at this batch size."""
+    if name != "mlp":
+        return problems.problem(name, batch, device=device)
+    _, _, x, _ = problems.setting(batch, 20, device=device)
+    torch.manual_seed(0)
+    y = torch.randint(0, problems.CLASSES, (batch,), generator=torch.Generator().manual_seed(0)).to(device)
+    return MLP(784, 512, 10).to(device), nn.CrossEntropyLoss(reduction="sum"), x, y
+
+
+class _PerSampleCriterion:
+    """A loss Opacus' ghost clipping can call: it sets ``reduction`` to 'none' to get the (B,) per-sample losses."""
+
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn = loss_fn
+        self.reduction = "sum"
+
+    def __call__(self, output, targets):
+        if isinstance(self.loss_fn, nn.Module):
+            self.loss_fn.reduction = self.reduction
+            return self.loss_fn(output, targets)
+        return causal_lm_loss(output, targets, reduction=self.reduction)
+
+
+def opacus_ghost(model: nn.Module, loss_fn: Callable, x, y, max_norm: float) -> Callable[[], dict]:
+    """A no-argument step of Opacus' ghost clipping on a copy of ``model``: the clipped sum into ``.grad`` (noise
+    off, so that it can be compared), returned as {name: grad}."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    net = copy.deepcopy(model)
+    if any(isinstance(m, nn.MultiheadAttention) for m in net.modules()):  # Opacus' hooks cannot see inside it
+        from opacus.validators import ModuleValidator
+
+        net = ModuleValidator.fix(net)  # DPMultiheadAttention, the same weights under other names
+    gsm = GradSampleModuleFastGradientClipping(net, batch_first=True, loss_reduction="sum",
+                                               max_grad_norm=max_norm, use_ghost_clipping=True, strict=False)
+    # Opacus records activations in training mode only: where eval differs from training only in Dropout of p=0
+    # (and there is no BatchNorm), training mode computes the same function.
+    same = all(not isinstance(m, nn.modules.batchnorm._BatchNorm) and not (isinstance(m, nn.Dropout) and m.p > 0)
+               for m in net.modules())
+    if not model.training and not same:
+        raise NotImplementedError("Opacus records in training mode only, where this model (Dropout, BatchNorm) "
+                                  "computes another function")
+    gsm.train()
+    params = [(n.removeprefix("_module."), p) for n, p in gsm.named_parameters() if p.requires_grad]
+    optimizer = DPOptimizerFastGradientClipping(torch.optim.SGD([p for _, p in params], lr=0.0), noise_multiplier=0.0,
+                                                max_grad_norm=max_norm, expected_batch_size=y.shape[0],
+                                                loss_reduction="sum")
+    criterion = DPLossFastGradientClipping(gsm, optimizer, _PerSampleCriterion(copy.deepcopy(loss_fn)),
+                                           loss_reduction="sum")
+
+    def run() -> dict:
+        optimizer.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            criterion(gsm(x), y).backward()
+        return {n: p.grad for n, p in params}
+
+    return run
+
+
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None and sys.platform.startswith("linux"):
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD fixed: large blocks are mmapped, returned on free
+        except OSError:
+            _LIBC = False
+    return _LIBC
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise OSError(key)
+
+
+def peak_bytes(fn: Callable[[], object], device: str) -> int | None:
+    """The peak memory one call of ``fn`` adds (see the module docstring), or None where it cannot be read."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+    libc = _libc()
+    if not libc:
+        return None
+    try:
+        libc.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        start = _status_bytes("VmRSS:")
+        fn()
+        return _status_bytes("VmHWM:") - start
+    except OSError:
+        return None
+
+
+def _max_diff(got: dict, want: dict) -> float | None:
+    """Over the parameters both name (a peer may rename some, e.g. DPMultiheadAttention's)."""
+    common = [n for n in want if n in got and got[n] is not None]
+    return max((float((got[n].detach() - want[n]).abs().max()) for n in common), default=None)
+
+
+def dp_table(name: str, *, batch: int = 32, rounds: int = 5, device: str = "cpu") -> list[dict]:
+    """One model's rows: {method, median_s, iqr, vs_plain, peak, peak_vs_plain, max_diff, note}."""
+    _libc()
+    model, loss_fn, x, y = dp_problem(name, batch, device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def plain():
+        for _, p in named:
+            p.grad = None
+        loss_fn(model(x), y).backward()
+
+    methods: dict[str, Callable[[], object]] = {
+        "forward+backward": plain,
+        "pv clipped_grad_sum": lambda: pv.clipped_grad_sum(model, loss_fn, x, y, MAX_NORM, noise_multiplier=SIGMA,
+                                                           generator=generator),
+        "pv, verify=False": lambda: pv.clipped_grad_sum(model, loss_fn, x, y, MAX_NORM, noise_multiplier=SIGMA,
+                                                        generator=generator, verify=False),
+        "materialised + clip": lambda: pv.dp_sgd_gradient(pv.per_sample_grads(model, loss_fn, x, y), MAX_NORM,
+                                                          SIGMA, generator),
+    }
+    noiseless = {
+        "pv clipped_grad_sum": lambda: pv.clipped_grad_sum(model, loss_fn, x, y, MAX_NORM),
+        "pv, verify=False": lambda: pv.clipped_grad_sum(model, loss_fn, x, y, MAX_NORM, verify=False),
+        "materialised + clip": lambda: pv.dp_sgd_gradient(pv.per_sample_grads(model, loss_fn, x, y), MAX_NORM, 0.0),
+    }
+    notes: dict[str, str] = {}
+    if peers.available("opacus"):
+        try:
+            run = opacus_ghost(model, loss_fn, x, y, MAX_NORM)
+            run()
+            methods["opacus ghost clipping"] = noiseless["opacus ghost clipping"] = run
+            renamed = {n for n, p in model.named_parameters() if p.requires_grad} - set(run())
+            notes["opacus ghost clipping"] = "noise not included" + (
+                f"; diff without {len(renamed)} renamed parameters" if renamed else "")
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run this model is a row with a note
+            notes["opacus ghost clipping"] = f"failed: {type(e).__name__}: {str(e)[:60]}"
+    want = pv.dp_sgd_gradient(pv.per_sample_grads(model, loss_fn, x, y, strategy="loop"), MAX_NORM, 0.0)
+    diffs = {m: _max_diff(fn(), want) for m, fn in noiseless.items()}
+    timings = time_interleaved(methods, rounds=rounds)
+    plain()
+    peaks = {}
+    for m, fn in methods.items():
+        for _, p in named:  # every method starts without .grad, as after zero_grad(set_to_none=True)
+            p.grad = None
+        peaks[m] = peak_bytes(fn, device)
+    for _, p in named:
+        p.grad = None
+    base_t, base_m = timings["forward+backward"].median_s, peaks["forward+backward"]
+    rows = []
+    for m in [*methods, *(k for k in notes if k not in methods)]:
+        t = timings.get(m)
+        rows.append({
+            "method": m, "median_s": None if t is None else t.median_s,
+            "iqr": None if t is None else t.spread,
+            "vs_plain": None if t is None else t.median_s / base_t, "peak": peaks.get(m),
+            "peak_vs_plain": None if peaks.get(m) is None or not base_m else peaks[m] / base_m,
+            "max_diff": diffs.get(m), "note": notes.get(m, "NOISY" if t is not None and t.noisy else ""),
+        })
+    return rows
+
+
+def format_dp_table(name: str, rows: list[dict], batch: int) -> str:
+    """The rows as a fixed-width table, with a title line."""
+
+    def fmt(v, spec, unit=""):
+        return "-" if v is None else f"{v:{spec}}{unit}"
+
+    lines = [f"## {name}, B={batch}, C={MAX_NORM}, sigma={SIGMA}",
+             f"{'method':24} {'median':>10} {'IQR':>6} {'vs fwd+bwd':>10} {'peak MB':>9} {'vs plain':>8} "
+             f"{'max |diff|':>10}  note"]
+    for r in rows:
+        ms = None if r["median_s"] is None else r["median_s"] * 1e3
+        mb = None if r["peak"] is None else r["peak"] / 2**20
+        iqr = None if r["iqr"] is None else 100 * r["iqr"]
+        lines.append(f"{r['method']:24} {fmt(ms, '.1f', ' ms'):>10} {fmt(iqr, '.0f', '%'):>6} "
+                     f"{fmt(r['vs_plain'], '.2f', 'x'):>10} {fmt(mb, '.1f'):>9} "
+                     f"{fmt(r['peak_vs_plain'], '.2f', 'x'):>8} {fmt(r['max_diff'], '.1e'):>10}  {r['note']}")
+    opacus = next((r for r in rows if r["method"] == "opacus ghost clipping" and r["median_s"]), None)
+    ours = next(r for r in rows if r["method"] == "pv clipped_grad_sum")
+    if opacus is not None:
+        lines.append(f"# opacus ghost clipping / pv clipped_grad_sum: {opacus['median_s'] / ours['median_s']:.2f}x")
+    return "\n".join(lines)
+
+
+def report(models: tuple[str, ...] = DP_MODELS, *, batch: int = 32, rounds: int = 5, device: str = "cpu",
+           emit: Callable[[str], None] = print) -> None:
+    """Print one table per model (those whose libraries are missing get a line saying so)."""
+    emit(f"# DP-SGD gradient of one batch: {torch.get_num_threads()} threads, torch {torch.__version__}, {device}; "
+         "times are medians of interleaved rounds (a shared machine: noisy)")
+    for name in models:
+        try:
+            rows = dp_table(name, batch=batch, rounds=rounds, device=device)
+        except ImportError as e:
+            emit(f"## {name}: skipped ({e})")
+            continue
+        emit(format_dp_table(name, rows, batch))

@@ -1,0 +1,266 @@
+"""DP-SGD without the (B, P) per-sample gradients: the clipped (and noised) sum, and a training step that writes it
+into ``.grad``.
+
+Shapes: B samples, ``*shape`` a parameter's shape. The clipped sum of a batch is
+
+    ``sum_i c_i g_i + N(0, (noise_multiplier * C)^2 I)``,  ``c_i = min(1, C / (||g_i|| + 1e-6))``
+
+with g_i the per-sample gradient of :func:`pergrad_viz.per_sample_grads` (the gradient of sample i's loss alone).
+With the ``hooks`` strategy (``"auto"`` picks it where the probe trusts it) it takes one hooked forward and one
+backward pass (``pergrad_viz.derived.bookkeeping``); elsewhere the per-sample gradients are built one chunk at a
+time and clipped (exact, slower).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from pergrad_viz import api
+from pergrad_viz.core.batch import Inputs, normal_tensor
+from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.trainable import Trainable, computing_gradients
+from pergrad_viz.derived.bookkeeping import Groups, hooked_sums, materialised_sums
+from pergrad_viz.engine.certify import check_norms
+
+PerLayer = bool | Mapping[str, float]
+
+
+def _finite(value: object, positive: bool) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+            and (value > 0 if positive else value >= 0))
+
+
+def check_dp_arguments(max_norm: object, noise_multiplier: object, generator: object, per_layer: object) -> None:
+    """Raise ValueError / TypeError naming the fix for a bad bound, noise multiplier, generator or ``per_layer``."""
+    if not isinstance(per_layer, bool | Mapping):
+        raise TypeError(f"per_layer must be True, False or a dict {{name prefix: bound}}, got {per_layer!r:.80}")
+    if isinstance(per_layer, Mapping):
+        if max_norm is not None:
+            raise ValueError("with per_layer={prefix: bound, ...} the bounds are the dict's: pass max_norm=None")
+        if not per_layer:
+            raise ValueError("per_layer is an empty dict: give a bound per parameter group, e.g. {'': 1.0}")
+        for key, bound in per_layer.items():
+            if not isinstance(key, str) or not _finite(bound, positive=True):
+                raise ValueError(f"per_layer[{key!r}] must map a name prefix (str) to a finite bound > 0, got "
+                                 f"{bound!r}")
+    elif not _finite(max_norm, positive=True):
+        raise ValueError(f"max_norm must be a finite number > 0 (the largest L2 norm a sample's gradient may keep), "
+                         f"got {max_norm!r}")
+    if not _finite(noise_multiplier, positive=False):
+        raise ValueError(f"noise_multiplier must be a finite number >= 0 (0 adds no noise), got {noise_multiplier!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if noise_multiplier > 0 and generator is None:
+        raise ValueError(
+            "noise_multiplier > 0 needs generator=: the noise is drawn from it alone (never from torch's global "
+            "generator, which this call leaves as it was). Create one once, before training, e.g. "
+            "generator=torch.Generator().manual_seed(seed), and pass the same one at every step (a fresh generator "
+            "with the same seed at every step would repeat the noise)"
+        )
+
+
+def clipping_groups(names: tuple[str, ...], max_norm: float | None, per_layer: PerLayer) -> Groups:
+    """[(bound, names)]: one group of every parameter (``per_layer=False``); one per parameter with bound
+    max_norm / sqrt(K) (``True``: K parameters, so that the whole gradient stays within max_norm); or by the dict's
+    name prefixes, each parameter in the group of its longest prefix (``""`` matches every name)."""
+    if per_layer is False:
+        return [(float(max_norm), names)]
+    if per_layer is True:
+        bound = float(max_norm) / math.sqrt(len(names))
+        return [(bound, (n,)) for n in names]
+    members: dict[str, list[str]] = {key: [] for key in per_layer}
+    for name in names:
+        keys = [k for k in per_layer if k == "" or name == k or name.startswith(k + ".")]
+        if not keys:
+            raise ValueError(
+                f"the trainable parameter {name!r} is in no group of per_layer (keys: {list(per_layer)}); add its "
+                "name or a module prefix of it, or '' for every parameter not named otherwise"
+            )
+        members[max(keys, key=len)].append(name)
+    return [(float(per_layer[k]), tuple(ns)) for k, ns in members.items() if ns]
+
+
+def sensitivity(groups: Groups) -> float:
+    """The largest L2 norm of one sample's clipped gradient: sqrt(sum_k C_k^2) (C for flat clipping)."""
+    return math.sqrt(sum(bound * bound for bound, _ in groups))
+
+
+@computing_gradients
+def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, max_norm: float | None, *,
+                     noise_multiplier: float = 0.0, generator: torch.Generator | None = None,
+                     per_layer: PerLayer = False, strategy: str = "auto", chunk_size: int | None = None,
+                     verify: bool = True, model_kwargs: Mapping | None = None, return_norms: bool = False,
+                     distributed: bool = False
+                     ) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The DP-SGD gradient of a batch: each sample's gradient clipped to ``max_norm``, summed, plus Gaussian noise.
+
+    ``sum_i min(1, C / (||g_i|| + 1e-6)) g_i + N(0, (noise_multiplier * C)^2 I)`` with g_i the gradient of
+    ``loss_fn(model(inputs[i:i+1]), targets[i:i+1])`` over the trainable parameters (what
+    :func:`pergrad_viz.per_sample_grads` returns, inputs taken as it takes them), never forming the (B, P) matrix
+    where the hooks strategy runs: one hooked forward, one backward, then per layer its ghost norm and its share of
+    the sum from the same captures. A sum, not a mean: divide by the expected batch size for the step Opacus takes
+    (:func:`dp_step` does).
+
+    Args:
+        model, loss_fn, inputs, targets, strategy, chunk_size, model_kwargs, verify: as
+            :func:`pergrad_viz.per_sample_grad_norms` (``verify``: one random sample's norms checked against that
+            sample alone).
+        max_norm: C, a finite number > 0 (None with a ``per_layer`` dict).
+        noise_multiplier: sigma >= 0; the noise std is sigma times the sensitivity (C; sqrt(sum_k C_k^2) per layer).
+        generator: a ``torch.Generator`` on the parameters' device; required when ``noise_multiplier > 0`` (the noise
+            is drawn from it alone, parameter by parameter in ``named_parameters()`` order).
+        per_layer: False (one bound over all parameters), True (each parameter clipped alone to C / sqrt(K), K
+            trainable parameters), or ``{name prefix: bound}`` (each parameter clipped with the group of its longest
+            matching prefix, ``""`` matching all; then ``max_norm=None``).
+        return_norms: also return the (B,) norms of the per-sample gradients before clipping.
+        distributed: under ``torch.distributed`` (torchrun; gloo or NCCL), each process passes its own samples: their
+            clipped sums are all-reduced (one flat buffer), the noise is drawn once, on rank 0, from its ``generator``
+            (every rank passes one; only rank 0's draws), so every rank returns the same sum as one process given
+            all the samples. The norms returned are this process's.
+
+    Returns:
+        ``{name: Tensor (*param.shape)}`` per trainable parameter, in ``named_parameters()`` order (and the (B,)
+        norms if ``return_norms``). ``.grad`` and the model are left as they were.
+
+    Raises:
+        ValueError / TypeError: a bound that is not a finite number > 0, a negative noise multiplier, noise without a
+            generator, a generator on another device, a ``per_layer`` dict missing a parameter; as
+            :func:`pergrad_viz.per_sample_grads` for the batch, strategy and model (all before any work).
+    """
+    check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
+    if not isinstance(return_norms, bool):
+        raise TypeError(f"return_norms must be True or False, got {return_norms!r}")
+    check_distributed(distributed)
+    targets = tree_map(normal_tensor, targets)
+    trainable, resolved, batch, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
+                                                    model_kwargs)
+    if generator is not None and generator.device.type != trainable.device.type:
+        raise ValueError(f"generator is on {generator.device} but the parameters are on {trainable.device}; create it "
+                         f"with torch.Generator(device={str(trainable.device)!r}).manual_seed(seed)")
+    groups = clipping_groups(trainable.names, max_norm, per_layer)
+    std = noise_multiplier * sensitivity(groups)
+    if distributed and torch.distributed.get_rank() != 0:
+        std = 0.0  # the noise is drawn once, on rank 0
+    shapes = [(n, p.shape, p.dtype, p.device) for n, p in zip(trainable.names, trainable.params, strict=True)]
+    state = None if generator is None else generator.get_state()
+
+    def start() -> dict[str, torch.Tensor]:  # the noise, drawn into the sums the clipped gradients are added to
+        if generator is not None:
+            generator.set_state(state)  # a hand-over to another route draws the same noise again
+        return initial_sums(shapes, std, generator)
+
+    sums, squared = _sums(trainable, resolved, strategy, loss_fn, batch, targets, chunk, chunk_size, verify, groups,
+                          start)
+    if distributed:
+        all_reduce_sums(sums)
+    if return_norms:
+        return sums, torch.stack(list(squared.values())).sum(0).sqrt()
+    return sums
+
+
+def check_distributed(distributed: object) -> None:
+    """Refuse ``distributed=True`` outside an initialised ``torch.distributed`` process group."""
+    if not isinstance(distributed, bool):
+        raise TypeError(f"distributed must be True or False, got {distributed!r}")
+    if distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError("distributed=True needs torch.distributed initialised: run under torchrun and call "
+                         "torch.distributed.init_process_group('gloo') (or 'nccl') first")
+
+
+def all_reduce_sums(sums: dict[str, torch.Tensor]) -> None:
+    """Sum every process's ``sums`` in place, in one all-reduce of one flat buffer."""
+    if not sums:
+        return
+    flat = torch.cat([t.reshape(-1) for t in sums.values()])
+    torch.distributed.all_reduce(flat)
+    for t, part in zip(sums.values(), flat.split([t.numel() for t in sums.values()]), strict=True):
+        t.copy_(part.view(t.shape))
+
+
+def initial_sums(shapes, std: float, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    """{name: (*shape)}: ``std * N(0, I)`` drawn in place (``normal_``, parameter by parameter in order, from
+    ``generator`` alone), or zeros for ``std=0``; the clipped gradients are then added into these (no temporary)."""
+    sums = {}
+    for name, shape, dtype, device in shapes:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        sums[name] = t.normal_(0.0, std, generator=generator) if std > 0 else t.zero_()
+    return sums
+
+
+def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, batch, targets: object, chunk: int,
+          chunk_size: int | None, verify: bool, groups: Groups, start) -> tuple[dict, dict]:
+    """({name: (*shape) clipped sum added to ``start()``}, {name: (B,) squared norms}): book-keeping where the hooks
+    strategy runs, else (and under ``auto`` where the hand-over moves on, ``api.hand_over``) the per-sample
+    gradients in chunks."""
+
+    def run(used: str) -> tuple[dict, dict]:
+        sums = start()
+        if used == "hooks":
+            return sums, hooked_sums(trainable, loss_fn, batch, targets, chunk, groups, sums)
+        return sums, materialised_sums(trainable, used, used, loss_fn, batch, targets, chunk_size, verify, groups,
+                                       sums)
+
+    def check(result: tuple[dict, dict], used: str) -> None:
+        if used == "hooks":  # the other strategies' gradients were checked as they were computed
+            check_norms(trainable, loss_fn, batch, targets, result[1], used)
+
+    return api.hand_over(strategy, resolved, trainable, batch, run, check if verify else None, "norms", targets,
+                         race=False)  # book-keeping never builds (B, P); torch_func would
+
+
+def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, max_norm: float | None, *,
+            noise_multiplier: float, generator: torch.Generator | None, expected_batch_size: int | None = None,
+            **options) -> dict[str, torch.Tensor]:
+    """Write the DP-SGD gradient into each trainable parameter's ``.grad``, for any ``torch.optim`` optimiser.
+
+    ``.grad = clipped_grad_sum(...) / expected_batch_size`` (Opacus' convention: with Poisson sampling, divide by
+    the expected batch size q * N, not by this batch's size, which is itself private); ``expected_batch_size=None``
+    divides by this batch's B (with ``distributed=True``, the B of every process together). ``.grad`` is replaced,
+    as after ``optimizer.zero_grad()`` and ``loss.backward()``: nothing is accumulated. With :func:`noise_step`, the
+    only calls of the package that write ``.grad``.
+
+    Args:
+        expected_batch_size: a positive int, or None (this batch's size).
+        options: ``per_layer``, ``strategy``, ``chunk_size``, ``verify``, ``model_kwargs``, ``distributed`` as
+            :func:`clipped_grad_sum`.
+
+    Returns:
+        ``{name: Tensor (*param.shape)}``, the tensors now in ``.grad``.
+    """
+    if expected_batch_size is not None and (isinstance(expected_batch_size, bool)
+                                            or not isinstance(expected_batch_size, int) or expected_batch_size < 1):
+        raise ValueError(f"expected_batch_size must be a positive int (e.g. round(sample_rate * len(dataset))) or "
+                         f"None, got {expected_batch_size!r}")
+    sums, norms = clipped_grad_sum(model, loss_fn, inputs, targets, max_norm, noise_multiplier=noise_multiplier,
+                                   generator=generator, return_norms=True, **options)
+    divisor = expected_batch_size
+    if divisor is None:  # this batch's size (under distributed=True: over every process)
+        count = torch.tensor(float(norms.shape[0]), dtype=torch.float64, device=norms.device)
+        if options.get("distributed"):
+            torch.distributed.all_reduce(count)
+        divisor = int(count.item())
+    params = dict(model.named_parameters())
+    for name, total in sums.items():
+        total.div_(divisor)
+        params[name].grad = total
+    return sums
+
+
+def noise_step(model: nn.Module, max_norm: float, *, noise_multiplier: float, generator: torch.Generator,
+               expected_batch_size: int) -> dict[str, torch.Tensor]:
+    """The DP step of an empty batch (Poisson sampling draws one with probability (1 - q)^n): ``.grad`` = noise of
+    std ``noise_multiplier * max_norm`` / ``expected_batch_size``, drawn from ``generator`` as :func:`dp_step` draws
+    it, so that every step the accountant counts is taken. Returns the tensors now in ``.grad``."""
+    check_dp_arguments(max_norm, noise_multiplier, generator, False)
+    if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1:
+        raise ValueError(f"expected_batch_size must be a positive int, got {expected_batch_size!r}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    sums = initial_sums([(n, p.shape, p.dtype, p.device) for n, p in named], noise_multiplier * max_norm, generator)
+    for n, p in named:
+        p.grad = sums[n].div_(expected_batch_size)
+    return sums

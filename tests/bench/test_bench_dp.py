@@ -1,0 +1,36 @@
+"""bench --dp: one table per model, every row's clipped sum checked against the loop's, peak memory read."""
+
+from __future__ import annotations
+
+import pytest
+
+from pergrad_viz.bench import dp as bench_dp
+from pergrad_viz.cli.main import main
+
+
+def test_dp_table_rows_agree_with_the_loop():
+    rows = bench_dp.dp_table("mlp", batch=4, rounds=1)
+    by = {r["method"]: r for r in rows}
+    assert {"forward+backward", "pv clipped_grad_sum", "pv, verify=False", "materialised + clip"} <= set(by)
+    for name in ("pv clipped_grad_sum", "pv, verify=False", "materialised + clip"):
+        assert by[name]["max_diff"] is not None and by[name]["max_diff"] < 1e-5
+        assert by[name]["median_s"] > 0
+    if "opacus ghost clipping" in by and by["opacus ghost clipping"]["median_s"] is not None:
+        assert by["opacus ghost clipping"]["max_diff"] < 1e-5
+    text = bench_dp.format_dp_table("mlp", rows, 4)
+    assert "pv clipped_grad_sum" in text and "max |diff|" in text
+
+
+def test_peak_bytes_sees_a_large_allocation():
+    import torch
+
+    peak = bench_dp.peak_bytes(lambda: torch.ones(4 << 20), "cpu")  # 16 MiB
+    if peak is None:
+        pytest.skip("peak memory cannot be read on this platform")
+    assert peak > 12 << 20
+
+
+def test_cli_bench_dp(capsys):
+    assert main(["bench", "--dp", "--model", "mlp", "--batch-sizes", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "## mlp, B=3" in out and "materialised + clip" in out

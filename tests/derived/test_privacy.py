@@ -1,0 +1,99 @@
+"""Poisson-sampled batches and the accountant (Opacus', called, never re-derived here): values against Opacus called
+directly and against the sampling's own statistics; noise_step; bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz.derived import dp
+
+
+def test_poisson_batches_are_seeded_independent_and_of_rate_q():
+    q, n = 0.05, 400
+    batches = list(pv.PoissonBatches(n, q, steps=200, generator=torch.Generator().manual_seed(0)))
+    assert len(batches) == 200
+    again = list(pv.PoissonBatches(n, q, steps=200, generator=torch.Generator().manual_seed(0)))
+    assert batches == again
+    sizes = torch.tensor([len(b) for b in batches], dtype=torch.float64)
+    # Binomial(n, q): mean 20, std 4.36; the mean of 200 batches within 4 standard errors
+    assert abs(float(sizes.mean()) - n * q) < 4 * math.sqrt(n * q * (1 - q) / 200)
+    assert float(sizes.std()) > 2  # not a fixed batch size
+    counts = torch.zeros(n)
+    for b in batches:
+        assert b == sorted(set(b)) and all(0 <= i < n for i in b)
+        counts[b] += 1
+    assert abs(float(counts.mean()) - 200 * q) < 0.5  # every example drawn at rate q
+    state = torch.get_rng_state()
+    list(pv.PoissonBatches(n, q, generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_poisson_batches_in_a_dataloader():
+    data = torch.utils.data.TensorDataset(torch.arange(50.0).unsqueeze(1), torch.arange(50))
+    sampler = pv.PoissonBatches(50, 0.2, generator=torch.Generator().manual_seed(3))
+    assert len(sampler) == 5 and sampler.expected_batch_size == 10
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+    batches = list(loader)
+    assert len(batches) == 5 and all(torch.equal(x[:, 0].long(), y) for x, y in batches)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"n": 0}, "n must be a positive int"),
+    ({"sample_rate": 0.0}, "sample_rate must be"),
+    ({"sample_rate": 1.5}, "sample_rate must be"),
+    ({"steps": 0}, "steps must be"),
+])
+def test_poisson_batches_refuse_bad_input(kwargs, match):
+    args = {"n": 10, "sample_rate": 0.1, "generator": torch.Generator(), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        pv.PoissonBatches(args.pop("n"), args.pop("sample_rate"), **args)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        pv.PoissonBatches(10, 0.1)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_epsilon_is_opacus_accountant(accountant):
+    accountants = pytest.importorskip("opacus.accountants")
+    acc = accountants.RDPAccountant() if accountant == "rdp" else accountants.PRVAccountant()
+    for _ in range(300):
+        acc.step(noise_multiplier=1.1, sample_rate=0.01)
+    want = acc.get_epsilon(delta=1e-5)
+    got = pv.epsilon(1.1, 0.01, 300, 1e-5, accountant=accountant)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert pv.epsilon(1.1, 0.01, 600, 1e-5, accountant=accountant) > got  # more steps, more privacy spent
+    assert pv.epsilon(2.0, 0.01, 300, 1e-5, accountant=accountant) < got  # more noise, less
+
+
+def test_noise_multiplier_for_a_target_epsilon():
+    pytest.importorskip("opacus")
+    sigma = pv.noise_multiplier_for(2.0, 0.01, 1000, 1e-5)
+    assert pv.epsilon(sigma, 0.01, 1000, 1e-5) <= 2.0
+    assert pv.epsilon(sigma * 0.95, 0.01, 1000, 1e-5) > 1.9  # not much more noise than needed
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: pv.epsilon(0.0, 0.01, 10, 1e-5), "noise_multiplier must be a finite number > 0"),
+    (lambda: pv.epsilon(1.0, 0.01, 10, 1.0), "delta must be in"),
+    (lambda: pv.epsilon(1.0, 0.01, 0, 1e-5), "steps must be a positive int"),
+    (lambda: pv.epsilon(1.0, 0.01, 10, 1e-5, accountant="gdp"), "accountant must be one of"),
+    (lambda: pv.noise_multiplier_for(-1.0, 0.01, 10, 1e-5), "target_epsilon must be"),
+])
+def test_accountant_refuses_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_noise_step_writes_noise_alone():
+    model = nn.Linear(3, 2).double()
+    pv.noise_step(model, 0.5, noise_multiplier=2.0, generator=torch.Generator().manual_seed(4), expected_batch_size=10)
+    sums = dp.initial_sums([(n, p.shape, p.dtype, p.device) for n, p in model.named_parameters()], 1.0,
+                           torch.Generator().manual_seed(4))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, sums[n] / 10)
+    with pytest.raises(ValueError, match="needs generator="):
+        pv.noise_step(model, 0.5, noise_multiplier=2.0, generator=None, expected_batch_size=10)
