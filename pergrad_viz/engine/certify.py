@@ -39,6 +39,7 @@ import copy
 import math
 import os
 import random
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
@@ -341,9 +342,11 @@ def _jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targe
 
         return jvp(value, (params,), (tangents,))[1]
 
-    if loss_fn is None:
-        return vmap(lambda xs: one(xs, None))(inputs.leaves())
-    return vmap(one)(inputs.leaves(), targets)
+    with warnings.catch_warnings():  # forward mode's first use loads PyTorch's jvp decompositions, which warn
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*deprecated", category=FutureWarning)
+        if loss_fn is None:
+            return vmap(lambda xs: one(xs, None))(inputs.leaves())
+        return vmap(one)(inputs.leaves(), targets)
 
 
 def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,

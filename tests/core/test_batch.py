@@ -225,7 +225,7 @@ def test_the_readme_example_with_several_inputs_runs():
     from pathlib import Path
 
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme[readme.index("Models with several inputs"):]
+    section = readme[readme.index("Several inputs as models take them"):]
     code = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python\n") + 10)]
     scope = {"torch": torch, "pv": pv}
     exec(code, scope)  # noqa: S102
