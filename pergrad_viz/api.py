@@ -245,6 +245,15 @@ def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[
     return result
 
 
+def _apart(trainable: Trainable, strategy: str) -> bool:
+    """Whether a plain batched backward is a valid reference for the check: ``strategy`` ran the model once on the
+    whole batch, or this call's plan found the samples apart (then ``torch_func``, timed against ``hooks`` by
+    ``auto``, is checked the same way, without forward mode's one-off cost)."""
+    plan = trainable.call.plan
+    apart = plan is not None and plan.interaction is None and plan.verified
+    return REGISTRY[strategy].batched_forward or apart
+
+
 def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Tensor]:
     """{name: (B, [Y,] *param.shape)} views of a dict or flat result (``lead``: 1 for gradients, 2 for Jacobians)."""
     if isinstance(result, dict):
@@ -311,7 +320,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
 
     def check(result: Result, used: str) -> None:
         check_grads(trainable, loss_fn, inputs, targets, _rows(result, trainable, 1), used,
-                    batched=REGISTRY[used].batched_forward)
+                    batched=_apart(trainable, used))
 
     return hand_over(requested, strategy, trainable, inputs,
                      lambda s: _run(trainable, s, run_chunk, batch, chunk, None, flat, out), check if verify else None,
@@ -366,7 +375,7 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
         chosen.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
 
     def check(result: Result, used: str) -> None:
-        check_jacobian(trainable, inputs, _rows(result, trainable, 2), used, batched=REGISTRY[used].batched_forward)
+        check_jacobian(trainable, inputs, _rows(result, trainable, 2), used, batched=_apart(trainable, used))
 
     def run(s: str) -> Result:
         return _run(trainable, s, run_chunk, batch, chunk, y_count, flat, out)
