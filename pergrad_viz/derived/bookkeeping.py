@@ -16,19 +16,16 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.core.losses import LossFn
-from pergrad_viz.core.memory import default_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.clipping import EPS
-from pergrad_viz.derived.norms import ghost_rule, row_squared_norms
+from pergrad_viz.derived.norms import ghost_rule, materialised_chunks, row_squared_norms
 from pergrad_viz.engine.capture import Layer, loss_gradients
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.probe import LayerKind
 from pergrad_viz.rules import ghost_rule_for, linear_views_for, weighted_sum_rule_for
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
-from pergrad_viz.strategies import working_bytes
 
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
 Groups = Sequence[tuple[float, tuple[str, ...]]]
@@ -147,18 +144,9 @@ def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_f
     """The clipped sum into ``sums`` from :func:`pergrad_viz.per_sample_grads` with ``strategy``, one chunk of samples
     at a time (chunks sized for ``resolved``, the strategy it runs): exact, slower, O(chunk * P) memory. Returns the
     (B,) squared norms per name."""
-    batch = inputs.size
-    if chunk_size is None:
-        p = trainable.num_params
-        per_sample = result_bytes(1, p, trainable.dtype) + working_bytes(resolved, 1, 1, p, trainable.dtype)
-        chunk = max(1, min(batch, default_budget(trainable.device) // per_sample))
-    else:
-        chunk = min(chunk_size, batch)
-    squared = {n: torch.empty(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
-    for start in range(0, batch, chunk):
-        rows = slice(start, min(start + chunk, batch))
-        grads = api.per_sample_grads(trainable.model, loss_fn, inputs.rows(rows), cut(targets, rows, batch),
-                                     strategy=strategy, verify=verify)
+    squared = {n: torch.empty(inputs.size, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
+    for rows, grads in materialised_chunks(trainable, resolved, strategy, loss_fn, inputs, targets, chunk_size,
+                                           verify):
         for name, g in grads.items():
             squared[name][rows] = row_squared_norms(g)
         factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)

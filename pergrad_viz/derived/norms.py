@@ -138,6 +138,18 @@ def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: s
                                 verify: bool = True) -> dict[str, torch.Tensor]:
     """{name: (B,) squared norms} from :func:`pergrad_viz.per_sample_grads` with ``strategy``, one chunk of samples
     at a time (chunks sized for ``resolved``, the strategy it runs)."""
+    squared = {n: torch.empty(inputs.size, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
+    for rows, grads in materialised_chunks(trainable, resolved, strategy, loss_fn, inputs, targets, chunk_size,
+                                           verify):
+        for name, g in grads.items():
+            squared[name][rows] = row_squared_norms(g)
+    return squared
+
+
+def materialised_chunks(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, inputs: Batch,
+                        targets: object, chunk_size: int | None, verify: bool):
+    """(rows, {name: (chunk, *shape)}) per chunk of samples, from :func:`pergrad_viz.per_sample_grads` with
+    ``strategy``; chunks of ``chunk_size``, or as many samples as fit the default budget for ``resolved``."""
     batch = inputs.size
     if chunk_size is None:
         p = trainable.num_params
@@ -145,14 +157,10 @@ def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: s
         chunk = max(1, min(batch, default_budget(trainable.device) // per_sample))
     else:
         chunk = min(chunk_size, batch)
-    squared = {n: torch.empty(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
     for start in range(0, batch, chunk):
         rows = slice(start, min(start + chunk, batch))
-        grads = api.per_sample_grads(trainable.model, loss_fn, inputs.rows(rows), cut(targets, rows, batch),
-                                     strategy=strategy, verify=verify)
-        for name, g in grads.items():
-            squared[name][rows] = row_squared_norms(g)
-    return squared
+        yield rows, api.per_sample_grads(trainable.model, loss_fn, inputs.rows(rows), cut(targets, rows, batch),
+                                         strategy=strategy, verify=verify)
 
 
 # Pieces shared with pergrad_viz.derived.ntk ------------------------------------------------------------------

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from pergrad_viz.core.batch import Batch, cut
+from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies import loop
-from pergrad_viz.strategies.outputs import non_finite_rows, write
+from pergrad_viz.strategies.outputs import write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -32,7 +32,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     for i in range(batch):
         g = torch.autograd.grad(losses[i], trainable.params, retain_graph=i < batch - 1, allow_unused=True)
         write(out, trainable.names, g, i)
-    _alone(trainable, loss_fn, inputs, targets, out)
+    loop.recompute_non_finite_rows(trainable, loss_fn, inputs, targets, out)
 
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
@@ -45,16 +45,5 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
             last = i == batch - 1 and j == y_count - 1
             g = torch.autograd.grad(outputs[i, j], trainable.params, retain_graph=not last, allow_unused=True)
             write(out, trainable.names, g, (i, j))
-    _alone(trainable, None, inputs, None, out)
+    loop.recompute_non_finite_rows(trainable, None, inputs, None, out)
 
-
-def _alone(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
-           out: dict[str, torch.Tensor]) -> None:
-    """Rows that came out non-finite recomputed for their sample alone (the loop): a non-finite sample (an inf input,
-    an overflow) must not spread into the other samples' rows through the batched backward's weight products."""
-    for i in non_finite_rows(out):
-        rows = {n: t[i:i + 1] for n, t in out.items()}
-        if loss_fn is None:
-            loop.jacobian(trainable, inputs.sample(i), rows)
-        else:
-            loop.grads(trainable, loss_fn, inputs.sample(i), cut(targets, slice(i, i + 1), inputs.size), rows)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from pergrad_viz.core.batch import Batch, cut
+from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies import loop
-from pergrad_viz.strategies.outputs import non_finite_rows, write
+from pergrad_viz.strategies.outputs import write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -31,7 +31,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     one_hot = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)
     g = _batched_backward(losses, trainable.params, one_hot)
     write(out, trainable.names, g, slice(None))
-    _alone(trainable, loss_fn, inputs, targets, out)
+    loop.recompute_non_finite_rows(trainable, loss_fn, inputs, targets, out)
 
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
@@ -43,7 +43,7 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
     g = _batched_backward(outputs, trainable.params, one_hot.view(-1, batch, y_count))
     g = [None if t is None else t.view(batch, y_count, *t.shape[1:]) for t in g]
     write(out, trainable.names, g, slice(None))
-    _alone(trainable, None, inputs, None, out)
+    loop.recompute_non_finite_rows(trainable, None, inputs, None, out)
 
 
 def _batched_backward(output: torch.Tensor, params: tuple, one_hot: torch.Tensor) -> tuple:
@@ -60,14 +60,3 @@ def _batched_backward(output: torch.Tensor, params: tuple, one_hot: torch.Tensor
             for k, row in enumerate(one_hot)]
     return tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows]) for k in range(len(params)))
 
-
-def _alone(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
-           out: dict[str, torch.Tensor]) -> None:
-    """Rows that came out non-finite recomputed for their sample alone (the loop): a non-finite sample (an inf input,
-    an overflow) must not spread into the other samples' rows through the batched backward's weight products."""
-    for i in non_finite_rows(out):
-        rows = {n: t[i:i + 1] for n, t in out.items()}
-        if loss_fn is None:
-            loop.jacobian(trainable, inputs.sample(i), rows)
-        else:
-            loop.grads(trainable, loss_fn, inputs.sample(i), cut(targets, slice(i, i + 1), inputs.size), rows)

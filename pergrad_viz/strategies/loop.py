@@ -12,7 +12,7 @@ from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.core.guards import nothing_takes_part
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.strategies.outputs import refuse_random_forward, write
+from pergrad_viz.strategies.outputs import non_finite_rows, refuse_random_forward, write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -50,3 +50,16 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
             write(out, trainable.names, g, (i, j))
     if not took_part and inputs.size:
         raise nothing_takes_part(trainable, "model output")
+
+
+def recompute_non_finite_rows(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
+                              out: dict[str, torch.Tensor]) -> None:
+    """Rows of a batched strategy's ``out`` {name: (B, ...)} that came out non-finite, recomputed here for their
+    sample alone (``loss_fn`` None: Jacobians): a non-finite sample (an inf input, an overflow) must not spread into
+    the other samples' rows through the batched backward's weight products."""
+    for i in non_finite_rows(out):
+        rows = {n: t[i:i + 1] for n, t in out.items()}
+        if loss_fn is None:
+            jacobian(trainable, inputs.sample(i), rows)
+        else:
+            grads(trainable, loss_fn, inputs.sample(i), cut(targets, slice(i, i + 1), inputs.size), rows)
