@@ -196,7 +196,7 @@ _CHAIN = {"hooks": ("hooks", "torch_func", "loop"), "torch_func": ("torch_func",
 
 def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch, run: Callable[[str], R],
               check: Callable[[R, str], None] | None, quantity: str, targets: object = None,
-              race: bool = True) -> R:
+              may_race: bool = True) -> R:
     """The package's one hand-over: run ``resolved`` and check its result when the schedule says the call is due
     (:mod:`pergrad_viz.engine.schedule`; ``check`` None: not asked for); under ``requested == "auto"`` a fast path
     that finds it cannot give the definition for this call (:class:`~pergrad_viz.errors.HandOverError`: the plan
@@ -205,14 +205,18 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
     An explicit strategy raises instead; any other error (the model's, the loss's, out of memory) is the user's and
     reaches the user unchanged, raised once, with a note on the inputs the package cut (see ``users_error``).
 
-    Where the probe lets ``hooks`` run (and ``race``: ``torch_func``'s memory fits too), ``auto`` races it against
+    Where the probe lets ``hooks`` run (and ``may_race``: ``torch_func``'s memory fits too), ``auto`` races it against
     ``torch_func`` on a few early calls and runs the faster from then on (:class:`~pergrad_viz.engine.schedule.Race`);
     both are checked alike.
 
-    ``run(strategy)`` computes the result; ``quantity`` ("grads", "jacobian", "norms") keys the check's schedule."""
-    race = race_for(trainable, inputs, quantity) if requested == "auto" and resolved == "hooks" and race else None
-    chain = (*race.order(), "loop") if race else _CHAIN.get(resolved, (resolved,)) if requested == "auto" else (
-        resolved,)
+    ``run(strategy)`` computes the result; ``quantity`` ("grads", "norms", ...) keys the check's schedule."""
+    race = race_for(trainable, inputs, quantity) if may_race and requested == "auto" and resolved == "hooks" else None
+    if race is not None:
+        chain = (*race.order(), "loop")
+    elif requested == "auto":
+        chain = _CHAIN.get(resolved, (resolved,))
+    else:
+        chain = (resolved,)
     for k, strategy in enumerate(chain):
         try:
             return _checked(strategy, trainable, inputs, run, check, quantity, race)
@@ -383,4 +387,4 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
     if y_count == 0:
         return run("loop")  # nothing to differentiate: the empty (B, 0, ...) result, in every strategy
 
-    return hand_over(requested, strategy, trainable, inputs, run, check if verify else None, "jacobian", race=race)
+    return hand_over(requested, strategy, trainable, inputs, run, check if verify else None, "jacobian", may_race=race)

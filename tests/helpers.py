@@ -189,3 +189,12 @@ def assert_refuses(call, model: nn.Module, *fragments: str, error: type[BaseExce
     assert_state_unchanged(model, before)  # hooks too: none added, the user's own kept
     assert_process_unchanged(process)
     return info.value
+
+
+def per_sample_call(quantity: str, model: nn.Module, x, y, strategy: str, flat: bool):
+    """``pv.per_sample_grads`` with cross-entropy (``quantity`` "grads") or ``pv.per_sample_jacobian``, as asked."""
+    import pergrad_viz as pv
+
+    if quantity == "grads":
+        return pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy, flat=flat)
+    return pv.per_sample_jacobian(model, x, strategy=strategy, flat=flat)

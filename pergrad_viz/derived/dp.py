@@ -209,8 +209,8 @@ def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, b
         if used == "hooks":  # the other strategies' gradients were checked as they were computed
             check_norms(trainable, loss_fn, batch, targets, result[1], used)
 
-    return api.hand_over(strategy, resolved, trainable, batch, run, check if verify else None, "norms", targets,
-                         race=False)  # book-keeping never builds (B, P); torch_func would
+    return api.hand_over(strategy, resolved, trainable, batch, run, check if verify else None, "clipped_sum", targets,
+                         may_race=False)  # book-keeping never builds (B, P); torch_func would
 
 
 def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, max_norm: float | None, *,

@@ -100,7 +100,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
             check_norms(trainable, loss_fn, inputs, targets, squared, used)
 
     squared = api.hand_over(strategy, resolved, trainable, inputs, run, check if verify else None, "norms", targets,
-                            race=False)  # ghost norms never build (B, P); torch_func would
+                            may_race=False)  # ghost norms never build (B, P); torch_func would
     if per_parameter:
         return {name: s.sqrt() for name, s in squared.items()}
     return torch.stack(list(squared.values())).sum(0).sqrt()

@@ -129,7 +129,7 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
         if used == "hooks":  # the per-sample Jacobians of the others were checked as they were computed
             check_ntk(trainable, x1, x2, kernel, full)
 
-    return api.hand_over("auto", strategy, trainable, x1, run, check if verify else None, "ntk", race=False)
+    return api.hand_over("auto", strategy, trainable, x1, run, check if verify else None, "ntk", may_race=False)
 
 
 def _expected(x: Batch) -> str:

@@ -134,7 +134,7 @@ def batch_quantities(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
 
     # The one hand-over (api.hand_over): the hooked pass, then materialised gradients where it cannot be trusted.
     res, _ = api.hand_over("auto", "hooks" if use_hooks else "torch_func", trainable, inputs, run, check, "scan", y,
-                           race=False)
+                           may_race=False)
     return res
 
 

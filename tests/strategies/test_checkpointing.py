@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_refuses, flatten_ref, ref_grads, ref_jacobian
+from helpers import assert_refuses, flatten_ref, per_sample_call, ref_grads, ref_jacobian
 from zoo.checkpointing import CASES
 
 import pergrad_viz as pv
@@ -27,12 +27,6 @@ def _problem(name):
     return model, x, torch.tensor([0, 2, 1]), reentrant
 
 
-def _call(quantity, model, x, y, strategy, flat):
-    if quantity == "grads":
-        return pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, strategy=strategy, flat=flat)
-    return pv.per_sample_jacobian(model, x, strategy=strategy, flat=flat)
-
-
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("quantity", ["grads", "jacobian"])
 @pytest.mark.parametrize("strategy", ALL)
@@ -42,11 +36,11 @@ def test_checkpointing_is_right_or_refused_naming_use_reentrant_false(name, stra
     if quantity == "jacobian" and name.startswith("hf") and strategy in ("loop", "autograd_stack", "batched_grad"):
         pytest.skip("slow baselines on the Jacobian of a transformer: the grads cover them")
     if reentrant:
-        assert_refuses(lambda: _call(quantity, model, x, y, strategy, flat), model, "use_reentrant=False",
+        assert_refuses(lambda: per_sample_call(quantity, model, x, y, strategy, flat), model, "use_reentrant=False",
                        "gradient_checkpointing_kwargs={'use_reentrant': False}", error=pv.UnsupportedModelError)
         return
     try:
-        got = _call(quantity, model, x, y, strategy, flat)
+        got = per_sample_call(quantity, model, x, y, strategy, flat)
     except pv.UnsupportedModelError as e:
         assert strategy not in ("auto", "loop"), f"{strategy} must not refuse: {e}"
         assert "'auto'" in str(e) or "'loop'" in str(e)

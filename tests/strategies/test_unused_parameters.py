@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_refuses, flatten_ref, ref_grads, ref_jacobian
+from helpers import assert_refuses, flatten_ref, per_sample_call, ref_grads, ref_jacobian
 from zoo.unused import CASES
 
 import pergrad_viz as pv
@@ -25,12 +25,6 @@ def _problem(case):
     return model, torch.randn(4, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (4,), generator=g)
 
 
-def _call(quantity, model, x, y, strategy, flat):
-    if quantity == "grads":
-        return pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, strategy=strategy, flat=flat)
-    return pv.per_sample_jacobian(model, x, strategy=strategy, flat=flat)
-
-
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("quantity", ["grads", "jacobian"])
 @pytest.mark.parametrize("strategy", ALL)
@@ -38,12 +32,12 @@ def _call(quantity, model, x, y, strategy, flat):
 def test_unused_parameters_get_zeros_or_one_refusal(case, strategy, quantity, flat):
     model, x, y = _problem(case)
     if case.refuse:
-        assert_refuses(lambda: _call(quantity, model, x, y, strategy, flat), model,
+        assert_refuses(lambda: per_sample_call(quantity, model, x, y, strategy, flat), model,
                        "no trainable parameter takes part", "unmerge_adapter()", "requires_grad")
         return
     want = ref_grads(model, torch.nn.CrossEntropyLoss(), x, y) if quantity == "grads" else ref_jacobian(model, x)
     assert any(float(w.abs().max()) == 0 for w in want.values()), "the case has no unused parameter"
-    got = _call(quantity, model, x, y, strategy, flat)
+    got = per_sample_call(quantity, model, x, y, strategy, flat)
     if flat:
         torch.testing.assert_close(got, flatten_ref(want, 1 if quantity == "grads" else 2))
     else:
