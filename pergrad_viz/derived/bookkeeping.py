@@ -4,31 +4,49 @@ the same captured inputs and output gradients (a Linear: ``(c G)^T A``, one matm
 
 Shapes: B samples, K clipping groups (one for flat clipping), ``*shape`` a parameter's shape.
 
-A layer without a weighted-sum rule (``pergrad_viz.rules.register_weighted_sum``), or one owning a tied parameter,
-gets its own per-sample gradients (B, *shape) from its rule or the per-layer fallback, and the weighted sum of
-those: that layer only, never the whole model. Where the hooks strategy cannot run, :func:`materialised_sums`
-builds the per-sample gradients with :func:`pergrad_viz.per_sample_grads` one chunk at a time.
+Memory: each layer is booked as soon as the backward has given all its output gradients (a tensor hook on each
+layer output; autograd is asked only for the outputs below which no other layer lies, so that it holds no other
+gradient): its norms are taken then, and only what its share of the sum needs is kept, (a, g) for a layer with a
+weighted-sum rule (``pergrad_viz.rules.register_weighted_sum``), its per-sample gradients (B, *shape) for the others
+(a LayerNorm's (B, D)); its outputs, output gradients and a convolution's columns are let go, as plain training
+lets them go. A layer's stacked form (a convolution's columns) is built a few samples at a time.
+
+A weight tied between layers (GPT-2's embedding and output layer) keeps each layer's own form: its squared norm is
+the sum of the layers' own plus twice their cross inner products (:func:`pergrad_viz.derived.norms.
+tied_squared_norms`), its weighted sum the sum of the layers' shares. A layer without a weighted-sum rule gets its
+own per-sample gradients from its rule or the per-layer fallback (that layer only, never the whole model). Where
+the hooks strategy cannot run, :func:`materialised_sums` builds the per-sample gradients with
+:func:`pergrad_viz.per_sample_grads` one chunk at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from pergrad_viz.core.batch import Batch, cut
-from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.losses import LossFn, summed_per_sample_loss
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.clipping import EPS
-from pergrad_viz.derived.norms import ghost_rule, materialised_chunks, row_squared_norms
-from pergrad_viz.engine.capture import Layer, loss_gradients
-from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
+from pergrad_viz.derived.norms import (
+    TiedPart,
+    ghost_rule,
+    materialised_chunks,
+    row_squared_norms,
+    tied_squared_norms,
+)
+from pergrad_viz.engine.capture import Call, Layer, capture
+from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.probe import LayerKind
-from pergrad_viz.rules import ghost_rule_for, linear_views_for, weighted_sum_rule_for
+from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
 Groups = Sequence[tuple[float, tuple[str, ...]]]
+
+STACK_BYTES = 1 << 20  # a layer's stacked form is built for as many samples as fit max(this, its captures' bytes)
 
 
 def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups) -> dict[str, torch.Tensor]:
@@ -51,22 +69,100 @@ def _add_weighted(dest: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> None:
 SumOf = Callable[[Mapping[str, torch.Tensor], dict[str, torch.Tensor]], None]
 
 
-def _ghost_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumOf] | None:
-    """A layer with a weighted-sum rule: ({full name: (B,) squared norm}, its share of the sum), else None."""
-    ghost = ghost_rule(layer)
-    rule = weighted_sum_rule_for(layer.module) if ghost is not None else None
-    if rule is None:
-        return None
-    module, local = layer.module, layer.local
-    seen_first = [(call.activation, call.rule_grad(gs[0])[0]) for call, gs in seen]
-    a, g = ghost_rule_for(module).stack(module, [(a, g[None]) for a, g in seen_first])
-    squared = {local[ln]: sq for ln, sq in ghost.squared_norms(module, a, g[0], local).items()}
-    del a, g  # the stacked form (a convolution's columns) is not kept
+def _stacked_norms(ghost, module, seen_first, local) -> dict[str, torch.Tensor]:
+    """{local name: (B,) squared norm} from the ghost rule, its stacked form (a convolution's columns, k * k times
+    its input) built for a few samples at a time: at most about max(STACK_BYTES, the captures' bytes) at once."""
+    batch = seen_first[0][0].shape[0]
+    held = sum(a.nbytes + g.nbytes for a, g in seen_first)
+    one = ghost.stack(module, [(a[:1], g[None, :1]) for a, g in seen_first])
+    step = max(1, max(held, STACK_BYTES) // max(1, one[0].nbytes + one[1].nbytes))
+    del one
+    chunks = []
+    for start in range(0, batch, step):
+        a, g = ghost.stack(module, [(a[start:start + step], g[None, start:start + step]) for a, g in seen_first])
+        chunks.append(ghost.squared_norms(module, a, g[0], local))
+        del a, g
+    return {ln: torch.cat([c[ln] for c in chunks]) for ln in chunks[0]}
 
-    def share(factors: Mapping[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
-        rule(module, seen_first, {ln: factors[n] for ln, n in local.items()}, {ln: sums[n] for ln, n in local.items()})
 
-    return squared, share
+def _dense_part(g: torch.Tensor, own: torch.Tensor) -> TiedPart:
+    """A per-sample gradient (B, *shape) as a tied part: W.view(rows, -1) = sum_r outer(e_r, W[r]), its rows as
+    one-hot left factors."""
+    rows = g.reshape(g.shape[0], g.shape[1] if g.dim() > 1 else 1, -1)  # (B, rows, cols)
+    index = torch.arange(rows.shape[1], device=g.device).expand(g.shape[0], -1)
+    return index, rows, own
+
+
+class _Book:
+    """What one chunk of samples leaves for its clipped sum, filled layer by layer during the backward: squared
+    norms {full name: (B,)}, the shares formed from captures, the per-sample gradients [(full name, (B, *shape))] of
+    the other layers, and the parts of each tied weight's norm."""
+
+    def __init__(self, tied: set[str]):
+        self.tied = tied
+        self.squared: dict[str, torch.Tensor] = {}
+        self.shares: list[SumOf] = []
+        self.dense: list[tuple[str, torch.Tensor]] = []
+        self.parts: dict[str, list[TiedPart]] = {}
+        self.later: list[tuple[Layer, Seen]] = []  # layers whose rules replay them (torch.func): after the backward
+
+    def add(self, layer: Layer, seen: Seen, now: bool = True) -> None:
+        """Book one layer whose output gradients are all known (``now``: during the backward)."""
+        entry = self._ghost(layer, seen)
+        if entry is None and self.tied.isdisjoint(layer.local.values()):
+            entry = _call_layer(layer, seen)
+        if entry is not None:
+            self.squared.update(entry[0])
+            self.shares.append(entry[1])
+        elif now and layer.kind is not LayerKind.RULE:
+            self.later.append((layer, seen))
+        else:
+            for ln, g in dense_grads(layer, seen).items():
+                name = layer.local[ln]
+                own = row_squared_norms(g[0])
+                if name in self.tied:
+                    self.parts.setdefault(name, []).append(_dense_part(g[0], own))
+                else:
+                    self.squared[name] = own
+                self.dense.append((name, g[0]))
+
+    def finish(self) -> None:
+        """The layers left for after the backward, then the tied weights' norms from their parts."""
+        for layer, seen in self.later:
+            self.add(layer, seen, now=False)
+        self.later = []
+        for name, parts in self.parts.items():
+            self.squared[name] = tied_squared_norms(parts)
+
+    def _ghost(self, layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumOf] | None:
+        """A layer with a weighted-sum rule: ({full name: (B,) squared norm} of its untied parameters, its share),
+        its tied weights' parts noted; else None."""
+        ghost = ghost_rule(layer)
+        rule = weighted_sum_rule_for(layer.module) if ghost is not None else None
+        if rule is None:
+            return None
+        module, local = layer.module, layer.local
+        seen_first = [(call.activation, call.rule_grad(gs[0])[0]) for call, gs in seen]
+        own = _stacked_norms(ghost, module, seen_first, local)
+        squared = {}
+        for ln, sq in own.items():
+            name = local[ln]
+            if name not in self.tied:
+                squared[name] = sq
+                continue
+            a, g = ghost.stack(module, [(a, g[None]) for a, g in seen_first])
+            factors = ghost.factors(module, a, g[0]) if ln == "weight" else None
+            if factors is None:  # this layer's per-sample gradient of the weight, as a part
+                part = _dense_part(dense_grads(layer, seen)[ln][0], sq)
+            else:
+                part = (*factors, sq)
+            self.parts.setdefault(name, []).append(part)
+
+        def share(factors: Mapping[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
+            rule(module, seen_first, {ln: factors[n] for ln, n in local.items()},
+                 {ln: sums[n] for ln, n in local.items()})
+
+        return squared, share
 
 
 def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumOf] | None:
@@ -102,6 +198,93 @@ def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumO
     return squared, share
 
 
+def _shape_only(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape, dtype and device that holds no memory (what a rule reads of an output after the
+    backward: its shape)."""
+    return t.new_zeros(()).expand(t.shape)
+
+
+def _lowest(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors whose backward graph reaches no other one's: asking autograd for their gradients alone runs the
+    backward through all the others (each then seen by its hook) without holding theirs. An iterative walk of the
+    graph, each node visited once."""
+    nodes = {id(t.grad_fn) for t in tensors if t.grad_fn is not None}
+    below: dict[int, bool] = {}  # per node: whether it is, or leads to, a node of one of the tensors
+
+    def reaches(node) -> bool:
+        stack = [node]
+        while stack:
+            n = stack[-1]
+            if id(n) in below:
+                stack.pop()
+                continue
+            children = [c for c, _ in n.next_functions if c is not None]
+            todo = [c for c in children if id(c) not in below]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            below[id(n)] = id(n) in nodes or any(below[id(c)] for c in children)
+        return below[id(node)]
+
+    return [t for t in tensors if t.grad_fn is None
+            or not any(reaches(c) for c, _ in t.grad_fn.next_functions if c is not None)]
+
+
+def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object) -> _Book:
+    """1 forward with hooks, 1 backward of the summed per-sample losses, each layer booked as its output gradients
+    (N = 1 first) arrive; the captured outputs kept as shapes only."""
+    output, calls = capture(trainable, inputs)
+    book = _Book(tied_names(calls))
+    wanted = [(i, k, t) for i, c in enumerate(calls) for k, t in enumerate((*c.outputs, *c.internals))
+              if t.requires_grad]
+    if not wanted:  # no layer with trainable parameters reached
+        return book
+    layers: dict[int, tuple[Layer, list[int]]] = {}
+    for i, c in enumerate(calls):
+        layers.setdefault(id(c.layer.module), (c.layer, []))[1].append(i)
+    waiting = dict.fromkeys(layers, 0)
+    for i, _, _ in wanted:
+        waiting[id(calls[i].layer.module)] += 1
+    pending: list[list | None] = [[None] * (len(c.outputs) + len(c.internals)) for c in calls]
+    records: list[Call | None] = [dataclasses.replace(c, outputs=[_shape_only(t) for t in c.outputs], captured=(
+        None if c.captured is None else Captured([_shape_only(t) for t in c.captured.internals], c.captured.state)))
+        for c in calls]
+
+    def take(key: int, now: bool = True) -> None:
+        layer, idx = layers[key]
+        seen = [(records[i], pending[i]) for i in idx if any(g is not None for g in pending[i])]
+        for i in idx:
+            records[i] = pending[i] = None
+        waiting[key] = -1
+        if seen:
+            with torch.no_grad():
+                book.add(layer, seen, now)
+
+    def hook_for(i: int, k: int, key: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            pending[i][k] = grad.unsqueeze(0)
+            waiting[key] -= 1
+            if waiting[key] == 0:
+                take(key)
+
+        return hook
+
+    for i, k, t in wanted:
+        t.register_hook(hook_for(i, k, id(calls[i].layer.module)))
+    lowest = _lowest([t for _, _, t in wanted])
+    total = summed_per_sample_loss(loss_fn, output, targets)
+    del output, calls, wanted
+    torch.autograd.grad(total, lowest, allow_unused=True)
+    del total, lowest
+    for key, left in waiting.items():  # layers some of whose outputs the loss does not reach
+        if left > 0:
+            take(key, now=False)
+    with torch.no_grad():
+        book.finish()
+    return book
+
+
 def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, chunk: int, groups: Groups,
                 sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Add the clipped sum into ``sums`` {name: (*shape)}; returns {name: (B,) squared norms} (for the check)."""
@@ -110,31 +293,16 @@ def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
         for start in range(0, batch, chunk):
             rows = slice(start, min(start + chunk, batch))
-            calls, grads = loss_gradients(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
-            tied = tied_names(calls)
-            shares: list[SumOf] = []  # the layers whose share comes from the captures
-            dense: dict[str, torch.Tensor] = {}  # the other layers' (B, *shape), summed over tied layers
-            for layer, seen in group_calls(calls, grads).values():
-                entry = None
-                if tied.isdisjoint(layer.local.values()):
-                    entry = _ghost_layer(layer, seen) or _call_layer(layer, seen)
-                if entry is not None:
-                    for name, sq in entry[0].items():
-                        squared[name][rows] = sq
-                    shares.append(entry[1])
-                    continue
-                for ln, g in dense_grads(layer, seen).items():
-                    name = layer.local[ln]
-                    dense[name] = g[0] if name not in dense else dense[name] + g[0]
-            for name, g in dense.items():
-                squared[name][rows] = row_squared_norms(g)
+            book = _booked_backward(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
+            for name, sq in book.squared.items():
+                squared[name][rows] = sq
             factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)
             with torch.no_grad():
-                for share in shares:
+                for share in book.shares:
                     share(factors, sums)
-                for name, g in dense.items():
+                for name, g in book.dense:
                     _add_weighted(sums[name], g, factors[name])
-            del calls, grads, shares, dense
+            del book
     return squared
 
 

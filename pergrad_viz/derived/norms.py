@@ -26,7 +26,7 @@ with :func:`pergrad_viz.per_sample_grads` one chunk of samples at a time and tak
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -171,6 +171,42 @@ def row_squared_norms(g: torch.Tensor) -> torch.Tensor:
     parameter such as a learnable temperature gives (B,), where ``flatten(1)`` would fail)."""
     scaled, s = sample_scaled(g.reshape(g.shape[0], -1))  # huge entries: no overflow where the result is finite
     return scaled.square().sum(1) * s.square()
+
+
+# A layer's share of a tied weight's per-sample gradient: (left, right, own) with the gradient read as the matrix
+# W.view(rows, -1) = sum_t outer(left_t, right_t) (``GhostRule.factors``) and own (B,) its squared norm alone.
+TiedPart = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _left_gram(left1: torch.Tensor, left2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, T1, T2) inner products of two layers' left factors, (B, T, rows) vectors or (B, T) integer rows (one-hot
+    vectors): a matmul, a gather of the dense side at the rows, or where the rows are equal."""
+    one1, one2 = not left1.is_floating_point(), not left2.is_floating_point()
+    if one1 and one2:
+        return (left1.unsqueeze(2) == left2.unsqueeze(1)).to(dtype)
+    if one1:
+        return left2.gather(2, left1.unsqueeze(1).expand(-1, left2.shape[1], -1)).mT  # left2[b, s, idx_t]
+    if one2:
+        return left1.gather(2, left2.unsqueeze(1).expand(-1, left1.shape[1], -1))
+    return torch.bmm(left1, left2.mT)
+
+
+def tied_squared_norms(parts: Sequence[TiedPart]) -> torch.Tensor:
+    """(B,) squared norms of the per-sample gradient of a weight tied between layers, sum_k g_k, without forming it:
+    ``sum_k ||g_k||^2 + 2 sum_{k<l} <g_k, g_l>`` with ``<g_k, g_l> = sum_{t,s} (left_kt . left_ls)(right_kt .
+    right_ls)`` per sample (an output Linear tied to an Embedding: the Linear's output gradient gathered at the
+    token ids). O(B T_k T_l (rows + cols)) work, (B, T_k, T_l) memory."""
+    total = sum(own for _, _, own in parts)
+    scaled = []
+    for left, right, own in parts:  # per sample: the products below neither overflow nor underflow on their own
+        left, sl = sample_scaled(left) if left.is_floating_point() else (left, torch.ones_like(own))
+        right, sr = sample_scaled(right)
+        scaled.append((left, right, sl * sr))
+    for k, (left1, right1, s1) in enumerate(scaled):
+        for left2, right2, s2 in scaled[k + 1:]:
+            cross = (_left_gram(left1, left2, right1.dtype) * torch.bmm(right1, right2.mT)).sum((1, 2))
+            total = total + 2 * cross * (s1 * s2)
+    return total.clamp_min(0)
 
 
 def ghost_rule(layer: Layer) -> GhostRule | None:

@@ -87,6 +87,10 @@ class ConvGhost(LinearGhost):
         return join_positions(acts, grads)
 
     @staticmethod
+    def factors(module, a, g):
+        return None  # a tied convolution keeps its per-sample gradients (its columns are not kept)
+
+    @staticmethod
     def gram_cost(module, tokens, y_count, pairs):
         inputs, width = module.weight[0].numel(), module.out_channels
         gram = tokens * tokens * (inputs + y_count * width) + tokens * pairs * width
@@ -98,8 +102,8 @@ _WEIGHT_GRAD = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight}
 
 @register_weighted_sum(nn.Conv1d, nn.Conv2d)
 def conv_weighted_sum(module, seen, weights, out):
-    """out += the weight gradient of the batch with each sample's output gradient times c_b (the convolution's own
-    weight gradient kernel: no im2col); bias: the c-weighted sum of the output gradients."""
+    """out += the weight gradient of the batch with each sample's input or output gradient times c_b (the
+    convolution's own weight gradient kernel: no im2col); bias: the c-weighted sum of the output gradients."""
     dims = len(module.kernel_size)
     for a, g in seen:
         padding = module.padding
@@ -108,16 +112,15 @@ def conv_weighted_sum(module, seen, weights, out):
             mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
             a = F.pad(a, pad, mode=mode) if any(pad) else a
             padding = (0,) * dims
-        scaled: dict[int, torch.Tensor] = {}
         for ln, c in weights.items():
-            cg = scaled.get(id(c))
-            if cg is None:
-                cg = scaled[id(c)] = g * c.view(-1, *(1,) * (g.dim() - 1))
-            if ln == "bias":
-                out[ln].add_(cg.transpose(0, 1).reshape(module.out_channels, -1).sum(1))
-            else:
-                out[ln].add_(_WEIGHT_GRAD[dims](a, module.weight.shape, cg, module.stride, padding, module.dilation,
-                                                module.groups))
+            c = c.to(g.dtype).view(-1, *(1,) * (g.dim() - 1))
+            if ln == "bias":  # (C_out,) += sum_b c_b (output gradient of b summed over positions)
+                out[ln].addmv_(g.reshape(g.shape[0], module.out_channels, -1).sum(2).mT, c.reshape(-1))
+                continue
+            # bilinear in (a, g): c scales the smaller of the two (the one temporary)
+            ca, cg = (a * c, g) if a.numel() <= g.numel() else (a, g * c)
+            out[ln].add_(_WEIGHT_GRAD[dims](ca, module.weight.shape, cg, module.stride, padding, module.dilation,
+                                            module.groups))
 
 
 def _conv_by_correlation(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,

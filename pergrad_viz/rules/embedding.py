@@ -61,6 +61,10 @@ class EmbeddingGhost:
         return {"weight": g.new_zeros(a.shape[0]).index_add_(0, unique // vocab, rows.square().sum(1) * s.square())}
 
     @staticmethod
+    def factors(module, a, g):
+        return a, g  # W (V, D): sum_t outer(one-hot(idx_t), g_t), rows ignored by the layer already zeroed in g
+
+    @staticmethod
     def overlap(a1, a2, dtype):
         return (a1[:, None, :, None] == a2[None, :, None, :]).to(dtype)  # the same index
 

@@ -126,6 +126,10 @@ class LinearGhost:
         return result
 
     @staticmethod
+    def factors(module, a, g):
+        return g, a  # W (out, in): sum_t outer(g_t, a_t)
+
+    @staticmethod
     def overlap(a1, a2, dtype):
         return torch.einsum("itk,jsk->ijts", a1, a2)  # a_{i,t} . a_{j,s}
 
@@ -144,33 +148,40 @@ class LinearInOutGhost(LinearGhost):
     not see the layout); registered with :func:`linear_in_out`."""
 
     @staticmethod
+    def factors(module, a, g):
+        return a, g  # W (in, out): sum_t outer(a_t, g_t)
+
+    @staticmethod
     def gram_cost(module, tokens, y_count, pairs):
         width_in, width_out = module.weight.shape
         return _gram_cost(width_in, width_out, tokens, y_count, pairs)
 
 
-def _scaled(g: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """g (B, *, out) with sample b's rows times weights[b], as (B * T, out)."""
-    return (g * weights.view(-1, *(1,) * (g.dim() - 1))).reshape(-1, g.shape[-1])
+def _scaled(t: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """t (B, *, width) with sample b's rows times weights[b], as (B * T, width)."""
+    return (t * weights.view(-1, *(1,) * (t.dim() - 1))).reshape(-1, t.shape[-1])
 
 
 def _linear_sums(seen, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor], in_out: bool) -> None:
-    """out += sum_b c_b sum_t g_bt a_bt^T = (c G)^T A over the B * T rows of every call: one ``addmm_`` per call
-    and parameter, straight into ``out`` (``in_out``: the weight stored (in, out), A^T (c G)); c G is formed once
-    where weight and bias share c."""
+    """out += sum_b c_b sum_t g_bt a_bt^T = G^T diag(c) A over the B * T rows of every call: one ``addmm_`` per call
+    and weight, straight into ``out`` (``in_out``: the weight stored (in, out)), c applied to the narrower of A and G
+    (the one temporary, (B * T, min(in, out))); the bias += G summed over positions, times c (one ``addmv_``)."""
     for a, g in seen:
-        rows_a = a.reshape(-1, a.shape[-1])  # (B * T, in)
-        scaled: dict[int, torch.Tensor] = {}
+        batch = g.shape[0]
+        rows_a, rows_g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])  # (B * T, in), (B * T, out)
         for ln, c in weights.items():
-            cg = scaled.get(id(c))
-            if cg is None:
-                cg = scaled[id(c)] = _scaled(g, c)  # (B * T, out)
+            c = c.to(g.dtype)
             if ln == "bias":
-                out[ln].add_(cg.sum(0))
-            elif in_out:
-                out[ln].addmm_(rows_a.mT, cg)
+                out[ln].addmv_(g.reshape(batch, -1, g.shape[-1]).sum(1).mT, c)
+                continue
+            if rows_a.shape[1] <= rows_g.shape[1]:
+                left, right = rows_g, _scaled(a, c)
             else:
-                out[ln].addmm_(cg.mT, rows_a)
+                left, right = _scaled(g, c), rows_a
+            if in_out:
+                out[ln].addmm_(right.mT, left)
+            else:
+                out[ln].addmm_(left.mT, right)
 
 
 @register_weighted_sum(nn.Linear)

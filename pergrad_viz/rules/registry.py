@@ -50,6 +50,13 @@ class GhostRule(Protocol):
         """{local name: (B,) squared norm of the per-sample gradient}, from ``stack``'s a and g[0] (B, T, out)."""
 
     @staticmethod
+    def factors(module: nn.Module, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weight's per-sample gradient, read as the matrix W.view(rows, -1), as ``sum_t outer(left_t,
+        right_t)``: ``(left, right)`` from ``stack``'s a and g[0], left (B, T, rows) or (B, T) integer rows (one-hot
+        left vectors: an Embedding's indices), right (B, T, cols); None where the rule gives no such factors. What
+        the norm of a weight tied between layers is made of (its cross terms, ``pergrad_viz.derived.norms``)."""
+
+    @staticmethod
     def overlap(a1: torch.Tensor, a2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(N1, N2, T, S): what the weight's kernel term multiplies g_t . g_s by (a_t . a_s for Linear)."""
 
