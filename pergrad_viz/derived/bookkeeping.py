@@ -46,7 +46,17 @@ from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
 Groups = Sequence[tuple[float, tuple[str, ...]]]
 
-STACK_BYTES = 1 << 20  # a layer's stacked form is built for as many samples as fit max(this, its captures' bytes)
+# A layer's norms are computed for as many samples at once as keep their temporaries (scaled copies of a and g, a
+# convolution's columns, k * k times its input) within max(NORM_BYTES, the layer's captures / NORM_PARTS): they come
+# on top of what every layer keeps for its share, which is the most that is held.
+NORM_BYTES = 256 << 10
+NORM_PARTS = 4
+
+
+def samples_at_once(batch: int, per_sample: int, held: int) -> int:
+    """How many samples a layer's norms take at once: ``per_sample`` bytes of temporaries each, ``held`` bytes of
+    captures (see NORM_BYTES)."""
+    return max(1, min(batch, max(NORM_BYTES, held // NORM_PARTS) // max(1, per_sample)))
 
 
 def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups) -> dict[str, torch.Tensor]:
@@ -70,12 +80,12 @@ SumOf = Callable[[Mapping[str, torch.Tensor], dict[str, torch.Tensor]], None]
 
 
 def _stacked_norms(ghost, module, seen_first, local) -> dict[str, torch.Tensor]:
-    """{local name: (B,) squared norm} from the ghost rule, its stacked form (a convolution's columns, k * k times
-    its input) built for a few samples at a time: at most about max(STACK_BYTES, the captures' bytes) at once."""
+    """{local name: (B,) squared norm} from the ghost rule, its stacked form built a few samples at a time
+    (:func:`samples_at_once`)."""
     batch = seen_first[0][0].shape[0]
     held = sum(a.nbytes + g.nbytes for a, g in seen_first)
     one = ghost.stack(module, [(a[:1], g[None, :1]) for a, g in seen_first])
-    step = max(1, max(held, STACK_BYTES) // max(1, one[0].nbytes + one[1].nbytes))
+    step = samples_at_once(batch, 2 * (one[0].nbytes + one[1].nbytes), held)
     del one
     chunks = []
     for start in range(0, batch, step):
@@ -187,8 +197,11 @@ def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumO
         return None  # a parameter of the layer outside its Linear maps (bias_k, bias_v)
     squared = {}
     for a, g, full in pairs:
-        for role, sq in LinearGhost.squared_norms(None, a, g, full).items():
-            squared[full[role]] = sq
+        step = samples_at_once(a.shape[0], 2 * (a[0].nbytes + g[0].nbytes), a.nbytes + g.nbytes)
+        parts = [LinearGhost.squared_norms(None, a[r:r + step], g[r:r + step], full)
+                 for r in range(0, a.shape[0], step)]
+        for role in parts[0]:
+            squared[full[role]] = torch.cat([p[role] for p in parts])
 
     def share(factors: Mapping[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
         for a, g, full in pairs:
@@ -285,25 +298,33 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     return book
 
 
+Sums = dict[str, torch.Tensor]
+
+
 def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, chunk: int, groups: Groups,
-                sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Add the clipped sum into ``sums`` {name: (*shape)}; returns {name: (B,) squared norms} (for the check)."""
+                start: Callable[[], Sums]) -> tuple[Sums, dict[str, torch.Tensor]]:
+    """({name: (*shape)} the clipped sum added into ``start()``, {name: (B,) squared norms} (for the check)).
+    ``start()`` (the sums, noise drawn into them) is called after the first backward, so that the sums and the
+    forward pass's activations are not held at once, as plain training's ``.grad`` is made during its backward."""
     batch = inputs.size
     squared = {n: torch.zeros(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
+    sums = None
     with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
-        for start in range(0, batch, chunk):
-            rows = slice(start, min(start + chunk, batch))
+        for first in range(0, batch, chunk):
+            rows = slice(first, min(first + chunk, batch))
             book = _booked_backward(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
             for name, sq in book.squared.items():
                 squared[name][rows] = sq
             factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)
+            sums = start() if sums is None else sums
             with torch.no_grad():
-                for share in book.shares:
-                    share(factors, sums)
-                for name, g in book.dense:
+                while book.shares:  # each layer's captures let go once its share is added
+                    book.shares.pop()(factors, sums)
+                while book.dense:
+                    name, g = book.dense.pop()
                     _add_weighted(sums[name], g, factors[name])
             del book
-    return squared
+    return sums, squared
 
 
 def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, inputs: Batch,

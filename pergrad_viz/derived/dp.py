@@ -199,9 +199,9 @@ def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, b
     gradients in chunks."""
 
     def run(used: str) -> tuple[dict, dict]:
+        if used == "hooks":  # the sums made after the backward
+            return hooked_sums(trainable, loss_fn, batch, targets, chunk, groups, start)
         sums = start()
-        if used == "hooks":
-            return sums, hooked_sums(trainable, loss_fn, batch, targets, chunk, groups, sums)
         return sums, materialised_sums(trainable, used, used, loss_fn, batch, targets, chunk_size, verify, groups,
                                        sums)
 
