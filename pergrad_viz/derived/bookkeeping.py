@@ -32,6 +32,7 @@ from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.clipping import EPS
 from pergrad_viz.derived.norms import (
     TiedPart,
+    dense_part,
     ghost_rule,
     materialised_chunks,
     row_squared_norms,
@@ -95,14 +96,6 @@ def _stacked_norms(ghost, module, seen_first, local) -> dict[str, torch.Tensor]:
     return {ln: torch.cat([c[ln] for c in chunks]) for ln in chunks[0]}
 
 
-def _dense_part(g: torch.Tensor, own: torch.Tensor) -> TiedPart:
-    """A per-sample gradient (B, *shape) as a tied part: W.view(rows, -1) = sum_r outer(e_r, W[r]), its rows as
-    one-hot left factors."""
-    rows = g.reshape(g.shape[0], g.shape[1] if g.dim() > 1 else 1, -1)  # (B, rows, cols)
-    index = torch.arange(rows.shape[1], device=g.device).expand(g.shape[0], -1)
-    return index, rows, own
-
-
 class _Book:
     """What one chunk of samples leaves for its clipped sum, filled layer by layer during the backward: squared
     norms {full name: (B,)}, the shares formed from captures, the per-sample gradients [(full name, (B, *shape))] of
@@ -131,7 +124,7 @@ class _Book:
                 name = layer.local[ln]
                 own = row_squared_norms(g[0])
                 if name in self.tied:
-                    self.parts.setdefault(name, []).append(_dense_part(g[0], own))
+                    self.parts.setdefault(name, []).append(dense_part(g[0], own))
                 else:
                     self.squared[name] = own
                 self.dense.append((name, g[0]))
@@ -163,7 +156,7 @@ class _Book:
             a, g = ghost.stack(module, [(a, g[None]) for a, g in seen_first])
             factors = ghost.factors(module, a, g[0]) if ln == "weight" else None
             if factors is None:  # this layer's per-sample gradient of the weight, as a part
-                part = _dense_part(dense_grads(layer, seen)[ln][0], sq)
+                part = dense_part(dense_grads(layer, seen)[ln][0], sq)
             else:
                 part = (*factors, sq)
             self.parts.setdefault(name, []).append(part)

@@ -209,6 +209,14 @@ def tied_squared_norms(parts: Sequence[TiedPart]) -> torch.Tensor:
     return total.clamp_min(0)
 
 
+def dense_part(g: torch.Tensor, own: torch.Tensor) -> TiedPart:
+    """A per-sample gradient (B, *shape) as a tied part: W.view(rows, -1) = sum_r outer(e_r, W[r]), its rows as
+    one-hot left factors."""
+    rows = g.reshape(g.shape[0], g.shape[1] if g.dim() > 1 else 1, -1)  # (B, rows, cols)
+    index = torch.arange(rows.shape[1], device=g.device).expand(g.shape[0], -1)
+    return index, rows, own
+
+
 def ghost_rule(layer: Layer) -> GhostRule | None:
     """The layer's :class:`~pergrad_viz.rules.GhostRule` where its closed-form rule applies, else None."""
     return ghost_rule_for(layer.module) if layer.kind is LayerKind.RULE else None
