@@ -97,30 +97,34 @@ class ConvGhost(LinearGhost):
         return gram, pairs * module.weight.numel()
 
 
-_WEIGHT_GRAD = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight}
+# The weighted sum's columns are made for as many samples at once as fit max(this, a quarter of the call's captures).
+SUM_COLUMNS_BYTES = 1 << 20
 
 
 @register_weighted_sum(nn.Conv1d, nn.Conv2d)
 def conv_weighted_sum(module, seen, weights, out):
-    """out += the weight gradient of the batch with each sample's input or output gradient times c_b (the
-    convolution's own weight gradient kernel: no im2col); bias: the c-weighted sum of the output gradients."""
-    dims = len(module.kernel_size)
+    """Used where the ghost rule applies (groups=1): the weight, as the matrix (C_out, C_in * k), += sum_b c_b
+    G_b cols_b^T, the columns (im2col, as the layer sees its input) made a few samples at a time and one ``addmm_``
+    per chunk straight into ``out`` (the convolution's own weight-gradient kernel takes workspaces several times the
+    weight's size, 36 MB for a 512-channel 3 x 3 layer); bias: the c-weighted sum of the output gradients."""
+    c_out = module.out_channels
     for a, g in seen:
-        padding = module.padding
-        if module.padding_mode != "zeros" or isinstance(padding, str):  # pad explicitly as the layer does
-            pad = list(module._reversed_padding_repeated_twice)
-            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-            a = F.pad(a, pad, mode=mode) if any(pad) else a
-            padding = (0,) * dims
+        batch = g.shape[0]
+        g3 = g.reshape(batch, c_out, -1)  # (B, C_out, L)
+        per_sample = module.weight[0].numel() * g3.shape[-1] * a.element_size()  # one sample's columns
+        step = max(1, max(SUM_COLUMNS_BYTES, (a.nbytes + g.nbytes) // 4) // per_sample)
         for ln, c in weights.items():
-            c = c.to(g.dtype).view(-1, *(1,) * (g.dim() - 1))
+            c = c.to(g.dtype)
             if ln == "bias":  # (C_out,) += sum_b c_b (output gradient of b summed over positions)
-                out[ln].addmv_(g.reshape(g.shape[0], module.out_channels, -1).sum(2).mT, c.reshape(-1))
+                out[ln].addmv_(g3.sum(2).mT, c)
                 continue
-            # bilinear in (a, g): c scales the smaller of the two (the one temporary)
-            ca, cg = (a * c, g) if a.numel() <= g.numel() else (a, g * c)
-            out[ln].add_(_WEIGHT_GRAD[dims](ca, module.weight.shape, cg, module.stride, padding, module.dilation,
-                                            module.groups))
+            rows = out[ln].view(c_out, -1)  # (C_out, C_in * k)
+            for first in range(0, batch, step):
+                r = slice(first, first + step)
+                cols = _columns(module, a[r])  # (b, C_in * k, L)
+                cg = g3[r] * c[r].view(-1, 1, 1)  # (b, C_out, L)
+                rows.addmm_(cg.transpose(0, 1).reshape(c_out, -1), cols.transpose(1, 2).reshape(-1, cols.shape[1]))
+                del cols, cg
 
 
 def _conv_by_correlation(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
