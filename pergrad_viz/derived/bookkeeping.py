@@ -47,17 +47,18 @@ from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
 Groups = Sequence[tuple[float, tuple[str, ...]]]
 
-# A layer's norms are computed for as many samples at once as keep their temporaries (scaled copies of a and g, a
-# convolution's columns, k * k times its input) within max(NORM_BYTES, the layer's captures / NORM_PARTS): they come
-# on top of what every layer keeps for its share, which is the most that is held.
+# A layer's norms are computed for as many samples at once as keep their temporaries (scaled copies of a and g)
+# within max(NORM_BYTES, the layer's captures / NORM_PARTS), a convolution's (its columns, k * k times its input, also
+# scaled) within max(COLUMNS_BYTES, its captures): they come on top of what every layer keeps for its share. Each
+# chunk costs some ten small ops more.
 NORM_BYTES = 256 << 10
-NORM_PARTS = 4
+NORM_PARTS = 2
+COLUMNS_BYTES = 4 << 20
 
 
-def samples_at_once(batch: int, per_sample: int, held: int) -> int:
-    """How many samples a layer's norms take at once: ``per_sample`` bytes of temporaries each, ``held`` bytes of
-    captures (see NORM_BYTES)."""
-    return max(1, min(batch, max(NORM_BYTES, held // NORM_PARTS) // max(1, per_sample)))
+def samples_at_once(batch: int, per_sample: int, budget: int) -> int:
+    """How many samples a layer's norms take at once: ``per_sample`` bytes of temporaries each, within ``budget``."""
+    return max(1, min(batch, budget // max(1, per_sample)))
 
 
 def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups) -> dict[str, torch.Tensor]:
@@ -85,9 +86,11 @@ def _stacked_norms(ghost, module, seen_first, local) -> dict[str, torch.Tensor]:
     (:func:`samples_at_once`)."""
     batch = seen_first[0][0].shape[0]
     held = sum(a.nbytes + g.nbytes for a, g in seen_first)
-    one = ghost.stack(module, [(a[:1], g[None, :1]) for a, g in seen_first])
-    step = samples_at_once(batch, 2 * (one[0].nbytes + one[1].nbytes), held)
-    del one
+    per_sample, budget = held // batch, max(NORM_BYTES, held // NORM_PARTS)  # the scaled copies of a and g
+    if ghost.kind == "conv":  # and the columns, C_in * k values at each of the L output positions, scaled too
+        per_sample += 2 * sum(module.weight[0].numel() * g[0, 0].numel() * g.element_size() for _, g in seen_first)
+        budget = max(COLUMNS_BYTES, held)
+    step = samples_at_once(batch, per_sample, budget)
     chunks = []
     for start in range(0, batch, step):
         a, g = ghost.stack(module, [(a[start:start + step], g[None, start:start + step]) for a, g in seen_first])
@@ -190,7 +193,8 @@ def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumO
         return None  # a parameter of the layer outside its Linear maps (bias_k, bias_v)
     squared = {}
     for a, g, full in pairs:
-        step = samples_at_once(a.shape[0], 2 * (a[0].nbytes + g[0].nbytes), a.nbytes + g.nbytes)
+        held = a.nbytes + g.nbytes
+        step = samples_at_once(a.shape[0], held // a.shape[0], max(NORM_BYTES, held // NORM_PARTS))
         parts = [LinearGhost.squared_norms(None, a[r:r + step], g[r:r + step], full)
                  for r in range(0, a.shape[0], step)]
         for role in parts[0]:

@@ -112,7 +112,7 @@ def conv_weighted_sum(module, seen, weights, out):
         batch = g.shape[0]
         g3 = g.reshape(batch, c_out, -1)  # (B, C_out, L)
         per_sample = module.weight[0].numel() * g3.shape[-1] * a.element_size()  # one sample's columns
-        step = max(1, max(SUM_COLUMNS_BYTES, (a.nbytes + g.nbytes) // 4) // per_sample)
+        step = max(1, max(SUM_COLUMNS_BYTES, (a.nbytes + g.nbytes) // 2) // per_sample)
         for ln, c in weights.items():
             c = c.to(g.dtype)
             if ln == "bias":  # (C_out,) += sum_b c_b (output gradient of b summed over positions)
