@@ -8,10 +8,13 @@ backward passes) where opacus is installed. Columns: median time and IQR over in
 peak memory and peak / plain's, max |diff| of the noiseless clipped sum from the loop reference (the package's loop
 strategy, clipped and summed).
 
-Peak memory: on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``); on Linux CPUs the process's peak
-resident memory above its level at the start of the call (``VmHWM`` reset through ``/proc/self/clear_refs``, with
-glibc's ``malloc_trim`` before and a fixed mmap threshold, so that freed tensors leave the resident set); elsewhere a
-dash.
+Peak memory, two columns: ``tensors``, the most bytes of tensors alive at once during the call above those alive at
+its start (on CUDA the allocator's peak, ``torch.cuda.max_memory_allocated``; on CPUs from the allocation records of
+``torch.profiler`` with ``profile_memory=True``, every tensor allocation and free in order): exact and repeatable, what
+the targets are read from; ``RSS``, on Linux CPUs the process's peak resident memory above its level at the start of
+the call (``VmHWM`` reset through ``/proc/self/clear_refs``, with glibc's ``malloc_trim`` before and a fixed mmap
+threshold, so that freed tensors leave the resident set), which also counts the allocator's slack and Python's objects
+(for models of a few MB it moves with the heap's state); elsewhere a dash.
 """
 
 from __future__ import annotations
@@ -147,6 +150,27 @@ def peak_bytes(fn: Callable[[], object], device: str) -> int | None:
         return None
 
 
+def tensor_peak_bytes(fn: Callable[[], object], device: str) -> int | None:
+    """The most bytes of tensors alive at once during one call of ``fn``, above those alive at its start (see the
+    module docstring), or None where it cannot be read."""
+    gc.collect()
+    if device.startswith("cuda"):
+        return peak_bytes(fn, device)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    records = getattr(prof.profiler, "kineto_results", None)
+    if records is None:
+        return None
+    changes = sorted((e.start_ns(), e.nbytes()) for e in records.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, change in changes:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
 def _max_diff(got: dict, want: dict) -> float | None:
     """Over the parameters both name (a peer may rename some, e.g. DPMultiheadAttention's)."""
     common = [n for n in want if n in got and got[n] is not None]
@@ -154,7 +178,8 @@ def _max_diff(got: dict, want: dict) -> float | None:
 
 
 def dp_table(name: str, *, batch: int = 32, rounds: int = 5, device: str = "cpu") -> list[dict]:
-    """One model's rows: {method, median_s, iqr, vs_plain, peak, peak_vs_plain, max_diff, note}."""
+    """One model's rows: {method, median_s, iqr, vs_plain, peak, peak_vs_plain, tensors, tensors_vs_plain, max_diff,
+    note}."""
     _libc()
     model, loss_fn, x, y = dp_problem(name, batch, device)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -194,14 +219,18 @@ def dp_table(name: str, *, batch: int = 32, rounds: int = 5, device: str = "cpu"
     diffs = {m: _max_diff(fn(), want) for m, fn in noiseless.items()}
     timings = time_interleaved(methods, rounds=rounds)
     plain()
-    peaks = {}
+    peaks, tensors = {}, {}
     for m, fn in methods.items():
         for _, p in named:  # every method starts without .grad, as after zero_grad(set_to_none=True)
             p.grad = None
         peaks[m] = peak_bytes(fn, device)
+        for _, p in named:
+            p.grad = None
+        tensors[m] = tensor_peak_bytes(fn, device)
     for _, p in named:
         p.grad = None
     base_t, base_m = timings["forward+backward"].median_s, peaks["forward+backward"]
+    base_tensors = tensors["forward+backward"]
     rows = []
     for m in [*methods, *(k for k in notes if k not in methods)]:
         t = timings.get(m)
@@ -210,6 +239,8 @@ def dp_table(name: str, *, batch: int = 32, rounds: int = 5, device: str = "cpu"
             "iqr": None if t is None else t.spread,
             "vs_plain": None if t is None else t.median_s / base_t, "peak": peaks.get(m),
             "peak_vs_plain": None if peaks.get(m) is None or not base_m else peaks[m] / base_m,
+            "tensors": tensors.get(m),
+            "tensors_vs_plain": None if tensors.get(m) is None or not base_tensors else tensors[m] / base_tensors,
             "max_diff": diffs.get(m), "note": notes.get(m, "NOISY" if t is not None and t.noisy else ""),
         })
     return rows
@@ -222,14 +253,16 @@ def format_dp_table(name: str, rows: list[dict], batch: int) -> str:
         return "-" if v is None else f"{v:{spec}}{unit}"
 
     lines = [f"## {name}, B={batch}, C={MAX_NORM}, sigma={SIGMA}",
-             f"{'method':24} {'median':>10} {'IQR':>6} {'vs fwd+bwd':>10} {'peak MB':>9} {'vs plain':>8} "
-             f"{'max |diff|':>10}  note"]
+             f"{'method':24} {'median':>10} {'IQR':>6} {'vs fwd+bwd':>10} {'tensors MB':>10} {'vs plain':>8} "
+             f"{'RSS MB':>7} {'vs plain':>8} {'max |diff|':>10}  note"]
     for r in rows:
         ms = None if r["median_s"] is None else r["median_s"] * 1e3
         mb = None if r["peak"] is None else r["peak"] / 2**20
+        tb = None if r.get("tensors") is None else r["tensors"] / 2**20
         iqr = None if r["iqr"] is None else 100 * r["iqr"]
         lines.append(f"{r['method']:24} {fmt(ms, '.1f', ' ms'):>10} {fmt(iqr, '.0f', '%'):>6} "
-                     f"{fmt(r['vs_plain'], '.2f', 'x'):>10} {fmt(mb, '.1f'):>9} "
+                     f"{fmt(r['vs_plain'], '.2f', 'x'):>10} {fmt(tb, '.2f'):>10} "
+                     f"{fmt(r.get('tensors_vs_plain'), '.2f', 'x'):>8} {fmt(mb, '.1f'):>7} "
                      f"{fmt(r['peak_vs_plain'], '.2f', 'x'):>8} {fmt(r['max_diff'], '.1e'):>10}  {r['note']}")
     opacus = next((r for r in rows if r["method"] == "opacus ghost clipping" and r["median_s"]), None)
     ours = next(r for r in rows if r["method"] == "pv clipped_grad_sum")

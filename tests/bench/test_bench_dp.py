@@ -18,7 +18,8 @@ def test_dp_table_rows_agree_with_the_loop():
     if "opacus ghost clipping" in by and by["opacus ghost clipping"]["median_s"] is not None:
         assert by["opacus ghost clipping"]["max_diff"] < 1e-5
     text = bench_dp.format_dp_table("mlp", rows, 4)
-    assert "pv clipped_grad_sum" in text and "max |diff|" in text
+    assert "pv clipped_grad_sum" in text and "max |diff|" in text and "tensors MB" in text
+    assert by["pv clipped_grad_sum"]["tensors"] > 0 and by["forward+backward"]["tensors_vs_plain"] == 1.0
 
 
 def test_peak_bytes_sees_a_large_allocation():
@@ -28,6 +29,25 @@ def test_peak_bytes_sees_a_large_allocation():
     if peak is None:
         pytest.skip("peak memory cannot be read on this platform")
     assert peak > 12 << 20
+
+
+def test_tensor_peak_bytes_sees_a_large_allocation_and_not_what_was_there_before():
+    import torch
+
+    held = torch.ones(8 << 20)  # 32 MiB alive before the call: not counted
+
+    def call():
+        a = torch.ones(4 << 20)  # 16 MiB, then 8 MiB more while it lives: 24 MiB at once
+        b = torch.ones(2 << 20)
+        del a, b
+        c = torch.ones(4 << 20)  # 16 MiB after they were freed: still 24 MiB at most
+        del c
+
+    peak = bench_dp.tensor_peak_bytes(call, "cpu")
+    if peak is None:
+        pytest.skip("the profiler's memory records cannot be read here")
+    assert 24 << 20 <= peak < 25 << 20
+    del held
 
 
 def test_cli_bench_dp(capsys):
