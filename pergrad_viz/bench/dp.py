@@ -19,9 +19,11 @@ threshold, so that freed tensors leave the resident set), which also counts the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import gc
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -150,6 +152,20 @@ def peak_bytes(fn: Callable[[], object], device: str) -> int | None:
         return None
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for the block (what C++ code prints there), restored after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def tensor_peak_bytes(fn: Callable[[], object], device: str) -> int | None:
     """The most bytes of tensors alive at once during one call of ``fn``, above those alive at its start (see the
     module docstring), or None where it cannot be read."""
@@ -158,8 +174,14 @@ def tensor_peak_bytes(fn: Callable[[], object], device: str) -> int | None:
         return peak_bytes(fn, device)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the profiler's own start / stop lines (C++, file descriptor 2)
+        prof.start()
+    try:
         fn()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
     records = getattr(prof.profiler, "kineto_results", None)
     if records is None:
         return None
