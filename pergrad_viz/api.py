@@ -19,6 +19,7 @@ from pergrad_viz.core.guards import check_autocast
 from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
+from pergrad_viz.core.randomness import Draws, check_randomness, randomness_of
 from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
 from pergrad_viz.core.users import users_error
 from pergrad_viz.core.validate import (
@@ -97,10 +98,16 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
     trainable = model if isinstance(model, Trainable) else Trainable.of(model)
     if inputs is not None:
         inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs).map(normal_tensor)
-        check_modes(trainable)  # before the probe runs the model
+        check_modes(trainable, randomness_of(trainable))  # before the probe runs the model
     special = _special_model(trainable, strategy)
     if special is not None:
         return special
+    random = trainable.call.draws is not None
+    if random and strategy == "torch_func":
+        raise UnsupportedModelError(
+            "randomness='different' runs the strategies that draw each sample's random numbers in one batched forward "
+            "(hooks, autograd_stack, batched_grad) or alone (the loop), where the check can draw them again; "
+            "torch_func's vmap draws its own, which nothing can check: use strategy='auto' or 'loop'")
     if strategy == "auto":
         try:
             check_supported(trainable, inputs)
@@ -108,7 +115,9 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
         except UndefinedPerSampleError:
             raise
         except UnsupportedModelError:
-            return "loop" if "torch_func" in plan_for(trainable, inputs).failed else "torch_func"
+            if random or "torch_func" in plan_for(trainable, inputs).failed:
+                return "loop"
+            return "torch_func"
     if strategy == "hooks":
         check_supported(trainable, inputs)
     elif REGISTRY[strategy].batched_forward and inputs is not None:
@@ -169,19 +178,23 @@ def _check_memory(trainable: Trainable, strategy: str, batch: int, chunk: int, o
 
 def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
             loss_fn: object = None, model_kwargs: Mapping | None = None, out: torch.Tensor | None = None,
-            flat: bool = True) -> tuple[Trainable, str, Batch, int]:
+            flat: bool = True, randomness: str = "error") -> tuple[Trainable, str, Batch, int]:
     """A call checked (``pergrad_viz.core.validate``) and planned: ``(trainable, resolved strategy, batch (B, ...),
-    samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``)."""
+    samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``).
+    ``randomness``: see :mod:`pergrad_viz.core.randomness`."""
     if loss_fn is not None:
         check_loss(loss_fn)
     check_strategy_name(strategy, STRATEGIES)  # before anything is checked or run
+    check_randomness(randomness)
     trainable = Trainable.of(model)
+    if randomness == "different":
+        trainable.call.draws = Draws(trainable.device)
     batch = batch_of(trainable, inputs, targets, model_kwargs)
     chunk = check_chunk(chunk_size, batch.size)
     if out is not None:
         check_out_memory(out, trainable, flat, batch, targets)  # before the probe runs the model
     if check_autocast(strategy, trainable):  # under torch.autocast: each sample alone, as the definition runs it
-        check_modes(trainable)
+        check_modes(trainable, randomness)
         return trainable, "loop", batch, chunk
     try:
         resolved = resolve_strategy(strategy, trainable, batch)  # the probe runs the model (auto, batched strategies)
@@ -210,11 +223,13 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
     both are checked alike.
 
     ``run(strategy)`` computes the result; ``quantity`` ("grads", "norms", ...) keys the check's schedule."""
-    race = race_for(trainable, inputs, quantity) if may_race and requested == "auto" and resolved == "hooks" else None
+    random = trainable.call.draws is not None  # randomness='different': torch_func's draws cannot be checked
+    race = (race_for(trainable, inputs, quantity) if may_race and requested == "auto" and resolved == "hooks"
+            and not random else None)
     if race is not None:
         chain = (*race.order(), "loop")
     elif requested == "auto":
-        chain = _CHAIN.get(resolved, (resolved,))
+        chain = tuple(s for s in _CHAIN.get(resolved, (resolved,)) if not (random and s == "torch_func"))
     else:
         chain = (resolved,)
     for k, strategy in enumerate(chain):
@@ -235,6 +250,8 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
 
 def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[str], R],
              check: Callable[[R, str], None] | None, quantity: str, race: Race | None = None) -> R:
+    if trainable.call.draws is not None:
+        trainable.call.draws.begin()  # from the call's first random state (core.randomness.Draws)
     start = time.perf_counter()
     result = run(strategy)
     seconds = time.perf_counter() - start
@@ -272,7 +289,7 @@ def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Te
 def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, *,
                      strategy: str = "auto", flat: bool = False, chunk_size: int | None = None,
                      max_bytes: int | None = None, out: torch.Tensor | None = None, verify: bool = True,
-                     model_kwargs: Mapping | None = None) -> Result:
+                     model_kwargs: Mapping | None = None, randomness: str = "error") -> Result:
     """The gradient of each sample's loss with respect to every trainable parameter.
 
     The per-sample gradient of sample i is the gradient of
@@ -299,6 +316,11 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             forward mode), and one sample computed alone; amortised (a plan's first calls, then within 10% of the
             time spent: ``pergrad_viz.engine.schedule``). ``False`` skips it.
         model_kwargs: more keyword arguments for the model, cut like the inputs.
+        randomness: ``"error"`` (a forward that draws random numbers, e.g. dropout in training mode, is refused) or
+            ``"different"``: row i is the gradient of sample i's loss under the random numbers drawn for it, as one
+            batched forward in training mode draws them (each sample its own dropout mask); the loop draws each
+            sample's alone. The global generator advances as in training; the check draws the same numbers again
+            (``pergrad_viz.core.randomness``). ``torch_func`` is not offered (its vmap's draws cannot be checked).
 
     Returns:
         ``{name: Tensor (B, *param.shape)}`` in ``named_parameters()`` order, or (B, P) if ``flat``.
@@ -311,7 +333,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     requested = strategy
     targets = normal_tensor(targets) if isinstance(targets, torch.Tensor) else tree_map(normal_tensor, targets)
     trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs,
-                                                  out, flat)
+                                                  out, flat, randomness)
     batch = inputs.size
     if out is not None:
         check_out(out, (batch, trainable.num_params), trainable, flat)

@@ -50,6 +50,7 @@ from pergrad_viz.core import tolerances
 from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses, scalar_loss
+from pergrad_viz.core.randomness import Draws
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.errors import CheckFailedError
 
@@ -206,6 +207,26 @@ def _weighted_grads(trainable: Trainable, inputs: Batch, targets: object, loss_f
     return _dense(_grad(total, trainable.params), trainable.params)
 
 
+def _replayed_weighted_grads(draws: Draws, trainable: Trainable, inputs: Batch, targets: object,
+                             loss_fn: LossFn | None, w: torch.Tensor) -> Tensors:
+    """Under ``randomness="different"``: the gradient of ``sum_i w_i L_i``, each chunk the strategy ran as one
+    batched forward run again from the random state that forward started from (the same masks), summed over the
+    chunks (a chunk whose weights are all 0 is skipped)."""
+    total: Tensors | None = None
+    for rows in draws.chunks():
+        part = w[rows]
+        if not bool(part.any()):
+            continue
+        whole = rows.stop - rows.start == inputs.size
+        with draws.replaying(rows):
+            grads = _weighted_grads(trainable, inputs if whole else inputs.rows(rows),
+                                    targets if whole else cut(targets, rows, inputs.size), loss_fn, part)
+        total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+    if total is None:
+        return [torch.zeros_like(p) for p in trainable.params]
+    return total
+
+
 def _weighted_outputs(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None,
                       w: torch.Tensor) -> Tensors:
     """The gradient of ``sum_{i,y} W_iy f_iy`` from one plain batched forward and backward."""
@@ -218,6 +239,18 @@ def _alone_grads(i: int) -> Callable[[Trainable, Batch, object, LossFn | None], 
     def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
         loss = scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
         return _dense(_grad(loss, trainable.params), trainable.params)
+
+    return compute
+
+
+def _in_its_batch(draws: Draws, i: int, batch: int, like: torch.Tensor
+                  ) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
+    """Under ``randomness="different"``: sample i's gradient in its chunk's batched forward, the same draws again."""
+    one_hot = torch.zeros(batch, dtype=like.dtype, device=like.device)
+    one_hot[i] = 1
+
+    def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
+        return _replayed_weighted_grads(draws, trainable, inputs, targets, loss_fn, one_hot)
 
     return compute
 
@@ -244,6 +277,14 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     lead = trainable.params[0]
     w = _randn((inputs.size,), lead)
     got = [torch.tensordot(w, rows[name], dims=1) for name in trainable.names]
+    draws = trainable.call.draws
+    if draws is not None:  # randomness='different': the reference draws the strategy's random numbers again
+        want = _replayed_weighted_grads(draws, trainable, inputs, targets, loss_fn, w)
+        again = _again(trainable, inputs, targets, loss_fn,
+                       lambda t, x, y, f: _replayed_weighted_grads(draws, t, x, y, f, w))
+        _raise(verdict(trainable.names, got, want, trainable.dtype, again),
+               "a random combination of the rows (the same random draws)", strategy, _BATCHED_WHY)
+        return  # a sample alone would draw other numbers: couplings are the probe's, with the draws held fixed
     want = _weighted_grads(trainable, inputs, targets, loss_fn, w)
     again = _again(trainable, inputs, targets, loss_fn, lambda t, x, y, f: _weighted_grads(t, x, y, f, w))
     _raise(verdict(trainable.names, got, want, trainable.dtype, again),
@@ -354,7 +395,8 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     """Raise :class:`CheckFailedError` unless entry i of ``squared`` {name: (B,)} is the squared norm of sample i's
     gradient, per parameter, for one random sample i."""
     i = draw(inputs.size)
-    alone = _alone_grads(i)
+    draws = trainable.call.draws
+    alone = _alone_grads(i) if draws is None else _in_its_batch(draws, i, inputs.size, trainable.params[0])
 
     def norms_of(t: Trainable, x: Batch, y: object, f: LossFn | None) -> Tensors:
         return [g.norm().reshape(1) for g in alone(t, x, y, f)]
