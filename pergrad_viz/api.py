@@ -19,7 +19,7 @@ from pergrad_viz.core.guards import check_autocast
 from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
-from pergrad_viz.core.randomness import Draws, check_randomness, randomness_of
+from pergrad_viz.core.randomness import Draws, check_randomness, randomness_of, refuse_torch_func
 from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
 from pergrad_viz.core.users import users_error
 from pergrad_viz.core.validate import (
@@ -102,12 +102,7 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
     special = _special_model(trainable, strategy)
     if special is not None:
         return special
-    random = trainable.call.draws is not None
-    if random and strategy == "torch_func":
-        raise UnsupportedModelError(
-            "randomness='different' runs the strategies that draw each sample's random numbers in one batched forward "
-            "(hooks, autograd_stack, batched_grad) or alone (the loop), where the check can draw them again; "
-            "torch_func's vmap draws its own, which nothing can check: use strategy='auto' or 'loop'")
+    refuse_torch_func(trainable, strategy)
     if strategy == "auto":
         try:
             check_supported(trainable, inputs)
@@ -115,9 +110,8 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
         except UndefinedPerSampleError:
             raise
         except UnsupportedModelError:
-            if random or "torch_func" in plan_for(trainable, inputs).failed:
-                return "loop"
-            return "torch_func"
+            usable = randomness_of(trainable) == "error" and "torch_func" not in plan_for(trainable, inputs).failed
+            return "torch_func" if usable else "loop"
     if strategy == "hooks":
         check_supported(trainable, inputs)
     elif REGISTRY[strategy].batched_forward and inputs is not None:
@@ -180,8 +174,7 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
             loss_fn: object = None, model_kwargs: Mapping | None = None, out: torch.Tensor | None = None,
             flat: bool = True, randomness: str = "error") -> tuple[Trainable, str, Batch, int]:
     """A call checked (``pergrad_viz.core.validate``) and planned: ``(trainable, resolved strategy, batch (B, ...),
-    samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``).
-    ``randomness``: see :mod:`pergrad_viz.core.randomness`."""
+    samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``)."""
     if loss_fn is not None:
         check_loss(loss_fn)
     check_strategy_name(strategy, STRATEGIES)  # before anything is checked or run
@@ -223,13 +216,12 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
     both are checked alike.
 
     ``run(strategy)`` computes the result; ``quantity`` ("grads", "norms", ...) keys the check's schedule."""
-    random = trainable.call.draws is not None  # randomness='different': torch_func's draws cannot be checked
-    race = (race_for(trainable, inputs, quantity) if may_race and requested == "auto" and resolved == "hooks"
-            and not random else None)
+    may_race = may_race and requested == "auto" and resolved == "hooks" and trainable.call.draws is None
+    race = race_for(trainable, inputs, quantity) if may_race else None
     if race is not None:
         chain = (*race.order(), "loop")
     elif requested == "auto":
-        chain = tuple(s for s in _CHAIN.get(resolved, (resolved,)) if not (random and s == "torch_func"))
+        chain = tuple(s for s in _CHAIN.get(resolved, (resolved,)) if s != "torch_func" or trainable.call.draws is None)
     else:
         chain = (resolved,)
     for k, strategy in enumerate(chain):
@@ -250,8 +242,8 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
 
 def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[str], R],
              check: Callable[[R, str], None] | None, quantity: str, race: Race | None = None) -> R:
-    if trainable.call.draws is not None:
-        trainable.call.draws.begin()  # from the call's first random state (core.randomness.Draws)
+    if trainable.call.draws is not None:  # from the call's first random state (core.randomness.Draws)
+        trainable.call.draws.begin()
     start = time.perf_counter()
     result = run(strategy)
     seconds = time.perf_counter() - start
@@ -311,16 +303,11 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
         max_bytes: memory budget (default: half of the memory available on the device).
         out: with ``flat=True``, a preallocated (B, P) tensor to write into (same dtype and device as
             the parameters); it is returned.
-        verify: check the result against the definition (every strategy but the loop; see
-            ``pergrad_viz.engine.certify``): every row at once against a plain batched backward (``torch_func``:
-            forward mode), and one sample computed alone; amortised (a plan's first calls, then within 10% of the
-            time spent: ``pergrad_viz.engine.schedule``). ``False`` skips it.
+        verify: check the result against the definition (``pergrad_viz.engine.certify``), amortised (a plan's first
+            calls, then within 10% of the time spent: ``pergrad_viz.engine.schedule``). ``False`` skips it.
         model_kwargs: more keyword arguments for the model, cut like the inputs.
-        randomness: ``"error"`` (a forward that draws random numbers, e.g. dropout in training mode, is refused) or
-            ``"different"``: row i is the gradient of sample i's loss under the random numbers drawn for it, as one
-            batched forward in training mode draws them (each sample its own dropout mask); the loop draws each
-            sample's alone. The global generator advances as in training; the check draws the same numbers again
-            (``pergrad_viz.core.randomness``). ``torch_func`` is not offered (its vmap's draws cannot be checked).
+        randomness: ``"error"`` (refuse a forward that draws random numbers) or ``"different"`` (row i: sample i's
+            gradient under its own dropout mask, one batched forward's draws; ``pergrad_viz.core.randomness``).
 
     Returns:
         ``{name: Tensor (B, *param.shape)}`` in ``named_parameters()`` order, or (B, P) if ``flat``.

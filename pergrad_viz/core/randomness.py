@@ -22,9 +22,11 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pergrad_viz.errors import UnsupportedModelError
+
 RANDOMNESS = ("error", "different")
 
-__all__ = ["RANDOMNESS", "Draws", "check_randomness", "held_fixed", "randomness_of"]
+__all__ = ["RANDOMNESS", "Draws", "check_randomness", "held_fixed", "randomness_of", "refuse_torch_func"]
 
 
 def check_randomness(randomness: object) -> None:
@@ -108,15 +110,24 @@ _CONSTANT = {"bernoulli_": 1.0, "bernoulli": 1.0, "randn": 0.0, "randn_like": 0.
 
 class _HeldFixed(TorchDispatchMode):
     """Seeded operations made deterministic and the same for every row: a Bernoulli draw (dropout's mask) keeps
-    every element, dropout keeps its input, Gaussian noise is 0, uniform noise 0.5, a permutation the identity; any
-    other draw comes from a generator seeded afresh for that call (the probe may then see the rows interact, and the
-    call takes the loop)."""
+    every element, dropout keeps its input, an attention kernel runs without its dropout, Gaussian noise is 0, uniform
+    noise 0.5, a permutation the identity; any other draw comes from a generator seeded afresh for that call (the
+    probe may then see the rows interact, and the call takes the loop)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
         name = func.overloadpacket.__name__
+        if any(a.name == "dropout_p" for a in func._schema.arguments):  # an attention kernel: without its dropout
+            names = [a.name for a in func._schema.arguments]
+            args = list(args)
+            where = names.index("dropout_p")
+            if where < len(args):
+                args[where] = 0.0
+            else:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+            return func(*args, **kwargs)
         if name == "native_dropout":
             return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
         if name == "randperm":
@@ -131,11 +142,23 @@ class _HeldFixed(TorchDispatchMode):
 
 
 @contextmanager
-def held_fixed() -> Iterator[None]:
-    """Run the block with every random draw held fixed (see :class:`_HeldFixed`); the caller's generator is
-    untouched."""
+def held_fixed(active: bool = True) -> Iterator[None]:
+    """Run the block with every random draw held fixed (see :class:`_HeldFixed`; ``active=False``: as it is); the
+    caller's generator is untouched."""
+    if not active:
+        yield
+        return
     with _HeldFixed():
         yield
+
+
+def refuse_torch_func(trainable: object, strategy: str) -> None:
+    """Under ``randomness="different"``, refuse ``torch_func``: its vmap draws numbers no check can draw again."""
+    if strategy == "torch_func" and randomness_of(trainable) == "different":
+        raise UnsupportedModelError(
+            "randomness='different' runs the strategies that draw each sample's random numbers in one batched "
+            "forward (hooks, autograd_stack, batched_grad) or alone (the loop), where the check can draw them again; "
+            "torch_func's vmap draws its own, which nothing can check: use strategy='auto' or 'loop'")
 
 
 def randomness_of(trainable: object) -> str:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -289,9 +289,8 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
         raise UndefinedPerSampleError(
             f"{_describe('the forward', probe.random, module)} gives different outputs for the same sample in two "
             "runs: it draws random numbers (dropout written as F.dropout(..., training=True), stochastic depth, "
-            "noise), so per-sample gradients would be random and not comparable. Call model.eval() (or turn the "
-            "randomness off) before computing per-sample gradients, or pass randomness='different' for each sample's "
-            "gradient under its own random numbers.")
+            "noise), so per-sample gradients would be random and not comparable. Call model.eval() (or turn it off) "
+            "first, or pass randomness='different' for each sample's gradient under its own random numbers.")
     for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
         probe.spec(name)
     # Handlers keep the samples apart (checked by why_not), or hand a shared output downstream as per-sample copies.
@@ -393,9 +392,8 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
     if cached is not None and cached[0] == key and (cached[1].verified or inputs.size == 1):
         plan = cached[1]
     else:
-        # the probe's backward passes meet a reentrant checkpoint first; under randomness='different' it sees the
-        # model's structure with its random draws held fixed (core.randomness)
-        with refusing_reentrant_checkpoints(), held_fixed() if trainable.call.draws is not None else nullcontext():
+        # the probe's backward passes meet a reentrant checkpoint first; randomness='different': draws held fixed
+        with refusing_reentrant_checkpoints(), held_fixed(trainable.call.draws is not None):
             plan = _make_plan(trainable, inputs)
         _PLANS[trainable.model] = (key, plan)
     trainable.call.plan = plan

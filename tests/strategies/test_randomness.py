@@ -41,6 +41,31 @@ class DropoutTransformer(nn.Module):
         return self.head(self.layer(self.embed(x)).mean(1))
 
 
+class BertLogits(nn.Module):
+    """A tiny Hugging Face BERT classifier in training mode, its dropout 0.1 on (attention and hidden), as HF trains."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=16, num_labels=3)
+        self.bert = BertForSequenceClassification(config)
+
+    def forward(self, ids):
+        return self.bert(input_ids=ids).logits
+
+
+def _bert():
+    torch.manual_seed(0)
+    return BertLogits().to(DT).train()
+
+
+def _ids(batch):
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(0, 40, (batch, 7), generator=g), torch.randint(0, 3, (batch,), generator=g)
+
+
 def _mlp():
     torch.manual_seed(0)
     return DropoutMLP().to(DT).train()
@@ -59,7 +84,7 @@ def _floats(*shape):
 
 
 CASES = [("dropout-mlp", _mlp, _floats(4), ""), ("dropout-transformer", _transformer, _floats(5, 4), ""),
-         *RANDOM_CASES]
+         ("hf-bert-dropout", _bert, _ids, "transformers"), *RANDOM_CASES]
 IDS = [c[0] for c in CASES]
 # nn.MultiheadAttention's call rule runs an attention of its own, which draws other masks than the layer's: the check
 # sees it, and auto hands over to the loop (from the call's first random state: one forward per sample, in order).
@@ -204,7 +229,7 @@ def test_the_default_refuses_and_names_the_option_without_drawing(call):
 
 
 def test_a_plan_made_under_different_is_not_used_by_a_default_call():
-    model, x, y = _problem(CASES[2])  # F.dropout(training=True): no module flag shows it, only the probe
+    model, x, y = _problem(CASES[4])  # F.dropout(training=True): no module flag shows it, only the probe
     pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, randomness="different")
     with pytest.raises(UndefinedPerSampleError):
         pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
