@@ -298,7 +298,11 @@ def dp_cost_figure(rows: Sequence[Mapping[str, Any]], *, title: str | None = Non
               ("peak", 2.0 ** -20, "peak memory added by the step (MB)"))
     for ax, (key, scale, label) in zip(panels, scales, strict=True):
         base = rows[0].get(key)
-        top = max((r[key] * scale for r in rows if r.get(key) is not None), default=1.0)
+
+        def half(r: Mapping[str, Any], key: str = key, scale: float = scale) -> float:  # half the drawn IQR
+            return r[key] * scale * (r.get("iqr") or 0.0) / 2 if key == "median_s" else 0.0
+
+        top = max((r[key] * scale + half(r) for r in rows if r.get(key) is not None), default=1.0)
         for k, r in enumerate(rows):
             value = r.get(key)
             if value is None:
@@ -307,12 +311,11 @@ def dp_cost_figure(rows: Sequence[Mapping[str, Any]], *, title: str | None = Non
                         color="0.35")
                 continue
             ax.barh(k, value * scale, color="0.6" if k == 0 else method_color(r["method"]), height=0.7)
-            if key == "median_s" and r.get("iqr"):
-                half = value * scale * r["iqr"] / 2
-                ax.plot([value * scale - half, value * scale + half], [k, k], color="black", linewidth=1.0)
+            if half(r):
+                ax.plot([value * scale - half(r), value * scale + half(r)], [k, k], color="black", linewidth=1.0)
             ratio = f" ({fmt_ratio(value / base)})" if base else ""
             shown = fmt_seconds(value) if key == "median_s" else f"{value * scale:.1f} MB"
-            ax.text(value * scale + 0.02 * top, k, shown + ratio, va="center", fontsize="small")
+            ax.text(value * scale + half(r) + 0.02 * top, k, shown + ratio, va="center", fontsize="small")
         ax.set_xlim(0, top * 1.45)
         ax.set_xlabel(label, fontsize="small")
         ax.grid(True, axis="x", alpha=0.3)
