@@ -49,17 +49,20 @@ from pergrad_viz.tutorial.data import load_sample
 warnings.filterwarnings("ignore", category=UserWarning)   # library chatter (peft, transformers, Opacus' search)
 warnings.filterwarnings("ignore", category=FutureWarning)
 torch.set_num_threads(1)                  # tiny models: more threads only add overhead (and spin on a busy machine)
-x, labels = load_sample(1000, flatten=False)                      # (1000, 1, 28, 28), (1000,)
+images, classes = load_sample(1000, flatten=False)                # (1000, 1, 28, 28), (1000,)
+x, labels = images[:500], classes[:500]                            # the private data: fine-tuning only
+x_public, labels_public = images[500:], classes[500:]              # the "public" data: the backbone only
 x_test, labels_test = load_sample(1000, train=False, flatten=False)
-print("train:", tuple(x.shape), "test:", tuple(x_test.shape))
+print("private:", tuple(x.shape), "public:", tuple(x_public.shape), "test:", tuple(x_test.shape))
 
 # %% [markdown]
 # ## 1 · A backbone to fine-tune
 #
 # Real fine-tuning starts from downloaded weights; here nothing is downloaded, so we make a backbone ourselves:
 # a ViT with 7 x 7 patches (16 patches and a class token), hidden size 32, two blocks, trained plainly for a few
-# epochs on the T-shirts, trousers, pullovers, dresses and coats (classes 0-4) only. It has never seen sandals,
-# shirts, sneakers, bags or ankle boots. (The attention is the plain, "eager" one: the materialised route of
+# epochs on the T-shirts, trousers, pullovers, dresses and coats (classes 0-4) of the other 500 training images,
+# the "public" ones, which the private fine-tuning never sees. It has never seen sandals, shirts, sneakers, bags or
+# ankle boots. (The attention is the plain, "eager" one: the materialised route of
 # section 3 runs `torch.func.vmap`, which has no batching rule for the CPU's fused attention.)
 
 # %%
@@ -74,14 +77,15 @@ def accuracy(model: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> f
         return (model.eval()(images).argmax(1) == targets).float().mean().item()
 
 
-seen = labels < 5
+seen = labels_public < 5
+x_seen, labels_seen = x_public[seen], labels_public[seen]
 optimizer = torch.optim.Adam(vit.parameters(), lr=3e-3)
 generator = torch.Generator().manual_seed(0)
 vit.train()
-for _ in range(10):
-    for idx in torch.randperm(int(seen.sum()), generator=generator).split(50):
+for _ in range(EPOCHS_BACKBONE := 20):
+    for idx in torch.randperm(len(x_seen), generator=generator).split(50):
         optimizer.zero_grad()
-        loss_fn(vit(x[seen][idx]), labels[seen][idx]).backward()
+        loss_fn(vit(x_seen[idx]), labels_seen[idx]).backward()
         optimizer.step()
 seen_test = labels_test < 5
 backbone_acc = accuracy(vit, x_test, labels_test)
@@ -93,21 +97,21 @@ print(f"backbone: accuracy {accuracy(vit, x_test[seen_test], labels_test[seen_te
 #
 # The guarantee of DP-SGD is about a mechanism, and three things make it one here:
 #
-# * **Poisson sampling**: each step's batch holds each of the N = 1,000 examples independently with probability
-#   q = 0.1 (`pv.PoissonBatches`, drawn from a seeded generator of its own), so a batch's size varies around
-#   q N = 100; the step divides by that expected size, as Opacus does, never by the batch's own size;
+# * **Poisson sampling**: each step's batch holds each of the N = 500 private examples independently with
+#   probability q = 0.1 (`pv.PoissonBatches`, drawn from a seeded generator of its own), so a batch's size varies
+#   around q N = 50; the step divides by that expected size, as Opacus does, never by the batch's own size;
 # * **the clipped, noised sum**: `pv.dp_step` puts `(sum_i min(1, C / ||g_i||) g_i + N(0, (sigma C)^2 I)) / (q N)`
 #   into every trainable parameter's `.grad`, for any `torch.optim` optimiser; it runs one hooked forward and one
 #   backward, takes each layer's per-sample norms from the inputs and output gradients it captured, and forms the
 #   sum as one weighted product per layer: never the (B, P) matrix (an empty batch still takes its step of noise,
 #   `pv.noise_step`, so that the steps released are the steps counted);
 # * **the accountant** (Opacus' RDP accountant, never written here): `pv.noise_multiplier_for` gives the noise
-#   multiplier sigma whose 3 epochs (30 steps) stay within epsilon = 8 at delta = 1e-5 (below 1 / N), and
+#   multiplier sigma whose 5 epochs (50 steps) stay within epsilon = 8 at delta = 1e-5 (below 1 / N), and
 #   `pv.epsilon` the epsilon spent after each epoch.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-N, Q, EPOCHS, C, DELTA, TARGET_EPSILON = len(x), 0.1, 3, 1.0, 1e-5, 8.0
+N, Q, EPOCHS, C, DELTA, TARGET_EPSILON = len(x), 0.1, 5, 1.0, 1e-5, 8.0
 steps_per_epoch = len(pv.PoissonBatches(N, Q, generator=torch.Generator()))
 SIGMA = pv.noise_multiplier_for(TARGET_EPSILON, Q, EPOCHS * steps_per_epoch, DELTA)
 print(f"q = {Q}, {steps_per_epoch} steps an epoch, C = {C}: sigma = {SIGMA:.3f} for epsilon <= {TARGET_EPSILON:g} "
@@ -167,12 +171,12 @@ print(f"the private run's epsilon after {EPOCHS} epochs is within {TARGET_EPSILO
       private[-1]["epsilon"] <= TARGET_EPSILON)
 
 # %% [markdown]
-# What these numbers are: the private model's release is (epsilon, delta)-DP with respect to one training example
-# (add or remove), epsilon as printed, delta = 1e-5, for this sampling, clip and noise, by the RDP accountant's
-# bound. On 1,000 examples privacy is expensive: the noise is the same whatever the data set's size while the
-# signal grows with it, which is why the private run learns less here; real DP fine-tuning uses data sets tens
-# or hundreds of times larger. The backbone's own training (plain, on classes 0-4 of the same sample) is not
-# covered: in practice it is public pretraining.
+# What these numbers are: the private model is (epsilon, delta)-DP with respect to one example of the 500 private
+# ones (added or removed), epsilon as printed, delta = 1e-5, for this sampling, clip and noise, by the RDP
+# accountant's bound; the backbone is public (its 500 images are not among them), as downloaded weights would be.
+# On 500 examples privacy is expensive: the noise is the same whatever the data set's size while the signal grows
+# with it, which is why the private run learns less than the plain one; real DP fine-tuning uses data sets tens or
+# hundreds of times larger.
 #
 # ## 3 · What a DP step costs
 #
@@ -195,9 +199,10 @@ print(f"the (B, P) matrix the materialised route builds: 32 x {params:,} floats 
 viz.dp_cost_figure(rows, title="one DP-SGD step of the tiny ViT (all 28k parameters), B = 32, this CPU")
 
 # %% [markdown]
-# At this size the (B, P) matrix is small, so materialising it costs little more than the rest of the step;
-# it grows as B times P, which is what rules it out for full fine-tuning of a real model, while the clipped sum's
-# extra memory grows with the activations a plain backward keeps anyway. `python -m pergrad_viz bench --dp`
+# At this size the (B, P) matrix is small (the line under the table), so materialising it costs little: that
+# route can be as fast as the clipped sum here, or faster. What rules it out for full fine-tuning of a real model
+# is its memory, which grows as B times P, while the clipped sum's extra memory grows with the activations a
+# plain backward keeps anyway. `python -m pergrad_viz bench --dp`
 # prints the same table for larger models (ResNet-18, GPT-2, BERT, a LoRA Llama).
 
 # %%
@@ -221,8 +226,8 @@ trainable = {n: p for n, p in lora_model.named_parameters() if p.requires_grad}
 print(f"{len(trainable)} trainable tensors, {sum(p.numel() for p in trainable.values()):,} numbers; "
       f"the model has {sum(p.numel() for p in lora_model.parameters()):,}")
 lora_model.train()
-pv.dp_step(lora_model, loss_fn, x[:100], labels[:100], C, noise_multiplier=SIGMA,
-           generator=torch.Generator().manual_seed(2), expected_batch_size=100)
+pv.dp_step(lora_model, loss_fn, x[:50], labels[:50], C, noise_multiplier=SIGMA,
+           generator=torch.Generator().manual_seed(2), expected_batch_size=50)
 print(".grad on the adapters and the head only:",
       all((p.grad is not None) == p.requires_grad for p in lora_model.parameters()))
 
