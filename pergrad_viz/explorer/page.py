@@ -175,8 +175,7 @@ def arrange(ex: Any) -> list[w.Widget]:
     ], layout=w.Layout(margin="0 24px 0 0"))
     clip = w.VBox([
         heading("The DP-SGD view"),
-        text("DP-SGD clips each sample's gradient to norm at most C before summing (then adds noise), so that "
-             "no single example can move the model much."),
+        text(panels.DP_TEXT),
         ex.clip_slider,
         img["clip"],
     ])

@@ -123,6 +123,19 @@ def test_clip_slider_redraws_the_dp_view_only(fresh):
     assert fresh.view.clipping.max_norm == pytest.approx(2.0)
 
 
+def test_the_dp_view_says_how_the_clipped_sum_is_formed_without_the_per_sample_matrix(ex):
+    def boxes(widget):
+        yield widget
+        for child in getattr(widget, "children", ()):
+            yield from boxes(child)
+
+    dp_view, = (b for b in boxes(ex) if ex.clip_slider in getattr(b, "children", ()))
+    words = " ".join(c.value for c in dp_view.children if isinstance(c, w.HTML))
+    assert "The DP-SGD view" in words
+    for said in ("pv.clipped_grad_sum", "pv.dp_step", "ghost norms", "G<sup>T</sup> diag(c) A", "(B, P)"):
+        assert said in words, said
+
+
 def test_batch_size_change_recomputes(fresh):
     before = dict(fresh.drawn)
     fresh.batch_slider.value = 8
