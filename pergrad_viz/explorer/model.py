@@ -118,8 +118,7 @@ class ExplorerModel:
     # ------------------------------------------------------------------------------------------ checks
 
     def check(self, setting: Setting) -> None:
-        """Refuse a setting that is malformed or would not fit in memory, before allocating anything
-        (:func:`.compute.check`)."""
+        """Refuse a malformed setting, or one too large for the memory, before allocating (:func:`.compute.check`)."""
         spec = self.spec(setting)
         outputs = self.outputs(setting) if setting.quantity == "jacobian" else 1
         compute.check(setting, spec, outputs, self.dtype, torch.device(self.device))
@@ -131,8 +130,7 @@ class ExplorerModel:
         return self.models[setting.model]
 
     def outputs(self, setting: Setting) -> int:
-        """Y, the outputs of one sample (10 for the menu's networks; a user's network: from one forward of one
-        sample, without gradients)."""
+        """Y, the outputs of one sample (10 for the menu's networks; a user's: one forward of one sample)."""
         key = setting.model
         if key not in self._outputs:
             spec = self.spec(setting)
@@ -146,8 +144,7 @@ class ExplorerModel:
         return self._outputs[key]
 
     def problem(self, setting: Setting) -> tuple[nn.Module, nn.Module, object, object, torch.Tensor]:
-        """(model, loss_fn, inputs, targets, labels) at ``setting``: a menu network built on the explorer's device
-        and dtype; a user's network as it is."""
+        """(model, loss_fn, inputs, targets, labels) at ``setting`` (a menu network on the explorer's device, dtype)."""
         spec = self.spec(setting)
         model, loss_fn, x, y, labels = spec.problem(setting.batch, setting.hidden)
         if spec.max_batch is None:
@@ -167,11 +164,10 @@ class ExplorerModel:
         return last
 
     def stages(self, setting: Setting, check: Callable[[], None] | None = None) -> Iterator[View]:
-        """Views of ``setting``, progressively: ``"gradients"`` first, ``"timing"`` views, ``"measuring"`` ones (the
-        slow baselines' rows coming), ``"done"`` last (see the module's docstring). ``check`` is called between
-        steps (and between timed blocks): raise :class:`Stale` from it to abandon the setting. Each step runs with
-        :attr:`threads` intra-op threads, the process's own count restored before each view is yielded
-        (:meth:`.session.TimingSession.stepwise`)."""
+        """Views of ``setting``, progressively (see the module's docstring). ``check`` is called between steps (and
+        timed blocks): raise :class:`Stale` from it to abandon the setting. Each step runs with :attr:`threads`
+        intra-op threads, the process's own restored before each view is yielded (:meth:`.session.TimingSession
+        .stepwise`)."""
         self.check(setting)
         yield from self.session.stepwise(self._stages(setting, check or (lambda: None)))
 
@@ -194,8 +190,11 @@ class ExplorerModel:
                     pending=tuple(self._methods(setting)), layers=data.how)
         yield view
         poll()
-        if data.verdict is None:
-            data.verdict = self._verdict(setting, data)
+        late = data.verdict is None and self._result_size(setting) > LARGE_RESULT  # the loop after the figures
+        if late:
+            data.checked, data.unchecked = self._checked(setting), {}
+        elif data.verdict is None:
+            data.verdict = compute.verdict(setting, data, self._checked(setting), self.dtype)
             view = dataclasses.replace(view, verdict=data.verdict)
             yield view
             poll()
@@ -204,17 +203,25 @@ class ExplorerModel:
         visit = Visit()
         view = yield from self._phase(view, data, lambda m: m not in slow, "timing", poll, visit)
         if slow:  # what is left: the slow baselines' rows, marked as coming
-            view = dataclasses.replace(view, stage="measuring")
-            yield view
+            yield (view := dataclasses.replace(view, stage="measuring"))
+        if late:  # the verdict, "checking" until now, and the differences of what was timed before it
+            data.verdict = compute.verdict(setting, data, self._checked(setting), self.dtype)
+            records = visit.records[setting.batch] = self.session.check_late(setting, data, view.records)
+            new = dict(zip(map(id, view.records), records, strict=True))
+            view = dataclasses.replace(view, verdict=data.verdict,
+                                       scaling_records=tuple(new.get(id(r), r) for r in view.scaling_records))
+            yield (view := compute.with_records(view, data, records, view.pending, view.reused, view.provisional,
+                                                view.stage, self.dtype))
+            poll()
+        if slow:
             view = yield from self._phase(view, data, lambda m: True, "measuring", poll, visit)
         view = dataclasses.replace(view, stage="done", scaling_pending=(), pending=())
         yield dataclasses.replace(view, noisy=compute.noisy(view.scaling_records))
 
     def _phase(self, view: View, data: Computed, include: Callable[[str], bool], stage: str,
                poll: Callable[[], None], visit: Visit) -> Generator[View, None, View]:
-        """Time the methods that ``include`` names at the view's setting, then at the scaling curve's smaller
-        batches (what ``visit`` holds of an earlier phase is kept, not timed again); the others stay pending.
-        Returns the last view."""
+        """Time the methods ``include`` names at the view's setting, then at the scaling curve's smaller batches (what
+        ``visit`` holds of an earlier phase kept); the others stay pending. Returns the last view."""
         setting = view.setting
         methods = [m for m in self._methods(setting) if include(m)]
         coming = tuple(m for m in self._methods(setting) if not include(m))
@@ -226,8 +233,8 @@ class ExplorerModel:
         for records, pending, reused, provisional in self._time_setting(
                 setting, data, poll, methods=methods, have=visit.records.get(setting.batch, []),
                 budget=visit.budgets[setting.batch]):
-            view = self._with_records(view, data, records, (*pending, *coming), before + reused, provisional,
-                                      stage=stage)
+            view = compute.with_records(view, data, records, (*pending, *coming), before + reused, provisional, stage,
+                                        self.dtype)
             yield view
         visit.records[setting.batch], visit.reused[setting.batch] = records, before + reused
         for k, b in enumerate(scaling):
@@ -304,9 +311,6 @@ class ExplorerModel:
         most = self.verdict_samples if setting.quantity == "grads" else self.verdict_samples_jacobian
         return compute.checked_samples(setting, most)
 
-    def _verdict(self, setting: Setting, data: Computed) -> Verdict:
-        return compute.verdict(setting, data, self._checked(setting), self.dtype)
-
     def _sample(self, setting: Setting, data: Computed) -> SampleView:
         """The chosen sample's panel (:func:`.sample.sample_view`), with its output Jacobian for that quantity."""
         jac = None
@@ -315,10 +319,6 @@ class ExplorerModel:
             one = Batch.of(data.x).sample(i)
             jac = per_sample_jacobian(data.model, inputs_of(one), flat=True)[0]  # (Y, P)
         return sample_view(setting, self.spec(setting), data, jac)
-
-    def _with_records(self, view: View, data: Computed, records: Sequence[Record], pending: tuple[str, ...],
-                      reused: int, provisional: tuple[str, ...], stage: str) -> View:
-        return compute.with_records(view, data, records, pending, reused, provisional, stage, self.dtype)
 
     # ------------------------------------------------------------------------------------------ timing
 
@@ -388,7 +388,7 @@ class ExplorerModel:
         """The calls to time, with the loop's reference of the checked samples (computed here for the scaling
         curve's smaller batches, which drew no verdict)."""
         calls = self._calls(setting, data)
-        if data.reference is None:
+        if data.reference is None and data.unchecked is None:
             data.checked = self._checked(setting)
             data.reference = compute.loop_rows(data.model, data.loss_fn, data.x, data.y, data.checked,
                                                setting.quantity)

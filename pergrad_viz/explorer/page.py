@@ -73,7 +73,7 @@ class Page:
         self.draw("images", (key, s.sample), lambda: panels.images_figure(view, self.specs[s.model]))
         if self._shown.get("runtime", (None,))[0] != key:
             self.hide("runtime")  # the old curve belongs to another setting
-        if view.verdict is None:  # the first view of a setting: the heatmap and images first, the rest next
+        if view.verdict is None and view.stage == "gradients":  # a setting's first view: these first, the rest next
             self.hide("bars")
             self.table_html.value = ""
             self.progress("busy", s, view.progress)

@@ -181,9 +181,24 @@ class TimingSession:
                     anchor_ref = anchor
                 for m in tier:
                     pending.remove(m)
-                    if not done[m].noisy:
+                    if not done[m].noisy and m not in (data.unchecked or ()):  # those: once checked
                         self.cache[self.key(setting, m)] = dataclasses.replace(done[m])
                 yield ordered(done, skipped), tuple(p for p in methods if p in pending), reused, ()
+
+    def check_late(self, setting: Setting, data: Computed, records: Sequence[Record]) -> list[Record]:
+        """``records`` with the differences from the loop (``data.reference``, in now) of the methods timed before
+        it ran (``data.unchecked``); those are cached now (unless noisy)."""
+        unchecked, data.unchecked, out = data.unchecked or {}, None, []
+        for r in records:
+            if r.strategy in unchecked:
+                rows = unchecked[r.strategy]
+                got = data.grads[data.checked] if rows is None else rows
+                r = dataclasses.replace(r, max_abs_diff=float(torch.linalg.vector_norm(got - data.reference,
+                                                                                      ord=math.inf)))
+                if not r.noisy:
+                    self.cache[self.key(setting, r.strategy)] = dataclasses.replace(r)
+            out.append(r)
+        return out
 
     def warm_up(self, setting: Setting, data: Computed, calls: Calls, names: list[str], poll: Callable[[], None],
                 sync: Callable[[], None] | None = None
@@ -199,7 +214,10 @@ class TimingSession:
         for m in names:
             if m == "hooks" and setting.quantity == "grads" and data.hooks_s is not None:
                 estimates[m] = data.hooks_s  # the heatmap's gradients: this call, just made
-                diffs[m] = float(torch.linalg.vector_norm(data.grads[idx] - reference, ord=math.inf))
+                if reference is None:  # the loop runs later: :meth:`check_late`
+                    data.unchecked[m] = None
+                else:
+                    diffs[m] = float(torch.linalg.vector_norm(data.grads[idx] - reference, ord=math.inf))
                 if data.hooks_s >= self.prior_min_s:
                     prior[m] = [data.hooks_s]
                 continue
@@ -212,7 +230,11 @@ class TimingSession:
             if m in REFERENCES:
                 continue
             rows = out.reshape(setting.batch, -1)[idx] if isinstance(out, torch.Tensor) else out
-            diffs[m] = float(torch.linalg.vector_norm(rows - reference, ord=math.inf))
+            if reference is None:  # kept for :meth:`check_late`, unless they are the heatmap's
+                same = setting.quantity == "grads" and torch.equal(rows, data.grads[idx])
+                data.unchecked[m] = None if same else rows
+            else:
+                diffs[m] = float(torch.linalg.vector_norm(rows - reference, ord=math.inf))
             del out, rows
         return estimates, diffs, prior
 

@@ -273,16 +273,17 @@ class Explorer(w.VBox):
     def _ahead(self, check: Callable[[], None]) -> bool:
         """The worker's idle work (once the shown setting is done): the next network of the menu not yet shown, at
         the setting the menu would show it at now (:meth:`.model.ExplorerModel.ahead`: its first visit then shows at
-        once); one whose imports are not done (:mod:`.prefetch`) waits for them. Returns whether any is left."""
+        once); one whose imports are not done (:mod:`.prefetch`, paused while anyone holds the turn) waits for them,
+        the others too once one is done. Returns whether any is left."""
         shown = self.view
         if shown is None or not shown.done or self._closed:
             return not self._closed  # the shown setting first
         if shown.setting.model in self._ahead_left:
             self._ahead_left.remove(shown.setting.model)  # visited: its later visits are no first ones
         ready = [k for k in self._ahead_left if all(m in sys.modules for m in self.specs[k].imports)]
-        if ready:
-            key = ready[0]
-            options = self.widths[key]
+        importing = prefetch.STARTED and not prefetch.STARTED[0].done.is_set()
+        if ready and not (importing and len(self._ahead_left) < len(self.specs) - 1):  # one, the imports, the rest
+            key, options = ready[0], self.widths[ready[0]]
             hidden = self._chosen.get(key, self.specs[key].default_width)
             setting = dataclasses.replace(self.setting, model=key, hidden=hidden if hidden in options else options[0])
             try:
