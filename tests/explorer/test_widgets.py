@@ -32,7 +32,8 @@ from pergrad_viz.explorer.specs import MENU, installed  # noqa: E402
 
 OPTIONS = {"batch_sizes": (1, 2, 4, 8), "hidden_widths": (8, 16), "default_batch": 4, "default_hidden": 8,
            "sweep_batches": 2, "slow_limit": 16, "dpi": 40, "rounds": 2, "min_rounds": 1, "min_block_s": 1e-4,
-           "tier_budget_s": 0.05, "threads": 1, "noise_threshold": float("inf"), "drift": float("inf")}
+           "tier_budget_s": 0.05, "threads": 1, "noise_threshold": float("inf"), "drift": float("inf"),
+           "ahead": False}  # the menu computed ahead while idle: its own tests (test_ahead.py)
 
 
 @pytest.fixture(scope="module")
