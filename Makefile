@@ -19,14 +19,17 @@ setup: $(STAMP)
 lab: setup
 	$(PY) -m jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
-## Everything: lint, unit tests, notebooks through nbval, browser tests
+## Everything: lint; the unit tests on both cores (pytest-xdist: each test runs on one thread, tests/conftest.py);
+## then the notebooks through nbval and the browser tests, one at a time (the browser tests time the explorer)
+WORKERS ?= 2
 test: setup browser data lint
-	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env \
+	$(PY) -m pytest tests -m "not e2e" -n $(WORKERS) -p no:randomly
+	$(PY) -m pytest notebooks tests/e2e --nbval-lax --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:randomly
 
 ## Unit tests only (quick)
 unit: setup lint
-	$(PY) -m pytest tests -m "not e2e"
+	$(PY) -m pytest tests -m "not e2e" -n $(WORKERS)
 
 ## ruff, and the layers of docs/layout.md (import-linter; the contract is in pyproject.toml)
 lint: setup

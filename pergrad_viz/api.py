@@ -19,6 +19,7 @@ from pergrad_viz.core.guards import check_autocast
 from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
+from pergrad_viz.core.randomness import Draws, check_randomness, randomness_of, refuse_torch_func
 from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
 from pergrad_viz.core.users import users_error
 from pergrad_viz.core.validate import (
@@ -97,10 +98,11 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
     trainable = model if isinstance(model, Trainable) else Trainable.of(model)
     if inputs is not None:
         inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs).map(normal_tensor)
-        check_modes(trainable)  # before the probe runs the model
+        check_modes(trainable, randomness_of(trainable))  # before the probe runs the model
     special = _special_model(trainable, strategy)
     if special is not None:
         return special
+    refuse_torch_func(trainable, strategy)
     if strategy == "auto":
         try:
             check_supported(trainable, inputs)
@@ -108,7 +110,8 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
         except UndefinedPerSampleError:
             raise
         except UnsupportedModelError:
-            return "loop" if "torch_func" in plan_for(trainable, inputs).failed else "torch_func"
+            usable = randomness_of(trainable) == "error" and "torch_func" not in plan_for(trainable, inputs).failed
+            return "torch_func" if usable else "loop"
     if strategy == "hooks":
         check_supported(trainable, inputs)
     elif REGISTRY[strategy].batched_forward and inputs is not None:
@@ -169,19 +172,22 @@ def _check_memory(trainable: Trainable, strategy: str, batch: int, chunk: int, o
 
 def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
             loss_fn: object = None, model_kwargs: Mapping | None = None, out: torch.Tensor | None = None,
-            flat: bool = True) -> tuple[Trainable, str, Batch, int]:
+            flat: bool = True, randomness: str = "error") -> tuple[Trainable, str, Batch, int]:
     """A call checked (``pergrad_viz.core.validate``) and planned: ``(trainable, resolved strategy, batch (B, ...),
     samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``)."""
     if loss_fn is not None:
         check_loss(loss_fn)
     check_strategy_name(strategy, STRATEGIES)  # before anything is checked or run
+    check_randomness(randomness)
     trainable = Trainable.of(model)
+    if randomness == "different":
+        trainable.call.draws = Draws(trainable.device)
     batch = batch_of(trainable, inputs, targets, model_kwargs)
     chunk = check_chunk(chunk_size, batch.size)
     if out is not None:
         check_out_memory(out, trainable, flat, batch, targets)  # before the probe runs the model
     if check_autocast(strategy, trainable):  # under torch.autocast: each sample alone, as the definition runs it
-        check_modes(trainable)
+        check_modes(trainable, randomness)
         return trainable, "loop", batch, chunk
     try:
         resolved = resolve_strategy(strategy, trainable, batch)  # the probe runs the model (auto, batched strategies)
@@ -210,11 +216,12 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
     both are checked alike.
 
     ``run(strategy)`` computes the result; ``quantity`` ("grads", "norms", ...) keys the check's schedule."""
-    race = race_for(trainable, inputs, quantity) if may_race and requested == "auto" and resolved == "hooks" else None
+    may_race = may_race and requested == "auto" and resolved == "hooks" and trainable.call.draws is None
+    race = race_for(trainable, inputs, quantity) if may_race else None
     if race is not None:
         chain = (*race.order(), "loop")
     elif requested == "auto":
-        chain = _CHAIN.get(resolved, (resolved,))
+        chain = tuple(s for s in _CHAIN.get(resolved, (resolved,)) if s != "torch_func" or trainable.call.draws is None)
     else:
         chain = (resolved,)
     for k, strategy in enumerate(chain):
@@ -235,6 +242,8 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
 
 def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[str], R],
              check: Callable[[R, str], None] | None, quantity: str, race: Race | None = None) -> R:
+    if trainable.call.draws is not None:  # from the call's first random state (core.randomness.Draws)
+        trainable.call.draws.begin()
     start = time.perf_counter()
     result = run(strategy)
     seconds = time.perf_counter() - start
@@ -272,7 +281,7 @@ def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Te
 def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, *,
                      strategy: str = "auto", flat: bool = False, chunk_size: int | None = None,
                      max_bytes: int | None = None, out: torch.Tensor | None = None, verify: bool = True,
-                     model_kwargs: Mapping | None = None) -> Result:
+                     model_kwargs: Mapping | None = None, randomness: str = "error") -> Result:
     """The gradient of each sample's loss with respect to every trainable parameter.
 
     The per-sample gradient of sample i is the gradient of
@@ -294,11 +303,11 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
         max_bytes: memory budget (default: half of the memory available on the device).
         out: with ``flat=True``, a preallocated (B, P) tensor to write into (same dtype and device as
             the parameters); it is returned.
-        verify: check the result against the definition (every strategy but the loop; see
-            ``pergrad_viz.engine.certify``): every row at once against a plain batched backward (``torch_func``:
-            forward mode), and one sample computed alone; amortised (a plan's first calls, then within 10% of the
-            time spent: ``pergrad_viz.engine.schedule``). ``False`` skips it.
+        verify: check the result against the definition (``pergrad_viz.engine.certify``), amortised (a plan's first
+            calls, then within 10% of the time spent: ``pergrad_viz.engine.schedule``). ``False`` skips it.
         model_kwargs: more keyword arguments for the model, cut like the inputs.
+        randomness: ``"error"`` (refuse a forward that draws random numbers) or ``"different"`` (row i: sample i's
+            gradient under its own dropout mask, one batched forward's draws; ``pergrad_viz.core.randomness``).
 
     Returns:
         ``{name: Tensor (B, *param.shape)}`` in ``named_parameters()`` order, or (B, P) if ``flat``.
@@ -311,7 +320,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     requested = strategy
     targets = normal_tensor(targets) if isinstance(targets, torch.Tensor) else tree_map(normal_tensor, targets)
     trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs,
-                                                  out, flat)
+                                                  out, flat, randomness)
     batch = inputs.size
     if out is not None:
         check_out(out, (batch, trainable.num_params), trainable, flat)

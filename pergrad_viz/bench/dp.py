@@ -200,10 +200,28 @@ def _max_diff(got: dict, want: dict) -> float | None:
 
 
 def dp_table(name: str, *, batch: int = 32, rounds: int = 5, device: str = "cpu") -> list[dict]:
-    """One model's rows: {method, median_s, iqr, vs_plain, peak, peak_vs_plain, tensors, tensors_vs_plain, max_diff,
-    note}."""
+    """One bench model's rows (:func:`dp_problem`), as :func:`dp_rows`."""
+    return dp_rows(*dp_problem(name, batch, device), rounds=rounds, device=device)
+
+
+def dp_rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, *, rounds: int = 5, device: str = "cpu"
+            ) -> list[dict]:
+    """The DP-SGD gradient of this batch (inputs ``x``, targets ``y``; B samples) five ways, timed in ``rounds``
+    interleaved rounds: {method, median_s, iqr, vs_plain, peak, peak_vs_plain, tensors, tensors_vs_plain,
+    max_diff, note} per row (see the module docstring), ``peak`` and ``tensors`` in bytes. Any model and loss
+    :func:`pergrad_viz.clipped_grad_sum` takes (a mean or a sum over the batch: the plain row backpropagates
+    ``loss_fn(model(x), y)``); ``.grad`` is left as it was."""
+    named = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.grad for p in named]
+    try:
+        return _rows(model, loss_fn, x, y, rounds, device)
+    finally:
+        for p, grad in zip(named, saved, strict=True):
+            p.grad = grad
+
+
+def _rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, rounds: int, device: str) -> list[dict]:
     _libc()
-    model, loss_fn, x, y = dp_problem(name, batch, device)
     generator = torch.Generator(device=device).manual_seed(0)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
@@ -249,8 +267,6 @@ def dp_table(name: str, *, batch: int = 32, rounds: int = 5, device: str = "cpu"
         for _, p in named:
             p.grad = None
         tensors[m] = tensor_peak_bytes(fn, device)
-    for _, p in named:
-        p.grad = None
     base_t, base_m = timings["forward+backward"].median_s, peaks["forward+backward"]
     base_tensors = tensors["forward+backward"]
     rows = []

@@ -33,6 +33,7 @@ class CallState:
     key: tuple | None = None  # the plan's key (engine.plan_key), read once per call
     layers: dict | None = None
     rows: tuple | None = None
+    draws: object = None  # core.randomness.Draws under randomness='different', else None (refused)
 
 
 @dataclass(frozen=True)

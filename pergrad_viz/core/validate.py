@@ -61,12 +61,14 @@ def check_model(model: object, named_parameters: Sequence[tuple[str, nn.Paramete
     return named
 
 
-def check_modes(model: nn.Module | TrainableLike) -> None:
+def check_modes(model: nn.Module | TrainableLike, randomness: str = "error") -> None:
     """Refuse layers whose per-sample gradients are undefined or random in the model's current mode.
 
     BatchNorm that uses batch statistics mixes the samples of a batch, so "the gradient of sample i"
-    depends on the other samples; Dropout in training mode draws different masks in each strategy.
+    depends on the other samples; Dropout in training mode draws different masks in each strategy (allowed with
+    ``randomness="different"``, ``pergrad_viz.core.randomness``).
     """
+    random_ok = randomness == "different"
     for name, m in model.named_modules() if isinstance(model, nn.Module) else model.modules:
         label = f"{name or 'model'} ({type(m).__name__})"
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
@@ -83,17 +85,19 @@ def check_modes(model: nn.Module | TrainableLike) -> None:
             )
         internal_dropout = (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) or (
             isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
-        if internal_dropout and m.training:
+        if internal_dropout and m.training and not random_ok:
             raise UndefinedPerSampleError(
                 f"{label} applies dropout={m.dropout} in training mode: it would draw different random masks in each "
                 "strategy and each sample, so results would be random and not comparable. Call model.eval() (or "
-                "create it with dropout=0) before computing per-sample gradients."
+                "create it with dropout=0) before computing per-sample gradients, or pass randomness='different' for "
+                "each sample's gradient under its own mask (DP fine-tuning with dropout on)."
             )
-        if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0:
+        if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0 and not random_ok:
             raise UndefinedPerSampleError(
                 f"{label} is in training mode: it would draw different random numbers (masks, slopes) in each strategy "
                 "and each sample, so results would be random and not comparable. Call model.eval() "
-                "(or set p=0) before computing per-sample gradients."
+                "(or set p=0) before computing per-sample gradients, or pass randomness='different' for each sample's "
+                "gradient under its own mask (DP fine-tuning with dropout on)."
             )
         checkpointing = getattr(m, "_gradient_checkpointing_func", None)  # Hugging Face's, in training mode only
         if (m.training and getattr(m, "gradient_checkpointing", False) is True

@@ -95,7 +95,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
                      noise_multiplier: float = 0.0, generator: torch.Generator | None = None,
                      per_layer: PerLayer = False, strategy: str = "auto", chunk_size: int | None = None,
                      verify: bool = True, model_kwargs: Mapping | None = None, return_norms: bool = False,
-                     distributed: bool = False
+                     distributed: bool = False, randomness: str = "error"
                      ) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The DP-SGD gradient of a batch: each sample's gradient clipped to ``max_norm``, summed, plus Gaussian noise.
 
@@ -118,6 +118,10 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             trainable parameters), or ``{name prefix: bound}`` (each parameter clipped with the group of its longest
             matching prefix, ``""`` matching all; then ``max_norm=None``).
         return_norms: also return the (B,) norms of the per-sample gradients before clipping.
+        randomness: ``"error"`` (the default: a forward that draws random numbers is refused) or ``"different"``:
+            dropout and drop-path left on, as DP fine-tuning runs, each sample's gradient that of its loss under its
+            own mask (one batched forward's; the check draws the same masks again), as
+            :func:`pergrad_viz.per_sample_grads`.
         distributed: under ``torch.distributed`` (torchrun; gloo or NCCL), each process passes its own samples: their
             clipped sums are all-reduced (one flat buffer), the noise is drawn once, on rank 0, from its ``generator``
             (every rank passes one; only rank 0's draws), so every rank returns the same sum as one process given
@@ -138,7 +142,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     check_distributed(distributed)
     targets = tree_map(normal_tensor, targets)
     trainable, resolved, batch, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
-                                                    model_kwargs)
+                                                    model_kwargs, randomness=randomness)
     if generator is not None and generator.device.type != trainable.device.type:
         raise ValueError(f"generator is on {generator.device} but the parameters are on {trainable.device}; create it "
                          f"with torch.Generator(device={str(trainable.device)!r}).manual_seed(seed)")
@@ -226,8 +230,8 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
 
     Args:
         expected_batch_size: a positive int, or None (this batch's size).
-        options: ``per_layer``, ``strategy``, ``chunk_size``, ``verify``, ``model_kwargs``, ``distributed`` as
-            :func:`clipped_grad_sum`.
+        options: ``per_layer``, ``strategy``, ``chunk_size``, ``verify``, ``model_kwargs``, ``distributed``,
+            ``randomness`` (``"different"`` for dropout on) as :func:`clipped_grad_sum`.
 
     Returns:
         ``{name: Tensor (*param.shape)}``, the tensors now in ``.grad``.

@@ -37,6 +37,7 @@ from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
 from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import default_budget, result_bytes
+from pergrad_viz.core.randomness import randomness_of
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.engine.capture import Layer, loss_gradients
 from pergrad_viz.engine.certify import check_norms
@@ -50,7 +51,7 @@ from pergrad_viz.strategies import working_bytes
 @computing_gradients
 def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, *,
                           strategy: str = "auto", per_parameter: bool = False, chunk_size: int | None = None,
-                          verify: bool = True, model_kwargs: Mapping | None = None
+                          verify: bool = True, model_kwargs: Mapping | None = None, randomness: str = "error"
                           ) -> torch.Tensor | dict[str, torch.Tensor]:
     """The L2 norm of each sample's gradient, over all trainable parameters (or per parameter).
 
@@ -73,6 +74,8 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
         verify: check one randomly drawn sample's norms against that sample computed alone (the ghost norms;
             materialised gradients are checked as :func:`pergrad_viz.per_sample_grads` checks them), amortised as
             there (``pergrad_viz.engine.schedule``); ``False`` skips it.
+        randomness: ``"error"`` or ``"different"`` (each sample's gradient under its own dropout mask), as
+            :func:`pergrad_viz.per_sample_grads`.
 
     Returns:
         (B,) norms in the parameters' dtype, or ``{name: Tensor (B,)}`` in ``named_parameters()`` order
@@ -88,7 +91,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
         raise TypeError(f"per_parameter must be True or False, got {per_parameter!r}")
     targets = tree_map(normal_tensor, targets)
     trainable, resolved, inputs, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
-                                                      model_kwargs)
+                                                      model_kwargs, randomness=randomness)
 
     def run(used: str) -> dict[str, torch.Tensor]:
         if used == "hooks":
@@ -160,7 +163,7 @@ def materialised_chunks(trainable: Trainable, resolved: str, strategy: str, loss
     for start in range(0, batch, chunk):
         rows = slice(start, min(start + chunk, batch))
         yield rows, api.per_sample_grads(trainable.model, loss_fn, inputs.rows(rows), cut(targets, rows, batch),
-                                         strategy=strategy, verify=verify)
+                                         strategy=strategy, verify=verify, randomness=randomness_of(trainable))
 
 
 # Pieces shared with pergrad_viz.derived.ntk ------------------------------------------------------------------

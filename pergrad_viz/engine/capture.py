@@ -318,9 +318,13 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
     layers = trainable.call.layers
     if layers is None:
         layers = trainable.call.layers = _layers(trainable, plan)
+    draws = trainable.call.draws  # randomness='different': the state its draws start from, for the check
+    state = None if draws is None else draws.mark(inputs.size)
     output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
     if not plan.copy_captures and any(c.modified_in_place() for c in calls):  # ReLU(inplace=True), `out += x`
         plan.copy_captured_tensors()  # known from now on for this model and input signature: one forward pass
+        if state is not None:
+            draws.again(state)  # the second forward draws what the first did
         output, calls = _forward(trainable, inputs, layers, copy=True)
     return output, calls
 

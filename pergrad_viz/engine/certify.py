@@ -47,10 +47,20 @@ from torch.func import functional_call, jvp, vmap
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core import tolerances
-from pergrad_viz.core.batch import Batch, cut
-from pergrad_viz.core.layout import flat_outputs
-from pergrad_viz.core.losses import LossFn, per_sample_losses, scalar_loss
+from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.references import (
+    Tensors,
+    alone_combination,
+    alone_grads,
+    dense,
+    grad_of,
+    in_its_batch,
+    replayed_weighted_grads,
+    weighted_grads,
+    weighted_outputs,
+)
 from pergrad_viz.errors import CheckFailedError
 
 __all__ = ["CheckFailedError", "check_grads", "check_jacobian", "check_norms", "check_ntk", "draw"]
@@ -59,7 +69,6 @@ _DRAW = random.Random(int.from_bytes(os.urandom(8), "little"))  # private: the c
 AGAIN = 8.0  # a result may be this many times as far from the float64 value as the reference in its precision is
 LOOSE = 30.0  # without a float64 copy, a suspicion fails beyond this many times the tolerance
 
-Tensors = list[torch.Tensor]
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -75,12 +84,6 @@ def draw(batch: int) -> int:
 def _randn(shape: tuple, like: torch.Tensor) -> torch.Tensor:
     gen = torch.Generator(device=like.device).manual_seed(_DRAW.getrandbits(62))
     return torch.randn(shape, generator=gen, dtype=like.dtype, device=like.device)
-
-
-def _dense(grads: tuple[torch.Tensor | None, ...], params: tuple[torch.Tensor, ...]) -> Tensors:
-    """One gradient per parameter, each dense: zeros where a parameter was not used, dense where it is sparse."""
-    return [torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
-            for g, p in zip(grads, params, strict=True)]
 
 
 def _norms(tensors: Tensors, dtype: torch.dtype) -> list[float]:
@@ -187,50 +190,6 @@ def _again(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn
     return again
 
 
-# -------------------------------------------------------------------------------------------- the references
-
-
-def _grad(output: torch.Tensor, params: tuple, **kw: object) -> tuple:
-    """``autograd.grad`` with ``allow_unused``; None for every parameter where no trainable parameter reaches
-    ``output`` (a sample alone the forward sends past them: zeros, as in the loop)."""
-    if not output.requires_grad:
-        return (None,) * len(params)
-    return torch.autograd.grad(output, params, allow_unused=True, **kw)
-
-
-def _weighted_grads(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None,
-                    w: torch.Tensor) -> Tensors:
-    """The gradient of ``sum_i w_i L_i`` from one plain batched forward and backward: {parameter: its shape}."""
-    losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)
-    total = (losses * w.to(losses.dtype)).sum()
-    return _dense(_grad(total, trainable.params), trainable.params)
-
-
-def _weighted_outputs(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None,
-                      w: torch.Tensor) -> Tensors:
-    """The gradient of ``sum_{i,y} W_iy f_iy`` from one plain batched forward and backward."""
-    outputs = flat_outputs(trainable.outputs(inputs))
-    total = (outputs * w.to(outputs.dtype)).sum()
-    return _dense(_grad(total, trainable.params), trainable.params)
-
-
-def _alone_grads(i: int) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
-    def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
-        loss = scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
-        return _dense(_grad(loss, trainable.params), trainable.params)
-
-    return compute
-
-
-def _alone_combination(i: int, u: torch.Tensor) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
-    def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
-        output = trainable.outputs(inputs.sample(i)).reshape(-1)
-        return _dense(_grad(output @ u.to(output.dtype), trainable.params),
-                      trainable.params)
-
-    return compute
-
-
 # ------------------------------------------------------------------------------------------------ the checks
 
 
@@ -244,8 +203,16 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     lead = trainable.params[0]
     w = _randn((inputs.size,), lead)
     got = [torch.tensordot(w, rows[name], dims=1) for name in trainable.names]
-    want = _weighted_grads(trainable, inputs, targets, loss_fn, w)
-    again = _again(trainable, inputs, targets, loss_fn, lambda t, x, y, f: _weighted_grads(t, x, y, f, w))
+    draws = trainable.call.draws
+    if draws is not None:  # randomness='different': the reference draws the strategy's random numbers again
+        want = replayed_weighted_grads(draws, trainable, inputs, targets, loss_fn, w)
+        again = _again(trainable, inputs, targets, loss_fn,
+                       lambda t, x, y, f: replayed_weighted_grads(draws, t, x, y, f, w))
+        _raise(verdict(trainable.names, got, want, trainable.dtype, again),
+               "a random combination of the rows (the same random draws)", strategy, _BATCHED_WHY)
+        return  # a sample alone would draw other numbers: couplings are the probe's, with the draws held fixed
+    want = weighted_grads(trainable, inputs, targets, loss_fn, w)
+    again = _again(trainable, inputs, targets, loss_fn, lambda t, x, y, f: weighted_grads(t, x, y, f, w))
     _raise(verdict(trainable.names, got, want, trainable.dtype, again),
            "a random combination of the rows", strategy, _BATCHED_WHY)
     _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, draw(inputs.size))
@@ -253,7 +220,7 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
 
 def _check_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
                  rows: Mapping[str, torch.Tensor], strategy: str, i: int) -> None:
-    compute = _alone_grads(i)
+    compute = alone_grads(i)
     want = compute(trainable, inputs, targets, loss_fn)
     got = [rows[name][i] for name in trainable.names]
     _raise(verdict(trainable.names, got, want, trainable.dtype, _again(trainable, inputs, targets, loss_fn, compute)),
@@ -269,8 +236,8 @@ def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch
     first = rows[trainable.names[0]]
     w = _randn(tuple(first.shape[:2]), first)
     got = [torch.tensordot(w, rows[name], dims=2) for name in trainable.names]
-    want = _weighted_outputs(trainable, inputs, None, None, w)
-    again = _again(trainable, inputs, None, None, lambda t, x, y, f: _weighted_outputs(t, x, y, f, w))
+    want = weighted_outputs(trainable, inputs, None, None, w)
+    again = _again(trainable, inputs, None, None, lambda t, x, y, f: weighted_outputs(t, x, y, f, w))
     _raise(verdict(trainable.names, got, want, trainable.dtype, again),
            "a random combination of the Jacobians' rows", strategy, _BATCHED_WHY)
     _check_alone_jacobian(trainable, inputs, rows, strategy, draw(inputs.size))
@@ -280,7 +247,7 @@ def _check_alone_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str
                           i: int) -> None:
     first = rows[trainable.names[0]]
     u = _randn((first.shape[1],), first)
-    compute = _alone_combination(i, u)
+    compute = alone_combination(i, u)
     want = compute(trainable, inputs, None, None)
     got = [torch.tensordot(u, rows[name][i], dims=1) for name in trainable.names]
     _raise(verdict(trainable.names, got, want, trainable.dtype, _again(trainable, inputs, None, None, compute)),
@@ -354,7 +321,8 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     """Raise :class:`CheckFailedError` unless entry i of ``squared`` {name: (B,)} is the squared norm of sample i's
     gradient, per parameter, for one random sample i."""
     i = draw(inputs.size)
-    alone = _alone_grads(i)
+    draws = trainable.call.draws
+    alone = alone_grads(i) if draws is None else in_its_batch(draws, i, inputs.size, trainable.params[0])
 
     def norms_of(t: Trainable, x: Batch, y: object, f: LossFn | None) -> Tensors:
         return [g.norm().reshape(1) for g in alone(t, x, y, f)]
@@ -371,8 +339,8 @@ def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:
     output = trainable.outputs(x).reshape(-1)
     rows = []
     for j in range(output.numel()):
-        grads = _grad(output[j], trainable.params, retain_graph=True)
-        rows.append(torch.cat([g.reshape(-1) for g in _dense(grads, trainable.params)]))
+        grads = grad_of(output[j], trainable.params, retain_graph=True)
+        rows.append(torch.cat([g.reshape(-1) for g in dense(grads, trainable.params)]))
     return torch.stack(rows)
 
 

@@ -40,7 +40,7 @@ def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
     """What a plan depends on, read afresh: the input signature; per module its name, identity, type, forward (the
     class's and an instance's own), forward hooks and plain attributes; the global forward hooks; per parameter
     (``named_parameters()``, frozen ones too, walked once per call by :meth:`Trainable.of`) its name, identity,
-    shape, dtype and ``requires_grad``."""
+    shape, dtype and ``requires_grad``; and the call's ``randomness=``."""
     return (
         inputs.signature(),
         tuple((n, id(m), type(m), type(m).forward, m.__dict__.get("forward"),
@@ -49,4 +49,5 @@ def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
         len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks),
         tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad)
               for n, p in trainable.named_parameters or trainable.model.named_parameters()),
+        trainable.call.draws is not None,  # randomness='different': a plan probed with the draws held fixed
     )

@@ -43,6 +43,7 @@ from torch.nn.modules import module as module_mod
 from pergrad_viz.core.batch import Batch, differs
 from pergrad_viz.core.guards import refusing_reentrant_checkpoints
 from pergrad_viz.core.ownership import assign
+from pergrad_viz.core.randomness import held_fixed
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.observe import close, first_difference, observe
@@ -283,13 +284,13 @@ def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> La
 def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
     with restoring_modes(trainable):  # the probe runs the model: its modes are left as they were, even on error
         probe = _Probe(trainable, inputs)
-    if probe.random is not None:
+    if probe.random is not None and trainable.call.draws is None:  # randomness='different': held fixed here
         module = dict(trainable.modules)[probe.random]
         raise UndefinedPerSampleError(
             f"{_describe('the forward', probe.random, module)} gives different outputs for the same sample in two "
             "runs: it draws random numbers (dropout written as F.dropout(..., training=True), stochastic depth, "
-            "noise), so per-sample gradients would be random and not comparable. Call model.eval() (or turn the "
-            "randomness off) before computing per-sample gradients.")
+            "noise), so per-sample gradients would be random and not comparable. Call model.eval() (or turn it off) "
+            "first, or pass randomness='different' for each sample's gradient under its own random numbers.")
     for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
         probe.spec(name)
     # Handlers keep the samples apart (checked by why_not), or hand a shared output downstream as per-sample copies.
@@ -391,7 +392,8 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
     if cached is not None and cached[0] == key and (cached[1].verified or inputs.size == 1):
         plan = cached[1]
     else:
-        with refusing_reentrant_checkpoints():  # the probe's backward passes meet it first
+        # the probe's backward passes meet a reentrant checkpoint first; randomness='different': draws held fixed
+        with refusing_reentrant_checkpoints(), held_fixed(trainable.call.draws is not None):
             plan = _make_plan(trainable, inputs)
         _PLANS[trainable.model] = (key, plan)
     trainable.call.plan = plan

@@ -167,7 +167,9 @@ def norms(grads: torch.Tensor, bounds: Sequence[tuple[str, int, int]]) -> tuple[
 
 
 def clipping(setting: Setting, data: Computed) -> ClipView:
-    """The DP-SGD view at ``setting.clip``: each sample's scale, how many are clipped, the sums' norms."""
+    """The DP-SGD view at ``setting.clip``: each sample's scale, how many are clipped, the sums' norms. The clipped
+    sum is taken here from the (B, P) gradients the explorer holds to draw them; :func:`pergrad_viz.clipped_grad_sum`
+    forms it without them (per layer, ``G^T diag(c) A`` from the captured output gradients G and inputs A)."""
     c = setting.clip
     factors = (c / data.total.clamp_min(1e-12)).clamp(max=1.0)  # (B,): DP-SGD's per-sample scale
     plain = data.grads.sum(dim=0)

@@ -38,7 +38,7 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
              hidden_widths: Sequence[int] = POWERS_OF_TWO_HIDDEN, strategies: Sequence[str] = STRATEGIES,
              default_batch: int | None = None, default_hidden: int = 20, quantity: str = "grads",
              slow_limit: int = 1024, rounds: int = 5, sweep_batches: int = 3, device: str = "cpu", dpi: float = DPI,
-             threads: int | None = None, background: bool = True, compute: bool = True,
+             threads: int | None = None, background: bool = True, compute: bool = True, ahead: bool = True,
              **model_options) -> Explorer:
     """The interactive explorer of the strategies: on a menu of networks (the tutorial ``MLP(784, hidden, 10)``
     first, a small CNN, a transformer encoder, an LSTM classifier, a tiny ViT with LoRA adapters), or on your own
@@ -70,6 +70,8 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
             and the process's own count restored after it.
         background: work in a background thread (False: in the control's callback, e.g. for tests).
         compute: start on the default setting now.
+        ahead: while the explorer idles (its setting done, no control moved), compute the menu's other networks
+            ahead, one at a time, giving way at once to any control: their first visits then show at once.
         model_options: more :class:`~.model.ExplorerModel` options (``min_block_s``, ``tier_budget_s`` ...).
 
     Returns:
@@ -113,4 +115,4 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
                       strategies=tuple(strategies))
     return Explorer(explorer_model, batch_sizes=batch_sizes, hidden_widths=widths[default_model],
                     strategies=tuple(strategies), default=default, dpi=dpi, background=background, compute=compute,
-                    widths=widths)
+                    widths=widths, ahead=ahead)

@@ -6,26 +6,19 @@
 >>> view.verdict.ok, [r.strategy for r in view.records], view.grads.shape    # True, [...], (32, P)
 >>> view = model.update(Setting(model="lstm", batch=16, hidden=32))     # another network of the menu
 
-The network is described by a :class:`~.specs.ModelSpec` (how to build it at a width, its inputs, what a sample
-looks like, its first layer with a closed-form rule): the built-in menu (:data:`~.specs.MENU`: the tutorial MLP, a
-small CNN, a transformer encoder, an LSTM classifier, a tiny ViT with LoRA adapters) or a user's own network and data
-(:func:`~.specs.user_spec`). ``Setting.hidden`` is the network's width (hidden units, channels, d_model, hidden size,
-LoRA rank).
+The network is a :class:`~.specs.ModelSpec`: one of the built-in menu (:data:`~.specs.MENU`) or a user's own
+network and data (:func:`~.specs.user_spec`); ``Setting.hidden`` is its width (hidden units, channels, d_model ...).
 
 :meth:`ExplorerModel.stages` yields the views progressively, as a responsive front end wants them:
-
-1. ``"gradients"``: what needs one call at the setting: the (B, P) per-sample gradients (the heatmap), the chosen
-   sample's first-layer gradients and the fast rule's parts (a_i, g_i), the norms of the DP-SGD view; then (a second
-   view) the verdict: those gradients against the loop (the definition, written out here: ``torch.autograd.grad`` of
-   each checked sample's loss, run alone);
-2. ``"timing"``: the fast strategies and the references, tier by tier (cheapest first, interleaved in rounds with
-   ``forward+backward`` as the anchor; *provisional* while a median is uncertain, settled after more rounds:
-   :func:`pergrad_viz.bench.timing.time_adaptive`), then at the scaling curve's smaller batch sizes; every result is
-   compared with the loop on the checked samples (its ``max |diff|``, and the verdict);
-3. ``"measuring"``: all of that is shown and final; the slower methods are timed the same way, their rows
-   ``pending`` until then: the slow baselines (``loop``, ``autograd_stack``, ``batched_grad``: B backward passes a
-   call or more), and where one result is over :data:`LARGE_RESULT` bytes every method but ``auto``'s;
-4. ``"done"``: every row and the whole scaling curve.
+``"gradients"`` (the (B, P) per-sample gradients of one call: the heatmap, the chosen sample's panel, the DP-SGD
+view; then the verdict: those gradients against the loop, the definition written out here, each checked sample's
+``torch.autograd.grad`` run alone), ``"timing"`` (the fast strategies and the references tier by tier, cheapest
+first, interleaved in rounds with ``forward+backward`` as the anchor, provisional while a median is uncertain:
+:func:`pergrad_viz.bench.timing.time_adaptive`; then at the scaling curve's smaller batch sizes; every result
+compared with the loop), ``"measuring"`` (all that shown and final; the slow baselines, ``loop``,
+``autograd_stack``, ``batched_grad``, and where one result is over :data:`LARGE_RESULT` bytes every method but
+``auto``'s, timed the same way, their rows ``pending``), ``"done"`` (every row, the whole scaling curve).
+:meth:`ExplorerModel.ahead` computes a setting up to its ``"measuring"`` view before it is asked for.
 
 Timings are cached by everything that affects them (:mod:`.session`); a noisy one is flagged (``Record.noisy``) and
 never cached. The records are in :mod:`.state`, the pure computations in :mod:`.compute` and :mod:`.sample`; this
@@ -50,7 +43,7 @@ from pergrad_viz.core.layout import param_boundaries
 from pergrad_viz.core.memory import result_bytes
 from pergrad_viz.explorer import compute
 from pergrad_viz.explorer.sample import inputs_of, sample_view
-from pergrad_viz.explorer.session import Calls, TimingSession, clock, synchronizer
+from pergrad_viz.explorer.session import Calls, Progress, TimingSession, clock, synchronizer
 from pergrad_viz.explorer.specs import MENU, ModelSpec
 from pergrad_viz.explorer.state import (
     REFERENCES,
@@ -81,20 +74,8 @@ class ExplorerModel:
         batch_options: the batch sizes of the slider (the scaling curve picks among those up to the current).
         slow_limit: the slow baselines are skipped (with a note) above this many sample-backward passes per
             call (see :func:`pergrad_viz.bench.sweeps.backward_work`).
-        rounds, min_rounds: rounds of a tier's first pass (:func:`pergrad_viz.bench.timing.time_adaptive`): ``rounds``,
-            fewer (down to ``min_rounds``) where they would take more than ``tier_budget_s`` seconds (the slow
-            baselines, from about 30 ms a call: their first pass is short, and extra rounds follow only where its
-            spread leaves the median uncertain).
-        max_rounds, patience_s: while a median is uncertain, more rounds are timed, up to ``max_rounds`` per tier
-            and about ``patience_s`` seconds per setting in all (half that for each of the scaling curve's smaller
-            batches); the first numbers are shown meanwhile, as provisional.
-        round_budget_s: one round of a tier costs about this much (cheap methods share a tier; a costly one gets
-            its own). prior_min_s: a first call at least this long counts as a round.
-        min_block_s: a timed block lasts at least this long (many calls of a fast method).
-        noise_threshold: a median is settled when the half-width of its 95% confidence interval is at most this
-            fraction of it (:attr:`pergrad_viz.bench.timing.Timing.uncertainty`); still above after the extra rounds:
-            noisy. drift: the anchor's median may move by this factor between tiers before the later tier counts
-            as noisy.
+        rounds, min_rounds, max_rounds, patience_s, round_budget_s, prior_min_s, tier_budget_s, min_block_s,
+            noise_threshold, drift: how settings are timed (:class:`~.session.TimingSession` says what each does).
         sweep_batches: batch sizes on the scaling curve (up to the current one).
         threads: intra-op threads while computing (default: one core left free, see
             :func:`pergrad_viz.bench.timing.headroom_threads`); set for each step of :meth:`stages` and the
@@ -128,6 +109,7 @@ class ExplorerModel:
             threads=threads if threads is not None else timing.headroom_threads())
         self.cache = self.session.cache  # {TimingKey: Record}: the settled timings
         self._data: dict[tuple[str, str, int, int], Computed] = {}  # the latest setting's only: bounded memory
+        self._ahead: dict[tuple[str, str, int, int], Computed] = {}  # computed ahead (:meth:`ahead`): one a network
 
     @property
     def threads(self) -> int:
@@ -136,8 +118,7 @@ class ExplorerModel:
     # ------------------------------------------------------------------------------------------ checks
 
     def check(self, setting: Setting) -> None:
-        """Refuse a setting that is malformed or would not fit in memory, before allocating anything
-        (:func:`.compute.check`)."""
+        """Refuse a malformed setting, or one too large for the memory, before allocating (:func:`.compute.check`)."""
         spec = self.spec(setting)
         outputs = self.outputs(setting) if setting.quantity == "jacobian" else 1
         compute.check(setting, spec, outputs, self.dtype, torch.device(self.device))
@@ -149,8 +130,7 @@ class ExplorerModel:
         return self.models[setting.model]
 
     def outputs(self, setting: Setting) -> int:
-        """Y, the outputs of one sample (10 for the menu's networks; a user's network: from one forward of one
-        sample, without gradients)."""
+        """Y, the outputs of one sample (10 for the menu's networks; a user's: one forward of one sample)."""
         key = setting.model
         if key not in self._outputs:
             spec = self.spec(setting)
@@ -164,8 +144,7 @@ class ExplorerModel:
         return self._outputs[key]
 
     def problem(self, setting: Setting) -> tuple[nn.Module, nn.Module, object, object, torch.Tensor]:
-        """(model, loss_fn, inputs, targets, labels) at ``setting``: a menu network built on the explorer's device
-        and dtype; a user's network as it is."""
+        """(model, loss_fn, inputs, targets, labels) at ``setting`` (a menu network on the explorer's device, dtype)."""
         spec = self.spec(setting)
         model, loss_fn, x, y, labels = spec.problem(setting.batch, setting.hidden)
         if spec.max_batch is None:
@@ -185,23 +164,37 @@ class ExplorerModel:
         return last
 
     def stages(self, setting: Setting, check: Callable[[], None] | None = None) -> Iterator[View]:
-        """Views of ``setting``, progressively: ``"gradients"`` first, ``"timing"`` views, ``"measuring"`` ones (the
-        slow baselines' rows coming), ``"done"`` last (see the module's docstring). ``check`` is called between
-        steps (and between timed blocks): raise :class:`Stale` from it to abandon the setting. Each step runs with
-        :attr:`threads` intra-op threads, the process's own count restored before each view is yielded
-        (:meth:`.session.TimingSession.stepwise`)."""
+        """Views of ``setting``, progressively (see the module's docstring). ``check`` is called between steps (and
+        timed blocks): raise :class:`Stale` from it to abandon the setting. Each step runs with :attr:`threads`
+        intra-op threads, the process's own restored before each view is yielded (:meth:`.session.TimingSession
+        .stepwise`)."""
         self.check(setting)
         yield from self.session.stepwise(self._stages(setting, check or (lambda: None)))
 
-    def _stages(self, setting: Setting, poll: Callable[[], None]) -> Iterator[View]:
-        data = self._gradients(setting)
+    def ahead(self, setting: Setting, check: Callable[[], None] | None = None) -> bool:
+        """Compute ``setting`` before it is asked for (while the explorer idles), up to its first view shown in full;
+        its gradients and verdict kept for its visit (one setting per network), its timings cached: the visit shows
+        them at once. ``check``: as for :meth:`stages` (what was computed before a :class:`Stale` is kept).
+        Returns True when it got that far."""
+        self.check(setting)
+        steps = self.session.stepwise(self._stages(setting, check or (lambda: None), keep="ahead"))
+        try:
+            return any(view.shown for view in steps)
+        finally:
+            steps.close()
+
+    def _stages(self, setting: Setting, poll: Callable[[], None], keep: str = "shown") -> Iterator[View]:
+        data = self._gradients(setting, keep)
         view = View(setting, "gradients", data.grads, data.boundaries, data.labels, data.verdict,
                     self._sample(setting, data), compute.clipping(setting, data),
                     pending=tuple(self._methods(setting)), layers=data.how)
         yield view
         poll()
-        if data.verdict is None:
-            data.verdict = self._verdict(setting, data)
+        late = data.verdict is None and self._result_size(setting) > LARGE_RESULT  # the loop after the figures
+        if late:
+            data.checked, data.unchecked = self._checked(setting), {}
+        elif data.verdict is None:
+            data.verdict = compute.verdict(setting, data, self._checked(setting), self.dtype)
             view = dataclasses.replace(view, verdict=data.verdict)
             yield view
             poll()
@@ -210,17 +203,25 @@ class ExplorerModel:
         visit = Visit()
         view = yield from self._phase(view, data, lambda m: m not in slow, "timing", poll, visit)
         if slow:  # what is left: the slow baselines' rows, marked as coming
-            view = dataclasses.replace(view, stage="measuring")
-            yield view
+            yield (view := dataclasses.replace(view, stage="measuring"))
+        if late:  # the verdict, "checking" until now, and the differences of what was timed before it
+            data.verdict = compute.verdict(setting, data, self._checked(setting), self.dtype)
+            records = visit.records[setting.batch] = self.session.check_late(setting, data, view.records)
+            new = dict(zip(map(id, view.records), records, strict=True))
+            view = dataclasses.replace(view, verdict=data.verdict,
+                                       scaling_records=tuple(new.get(id(r), r) for r in view.scaling_records))
+            yield (view := compute.with_records(view, data, records, view.pending, view.reused, view.provisional,
+                                                view.stage, self.dtype))
+            poll()
+        if slow:
             view = yield from self._phase(view, data, lambda m: True, "measuring", poll, visit)
         view = dataclasses.replace(view, stage="done", scaling_pending=(), pending=())
         yield dataclasses.replace(view, noisy=compute.noisy(view.scaling_records))
 
     def _phase(self, view: View, data: Computed, include: Callable[[str], bool], stage: str,
                poll: Callable[[], None], visit: Visit) -> Generator[View, None, View]:
-        """Time the methods that ``include`` names at the view's setting, then at the scaling curve's smaller
-        batches (what ``visit`` holds of an earlier phase is kept, not timed again); the others stay pending.
-        Returns the last view."""
+        """Time the methods ``include`` names at the view's setting, then at the scaling curve's smaller batches (what
+        ``visit`` holds of an earlier phase kept); the others stay pending. Returns the last view."""
         setting = view.setting
         methods = [m for m in self._methods(setting) if include(m)]
         coming = tuple(m for m in self._methods(setting) if not include(m))
@@ -232,19 +233,20 @@ class ExplorerModel:
         for records, pending, reused, provisional in self._time_setting(
                 setting, data, poll, methods=methods, have=visit.records.get(setting.batch, []),
                 budget=visit.budgets[setting.batch]):
-            view = self._with_records(view, data, records, (*pending, *coming), before + reused, provisional,
-                                      stage=stage)
+            view = compute.with_records(view, data, records, (*pending, *coming), before + reused, provisional, stage,
+                                        self.dtype)
             yield view
         visit.records[setting.batch], visit.reused[setting.batch] = records, before + reused
         for k, b in enumerate(scaling):
             yield (view := dataclasses.replace(view, scaling_pending=tuple(scaling[k:])))
             poll()
             sub = dataclasses.replace(setting, batch=b)
-            if b not in visit.subs:
-                visit.subs[b] = self._gradients(sub, keep=False)
+            methods, have = [m for m in self._methods(sub) if include(m)], visit.records.get(b, [])
+            if b not in visit.subs and self.session.untimed(sub, methods, have):  # else all cached: none needed
+                visit.subs[b] = self._gradients(sub, keep=None)
             *_, (visit.records[b], *_rest) = self._time_setting(
-                sub, visit.subs[b], poll, rounds=self.session.min_rounds, budget=visit.budgets[b],
-                methods=[m for m in self._methods(sub) if include(m)], have=visit.records.get(b, []))
+                sub, visit.subs.get(b), poll, rounds=self.session.min_rounds, budget=visit.budgets[b],
+                methods=methods, have=have)
         curve = [r for b in (*scaling, setting.batch) for r in visit.records[b]]
         yield (view := dataclasses.replace(view, scaling_pending=(), scaling_records=tuple(curve)))
         return view
@@ -266,7 +268,7 @@ class ExplorerModel:
 
     def release(self) -> None:
         """Let go of the arrays kept for sample and clip changes (the timings stay cached)."""
-        self._data = {}
+        self._data, self._ahead = {}, {}
 
     def forget(self, setting: Setting) -> None:
         """Drop the cached timings of ``setting``'s batch sizes (the scaling curve's too): time them again."""
@@ -278,11 +280,13 @@ class ExplorerModel:
 
     # ------------------------------------------------------------------------------------------ gradients
 
-    def _gradients(self, setting: Setting, keep: bool = True) -> Computed:
-        """The per-sample gradients at ``setting`` (the verdict comes next, see :meth:`stages`); with ``keep`` (the
-        current setting) they are kept for sample and clip changes, replacing the previous setting's."""
-        cached = self._data.get(setting.key)
+    def _gradients(self, setting: Setting, keep: str | None = "shown") -> Computed:
+        """The per-sample gradients at ``setting`` (the verdict comes next, see :meth:`stages`), or those kept of it;
+        ``keep``: ``"shown"`` (the current setting) keeps them for sample and clip changes, replacing the previous
+        setting's; ``"ahead"`` (:meth:`ahead`) for the setting's visit, replacing its network's earlier ones."""
+        cached = self._data.get(setting.key) or self._ahead.get(setting.key)
         if cached is not None:
+            self._keep(setting, cached, keep)
             return cached
         model, loss_fn, x, y, labels = self.problem(setting)
         sync = synchronizer(model, self.device)
@@ -293,17 +297,19 @@ class ExplorerModel:
         total, layers = compute.norms(grads, bounds)
         data = Computed(model, loss_fn, x, y, labels, grads, bounds, total, layers, None, hooks_s=hooks_s,
                         how=compute.how(model, x))
-        if keep:
-            self._data = {setting.key: data}
+        self._keep(setting, data, keep)
         return data
+
+    def _keep(self, setting: Setting, data: Computed, keep: str | None) -> None:
+        if keep == "shown":
+            self._data = {setting.key: data}
+        elif keep == "ahead":
+            self._ahead = {k: v for k, v in self._ahead.items() if k[0] != setting.model} | {setting.key: data}
 
     def _checked(self, setting: Setting) -> torch.Tensor:
         """(n,) the samples compared with the loop (see :func:`.compute.checked_samples`)."""
         most = self.verdict_samples if setting.quantity == "grads" else self.verdict_samples_jacobian
         return compute.checked_samples(setting, most)
-
-    def _verdict(self, setting: Setting, data: Computed) -> Verdict:
-        return compute.verdict(setting, data, self._checked(setting), self.dtype)
 
     def _sample(self, setting: Setting, data: Computed) -> SampleView:
         """The chosen sample's panel (:func:`.sample.sample_view`), with its output Jacobian for that quantity."""
@@ -314,10 +320,6 @@ class ExplorerModel:
             jac = per_sample_jacobian(data.model, inputs_of(one), flat=True)[0]  # (Y, P)
         return sample_view(setting, self.spec(setting), data, jac)
 
-    def _with_records(self, view: View, data: Computed, records: Sequence[Record], pending: tuple[str, ...],
-                      reused: int, provisional: tuple[str, ...], stage: str) -> View:
-        return compute.with_records(view, data, records, pending, reused, provisional, stage, self.dtype)
-
     # ------------------------------------------------------------------------------------------ timing
 
     def _methods(self, setting: Setting) -> list[str]:
@@ -325,10 +327,9 @@ class ExplorerModel:
         return [s for s in setting.strategies if self._skip_note(setting, s) is None] + list(REFERENCES)
 
     def _later(self, name: str, auto: str, setting: Setting) -> bool:
-        """Timed once the rest is shown, unless cached at every batch size of the curve: a slow baseline (the loop,
-        autograd_stack, batched_grad; ``auto`` where it resolves to one), and where one result is over
-        :data:`LARGE_RESULT` bytes every method but the one ``auto`` picks (at B=256, hidden 512: torch_func 0.6 s a
-        call, vmap writing the result twice, against hooks' 0.02-0.3 s)."""
+        """Timed once the rest is shown, unless cached at every batch size of the curve: a slow baseline (``auto``
+        where it resolves to one), and where one result is over :data:`LARGE_RESULT` bytes every method but ``auto``'s
+        (at B=256, hidden 512: torch_func 0.6 s a call, vmap writing the result twice, against hooks' 0.02-0.3 s)."""
         strategy = auto if name == "auto" else name
         later = REGISTRY[strategy].slow_baseline or (strategy != auto and self._result_size(setting) > LARGE_RESULT)
         curve = [dataclasses.replace(setting, batch=b) for b in self.scaling_batches(setting.batch)]
@@ -371,9 +372,9 @@ class ExplorerModel:
                 calls[name] = (lambda s=name: per_sample_jacobian(model, x, strategy=s, flat=True))
         return calls
 
-    def _time_setting(self, setting: Setting, data: Computed, poll: Callable[[], None], rounds: int | None = None, *,
-                      methods: Sequence[str], have: Sequence[Record] = (), budget: Budget | None = None
-                      ) -> Iterator[tuple[list[Record], tuple[str, ...], int, tuple[str, ...]]]:
+    def _time_setting(self, setting: Setting, data: Computed | None, poll: Callable[[], None],
+                      rounds: int | None = None, *, methods: Sequence[str], have: Sequence[Record] = (),
+                      budget: Budget | None = None) -> Iterator[Progress]:
         """Time ``methods`` at the setting (:meth:`.session.TimingSession.time_setting`)."""
         skipped = [Record(s, setting.quantity, setting.batch, setting.hidden, None, None,
                                 self._result_size(setting), note=note)
@@ -387,7 +388,7 @@ class ExplorerModel:
         """The calls to time, with the loop's reference of the checked samples (computed here for the scaling
         curve's smaller batches, which drew no verdict)."""
         calls = self._calls(setting, data)
-        if data.reference is None:
+        if data.reference is None and data.unchecked is None:
             data.checked = self._checked(setting)
             data.reference = compute.loop_rows(data.model, data.loss_fn, data.x, data.y, data.checked,
                                                setting.quantity)

@@ -27,7 +27,8 @@ __all__ = ["PANELS", "Page", "arrange", "close_all"]
 
 PANELS = ("heatmap", "images", "rule", "clip", "bars", "runtime")
 BAR_INTERVAL_S = 0.5  # while timing, the bar chart is redrawn at most this often
-BAR_FIRST_S = 1.0  # and drawn first this long after its setting was first shown (or once its fast rows are all in)
+BAR_FIRST_S = 2.0  # and drawn first this long after its setting was first shown (or once its fast rows are all in):
+# a setting within its 2 s target draws it once, when shown (a draw costs 0.1-0.2 s)
 
 
 def image_pane(**layout) -> w.Image:
@@ -72,7 +73,7 @@ class Page:
         self.draw("images", (key, s.sample), lambda: panels.images_figure(view, self.specs[s.model]))
         if self._shown.get("runtime", (None,))[0] != key:
             self.hide("runtime")  # the old curve belongs to another setting
-        if view.verdict is None:  # the first view of a setting: the heatmap and images first, the rest next
+        if view.verdict is None and view.stage == "gradients":  # a setting's first view: these first, the rest next
             self.hide("bars")
             self.table_html.value = ""
             self.progress("busy", s, view.progress)
@@ -119,7 +120,7 @@ class Page:
         if self._shown.get(panel) == token:
             return
         self.stale()
-        png = viz.to_png(figure(), dpi=self.dpi)
+        png = viz.to_png(figure(), dpi=self.dpi, close=False)  # dropped, not cleared: clearing costs 10% more
         image = self.images[panel]
         image.value = png
         image.layout.width = f"{int.from_bytes(png[16:20], 'big')}px"  # the PNG's own width (its IHDR)
@@ -175,8 +176,7 @@ def arrange(ex: Any) -> list[w.Widget]:
     ], layout=w.Layout(margin="0 24px 0 0"))
     clip = w.VBox([
         heading("The DP-SGD view"),
-        text("DP-SGD clips each sample's gradient to norm at most C before summing (then adds noise), so that "
-             "no single example can move the model much."),
+        text(panels.DP_TEXT),
         ex.clip_slider,
         img["clip"],
     ])

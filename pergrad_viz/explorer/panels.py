@@ -19,7 +19,7 @@ from pergrad_viz.explorer.specs import TOKENS_NOTE, ModelSpec
 from pergrad_viz.explorer.state import QUANTITY_NAMES, RuleView, Setting, View
 from pergrad_viz.viz.canvas import DIVERGING, axes_at_inches, fit_text, text_width_in, to_numpy
 
-__all__ = ["HOW", "RULE_TEXT", "WIDTHS", "display_bounds", "error_html", "heatmap_figure", "images_figure",
+__all__ = ["DP_TEXT", "HOW", "RULE_TEXT", "WIDTHS", "display_bounds", "error_html", "heatmap_figure", "images_figure",
            "image_matrix_figure", "layers_html", "progress_html", "rule_figure", "rule_html", "runtime_title",
            "short_names", "status_html", "table_html", "width_text"]
 
@@ -37,6 +37,13 @@ RULE_TEXT = {
                  "used: row v is the sum of the backprop signals at the positions holding token v "
                  "(O<sub>i</sub><sup>T</sup> G<sub>i</sub>, O<sub>i</sub> the one-hot rows of its tokens).",
 }
+DP_TEXT = ("DP-SGD clips each sample's gradient g<sub>i</sub> to norm at most C before summing (then adds noise), so "
+           "that no single example can move the model much. This view holds every g<sub>i</sub> to draw them; "
+           "training does not: <code>pv.clipped_grad_sum</code> (and <code>pv.dp_step</code>, which puts it in "
+           "<code>.grad</code>) runs one forward and one backward, takes each layer's ghost norms from the inputs "
+           "A and output gradients G it captured, then the sum as one weighted product per layer, "
+           "&Sigma;<sub>i</sub> c<sub>i</sub> g<sub>i</sub> = G<sup>T</sup> diag(c) A with c<sub>i</sub> = "
+           "min(1, C / ||g<sub>i</sub>||): never the (B, P) matrix.")
 HOW = {"rule": "closed-form rule", "call": "rule on the layer's call (its own forward, captured)",
        "fallback": "per-layer fallback (vmap / loop over this layer only)"}
 # Figures come in pairs that sit side by side where the page is wide enough (a 1400 px dashboard: each pair at

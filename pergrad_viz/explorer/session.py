@@ -37,7 +37,24 @@ Progress = tuple[list[Record], tuple[str, ...], int, tuple[str, ...]]
 @dataclasses.dataclass(eq=False)
 class TimingSession:
     """Times settings' methods and keeps the settled timings (:attr:`cache`). The fields are the arguments of
-    :class:`~pergrad_viz.explorer.model.ExplorerModel` of the same names."""
+    :class:`~pergrad_viz.explorer.model.ExplorerModel` of the same names:
+
+    Args:
+        rounds, min_rounds: rounds of a tier's first pass (:func:`pergrad_viz.bench.timing.time_adaptive`): ``rounds``,
+            fewer (down to ``min_rounds``) where they would take more than ``tier_budget_s`` seconds (the slow
+            baselines, from about 30 ms a call: their first pass is short, and extra rounds follow only where its
+            spread leaves the median uncertain).
+        max_rounds, patience_s: while a median is uncertain, more rounds are timed, up to ``max_rounds`` per tier
+            and about ``patience_s`` seconds per setting in all (half that for each of the scaling curve's smaller
+            batches); the first numbers are shown meanwhile, as provisional.
+        round_budget_s: one round of a tier costs about this much (cheap methods share a tier; a costly one gets
+            its own). prior_min_s: a first call at least this long counts as a round.
+        min_block_s: a timed block lasts at least this long (many calls of a fast method).
+        noise_threshold: a median is settled when the half-width of its 95% confidence interval is at most this
+            fraction of it (:attr:`pergrad_viz.bench.timing.Timing.uncertainty`); still above after the extra rounds:
+            noisy. drift: the anchor's median may move by this factor between tiers before the later tier counts
+            as noisy.
+    """
 
     rounds: int
     min_rounds: int
@@ -76,12 +93,18 @@ class TimingSession:
         return TimingKey(setting.model, setting.quantity, setting.batch, setting.hidden, method, str(self.dtype),
                          str(self.device), self.threads)
 
-    def time_setting(self, setting: Setting, data: Computed, poll: Callable[[], None], *, methods: Sequence[str],
+    def untimed(self, setting: Setting, methods: Sequence[str], have: Sequence[Record] = ()) -> list[str]:
+        """Those of ``methods`` neither in ``have`` (timed earlier in this visit) nor in the cache."""
+        done = {r.strategy for r in have if not r.skipped}
+        return [m for m in methods if m not in done and self.key(setting, m) not in self.cache]
+
+    def time_setting(self, setting: Setting, data: Computed | None, poll: Callable[[], None], *, methods: Sequence[str],
                      skipped: Sequence[Record], result_bytes: int, prepare: Callable[[], Calls],
                      describe_auto: Callable[[], str], rounds: int | None = None,
                      have: Sequence[Record] = (), budget: Budget | None = None) -> Iterator[Progress]:
         """Time the setting's ``methods`` tier by tier; yields (records so far, methods pending, records reused,
         methods provisional). ``skipped``: the records of the methods skipped as too slow (shown last);
+        ``data``: what the setting computed (None will do where nothing is to be timed: all cached or in ``have``);
         ``prepare()``: the calls to time, ``{method: no-argument callable}``, with ``data.reference`` set (called
         only when something is to be timed); ``describe_auto()``: the note of ``"auto"`` (what it resolves to).
         ``rounds``: a first pass of at most this many (default: the session's; the scaling curve's smaller batches
@@ -91,7 +114,6 @@ class TimingSession:
         with ``rounds``)."""
         most = self.rounds if rounds is None else rounds
         skipped = list(skipped)
-        sync = synchronizer(data.model, self.device)
         done = {r.strategy: dataclasses.replace(r) for r in have if not r.skipped}
         reused = 0
         for name in methods:
@@ -103,6 +125,7 @@ class TimingSession:
         if not todo:
             yield ordered(done, skipped), (), reused, ()
             return
+        sync = synchronizer(data.model, self.device)
         calls = prepare()
         warm = [*todo, *([ANCHOR] if ANCHOR not in todo else [])]
         estimates, diffs, prior = self.warm_up(setting, data, calls, warm, poll, sync)
@@ -158,9 +181,24 @@ class TimingSession:
                     anchor_ref = anchor
                 for m in tier:
                     pending.remove(m)
-                    if not done[m].noisy:
+                    if not done[m].noisy and m not in (data.unchecked or ()):  # those: once checked
                         self.cache[self.key(setting, m)] = dataclasses.replace(done[m])
                 yield ordered(done, skipped), tuple(p for p in methods if p in pending), reused, ()
+
+    def check_late(self, setting: Setting, data: Computed, records: Sequence[Record]) -> list[Record]:
+        """``records`` with the differences from the loop (``data.reference``, in now) of the methods timed before
+        it ran (``data.unchecked``); those are cached now (unless noisy)."""
+        unchecked, data.unchecked, out = data.unchecked or {}, None, []
+        for r in records:
+            if r.strategy in unchecked:
+                rows = unchecked[r.strategy]
+                got = data.grads[data.checked] if rows is None else rows
+                r = dataclasses.replace(r, max_abs_diff=float(torch.linalg.vector_norm(got - data.reference,
+                                                                                      ord=math.inf)))
+                if not r.noisy:
+                    self.cache[self.key(setting, r.strategy)] = dataclasses.replace(r)
+            out.append(r)
+        return out
 
     def warm_up(self, setting: Setting, data: Computed, calls: Calls, names: list[str], poll: Callable[[], None],
                 sync: Callable[[], None] | None = None
@@ -176,7 +214,10 @@ class TimingSession:
         for m in names:
             if m == "hooks" and setting.quantity == "grads" and data.hooks_s is not None:
                 estimates[m] = data.hooks_s  # the heatmap's gradients: this call, just made
-                diffs[m] = float(torch.linalg.vector_norm(data.grads[idx] - reference, ord=math.inf))
+                if reference is None:  # the loop runs later: :meth:`check_late`
+                    data.unchecked[m] = None
+                else:
+                    diffs[m] = float(torch.linalg.vector_norm(data.grads[idx] - reference, ord=math.inf))
                 if data.hooks_s >= self.prior_min_s:
                     prior[m] = [data.hooks_s]
                 continue
@@ -189,7 +230,11 @@ class TimingSession:
             if m in REFERENCES:
                 continue
             rows = out.reshape(setting.batch, -1)[idx] if isinstance(out, torch.Tensor) else out
-            diffs[m] = float(torch.linalg.vector_norm(rows - reference, ord=math.inf))
+            if reference is None:  # kept for :meth:`check_late`, unless they are the heatmap's
+                same = setting.quantity == "grads" and torch.equal(rows, data.grads[idx])
+                data.unchecked[m] = None if same else rows
+            else:
+                diffs[m] = float(torch.linalg.vector_norm(rows - reference, ord=math.inf))
             del out, rows
         return estimates, diffs, prior
 

@@ -247,6 +247,9 @@ class Computed:
     reference: torch.Tensor | None = None  # (n, P) or (n, Y * P): the loop's result on them, for max |diff|
     reference_scale: float | None = None  # max |reference|: the scale of the verdict's tolerance (read once)
     hooks_s: float | None = None  # how long the hooks call for ``grads`` took
+    # methods timed before the loop ran (a large result: its verdict comes after the figures): {method: its rows of
+    # the checked samples, None where they are the heatmap's}, their differences from the loop still to be taken
+    unchecked: dict[str, torch.Tensor | None] | None = None
     how: tuple[tuple[str, str, str], ...] = ()  # (layer, type, rule / call / fallback)
 
 

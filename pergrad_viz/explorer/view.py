@@ -8,6 +8,7 @@ drop the stale one (the latest wins; nothing queues); a new sample or clipping t
 timing's blocks without restarting it. Views arrive progressively (see :meth:`.model.ExplorerModel.stages`):
 the gradients' figures and the verdict first, then the bar chart grows tier by tier, the scaling curve last;
 the progress line says where it is (``data-state="busy"`` / ``"done"`` / ``"error"`` on its element).
+While the learner looks, the worker computes the menu's other networks ahead (``ahead``; :meth:`_ahead`).
 
 The explorer can be driven from code, which is how its tests work: ``ex.set(batch=8)`` (or
 ``ex.batch_slider.value = 8``), then ``ex.wait()`` and read ``ex.view``.
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ipywidgets as w
 from matplotlib.figure import Figure
@@ -61,7 +63,7 @@ class Explorer(w.VBox):
 
     def __init__(self, model: ExplorerModel, *, batch_sizes: Sequence[int], hidden_widths: Sequence[int],
                  strategies: Sequence[str], default: Setting, dpi: float = DPI, background: bool = True,
-                 compute: bool = True, widths: dict[str, tuple[int, ...]] | None = None):
+                 compute: bool = True, widths: dict[str, tuple[int, ...]] | None = None, ahead: bool = True):
         self.model = model
         self.specs = model.models
         # each network's width options (the MLP's: hidden_widths) and the width last chosen for it
@@ -122,7 +124,8 @@ class Explorer(w.VBox):
                         self.sample_slider, self.clip_slider, self.slow_limit_dropdown):
             control.observe(self._on_change, names="value")
         self.rerun_button.on_click(self._on_rerun)
-        self._worker = Worker(self._run) if background else None
+        self._ahead_left = [key for key in self.specs if key != default.model] if ahead else []
+        self._worker = Worker(self._run, idle=self._ahead if self._ahead_left else None) if background else None
         if compute:
             self.refresh()
 
@@ -245,13 +248,13 @@ class Explorer(w.VBox):
         with self._lock:
             try:
                 self._check_closed()
-                self._progress("busy", setting, f"computing the gradients at {setting.describe()} …")
+                self.page.progress("busy", setting, f"computing the gradients at {setting.describe()} …")
                 current = self.view
                 if job.rerun:
                     self.model.forget(setting)
                 elif current is not None and current.done and _same_work(current.setting, setting):
                     self._show(self.model.with_sample(current, sample=setting.sample, clip=setting.clip))
-                    self._progress("done", setting, current.progress)
+                    self.page.progress("done", setting, current.progress)
                     self.error = ""
                     self.error_html.value = ""
                     return
@@ -259,13 +262,38 @@ class Explorer(w.VBox):
                     self._show(self._keep_panels(view))
                 self.error = ""
                 self.error_html.value = ""
-                self._progress("done", self.view.setting, self.view.progress)
+                self.page.progress("done", self.view.setting, self.view.progress)
                 if self._worker is not None:  # the first setting shown: import ahead what the menu needs
                     prefetch.start(m for spec in self.specs.values() for m in spec.imports)
             except Stale:
                 pass  # a newer setting is pending (the worker runs it next), or the explorer was closed
             except Exception as exc:  # shown, not swallowed: the UI must survive e.g. a MemoryBudgetError
                 self._show_error(setting, exc)
+
+    def _ahead(self, check: Callable[[], None]) -> bool:
+        """The worker's idle work (once the shown setting is done): the next network of the menu not yet shown, at
+        the setting the menu would show it at now (:meth:`.model.ExplorerModel.ahead`: its first visit then shows at
+        once); one whose imports are not done (:mod:`.prefetch`, paused while anyone holds the turn) waits for them,
+        the others too once one is done. Returns whether any is left."""
+        shown = self.view
+        if shown is None or not shown.done or self._closed:
+            return not self._closed  # the shown setting first
+        if shown.setting.model in self._ahead_left:
+            self._ahead_left.remove(shown.setting.model)  # visited: its later visits are no first ones
+        ready = [k for k in self._ahead_left if all(m in sys.modules for m in self.specs[k].imports)]
+        importing = prefetch.STARTED and not prefetch.STARTED[0].done.is_set()
+        if ready and not (importing and len(self._ahead_left) < len(self.specs) - 1):  # one, the imports, the rest
+            key, options = ready[0], self.widths[ready[0]]
+            hidden = self._chosen.get(key, self.specs[key].default_width)
+            setting = dataclasses.replace(self.setting, model=key, hidden=hidden if hidden in options else options[0])
+            try:
+                self.model.ahead(setting, check)
+            except Stale:
+                return True
+            except Exception:  # noqa: S110 - computed ahead only: the network's visit shows what is wrong
+                pass
+            self._ahead_left.remove(key)
+        return bool(self._ahead_left)
 
     def _check(self) -> None:
         """Between steps of the model's work: a new sample or threshold is drawn right here (the timing goes
@@ -316,9 +344,6 @@ class Explorer(w.VBox):
 
     def _heatmap(self, view: View) -> Figure:
         return panels.heatmap_figure(view)
-
-    def _progress(self, state: str, setting: Setting, text: str) -> None:
-        self.page.progress(state, setting, text)
 
     def _show_error(self, setting: Setting, exc: Exception) -> None:
         self.error = f"{type(exc).__name__} at {setting.describe()}: {exc}"

@@ -10,6 +10,10 @@ only while it holds :data:`TURN`, one lock for the process. Otherwise their work
 time, each measuring the other (the threads share the cores and the interpreter), and every timing would be noisy.
 The newest job goes first: a running job gives way (at its next check, :meth:`Worker.outranked`) to one submitted
 after it to another explorer, and runs again once that one is done (the learner moved a control of the other).
+
+While it has nothing to do, a worker may do work of its own ahead of need (``idle``: the explorer computes the
+menu's other networks before they are chosen). Idle work runs last: only while no job of any explorer waits, it holds
+:data:`TURN` like a job (so nothing else times meanwhile), and it gives way to any job at its next check.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pergrad_viz.explorer.state import Setting
+from pergrad_viz.explorer.state import Setting, Stale
 
 __all__ = ["TURN", "Job", "Worker"]
 
 TURN = threading.Lock()  # held by the one worker of the process running a job (see the module's docstring)
 TURN_POLL_S = 0.05  # a worker waiting for its turn checks this often whether it was stopped
+IDLE_POLL_S = 0.25  # a worker with idle work waits this long (or until a job comes) before each piece of it
 WAITING: dict[int, float] = {}  # worker id -> when the job it waits to run was submitted (under WAITING_LOCK)
 WAITING_LOCK = threading.Lock()
 
@@ -43,8 +48,10 @@ class Worker:
     :meth:`peek` returns meanwhile (the running job checks it and gives way). :meth:`stop` ends the thread: the
     running job sees :attr:`stopping` at its next check, and the thread is joined."""
 
-    def __init__(self, run: Callable[[Job], None], name: str = "pergrad-explorer"):
+    def __init__(self, run: Callable[[Job], None], name: str = "pergrad-explorer",
+                 idle: Callable[[Callable[[], None]], bool] | None = None):
         self._run = run
+        self._idle = idle  # idle(check) -> whether there may be more: one piece of idle work (see the module)
         self._cond = threading.Condition()
         self._pending: Job | None = None
         self._busy = False
@@ -130,10 +137,18 @@ class Worker:
         while True:
             with self._cond:
                 while self._pending is None and not self._stopping:
-                    self._cond.wait()
+                    if self._idle is None:
+                        self._cond.wait()
+                    elif not self._cond.wait(IDLE_POLL_S):
+                        break  # nothing came meanwhile: a piece of idle work
                 if self._stopping:
                     return
-                job, self._pending, self._busy = self._pending, None, True
+                job = self._pending
+                if job is not None:
+                    self._pending, self._busy = None, True
+            if job is None:
+                self._idle_turn()
+                continue
             try:
                 if self._take_turn(job):
                     self._running, self._gave_way = job, False
@@ -150,6 +165,32 @@ class Worker:
                     self._busy = False
                     self._cond.notify_all()
                 del job
+
+    def _idle_turn(self) -> None:
+        """One piece of idle work, while no job of any explorer waits or runs (:data:`TURN` held meanwhile);
+        ``idle`` is called no more once it says there is nothing left."""
+        with WAITING_LOCK:
+            if WAITING or not TURN.acquire(blocking=False):
+                return
+        try:
+            more = self._idle(self._idle_check)
+        except Stale:
+            more = True
+        except Exception:  # an optimisation only: the work it was doing is done again when asked for
+            more = False
+        finally:
+            TURN.release()
+        if not more:
+            self._idle = None
+
+    def _idle_check(self) -> None:
+        """Idle work gives way to any job: this worker's, another explorer's (or a stop)."""
+        with self._cond:
+            wanted = self._pending is not None or self._stopping
+        with WAITING_LOCK:
+            wanted = wanted or bool(WAITING)
+        if wanted:
+            raise Stale
 
     def _take_turn(self, job: Job) -> bool:
         """Wait until no other worker of the process runs a job, then hold :data:`TURN`; False when stopped

@@ -15,7 +15,7 @@ from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies import loop
-from pergrad_viz.strategies.outputs import write
+from pergrad_viz.strategies.outputs import mark_draws, write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -26,6 +26,7 @@ def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int
 def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """Writes (B, *param.shape) into ``out``: row i of the one-hot (B, B) picks the loss of sample i."""
+    mark_draws(trainable, inputs)
     losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)  # (B,)
     check_takes_part(trainable, losses)
     one_hot = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)

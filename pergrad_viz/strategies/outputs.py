@@ -33,11 +33,21 @@ def non_finite_rows(out: dict[str, torch.Tensor]) -> list[int]:
     return [] if rows is None else (~rows).nonzero().flatten().tolist()
 
 
+def mark_draws(trainable: Trainable, inputs: Batch) -> None:
+    """Under ``randomness="different"``, note the random state a batched forward of ``inputs`` starts from, so that
+    the per-call check can draw the same numbers again (``pergrad_viz.core.randomness.Draws``)."""
+    if trainable.call.draws is not None:
+        trainable.call.draws.mark(inputs.size)
+
+
 def refuse_random_forward(trainable: Trainable, inputs: Batch) -> None:
     """Refuse, with :class:`UndefinedPerSampleError`, a forward that draws random numbers (stochastic depth such as
     timm's ``drop_path_rate``, ``F.dropout(..., training=True)``, noise): one forward of the first sample, watched for
     the operations PyTorch tags as seeded, under a forked RNG (the caller's random state is untouched), before a
-    strategy that does not probe (the loop, torch_func) runs the model; the batched ones refuse at the probe."""
+    strategy that does not probe (the loop, torch_func) runs the model; the batched ones refuse at the probe. Under
+    ``randomness="different"`` (``trainable.call.draws``) nothing is refused."""
+    if trainable.call.draws is not None:
+        return
     if any(isinstance(m, torch.jit.ScriptModule) for _, m in trainable.modules):
         return  # TorchScript takes no hooks to watch it with (and runs in the loop only)
     device = trainable.device
@@ -50,4 +60,5 @@ def refuse_random_forward(trainable: Trainable, inputs: Batch) -> None:
             f"the forward draws random numbers (first in layer '{drew or 'model'}' ({type(module).__name__}): "
             "stochastic depth such as timm's drop_path_rate, dropout written as F.dropout(..., training=True), "
             "noise), so per-sample gradients would be random and not comparable, whatever the strategy. Call "
-            "model.eval() (or turn the randomness off, e.g. drop_path_rate=0) before computing per-sample gradients.")
+            "model.eval() (or turn the randomness off, e.g. drop_path_rate=0) before computing per-sample gradients, "
+            "or pass randomness='different' for each sample's gradient under its own random numbers.")

@@ -9,7 +9,7 @@ it by leaving it as a cell's last expression (inline backend) or with :func:`to_
 The figures, by what they show:
 
 - :mod:`~pergrad_viz.viz.timings`: benchmark timings (:func:`runtime_figure`, :func:`bar_figure`,
-  :func:`fmt_seconds`, :func:`fmt_ratio`);
+  :func:`dp_cost_figure`, :func:`fmt_seconds`, :func:`fmt_ratio`);
 - :mod:`~pergrad_viz.viz.gradients`: the gradients themselves (:func:`gradient_heatmap`,
   :func:`first_layer_images`, :func:`robust_limit`; :func:`param_boundaries` gives a heatmap's layers);
 - :mod:`~pergrad_viz.viz.fast_rule`: how a layer's fast rule builds a sample's gradient
@@ -38,7 +38,7 @@ from pergrad_viz.viz.applications import (
 from pergrad_viz.viz.canvas import DIVERGING, REFERENCES, fit_text, to_png
 from pergrad_viz.viz.fast_rule import factor_figure, outer_product_figure, token_figure
 from pergrad_viz.viz.gradients import Boundaries, first_layer_images, gradient_heatmap, robust_limit
-from pergrad_viz.viz.timings import bar_figure, fmt_ratio, fmt_seconds, runtime_figure
+from pergrad_viz.viz.timings import bar_figure, dp_cost_figure, fmt_ratio, fmt_seconds, runtime_figure
 
 __all__ = [
     "DIVERGING",
@@ -47,6 +47,7 @@ __all__ = [
     "aligned_edges",
     "bar_figure",
     "clipping_figure",
+    "dp_cost_figure",
     "factor_figure",
     "first_layer_images",
     "fit_text",

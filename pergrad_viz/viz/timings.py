@@ -9,7 +9,7 @@ attributes) and know nothing of how a strategy computes them. Each returns the
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from matplotlib.axes import Axes
@@ -29,7 +29,7 @@ from pergrad_viz.viz.canvas import (
     title_height_in,
 )
 
-__all__ = ["bar_figure", "fmt_ratio", "fmt_seconds", "runtime_figure"]
+__all__ = ["bar_figure", "dp_cost_figure", "fmt_ratio", "fmt_seconds", "runtime_figure"]
 
 _X_AXES = {"batch_size": ("batch size B", "B"), "hidden": ("hidden width", "hidden")}
 _QUANTITY_TITLES = {"grads": "per-sample gradients", "jacobian": "per-sample output Jacobians"}
@@ -271,3 +271,56 @@ def _bar_label(r: Any, noisy: bool, provisional: bool) -> str:
         extra = ""
     flag = " ⚠ noisy" if noisy else (" provisional" if provisional else "")
     return fmt_seconds(r.median_s) + (f" ({extra})" if extra else "") + flag
+
+
+def dp_cost_figure(rows: Sequence[Mapping[str, Any]], *, title: str | None = None, width: float = 11.0) -> Figure:
+    """Two panels of horizontal bars, one bar per method of a DP-SGD step: its median time (left; a thin line spans
+    the interquartile range) and the peak memory it added (right), each annotated with its ratio to the first row
+    (the plain step).
+
+    Args:
+        rows: ``{method, median_s, iqr, peak, note}`` dicts, the first the reference (what
+            :func:`pergrad_viz.bench.dp.dp_rows` returns: ``iqr`` relative to the median, ``peak`` in bytes or None
+            where it could not be read). A row without a time (a peer that failed) gets its note instead of a bar.
+        title: above both panels.
+        width: figure width in inches.
+
+    Raises:
+        ValueError: no rows, or a first row without a time.
+    """
+    rows = list(rows)
+    if not rows or rows[0].get("median_s") is None:
+        raise ValueError("dp_cost_figure needs rows whose first (the plain step, the reference) has a time")
+    fig = Figure(figsize=(width, 0.42 * len(rows) + 1.3), layout="constrained")
+    panels = fig.subplots(1, 2, sharey=True)
+    names = [r["method"] for r in rows]
+    scales = (("median_s", 1e3, "median time per step (ms; line: IQR)"),
+              ("peak", 2.0 ** -20, "peak memory added by the step (MB)"))
+    for ax, (key, scale, label) in zip(panels, scales, strict=True):
+        base = rows[0].get(key)
+
+        def half(r: Mapping[str, Any], key: str = key, scale: float = scale) -> float:  # half the drawn IQR
+            return r[key] * scale * (r.get("iqr") or 0.0) / 2 if key == "median_s" else 0.0
+
+        top = max((r[key] * scale + half(r) for r in rows if r.get(key) is not None), default=1.0)
+        for k, r in enumerate(rows):
+            value = r.get(key)
+            if value is None:
+                note = r.get("note") or "not measured"
+                ax.text(0.0, k, textwrap.shorten(note, 60, placeholder=" …"), va="center", fontsize="small",
+                        color="0.35")
+                continue
+            ax.barh(k, value * scale, color="0.6" if k == 0 else method_color(r["method"]), height=0.7)
+            if half(r):
+                ax.plot([value * scale - half(r), value * scale + half(r)], [k, k], color="black", linewidth=1.0)
+            ratio = f" ({fmt_ratio(value / base)})" if base else ""
+            shown = fmt_seconds(value) if key == "median_s" else f"{value * scale:.1f} MB"
+            ax.text(value * scale + half(r) + 0.02 * top, k, shown + ratio, va="center", fontsize="small")
+        ax.set_xlim(0, top * 1.45)
+        ax.set_xlabel(label, fontsize="small")
+        ax.grid(True, axis="x", alpha=0.3)
+    panels[0].set_yticks(range(len(rows)), names)
+    panels[0].set_ylim(len(rows) - 0.5, -0.5)
+    if title:
+        fig.suptitle(title, fontsize="medium")
+    return fig

@@ -54,3 +54,21 @@ def test_cli_bench_dp(capsys):
     assert main(["bench", "--dp", "--model", "mlp", "--batch-sizes", "3"]) == 0
     out = capsys.readouterr().out
     assert "## mlp, B=3" in out and "materialised + clip" in out
+
+
+def test_dp_rows_on_a_users_model_leaves_its_grad_and_agrees_with_the_loop():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    x, y = torch.randn(6, 5), torch.tensor([0, 1, 2, 0, 1, 2])
+    before = [torch.full_like(p, 0.5) for p in model.parameters()]
+    for p, g in zip(model.parameters(), before, strict=True):
+        p.grad = g
+    rows = bench_dp.dp_rows(model, nn.CrossEntropyLoss(), x, y, rounds=1)
+    assert all(p.grad is g for p, g in zip(model.parameters(), before, strict=True))
+    by = {r["method"]: r for r in rows}
+    assert rows[0]["method"] == "forward+backward" and rows[0]["vs_plain"] == 1.0
+    for name in ("pv clipped_grad_sum", "materialised + clip"):
+        assert by[name]["max_diff"] < 1e-6 and by[name]["median_s"] > 0

@@ -19,6 +19,7 @@ from pergrad_viz import bench
 from pergrad_viz.bench import timing
 from pergrad_viz.core import memory
 from pergrad_viz.explorer import model as model_module
+from pergrad_viz.explorer import panels
 from pergrad_viz.explorer.model import ExplorerModel, Setting, Stale
 from pergrad_viz.explorer.specs import installed
 
@@ -624,3 +625,30 @@ def test_above_a_large_result_only_autos_method_is_timed_before_the_view_is_show
     assert shown.stage == "measuring" and shown.pending == ("torch_func",)
     assert {r.strategy for r in shown.records} == {"hooks", bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR}
     assert "torch_func" in {r.strategy for r in views[-1].records}
+
+
+def test_above_a_large_result_the_verdict_comes_after_the_figures(monkeypatch):
+    """Issue 29: where one result is large, the loop (the verdict's reference) runs once the figures and the fast
+    timings are shown ("checking" until then), and the methods timed before it get their differences then: right
+    ones agree, a wrong one (auto's rows shifted by one sample, kept until the loop ran) disagrees."""
+    grads, _ = _wrong("auto")
+    monkeypatch.setattr(model_module, "per_sample_grads", grads)
+    monkeypatch.setattr(model_module, "LARGE_RESULT", 0)
+    m = ExplorerModel(batch_options=(1, 4), slow_limit=16, sweep_batches=2, **FAST)
+    setting = Setting(batch=4, hidden=8, strategies=("hooks", "auto", "torch_func"))
+    views = list(m.stages(setting))
+    shown = next(v for v in views if v.shown)
+    assert shown.verdict is None and "checking" in panels.status_html(shown)  # the figures first
+    assert all(r.max_abs_diff is None for r in shown.records if r.strategy in ("hooks", "auto"))
+    checked = views[views.index(shown) + 1]
+    model_, loss_fn, x, y, _ = m.problem(setting)
+    expected = flatten_ref(ref_grads(model_, loss_fn, x, y), lead=1)  # the test's own loop
+    hooks = next(r for r in checked.records if r.strategy == "hooks")
+    assert hooks.max_abs_diff == pytest.approx(float((checked.grads - expected).abs().max()), abs=1e-7)
+    auto = next(r for r in checked.records if r.strategy == "auto")
+    shifted = float((expected.roll(1, dims=0) - expected).abs().max())
+    assert auto.max_abs_diff == pytest.approx(shifted, rel=1e-4)
+    v = checked.verdict
+    assert not v.ok and v.failed == ("auto",) and "hooks" in v.checked
+    assert m.cache[m.session.key(setting, "hooks")].max_abs_diff == hooks.max_abs_diff  # cached once checked
+    assert not views[-1].verdict.ok and views[-1].done

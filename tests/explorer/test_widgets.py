@@ -32,7 +32,8 @@ from pergrad_viz.explorer.specs import MENU, installed  # noqa: E402
 
 OPTIONS = {"batch_sizes": (1, 2, 4, 8), "hidden_widths": (8, 16), "default_batch": 4, "default_hidden": 8,
            "sweep_batches": 2, "slow_limit": 16, "dpi": 40, "rounds": 2, "min_rounds": 1, "min_block_s": 1e-4,
-           "tier_budget_s": 0.05, "threads": 1, "noise_threshold": float("inf"), "drift": float("inf")}
+           "tier_budget_s": 0.05, "threads": 1, "noise_threshold": float("inf"), "drift": float("inf"),
+           "ahead": False}  # the menu computed ahead while idle: its own tests (test_ahead.py)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,19 @@ def test_clip_slider_redraws_the_dp_view_only(fresh):
     after = fresh.drawn
     assert {k for k in after if after[k] != before[k]} == {"clip"}
     assert fresh.view.clipping.max_norm == pytest.approx(2.0)
+
+
+def test_the_dp_view_says_how_the_clipped_sum_is_formed_without_the_per_sample_matrix(ex):
+    def boxes(widget):
+        yield widget
+        for child in getattr(widget, "children", ()):
+            yield from boxes(child)
+
+    dp_view, = (b for b in boxes(ex) if ex.clip_slider in getattr(b, "children", ()))
+    words = " ".join(c.value for c in dp_view.children if isinstance(c, w.HTML))
+    assert "The DP-SGD view" in words
+    for said in ("pv.clipped_grad_sum", "pv.dp_step", "ghost norms", "G<sup>T</sup> diag(c) A", "(B, P)"):
+        assert said in words, said
 
 
 def test_batch_size_change_recomputes(fresh):

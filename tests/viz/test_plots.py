@@ -232,3 +232,34 @@ def test_every_figure_is_exported_and_the_old_module_gives_the_same_objects():
         "runtime_figure", "bar_figure", "clipping_figure", "outer_product_figure", "factor_figure", "token_figure"}
     assert plots is viz
     assert viz.param_boundaries is param_boundaries
+
+
+# ------------------------------------------------------------------------------------------------ DP step costs
+def dp_rows_example() -> list[dict]:
+    return [{"method": "forward+backward", "median_s": 0.010, "iqr": 0.1, "peak": 4 << 20, "note": ""},
+            {"method": "pv clipped_grad_sum", "median_s": 0.025, "iqr": 0.2, "peak": 6 << 20, "note": ""},
+            {"method": "materialised + clip", "median_s": 0.040, "iqr": None, "peak": None, "note": ""},
+            {"method": "opacus ghost clipping", "median_s": None, "iqr": None, "peak": None,
+             "note": "failed: RuntimeError: no rule"}]
+
+
+def test_dp_cost_figure_bars_are_the_times_and_peaks_with_ratios_to_the_plain_step():
+    fig = viz.dp_cost_figure(dp_rows_example(), title="a tiny ViT")
+    assert isinstance(fig, Figure) and fig._suptitle.get_text() == "a tiny ViT"
+    times, peaks = fig.axes
+    assert [t.get_text() for t in times.get_yticklabels()] == [r["method"] for r in dp_rows_example()]
+    assert [round(p.get_width(), 6) for p in times.patches] == [10.0, 25.0, 40.0]  # ms, the failed row has no bar
+    assert [round(p.get_width(), 6) for p in peaks.patches] == [4.0, 6.0]  # MB; the unread peak has none
+    texts = [t.get_text() for t in times.texts]
+    assert any("(2.5x)" in t for t in texts) and any("(4x)" in t for t in texts)
+    assert any("failed: RuntimeError" in t for t in texts)
+    assert any("6.0 MB (1.5x)" in t for t in (t.get_text() for t in peaks.texts))
+    assert len(times.lines) == 2  # the IQR lines of the rows that have one
+    assert not plt.get_fignums()
+
+
+def test_dp_cost_figure_needs_a_timed_reference():
+    with pytest.raises(ValueError, match="first"):
+        viz.dp_cost_figure([])
+    with pytest.raises(ValueError, match="first"):
+        viz.dp_cost_figure(dp_rows_example()[3:])
