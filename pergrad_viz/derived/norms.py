@@ -15,10 +15,13 @@ outputs, then, per layer:
   O(B T D) work and memory, never the (B, V, D) gradient (``padding_idx`` rows are zero);
 * ``nn.Conv1d`` / ``nn.Conv2d`` (groups=1): as a Linear from each patch's C_in * k values to C_out at the L
   output positions (the Gram form when ``L * L`` is the cheaper);
-* every other layer (closed-form rules: norms, recurrent, attention; the per-layer fallback), and every
-  layer owning a parameter tied to another layer (e.g. an Embedding and an output Linear sharing one
-  weight): that layer's per-sample gradient (B, *param.shape) from its rule, summed over calls and over
-  the layers sharing the parameter, then its norm. Still never the whole (B, P).
+* every other layer (closed-form rules: norms, recurrent, attention; the per-layer fallback): that layer's
+  per-sample gradient (B, *param.shape) from its rule, summed over calls, then its norm. Still never the
+  whole (B, P);
+* a parameter tied between layers (e.g. an Embedding and an output Linear sharing one weight): the layers'
+  own squared norms plus twice their cross inner products (:func:`tied_squared_norms`), from each layer's
+  ghost factors (``GhostRule.factors``; the Linear's output gradient gathered at the token ids), or from its
+  per-sample gradient where it has none: never the (B, V, D) gradient of a ghost layer.
 
 Other strategies (and ``"auto"`` where the probe refuses ``hooks``) materialise the per-sample gradients
 with :func:`pergrad_viz.per_sample_grads` one chunk of samples at a time and take their norms.
@@ -121,19 +124,40 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, t
             calls, grads = loss_gradients(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
             check_reached(trainable, calls)
             tied = tied_names(calls)
-            summed: dict[str, torch.Tensor] = {}  # tied parameters: (B, *shape), summed over their layers
+            parts: dict[str, list[TiedPart]] = {}  # tied parameters: each layer's share of their norm
             for layer, seen in group_calls(calls, grads).values():
                 local = layer.local
                 if tied.isdisjoint(local.values()):
                     for local_name, sq in layer_squared_norms(layer, seen).items():
                         squared[local[local_name]][rows] = sq
                     continue
-                for local_name, g in dense_grads(layer, seen).items():
-                    name = local[local_name]
-                    summed[name] = g[0] if name not in summed else summed[name] + g[0]
-            for name, g in summed.items():
-                squared[name][rows] = row_squared_norms(g)
+                for name, sq, part in _tied_layer(layer, seen, tied):
+                    if part is None:
+                        squared[name][rows] = sq
+                    else:
+                        parts.setdefault(name, []).append(part)
+            for name, p in parts.items():
+                squared[name][rows] = tied_squared_norms(p)
     return squared
+
+
+def _tied_layer(layer: Layer, seen: Seen, tied: set[str]) -> list[tuple[str, torch.Tensor, TiedPart | None]]:
+    """[(full name, (B,) squared norm of this layer's share, its part of a tied weight's norm or None)]: a ghost
+    layer's factors (``GhostRule.factors``), else this layer's per-sample gradient (B, *shape) as a part."""
+    ghost, out = ghost_rule(layer), []
+    if ghost is not None:
+        a, g = stack_calls(layer, seen)
+        for ln, sq in ghost.squared_norms(layer.module, a, g[0], layer.local).items():
+            name = layer.local[ln]
+            factors = ghost.factors(layer.module, a, g[0]) if ln == "weight" and name in tied else None
+            if name in tied:
+                part = (*factors, sq) if factors is not None else dense_part(dense_grads(layer, seen)[ln][0], sq)
+            out.append((name, sq, part if name in tied else None))
+        return out
+    for ln, g in dense_grads(layer, seen).items():
+        name, sq = layer.local[ln], row_squared_norms(g[0])
+        out.append((name, sq, dense_part(g[0], sq) if name in tied else None))
+    return out
 
 
 def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn,
