@@ -12,7 +12,6 @@ import pytest
 import pergrad_viz as pv
 from pergrad_viz.moved import MOVED
 
-
 _CHECK_ALL = """
 import importlib, json, sys, warnings
 moved = json.loads(sys.argv[1])
