@@ -54,9 +54,11 @@ from pergrad_viz.engine.references import (
     Tensors,
     alone_combination,
     alone_grads,
+    alone_loss,
     dense,
     grad_of,
-    in_its_batch,
+    in_its_batch_loss,
+    norms_in_parts,
     replayed_weighted_grads,
     weighted_grads,
     weighted_outputs,
@@ -322,10 +324,10 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     gradient, per parameter, for one random sample i."""
     i = draw(inputs.size)
     draws = trainable.call.draws
-    alone = alone_grads(i) if draws is None else in_its_batch(draws, i, inputs.size, trainable.params[0])
+    loss_of = alone_loss(i) if draws is None else in_its_batch_loss(draws, i)
 
     def norms_of(t: Trainable, x: Batch, y: object, f: LossFn | None) -> Tensors:
-        return [g.norm().reshape(1) for g in alone(t, x, y, f)]
+        return norms_in_parts(loss_of(t, x, y, f), t.params)  # a part of the gradient alive at a time
 
     want = norms_of(trainable, inputs, targets, loss_fn)
     got = [squared[name][i].clamp_min(0).sqrt().reshape(1).to(w.dtype) for name, w in zip(trainable.names, want,

@@ -80,18 +80,6 @@ def alone_grads(i: int) -> Callable[[Trainable, Batch, object, LossFn | None], T
     return compute
 
 
-def in_its_batch(draws: Draws, i: int, batch: int, like: torch.Tensor
-                 ) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
-    """Under ``randomness="different"``: sample i's gradient in its chunk's batched forward, the same draws again."""
-    one_hot = torch.zeros(batch, dtype=like.dtype, device=like.device)
-    one_hot[i] = 1
-
-    def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
-        return replayed_weighted_grads(draws, trainable, inputs, targets, loss_fn, one_hot)
-
-    return compute
-
-
 def alone_combination(i: int, u: torch.Tensor) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
     """The gradient of ``u . f(sample i alone)`` (u (Y,)): a random combination of sample i's Jacobian rows."""
 
@@ -100,3 +88,54 @@ def alone_combination(i: int, u: torch.Tensor) -> Callable[[Trainable, Batch, ob
         return dense(grad_of(output @ u.to(output.dtype), trainable.params), trainable.params)
 
     return compute
+
+
+# A reference's norms computed this many parameters' worth at a time at most (a quarter of them): the check of a
+# clipped sum runs while the sums (P numbers) are alive, and one sample's whole gradient would be P more.
+NORM_PARTS = 4
+
+
+def alone_loss(i: int) -> Callable[[Trainable, Batch, object, LossFn], torch.Tensor]:
+    """The scalar loss of sample i run alone: the definition."""
+
+    def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn) -> torch.Tensor:
+        return scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
+
+    return compute
+
+
+def in_its_batch_loss(draws: Draws, i: int) -> Callable[[Trainable, Batch, object, LossFn], torch.Tensor]:
+    """Under ``randomness="different"``: sample i's loss in its chunk's batched forward, the same draws again."""
+
+    def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn) -> torch.Tensor:
+        rows = draws.chunk_of(i)
+        whole = rows.stop - rows.start == inputs.size
+        with draws.replaying(rows):
+            output = (inputs if whole else inputs.rows(rows))(trainable.model)
+        losses = per_sample_losses(loss_fn, output, targets if whole else cut(targets, rows, inputs.size))
+        return losses[i - rows.start]
+
+    return compute
+
+
+def norms_in_parts(total: torch.Tensor, params: tuple[torch.Tensor, ...]) -> Tensors:
+    """[(1,) the L2 norm of d total / d p for each p of ``params``], from backward passes over consecutive groups of
+    at most a :data:`NORM_PARTS`-th of the parameters' numbers each (one parameter larger than that alone), so that
+    no more than that part of the gradient is alive at once."""
+    budget = max(max(p.numel() for p in params), -(-sum(p.numel() for p in params) // NORM_PARTS))
+    groups: list[list[int]] = [[]]
+    size = 0
+    for k, p in enumerate(params):
+        if groups[-1] and size + p.numel() > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += p.numel()
+    norms: Tensors = [torch.zeros(1, dtype=p.dtype, device=p.device) for p in params]
+    for n, group in enumerate(groups):
+        part = tuple(params[k] for k in group)
+        grads = dense(grad_of(total, part, retain_graph=n < len(groups) - 1), part)
+        for k, g in zip(group, grads, strict=True):
+            norms[k] = g.norm().reshape(1)
+        del grads
+    return norms
