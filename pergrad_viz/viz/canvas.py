@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import io
 import textwrap
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 from matplotlib.figure import Figure
 
 from pergrad_viz.bench.records import FORWARD_BACKWARD, MEMORY_FLOOR
@@ -24,8 +27,10 @@ __all__ = [
     "CHAR_IN",
     "DIVERGING",
     "PALETTE",
+    "PooledCanvas",
     "REFERENCES",
     "REFERENCE_STYLE",
+    "TITLE_Y",
     "axes_at_inches",
     "fit_text",
     "fixed_axes",
@@ -45,6 +50,8 @@ REFERENCE_STYLE = {
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
            "tab:cyan")
 DIVERGING = "RdBu_r"  # blue < 0 < red, white at 0
+TITLE_Y = 1.0  # every axes title at the top of its axes (where matplotlib's automatic placement puts it when, as
+# here, no tick labels sit above the axes): given, it spares the automatic placement (a third of a title's cost)
 
 
 def method_color(name: str) -> str:
@@ -83,10 +90,38 @@ def title_height_in(title: str | None) -> float:
     return 0.12 + 0.21 * (title.count("\n") + 1) if title else 0.12
 
 
+RENDERERS_KEPT = 16  # renderers kept per thread (one per figure size and dpi drawn lately)
+_renderers = threading.local()
+
+
+class PooledCanvas(FigureCanvasAgg):
+    """An Agg canvas that draws on a renderer kept from earlier figures of the same size and dpi (one pool per
+    thread): a new renderer per figure would allocate its pixels again and miss matplotlib's cache of text sizes,
+    which is kept per renderer. The renderer is cleared before each drawing, as Agg's own is."""
+
+    def get_renderer(self) -> RendererAgg:
+        w, h = self.figure.bbox.size
+        key = (w, h, self.figure.dpi)
+        pool = getattr(_renderers, "pool", None)
+        if pool is None:
+            pool = _renderers.pool = OrderedDict()
+        renderer = pool.pop(key, None) or RendererAgg(w, h, self.figure.dpi)
+        pool[key] = renderer  # the most recent last
+        while len(pool) > RENDERERS_KEPT:
+            pool.popitem(last=False)
+        self.renderer = renderer
+        return renderer
+
+
 def to_png(fig: Figure, *, dpi: float | None = None, close: bool = True) -> bytes:
-    """The figure rendered as PNG bytes (e.g. for ``ipywidgets.Image``); with ``close`` its artists are cleared."""
+    """The figure rendered as PNG bytes (e.g. for ``ipywidgets.Image``); with ``close`` its artists are cleared.
+
+    Drawn on a pooled renderer (:class:`PooledCanvas`) and encoded with zlib's fastest level: the same pixels,
+    a PNG a little larger, a third of the encoding time."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    if not isinstance(fig.canvas, PooledCanvas):
+        PooledCanvas(fig)  # the figure's canvas from now on
+    fig.savefig(buf, format="png", dpi=dpi, pil_kwargs={"compress_level": 1})
     if close:
         fig.clear()
     return buf.getvalue()
