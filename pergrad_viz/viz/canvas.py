@@ -19,6 +19,8 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import NullFormatter, NullLocator
 
 from pergrad_viz.bench.records import FORWARD_BACKWARD, MEMORY_FLOOR
 from pergrad_viz.strategies import STRATEGIES
@@ -35,6 +37,7 @@ __all__ = [
     "fit_text",
     "fixed_axes",
     "method_color",
+    "minor_ticks_as_marks",
     "place_margins",
     "text_width_in",
     "title_height_in",
@@ -149,3 +152,30 @@ def axes_at_inches(fig: Figure, x0: float, y0: float, w: float, h: float) -> Axe
     """A new axes at (x0, y0) of size (w, h), all in inches from the figure's lower left corner."""
     fw, fh = fig.get_size_inches()
     return fig.add_axes((x0 / fw, y0 / fh, w / fw, h / fh))
+
+
+def minor_ticks_as_marks(fig: Figure) -> None:
+    """Turn each axis's unlabelled minor ticks (a log axis has dozens) into one line of the same tick marks, for a
+    finished figure that is only drawn from now on (the explorer's): the same pixels, without the Tick objects
+    (each a mark, a label and a grid line) that matplotlib makes for them at every drawing. The marks are placed
+    for the axes' current limits: nothing may be added to the figure afterwards."""
+    for ax in fig.axes:
+        for axis, name in ((ax.xaxis, "x"), (ax.yaxis, "y")):
+            if (not isinstance(axis.get_minor_formatter(), NullFormatter)
+                    or isinstance(axis.get_minor_locator(), NullLocator)):
+                continue
+            lo, hi = sorted(axis.get_view_interval())  # the limits as drawn (autoscaled now, if due)
+            slack = (hi - lo) * 1e-10
+            locs = [float(v) for v in axis.get_minorticklocs() if lo - slack <= v <= hi + slack]
+            tick = axis.get_minor_ticks(1)[0]  # its marks' style, as matplotlib would draw them
+            for line, which in ((tick.tick1line, "tick1"), (tick.tick2line, "tick2")):
+                if not (locs and line.get_visible()):
+                    continue
+                transform = (ax.get_xaxis_transform(which) if name == "x" else ax.get_yaxis_transform(which))
+                at = [0.0 if which == "tick1" else 1.0] * len(locs)
+                marks = Line2D(*((locs, at) if name == "x" else (at, locs)), linestyle="none", marker=line.get_marker(),
+                               markersize=line.get_markersize(), markeredgewidth=line.get_markeredgewidth(),
+                               markeredgecolor=line.get_markeredgecolor(), color=line.get_color(),
+                               zorder=axis.get_zorder(), transform=transform, clip_on=False)
+                ax.add_artist(marks)
+            axis.set_minor_locator(NullLocator())
