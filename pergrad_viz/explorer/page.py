@@ -31,9 +31,8 @@ PANELS = ("heatmap", "images", "rule", "clip", "bars", "runtime")
 BAR_INTERVAL_S = 0.5  # while timing, the bar chart is redrawn at most this often
 BAR_FIRST_S = 2.0  # and drawn first this long after its setting was first shown (or once its fast rows are all in):
 # a setting within its 2 s target draws it once, when shown (a draw costs 0.1-0.2 s)
-PNGS_KEPT = 48  # the gradients' panels (heatmap, images, rule, clip) kept as PNGs: a setting seen again, or drawn
-# ahead (Page.prerender), is shown without drawing (about 50-150 kB each)
-KEPT_PANELS = ("heatmap", "images", "rule", "clip")  # what they show is a function of their token
+PNGS_KEPT = 64  # the figures last drawn, kept as PNGs by their token: a figure seen again, or drawn ahead
+# (Page.prerender), is shown without drawing (about 50-150 kB each)
 
 
 def image_pane(**layout) -> w.Image:
@@ -47,7 +46,7 @@ class Page:
     Attributes:
         images: {panel: PNG image} (:data:`PANELS`); progress_html, error_html, status_html, table_html,
         rule_text, layers_html: the HTML panes. drawn: {panel: times shown anew (drawn, or its PNG kept from
-        an earlier drawing: :data:`PNGS_KEPT`)}; rendered: {panel: times drawn}.
+        the same figure drawn before: :data:`PNGS_KEPT`)}; rendered: {panel: times drawn}.
         stale: called before each figure is drawn; raises :class:`~pergrad_viz.explorer.state.Stale` when
         drawing the rest of this view would only delay the one wanted.
     """
@@ -58,7 +57,7 @@ class Page:
         self.stale = stale
         self.drawn = dict.fromkeys(PANELS, 0)
         self.rendered = dict.fromkeys(PANELS, 0)
-        self._pngs: OrderedDict[tuple[str, object], bytes] = OrderedDict()  # (panel, token) -> PNG (KEPT_PANELS)
+        self._pngs: OrderedDict[tuple[str, object], bytes] = OrderedDict()  # (panel, token) -> PNG
         self._shown: dict[str, object] = {}  # panel -> what it shows (skip redrawing the same)
         self._bars_drawn = -math.inf  # when the bar chart was last drawn (time.monotonic)
         self._measuring: object = None  # the setting whose shown (measuring) view the bar chart was drawn for
@@ -77,7 +76,7 @@ class Page:
         key = s.key
         self.status_html.value = panels.status_html(view)
         self.layers_html.value = panels.layers_html(view)
-        kept = dict((panel, (token, figure)) for panel, token, figure in self.kept_panels(view))
+        kept = {panel: (token, figure) for panel, token, figure in self.figures(view)}
         self.draw("heatmap", *kept["heatmap"])
         self.draw("images", *kept["images"])
         if self._shown.get("runtime", (None,))[0] != key:
@@ -94,8 +93,6 @@ class Page:
         else:
             self.draw("rule", *kept["rule"])
         self.draw("clip", *kept["clip"])
-        noisy = tuple(r.strategy for r in view.records if r.noisy)  # this setting's (not the curve's)
-        bars = (key, tuple((r.strategy, r.median_s) for r in view.records), view.pending, noisy, view.provisional)
         now = time.monotonic()
         if self._timing[0] != key:
             self._timing = (key, now)
@@ -108,21 +105,17 @@ class Page:
             pass  # the chart grows at most this often (drawing it costs more than a tier of cheap methods), but
             # it is drawn as soon as the view is shown (measuring): the rows shown then are final
         else:
-            self.draw("bars", bars, lambda: viz.bar_figure(
-                view.records, pending=view.pending, noisy=noisy, provisional=view.provisional, width=WIDTHS["bars"],
-                title=f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}"))
+            self.draw("bars", *kept["bars"])
             self._bars_drawn = time.monotonic()
             self._measuring = key if view.shown else None
-        if view.shown and view.scaling_records:
-            self.draw("runtime", (key, tuple((r.strategy, r.batch_size, r.median_s) for r in view.scaling_records)),
-                      lambda: viz.runtime_figure(view.scaling_records, highlight=s.batch, width=WIDTHS["runtime"],
-                                                   height=3.6, legend="below", title=panels.runtime_title(view)))
+        if "runtime" in kept:
+            self.draw("runtime", *kept["runtime"])
         self.table_html.value = panels.table_html(view) if view.records else ""
         self.progress(view.stage if view.shown else "busy", s, view.progress)  # last: once all is drawn
 
-    def kept_panels(self, view: View) -> Iterator[tuple[str, object, Callable[[], Figure]]]:
-        """The gradients' panels of ``view`` (:data:`KEPT_PANELS`; the rule's only where the network has one):
-        (panel, token, figure), the token naming all that the figure shows."""
+    def figures(self, view: View) -> Iterator[tuple[str, object, Callable[[], Figure]]]:
+        """The figures of ``view`` (the rule's where the network has one, the bar chart once there are records, the
+        scaling curve once shown): (panel, token, figure), the token naming all that the figure shows."""
         s = view.setting
         loss_key = (s.model, s.batch, s.hidden)  # the fast rule and the DP-SGD view use the loss gradients
         yield "heatmap", (s.key, s.sample), lambda: panels.heatmap_figure(view)
@@ -138,14 +131,30 @@ class Page:
                 title=f"per-sample gradient norms at {s.describe()}, C={c.max_norm:.3g}")
 
         yield "clip", (loss_key, s.clip), clip
+        noisy = tuple(r.strategy for r in view.records if r.noisy)  # this setting's (not the curve's)
+        if view.records:
+            yield "bars", (s.key, tuple((r.strategy, r.median_s, r.iqr_s) for r in view.records), view.pending, noisy,
+                           view.provisional), lambda: viz.bar_figure(
+                view.records, pending=view.pending, noisy=noisy, provisional=view.provisional, width=WIDTHS["bars"],
+                title=f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}")
+        if view.shown and view.scaling_records:
+            title = panels.runtime_title(view)
+            yield "runtime", (s.key, tuple((r.strategy, r.batch_size, r.median_s) for r in view.scaling_records),
+                              title), lambda: viz.runtime_figure(
+                view.scaling_records, highlight=s.batch, width=WIDTHS["runtime"], height=3.6, legend="below",
+                title=title)
 
     def prerender(self, view: View) -> None:
-        """Draw ``view``'s gradients' panels into the kept PNGs without showing them (a setting computed ahead:
-        its visit shows them without drawing); :attr:`stale` is asked before each."""
-        for panel, token, figure in self.kept_panels(view):
+        """Draw ``view``'s figures into the kept PNGs without showing them (a setting computed ahead: its visit
+        shows them without drawing); :attr:`stale` is asked before each."""
+        for panel, token, figure in self.figures(view):
             if (panel, token) not in self._pngs:
                 self.stale()
                 self._keep(panel, token, self._render(panel, figure))
+
+    def forget(self) -> None:
+        """Drop the kept PNGs (each figure is drawn again when next shown)."""
+        self._pngs.clear()
 
     def _render(self, panel: str, figure: Callable[[], Figure]) -> bytes:
         fig = figure()
@@ -165,8 +174,7 @@ class Page:
         if png is None:
             self.stale()
             png = self._render(panel, figure)
-            if panel in KEPT_PANELS:
-                self._keep(panel, token, png)
+            self._keep(panel, token, png)
         else:
             self._pngs.move_to_end((panel, token))
         image = self.images[panel]

@@ -20,7 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import NullFormatter, NullLocator
+from matplotlib.ticker import NullLocator
 
 from pergrad_viz.bench.records import FORWARD_BACKWARD, MEMORY_FLOOR
 from pergrad_viz.strategies import STRATEGIES
@@ -155,18 +155,19 @@ def axes_at_inches(fig: Figure, x0: float, y0: float, w: float, h: float) -> Axe
 
 
 def minor_ticks_as_marks(fig: Figure) -> None:
-    """Turn each axis's unlabelled minor ticks (a log axis has dozens) into one line of the same tick marks, for a
+    """Turn each axis's minor ticks, where none has a label (a log axis has dozens), into one line of the same tick marks, for a
     finished figure that is only drawn from now on (the explorer's): the same pixels, without the Tick objects
     (each a mark, a label and a grid line) that matplotlib makes for them at every drawing. The marks are placed
     for the axes' current limits: nothing may be added to the figure afterwards."""
     for ax in fig.axes:
         for axis, name in ((ax.xaxis, "x"), (ax.yaxis, "y")):
-            if (not isinstance(axis.get_minor_formatter(), NullFormatter)
-                    or isinstance(axis.get_minor_locator(), NullLocator)):
+            if isinstance(axis.get_minor_locator(), NullLocator):
                 continue
             lo, hi = sorted(axis.get_view_interval())  # the limits as drawn (autoscaled now, if due)
             slack = (hi - lo) * 1e-10
             locs = [float(v) for v in axis.get_minorticklocs() if lo - slack <= v <= hi + slack]
+            if any(axis.get_minor_formatter().format_ticks(locs)):
+                continue  # labelled minor ticks (a log axis over less than a decade or two) stay ticks
             tick = axis.get_minor_ticks(1)[0]  # its marks' style, as matplotlib would draw them
             for line, which in ((tick.tick1line, "tick1"), (tick.tick2line, "tick2")):
                 if not (locs and line.get_visible()):
