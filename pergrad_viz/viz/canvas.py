@@ -155,10 +155,10 @@ def axes_at_inches(fig: Figure, x0: float, y0: float, w: float, h: float) -> Axe
 
 
 def minor_ticks_as_marks(fig: Figure) -> None:
-    """Turn each axis's minor ticks, where none has a label (a log axis has dozens), into one line of the same tick marks, for a
-    finished figure that is only drawn from now on (the explorer's): the same pixels, without the Tick objects
-    (each a mark, a label and a grid line) that matplotlib makes for them at every drawing. The marks are placed
-    for the axes' current limits: nothing may be added to the figure afterwards."""
+    """Turn each axis's minor ticks, where none has a label (a log axis has dozens), into one line of the same
+    tick marks, for a finished figure that is only drawn from now on (the explorer's): the same pixels, without the
+    Tick objects (each a mark, a label and a grid line) that matplotlib makes for them at every drawing. The marks
+    are placed for the axes' current limits: nothing may be added to the figure afterwards."""
     for ax in fig.axes:
         for axis, name in ((ax.xaxis, "x"), (ax.yaxis, "y")):
             if isinstance(axis.get_minor_locator(), NullLocator):
