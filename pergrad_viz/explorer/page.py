@@ -137,12 +137,12 @@ class Page:
                            view.provisional), lambda: viz.bar_figure(
                 view.records, pending=view.pending, noisy=noisy, provisional=view.provisional, width=WIDTHS["bars"],
                 title=f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}")
-        if view.shown and view.scaling_records:
-            title = panels.runtime_title(view)
+        if view.shown and view.scaling_records:  # redrawn once the slow baselines are done (its title says so),
+            # not for each of them done before: a drawing costs more than timing a tier of cheap methods
             yield "runtime", (s.key, tuple((r.strategy, r.batch_size, r.median_s) for r in view.scaling_records),
-                              title), lambda: viz.runtime_figure(
+                              view.stage == "measuring"), lambda: viz.runtime_figure(
                 view.scaling_records, highlight=s.batch, width=WIDTHS["runtime"], height=3.6, legend="below",
-                title=title)
+                title=panels.runtime_title(view))
 
     def prerender(self, view: View) -> None:
         """Draw ``view``'s figures into the kept PNGs without showing them (a setting computed ahead: its visit
