@@ -83,3 +83,16 @@ def test_titles_sit_where_matplotlibs_automatic_placement_puts_them():
         return fig
 
     assert (agg_pixels(figure(viz.canvas.TITLE_Y)) == agg_pixels(figure(None))).all()
+
+
+def test_a_pyplot_figure_keeps_its_canvas():
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(3, 2))
+    try:
+        canvas = fig.canvas
+        fig.add_subplot().plot([0, 1], [1, 0])
+        assert viz.to_png(fig, close=False).startswith(b"\x89PNG")
+        assert fig.canvas is canvas and fig.canvas.manager is not None
+    finally:
+        plt.close(fig)
