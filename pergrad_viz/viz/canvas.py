@@ -93,7 +93,7 @@ def title_height_in(title: str | None) -> float:
     return 0.12 + 0.21 * (title.count("\n") + 1) if title else 0.12
 
 
-RENDERERS_KEPT = 16  # renderers kept per thread (one per figure size and dpi drawn lately)
+RENDERERS_KEPT = 8  # renderers kept per thread (one per figure size and dpi drawn lately)
 _renderers = threading.local()
 
 
