@@ -28,6 +28,7 @@ order. It knows nothing of ipywidgets (:mod:`.view` maps controls to settings an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Generator, Iterator, Sequence
 
@@ -171,17 +172,15 @@ class ExplorerModel:
         self.check(setting)
         yield from self.session.stepwise(self._stages(setting, check or (lambda: None)))
 
-    def ahead(self, setting: Setting, check: Callable[[], None] | None = None) -> bool:
+    def ahead(self, setting: Setting, check: Callable[[], None] | None = None) -> View | None:
         """Compute ``setting`` before it is asked for (while the explorer idles), up to its first view shown in full;
         its gradients and verdict kept for its visit (one setting per network), its timings cached: the visit shows
         them at once. ``check``: as for :meth:`stages` (what was computed before a :class:`Stale` is kept).
-        Returns True when it got that far."""
+        Returns that view (the explorer draws its figures ahead), None when it did not get that far."""
         self.check(setting)
         steps = self.session.stepwise(self._stages(setting, check or (lambda: None), keep="ahead"))
-        try:
-            return any(view.shown for view in steps)
-        finally:
-            steps.close()
+        with contextlib.closing(steps):
+            return next((view for view in steps if view.shown), None)
 
     def _stages(self, setting: Setting, poll: Callable[[], None], keep: str = "shown") -> Iterator[View]:
         data = self._gradients(setting, keep)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import html
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import ipywidgets as w
@@ -22,6 +23,7 @@ from pergrad_viz.explorer import panels
 from pergrad_viz.explorer.panels import WIDTHS
 from pergrad_viz.explorer.specs import ModelSpec
 from pergrad_viz.explorer.state import QUANTITY_NAMES, Setting, View
+from pergrad_viz.viz.canvas import minor_ticks_as_marks
 
 __all__ = ["PANELS", "Page", "arrange", "close_all"]
 
@@ -29,6 +31,8 @@ PANELS = ("heatmap", "images", "rule", "clip", "bars", "runtime")
 BAR_INTERVAL_S = 0.5  # while timing, the bar chart is redrawn at most this often
 BAR_FIRST_S = 2.0  # and drawn first this long after its setting was first shown (or once its fast rows are all in):
 # a setting within its 2 s target draws it once, when shown (a draw costs 0.1-0.2 s)
+PNGS_KEPT = 64  # the figures last drawn, kept as PNGs by their token: a figure seen again, or drawn ahead
+# (Page.prerender), is shown without drawing (about 50-150 kB each)
 
 
 def image_pane(**layout) -> w.Image:
@@ -41,7 +45,8 @@ class Page:
 
     Attributes:
         images: {panel: PNG image} (:data:`PANELS`); progress_html, error_html, status_html, table_html,
-        rule_text, layers_html: the HTML panes. drawn: {panel: times drawn}.
+        rule_text, layers_html: the HTML panes. drawn: {panel: times shown anew (drawn, or its PNG kept from
+        the same figure drawn before: :data:`PNGS_KEPT`)}; rendered: {panel: times drawn}.
         stale: called before each figure is drawn; raises :class:`~pergrad_viz.explorer.state.Stale` when
         drawing the rest of this view would only delay the one wanted.
     """
@@ -51,6 +56,8 @@ class Page:
         self.dpi = dpi
         self.stale = stale
         self.drawn = dict.fromkeys(PANELS, 0)
+        self.rendered = dict.fromkeys(PANELS, 0)
+        self._pngs: OrderedDict[tuple[str, object], bytes] = OrderedDict()  # (panel, token) -> PNG
         self._shown: dict[str, object] = {}  # panel -> what it shows (skip redrawing the same)
         self._bars_drawn = -math.inf  # when the bar chart was last drawn (time.monotonic)
         self._measuring: object = None  # the setting whose shown (measuring) view the bar chart was drawn for
@@ -69,8 +76,9 @@ class Page:
         key = s.key
         self.status_html.value = panels.status_html(view)
         self.layers_html.value = panels.layers_html(view)
-        self.draw("heatmap", (key, s.sample), lambda: panels.heatmap_figure(view))
-        self.draw("images", (key, s.sample), lambda: panels.images_figure(view, self.specs[s.model]))
+        kept = {panel: (token, figure) for panel, token, figure in self.figures(view)}
+        self.draw("heatmap", *kept["heatmap"])
+        self.draw("images", *kept["images"])
         if self._shown.get("runtime", (None,))[0] != key:
             self.hide("runtime")  # the old curve belongs to another setting
         if view.verdict is None and view.stage == "gradients":  # a setting's first view: these first, the rest next
@@ -78,20 +86,13 @@ class Page:
             self.table_html.value = ""
             self.progress("busy", s, view.progress)
             return
-        loss_key = (s.model, s.batch, s.hidden)  # the fast rule and the DP-SGD view use the loss gradients
         rule = view.sample.rule
         self.rule_text.value = panels.rule_html(rule)
         if rule.kind is None:
             self.hide("rule")
         else:
-            self.draw("rule", (loss_key, s.sample), lambda: panels.rule_figure(view))
-        c = view.clipping
-        named = dict(zip(panels.short_names(list(c.layers)), c.layers.values(), strict=True))  # readable labels
-        self.draw("clip", (loss_key, s.clip), lambda: viz.clipping_figure(
-            c.total, named, c.max_norm, sums=(c.plain_sum_norm, c.clipped_sum_norm), width=WIDTHS["clip"],
-            title=f"per-sample gradient norms at {s.describe()}, C={c.max_norm:.3g}"))
-        noisy = tuple(r.strategy for r in view.records if r.noisy)  # this setting's (not the curve's)
-        bars = (key, tuple((r.strategy, r.median_s) for r in view.records), view.pending, noisy, view.provisional)
+            self.draw("rule", *kept["rule"])
+        self.draw("clip", *kept["clip"])
         now = time.monotonic()
         if self._timing[0] != key:
             self._timing = (key, now)
@@ -104,23 +105,78 @@ class Page:
             pass  # the chart grows at most this often (drawing it costs more than a tier of cheap methods), but
             # it is drawn as soon as the view is shown (measuring): the rows shown then are final
         else:
-            self.draw("bars", bars, lambda: viz.bar_figure(
-                view.records, pending=view.pending, noisy=noisy, provisional=view.provisional, width=WIDTHS["bars"],
-                title=f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}"))
+            self.draw("bars", *kept["bars"])
             self._bars_drawn = time.monotonic()
             self._measuring = key if view.shown else None
-        if view.shown and view.scaling_records:
-            self.draw("runtime", (key, tuple((r.strategy, r.batch_size, r.median_s) for r in view.scaling_records)),
-                      lambda: viz.runtime_figure(view.scaling_records, highlight=s.batch, width=WIDTHS["runtime"],
-                                                   height=3.6, legend="below", title=panels.runtime_title(view)))
+        if "runtime" in kept:
+            self.draw("runtime", *kept["runtime"])
         self.table_html.value = panels.table_html(view) if view.records else ""
         self.progress(view.stage if view.shown else "busy", s, view.progress)  # last: once all is drawn
+
+    def figures(self, view: View) -> Iterator[tuple[str, object, Callable[[], Figure]]]:
+        """The figures of ``view`` (the rule's where the network has one, the bar chart once there are records, the
+        scaling curve once shown): (panel, token, figure), the token naming all that the figure shows."""
+        s = view.setting
+        loss_key = (s.model, s.batch, s.hidden)  # the fast rule and the DP-SGD view use the loss gradients
+        yield "heatmap", (s.key, s.sample), lambda: panels.heatmap_figure(view)
+        yield "images", (s.key, s.sample), lambda: panels.images_figure(view, self.specs[s.model])
+        if view.sample.rule.kind is not None:
+            yield "rule", (loss_key, s.sample), lambda: panels.rule_figure(view)
+        c = view.clipping
+
+        def clip() -> Figure:
+            named = dict(zip(panels.short_names(list(c.layers)), c.layers.values(), strict=True))  # readable labels
+            return viz.clipping_figure(
+                c.total, named, c.max_norm, sums=(c.plain_sum_norm, c.clipped_sum_norm), width=WIDTHS["clip"],
+                title=f"per-sample gradient norms at {s.describe()}, C={c.max_norm:.3g}")
+
+        yield "clip", (loss_key, s.clip), clip
+        noisy = tuple(r.strategy for r in view.records if r.noisy)  # this setting's (not the curve's)
+        if view.records:
+            yield "bars", (s.key, tuple((r.strategy, r.median_s, r.iqr_s) for r in view.records), view.pending, noisy,
+                           view.provisional), lambda: viz.bar_figure(
+                view.records, pending=view.pending, noisy=noisy, provisional=view.provisional, width=WIDTHS["bars"],
+                title=f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}")
+        if view.shown and view.scaling_records:  # redrawn once the slow baselines are done (its title says so),
+            # not for each of them done before: a drawing costs more than timing a tier of cheap methods
+            yield "runtime", (s.key, tuple((r.strategy, r.batch_size, r.median_s) for r in view.scaling_records),
+                              view.stage == "measuring"), lambda: viz.runtime_figure(
+                view.scaling_records, highlight=s.batch, width=WIDTHS["runtime"], height=3.6, legend="below",
+                title=panels.runtime_title(view))
+
+    def prerender(self, view: View) -> None:
+        """Draw ``view``'s figures into the kept PNGs without showing them (a setting computed ahead: its visit
+        shows them without drawing); :attr:`stale` is asked before each."""
+        for panel, token, figure in self.figures(view):
+            if (panel, token) not in self._pngs:
+                self.stale()
+                self._keep(panel, token, self._render(panel, figure))
+
+    def forget(self) -> None:
+        """Drop the kept PNGs (each figure is drawn again when next shown)."""
+        self._pngs.clear()
+
+    def _render(self, panel: str, figure: Callable[[], Figure]) -> bytes:
+        fig = figure()
+        minor_ticks_as_marks(fig)  # the log axes' dozens of minor ticks drawn as marks: no figure is changed later
+        self.rendered[panel] += 1
+        return viz.to_png(fig, dpi=self.dpi, close=False)  # dropped, not cleared: clearing costs 10% more
+
+    def _keep(self, panel: str, token: object, png: bytes) -> None:
+        self._pngs[(panel, token)] = png
+        while len(self._pngs) > PNGS_KEPT:
+            self._pngs.popitem(last=False)
 
     def draw(self, panel: str, token: object, figure: Callable[[], Figure]) -> None:
         if self._shown.get(panel) == token:
             return
-        self.stale()
-        png = viz.to_png(figure(), dpi=self.dpi, close=False)  # dropped, not cleared: clearing costs 10% more
+        png = self._pngs.get((panel, token))
+        if png is None:
+            self.stale()
+            png = self._render(panel, figure)
+            self._keep(panel, token, png)
+        else:
+            self._pngs.move_to_end((panel, token))
         image = self.images[panel]
         image.value = png
         image.layout.width = f"{int.from_bytes(png[16:20], 'big')}px"  # the PNG's own width (its IHDR)

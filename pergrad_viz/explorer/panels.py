@@ -17,7 +17,7 @@ from pergrad_viz.bench.records import Record
 from pergrad_viz.errors import human_bytes
 from pergrad_viz.explorer.specs import TOKENS_NOTE, ModelSpec
 from pergrad_viz.explorer.state import QUANTITY_NAMES, RuleView, Setting, View
-from pergrad_viz.viz.canvas import DIVERGING, axes_at_inches, fit_text, text_width_in, to_numpy
+from pergrad_viz.viz.canvas import DIVERGING, TITLE_Y, axes_at_inches, fit_text, text_width_in, to_numpy
 
 __all__ = ["DP_TEXT", "HOW", "RULE_TEXT", "WIDTHS", "display_bounds", "error_html", "heatmap_figure", "images_figure",
            "image_matrix_figure", "layers_html", "progress_html", "rule_figure", "rule_html", "runtime_title",
@@ -102,7 +102,7 @@ def image_matrix_figure(image: object, matrix: object, *, row_labels: Sequence[s
     ax_i.imshow(img, cmap="gray", interpolation="nearest")
     ax_i.set_xticks([])
     ax_i.set_yticks([])
-    ax_i.set_title(image_title, fontsize="small")
+    ax_i.set_title(image_title, fontsize="small", y=TITLE_Y)
     labelled = 0 < len(row_labels) == m.shape[0] and m.shape[0] <= 40
     left = 0.3 + side + 0.3 + (text_width_in(row_labels, "x-small") + 0.15 if labelled else 0.35)
     ax_m = axes_at_inches(fig, left, 0.55, width - left - 0.95, side)
@@ -112,7 +112,7 @@ def image_matrix_figure(image: object, matrix: object, *, row_labels: Sequence[s
         ax_m.set_yticks(range(m.shape[0]), list(row_labels), fontsize="x-small")
     ax_m.tick_params(labelsize="x-small")
     ax_m.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
-    ax_m.set_title(matrix_title, fontsize="small")
+    ax_m.set_title(matrix_title, fontsize="small", y=TITLE_Y)
     fig.colorbar(shown, cax=axes_at_inches(fig, width - 0.8, 0.55, 0.12, side)).ax.tick_params(labelsize="x-small")
     if head:
         fig.suptitle(head, fontsize="medium", y=1 - 0.06 / height, va="top")

@@ -8,7 +8,7 @@ drop the stale one (the latest wins; nothing queues); a new sample or clipping t
 timing's blocks without restarting it. Views arrive progressively (see :meth:`.model.ExplorerModel.stages`):
 the gradients' figures and the verdict first, then the bar chart grows tier by tier, the scaling curve last;
 the progress line says where it is (``data-state="busy"`` / ``"done"`` / ``"error"`` on its element).
-While the learner looks, the worker computes the menu's other networks ahead (``ahead``; :meth:`_ahead`).
+While the learner looks, the worker computes the menu's other networks ahead and draws their figures (:meth:`_ahead`).
 
 The explorer can be driven from code, which is how its tests work: ``ex.set(batch=8)`` (or
 ``ex.batch_slider.value = 8``), then ``ex.wait()`` and read ``ex.view``.
@@ -54,7 +54,7 @@ class Explorer(w.VBox):
         model: the :class:`~.model.ExplorerModel`; view: the latest :class:`~.state.View` shown (None before).
         records, scaling_records: the view's records; status: its verdict line and notes as plain text;
         max_difference: the verdict's max |difference|; error: the last error's text ("" when the last
-        setting worked); drawn: {panel: times drawn}; busy: work pending or running.
+        setting worked); drawn: {panel: times shown anew} (:class:`.page.Page`); busy: work pending or running.
 
     Threads: the kernel's thread writes the controls only; the worker's computes, times (it alone touches the
     timing cache: "rerun timings" hands it a job) and writes the output panes. :meth:`close` stops the worker,
@@ -287,7 +287,8 @@ class Explorer(w.VBox):
             hidden = self._chosen.get(key, self.specs[key].default_width)
             setting = dataclasses.replace(self.setting, model=key, hidden=hidden if hidden in options else options[0])
             try:
-                self.model.ahead(setting, check)
+                if (view := self.model.ahead(setting, check)) is not None:
+                    self.page.prerender(view)  # its gradients' figures drawn ahead too (Page.stale asked)
             except Stale:
                 return True
             except Exception:  # noqa: S110 - computed ahead only: the network's visit shows what is wrong
@@ -311,8 +312,7 @@ class Explorer(w.VBox):
         raise Stale
 
     def _stale(self) -> None:
-        """Raise :class:`Stale` when a setting that needs new gradients or timings is waiting, or the explorer was
-        closed (between two figures: drawing the rest of a stale view would only delay the one wanted)."""
+        """Raise :class:`Stale` (asked before each figure) when a setting needing new work waits, or on close."""
         self._check_closed()
         newer = self._worker.peek() if self._worker is not None else None
         view = self.view

@@ -15,7 +15,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from pergrad_viz.viz.canvas import DIVERGING, PALETTE, fit_text, place_margins, title_height_in, to_numpy
+from pergrad_viz.viz.canvas import DIVERGING, PALETTE, TITLE_Y, fit_text, place_margins, title_height_in, to_numpy
 
 __all__ = ["aligned_edges", "clipping_figure", "grouped_heatmap", "image_grid", "norm_histogram",
            "right_closed_counts"]
@@ -46,7 +46,7 @@ def image_grid(images: Any, *, titles: Sequence[str] | None = None, ncols: int =
         if j < k:
             a.imshow(imgs[j], cmap="gray", interpolation="nearest")
             if titles is not None:
-                a.set_title(titles[j], fontsize="x-small")
+                a.set_title(titles[j], fontsize="x-small", y=TITLE_Y)
     if suptitle:
         fig.suptitle(suptitle, fontsize="medium")
     return fig
@@ -148,7 +148,7 @@ def clipping_figure(total: Any, layers: Mapping[str, Any], max_norm: float, *, s
         line += f"; ||sum clipped|| = {after:.3g} vs ||sum plain|| = {plain:.3g}"
     head = title if title is not None else f"per-sample gradient norms, B={t.size}"
     text = fit_text(f"{head}\n{line}", width - 0.9)
-    top.set_title(text, fontsize="medium")
+    top.set_title(text, fontsize="medium", y=TITLE_Y)
     place_margins(fig, left=0.7, right=0.2, bottom=0.55, top=title_height_in(text), hspace=0.08)
     return fig
 
@@ -184,5 +184,5 @@ def grouped_heatmap(matrix: Any, groups: Any, *, group_names: Sequence[str] | No
     ax.set_yticks(centres, names, fontsize="x-small")
     fig.colorbar(shown, ax=ax, label=label)
     if title:
-        ax.set_title(title, fontsize="medium")
+        ax.set_title(title, fontsize="medium", y=TITLE_Y)
     return fig

@@ -13,7 +13,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from pergrad_viz.viz.canvas import DIVERGING, axes_at_inches, fit_text, text_width_in, to_numpy
+from pergrad_viz.viz.canvas import DIVERGING, TITLE_Y, axes_at_inches, fit_text, text_width_in, to_numpy
 
 __all__ = ["factor_figure", "outer_product_figure", "token_figure"]
 
@@ -68,7 +68,7 @@ def outer_product_figure(a: Any, g: Any, *, gradient_norm: float | None = None, 
         ax_o = axes_at_inches(fig, 0.6, foot, width - 0.6 - 0.95, lower)
         ax_c = axes_at_inches(fig, width - 0.8, foot, 0.12, lower)
     ax_a.imshow(a_np.reshape(h, w), cmap="gray", interpolation="nearest")
-    ax_a.set_title(f"the input a_i\n||a_i|| = {a_norm:.5g}", fontsize="small")
+    ax_a.set_title(f"the input a_i\n||a_i|| = {a_norm:.5g}", fontsize="small", y=TITLE_Y)
     ax_a.set_xticks([])
     ax_a.set_yticks([])
     units = np.arange(g_np.size)
@@ -79,14 +79,14 @@ def outer_product_figure(a: Any, g: Any, *, gradient_norm: float | None = None, 
     span = float(np.abs(g_np).max()) or 1.0
     ax_g.set_ylim(-1.1 * span, 1.1 * span)
     ax_g.set_xlabel("hidden unit", fontsize="small")
-    ax_g.set_title(f"the backprop signal g_i\n||g_i|| = {g_norm:.5g}", fontsize="small")
+    ax_g.set_title(f"the backprop signal g_i\n||g_i|| = {g_norm:.5g}", fontsize="small", y=TITLE_Y)
     ax_g.tick_params(labelsize="x-small")
     limit = float(np.abs(outer).max()) or 1.0
     shown = ax_o.imshow(outer, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
     ax_o.set_xlabel("input pixel (0..783)", fontsize="small")
     ax_o.set_ylabel("hidden unit", fontsize="small")
     ax_o.tick_params(labelsize="x-small")
-    ax_o.set_title("their outer product g_i a_i^T\n= the sample's gradient of the weight", fontsize="small")
+    ax_o.set_title("their outer product g_i a_i^T\n= the sample's gradient of the weight", fontsize="small", y=TITLE_Y)
     fig.colorbar(shown, cax=ax_c).ax.tick_params(labelsize="x-small")
     for axis in (ax_g.xaxis, ax_o.yaxis):  # hidden units are whole numbers
         axis.set_major_locator(MaxNLocator(integer=True, nbins="auto"))
@@ -99,7 +99,7 @@ def outer_product_figure(a: Any, g: Any, *, gradient_norm: float | None = None, 
 def _matrix(ax: Axes, m: np.ndarray, title: str, width_in: float) -> Any:
     limit = float(np.abs(m).max()) or 1.0
     shown = ax.imshow(m, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
-    ax.set_title(f"{fit_text(title, width_in, 8.0)}\n{m.shape[0]} x {m.shape[1]}", fontsize="small")
+    ax.set_title(f"{fit_text(title, width_in, 8.0)}\n{m.shape[0]} x {m.shape[1]}", fontsize="small", y=TITLE_Y)
     ax.tick_params(labelsize="x-small")
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_major_locator(MaxNLocator(integer=True, nbins=5))
@@ -183,7 +183,7 @@ def token_figure(tokens: Any, matrix: Any, *, grid: tuple[int, int] | None = Non
                           color="white" if v < ids.max() / 2 else "black")
         ax_t.set_xticks([])
         ax_t.set_yticks([])
-        ax_t.set_title(f"the sample's {ids.size} tokens", fontsize="small")
+        ax_t.set_title(f"the sample's {ids.size} tokens", fontsize="small", y=TITLE_Y)
         x0 += side + 0.3
     labelled = 0 < len(row_labels) == m.shape[0] and m.shape[0] <= 40
     left = x0 + (text_width_in(row_labels, "x-small") + 0.15 if labelled else 0.35)
@@ -194,7 +194,7 @@ def token_figure(tokens: Any, matrix: Any, *, grid: tuple[int, int] | None = Non
         ax_m.set_yticks(np.arange(m.shape[0]), list(row_labels), fontsize="x-small")
     ax_m.tick_params(labelsize="x-small")
     ax_m.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
-    ax_m.set_title(matrix_title, fontsize="small")
+    ax_m.set_title(matrix_title, fontsize="small", y=TITLE_Y)
     ax_m.set_xlabel(xlabel, fontsize="small")
     fig.colorbar(shown, cax=axes_at_inches(fig, width - 0.8, 0.55, 0.12, 2.6)).ax.tick_params(labelsize="x-small")
     if head:

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 
 from pergrad_viz.viz.canvas import (
     DIVERGING,
+    TITLE_Y,
     fit_text,
     fixed_axes,
     place_margins,
@@ -194,7 +195,7 @@ def gradient_heatmap(grads_flat: Any, boundaries: Boundaries | None = None, *, a
     if title:
         if new:
             title = fit_text(title, fig.get_figwidth() - left - 0.9)
-        ax.set_title(title, fontsize="medium")
+        ax.set_title(title, fontsize="medium", y=TITLE_Y)
     if colorbar and image is not None:
         clipped = largest > limit
         fig.colorbar(image, ax=ax, extend="both" if clipped else "neither", pad=0.01, fraction=0.04,
@@ -261,13 +262,13 @@ def first_layer_images(weight_grad: Any, *, image: Any = None, titles: Sequence[
             raise ValueError(f"image has {img.size} pixels but the gradients are {h}x{w} images: pass the input "
                              f"sample itself, shape ({h * w},) or ({h}, {w})")
         axes[0].imshow(img.reshape(h, w), cmap="gray", interpolation="nearest")
-        axes[0].set_title(image_title, fontsize="small")
+        axes[0].set_title(image_title, fontsize="small", y=TITLE_Y)
         axes = axes[1:]
     limit = float(np.abs(grads).max()) or 1.0
     shown = None
     for j, a in enumerate(axes):
         shown = a.imshow(grads[j], cmap=cmap, vmin=-limit, vmax=limit, interpolation="nearest")
-        a.set_title(titles[j] if titles is not None else str(j), fontsize="small")
+        a.set_title(titles[j] if titles is not None else str(j), fontsize="small", y=TITLE_Y)
     for a in fig.axes:
         a.set_xticks([])
         a.set_yticks([])

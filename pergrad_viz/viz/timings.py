@@ -21,6 +21,7 @@ from pergrad_viz.viz.canvas import (
     CHAR_IN,
     REFERENCE_STYLE,
     REFERENCES,
+    TITLE_Y,
     fit_text,
     fixed_axes,
     method_color,
@@ -156,7 +157,7 @@ def _place_legend(fig: Figure, ax: Axes, new: bool, labels: list[str], title: st
         right = min(text_width_in(labels, "small") + 0.6, width * 0.45)
         if new:  # wrapped to the axes' width: a title centred over the axes stays inside the figure
             title = fit_text(title, width - 0.85 - right)
-        ax.set_title(title, fontsize="medium")
+        ax.set_title(title, fontsize="medium", y=TITLE_Y)
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         if new:
             place_margins(fig, left=0.85, right=right, bottom=0.55, top=title_height_in(title))
@@ -166,7 +167,7 @@ def _place_legend(fig: Figure, ax: Axes, new: bool, labels: list[str], title: st
     rows = -(-len(labels) // ncol)
     bottom = 0.55 + 0.2 * rows + 0.12
     title = fit_text(title, width - 0.3)  # the whole width: centred over the axes it stays inside
-    ax.set_title(title, fontsize="medium")
+    ax.set_title(title, fontsize="medium", y=TITLE_Y)
     top = title_height_in(title)
     place_margins(fig, left=0.85, right=0.2, bottom=bottom, top=top)
     axes_h = height - bottom - top
@@ -254,7 +255,7 @@ def bar_figure(records: Iterable[Any], *, ax: Axes | None = None, title: str | N
     left, right = margin_left, margin_right
     if title:
         title = fit_text(title, fig.get_figwidth() - left - right + 2 * min(left, right)) if new else title
-        ax.set_title(title, fontsize="medium")
+        ax.set_title(title, fontsize="medium", y=TITLE_Y)
     ax.grid(True, axis="x", alpha=0.3)
     if new:
         place_margins(fig, left=left, right=right, bottom=0.5, top=title_height_in(title))
