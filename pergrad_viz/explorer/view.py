@@ -23,10 +23,9 @@ import threading
 from collections.abc import Callable, Sequence
 
 import ipywidgets as w
-from matplotlib.figure import Figure
 
 from pergrad_viz.bench.records import Record
-from pergrad_viz.explorer import panels, prefetch
+from pergrad_viz.explorer import prefetch
 from pergrad_viz.explorer.model import ExplorerModel
 from pergrad_viz.explorer.page import Page, arrange, close_all
 from pergrad_viz.explorer.state import QUANTITIES, QUANTITY_NAMES, Setting, Stale, View
@@ -44,10 +43,9 @@ class Explorer(w.VBox):
     """The explorer widget (an ``ipywidgets.VBox``); build it with :func:`.factory.explorer`.
 
     Controls: ``model_dropdown`` (the network; hidden when there is one), ``batch_slider``, ``hidden_slider`` (the
-    network's width, described for each network; hidden for a user's network) (``SelectionSlider`` s),
-    ``quantity_toggle``
-    (``"grads"`` / ``"jacobian"``), ``strategy_boxes`` (``{strategy: Checkbox}``), ``sample_slider`` (the sample
-    of the sample panels), ``clip_slider`` (DP-SGD's threshold C), ``rerun_button`` (time this setting again),
+    network's width; hidden for a user's network) (``SelectionSlider`` s), ``quantity_toggle`` (``"grads"`` /
+    ``"jacobian"``), ``strategy_boxes`` (``{strategy: Checkbox}``), ``sample_slider`` (the sample of the sample
+    panels), ``clip_slider`` (DP-SGD's threshold C), ``rerun_button`` (time this setting again),
     ``slow_limit_dropdown`` (the slow baselines are timed up to this many sample-backward passes per call).
 
     State for code and tests:
@@ -258,8 +256,12 @@ class Explorer(w.VBox):
                     self.error = ""
                     self.error_html.value = ""
                     return
+                ahead = self._worker is not None and bool(self._ahead_left)
                 for view in self.model.stages(setting, check=self._check):
                     self._show(self._keep_panels(view))
+                    if ahead and view.stage == "measuring":  # settled: the next network first, then the slow rows
+                        ahead = False
+                        self._ahead(self._check, settled=True)
                 self.error = ""
                 self.error_html.value = ""
                 self.page.progress("done", self.view.setting, self.view.progress)
@@ -270,19 +272,19 @@ class Explorer(w.VBox):
             except Exception as exc:  # shown, not swallowed: the UI must survive e.g. a MemoryBudgetError
                 self._show_error(setting, exc)
 
-    def _ahead(self, check: Callable[[], None]) -> bool:
-        """The worker's idle work (once the shown setting is done): the next network of the menu not yet shown, at
-        the setting the menu would show it at now (:meth:`.model.ExplorerModel.ahead`: its first visit then shows at
-        once); one whose imports are not done (:mod:`.prefetch`, paused while anyone holds the turn) waits for them,
-        the others too once one is done. Returns whether any is left."""
+    def _ahead(self, check: Callable[[], None], settled: bool = False) -> bool:
+        """The next network of the menu not yet shown, at the setting the menu would show it at now
+        (:meth:`.model.ExplorerModel.ahead`: its first visit then shows at once): the worker's idle work once the shown
+        setting is done, after one network waiting for the imports (:mod:`.prefetch`, paused while anyone holds the
+        turn); and (``settled``) once a setting's figures are settled, before its slow baselines, not waiting."""
         shown = self.view
-        if shown is None or not shown.done or self._closed:
+        if not settled and (shown is None or not shown.done or self._closed):
             return not self._closed  # the shown setting first
         if shown.setting.model in self._ahead_left:
             self._ahead_left.remove(shown.setting.model)  # visited: its later visits are no first ones
         ready = [k for k in self._ahead_left if all(m in sys.modules for m in self.specs[k].imports)]
         importing = prefetch.STARTED and not prefetch.STARTED[0].done.is_set()
-        if ready and not (importing and len(self._ahead_left) < len(self.specs) - 1):  # one, the imports, the rest
+        if ready and not (not settled and importing and len(self._ahead_left) < len(self.specs) - 1):
             key, options = ready[0], self.widths[ready[0]]
             hidden = self._chosen.get(key, self.specs[key].default_width)
             setting = dataclasses.replace(self.setting, model=key, hidden=hidden if hidden in options else options[0])
@@ -342,9 +344,6 @@ class Explorer(w.VBox):
         self.view = view
         self.page.show(view)
 
-    def _heatmap(self, view: View) -> Figure:
-        return panels.heatmap_figure(view)
-
     def _show_error(self, setting: Setting, exc: Exception) -> None:
         self.error = f"{type(exc).__name__} at {setting.describe()}: {exc}"
         self.page.error(setting, exc, self.view)
@@ -371,17 +370,15 @@ class Explorer(w.VBox):
         return "\n".join([verdict, *self.view.notes])
 
     def snapshot(self, timeout: float | None = 600) -> None:
-        """Display the current figures as plain PNG images (at the size they are shown), with a caption: a
-        picture of the explorer for readers without a kernel (GitHub, a notebook not yet run). Waits for the
-        worker first."""
+        """Display the current figures as plain PNG images with a caption (for readers without a kernel: GitHub, a
+        notebook not yet run), once the worker is done."""
         self.wait(timeout)
         self.page.snapshot(self.view)
 
     def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
-        """Close the explorer: stop its worker (the running job gives up at its next check, between two timed
-        blocks) and wait up to ``timeout`` seconds for the thread to end, close every widget of it (ipywidgets keeps
-        an open widget, and the callbacks it holds, alive), and let go of the arrays shown. A closed explorer is
-        garbage collected like any object (its model keeps only its timings)."""
+        """Close the explorer: stop its worker (its job gives up at its next check) and wait up to ``timeout`` s for
+        it, close every widget (an open one stays alive, with its callbacks), let go of the arrays shown: a closed
+        explorer is garbage collected like any object (its model keeps only its timings)."""
         if getattr(self, "_closed", True):  # closed already (ipywidgets closes again on disposal), or never built
             super().close()
             return

@@ -28,6 +28,7 @@ from pergrad_viz import widgets
 from pergrad_viz.bench import sweeps as bench  # noqa: E402
 from pergrad_viz.explorer import model as model_module  # noqa: E402
 from pergrad_viz.explorer import page as page_module  # noqa: E402
+from pergrad_viz.explorer import panels  # noqa: E402
 from pergrad_viz.explorer.specs import MENU, installed  # noqa: E402
 
 OPTIONS = {"batch_sizes": (1, 2, 4, 8), "hidden_widths": (8, 16), "default_batch": 4, "default_hidden": 8,
@@ -177,7 +178,7 @@ def test_the_jacobian_heatmap_fits_its_figure(fresh):
     from helpers import outside
 
     fresh.set(quantity="jacobian")
-    assert outside(fresh._heatmap(fresh.view)) == []
+    assert outside(panels.heatmap_figure(fresh.view)) == []
 
 
 def test_unchecking_a_strategy_removes_it(fresh):
