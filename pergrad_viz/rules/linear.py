@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum, sample_scaled
+from pergrad_viz.rules.registry import (
+    join_positions,
+    register,
+    register_ghost,
+    register_weighted_sum,
+    row_norms,
+    sample_scaled,
+)
 
 
 @register(nn.Linear, features=lambda module: 1)
@@ -106,15 +113,15 @@ class LinearGhost:
     def squared_norms(module, a, g, local):
         result = {}
         tokens = a.shape[1]
-        a, sa = sample_scaled(a)  # per sample: the squares below neither overflow nor underflow on their own
-        g, sg = sample_scaled(g)
         if tokens == 1:  # the ghost norm: ||g a^T||^2 = ||g||^2 ||a||^2, and ||g||^2 for the bias
-            g_norm = torch.linalg.vector_norm(g[:, 0], dim=1) * sg
+            g_norm = row_norms(g[:, 0])
             if "weight" in local:
-                result["weight"] = (g_norm * (torch.linalg.vector_norm(a[:, 0], dim=1) * sa)).square()
+                result["weight"] = (g_norm * row_norms(a[:, 0])).square()
             if "bias" in local:
                 result["bias"] = g_norm.square()
             return result
+        a, sa = sample_scaled(a)  # per sample: the squares below neither overflow nor underflow on their own
+        g, sg = sample_scaled(g)
         scale = (sa * sg).square()
         if "weight" in local:
             if gram_is_cheaper(tokens, a.shape[-1] * g.shape[-1]):

@@ -108,6 +108,15 @@ def sample_scaled(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t / s.view(-1, *(1,) * (t.dim() - 1)), s
 
 
+def row_norms(t: torch.Tensor) -> torch.Tensor:
+    """(B,) the L2 norm of each row of ``t`` (B, n), with no overflow or underflow in the squares: accumulated in
+    float64 for a narrower dtype (its squares all fit there), through :func:`sample_scaled` for float64 itself."""
+    if t.dtype == torch.float64 or not t.is_floating_point():
+        scaled, s = sample_scaled(t)
+        return torch.linalg.vector_norm(scaled, dim=1) * s
+    return torch.linalg.vector_norm(t, dim=1, dtype=torch.float64).to(t.dtype)
+
+
 def class_path(cls: type) -> str:
     """``"package.module.Class"``: how a class is named for lazy registration."""
     return f"{cls.__module__}.{cls.__qualname__}"
