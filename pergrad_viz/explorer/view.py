@@ -123,6 +123,7 @@ class Explorer(w.VBox):
             control.observe(self._on_change, names="value")
         self.rerun_button.on_click(self._on_rerun)
         self._ahead_left = [key for key in self.specs if key != default.model] if ahead else []
+        self._warm = ahead
         self._worker = Worker(self._run, idle=self._ahead if self._ahead_left else None) if background else None
         if compute:
             self.refresh()
@@ -218,9 +219,8 @@ class Explorer(w.VBox):
         self.refresh()
 
     def refresh(self, *, rerun: bool = False) -> None:
-        """Work out the current setting (``rerun``: time it again): in the background worker (returns at once; the
-        worker says "busy" when it starts on it), or here when the explorer was built with ``background=False``.
-        Errors are shown in the widget (and kept in :attr:`error`)."""
+        """Work out the current setting (``rerun``: time it again) in the background worker (returns at once), or here
+        with ``background=False``; errors are shown in the widget (and kept in :attr:`error`)."""
         if self._closed:
             return
         job = Job(self.setting, rerun=rerun)
@@ -240,8 +240,7 @@ class Explorer(w.VBox):
     # ------------------------------------------------------------------------------------------ work
 
     def _run(self, job: Job) -> None:
-        """The worker's job: the model's stages for its setting, each shown as it comes (``job.rerun``: its
-        timings forgotten first)."""
+        """The worker's job: the model's stages for its setting, each shown as it comes (rerun: timings forgotten)."""
         setting = job.setting
         with self._lock:
             try:
@@ -280,6 +279,11 @@ class Explorer(w.VBox):
         shown = self.view
         if not settled and (shown is None or not shown.done or self._closed):
             return not self._closed  # the shown setting first
+        if not settled and not self._ahead_left and self._warm:  # last: the largest result's memory (prefetch)
+            self._warm, s, top = False, shown.setting, max(self.widths.get(shown.setting.model) or (0,))
+            if top and self.model.device == "cpu" and s.quantity == "grads":
+                size = (max(self.batch_slider.options), self.model.spec(s).num_params(top))
+                prefetch.warm_results(size, self.model.dtype)
         if shown.setting.model in self._ahead_left:
             self._ahead_left.remove(shown.setting.model)  # visited: its later visits are no first ones
         ready = [k for k in self._ahead_left if all(m in sys.modules for m in self.specs[k].imports)]
@@ -296,7 +300,7 @@ class Explorer(w.VBox):
             except Exception:  # noqa: S110 - computed ahead only: the network's visit shows what is wrong
                 pass
             self._ahead_left.remove(key)
-        return bool(self._ahead_left)
+        return bool(self._ahead_left) or self._warm
 
     def _check(self) -> None:
         """Between steps of the model's work: a new sample or threshold is drawn right here (the timing goes
@@ -339,8 +343,7 @@ class Explorer(w.VBox):
 
     # ------------------------------------------------------------------------------------------ drawing
 
-    def _show(self, view: View) -> None:
-        """Draw what changed between the shown view and ``view`` (:meth:`.page.Page.show`)."""
+    def _show(self, view: View) -> None:  # draw what changed (Page.show)
         self.view = view
         self.page.show(view)
 
