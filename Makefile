@@ -20,13 +20,12 @@ lab: setup
 	$(PY) -m jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## Everything: lint; the unit tests on both cores (pytest-xdist: each test runs on one thread, tests/conftest.py);
-## the notebooks through nbval, a notebook a worker; then the browser tests alone (they time the explorer)
+## then the notebooks through nbval and the browser tests, one at a time (the browser tests time the explorer)
 WORKERS ?= 2
 test: setup browser data lint
 	$(PY) -m pytest tests -m "not e2e" -n $(WORKERS) -p no:randomly
-	$(PY) -m pytest notebooks -n $(WORKERS) --dist loadfile --nbval-lax --nbval-current-env \
+	$(PY) -m pytest notebooks tests/e2e --nbval-lax --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:randomly
-	$(PY) -m pytest tests/e2e -p no:randomly
 
 ## Unit tests only (quick)
 unit: setup lint
