@@ -73,9 +73,10 @@ def weighted_outputs(trainable: Trainable, inputs: Batch, targets: object, loss_
 def alone_grads(i: int) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
     """Sample i's gradient from a forward of sample i alone: the definition."""
 
+    loss_of = alone_loss(i)
+
     def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
-        loss = scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
-        return dense(grad_of(loss, trainable.params), trainable.params)
+        return dense(grad_of(loss_of(trainable, inputs, targets, loss_fn), trainable.params), trainable.params)
 
     return compute
 
