@@ -87,6 +87,8 @@ def _stacked_norms(ghost, module, seen_first, local) -> dict[str, torch.Tensor]:
     batch = seen_first[0][0].shape[0]
     held = sum(a.nbytes + g.nbytes for a, g in seen_first)
     per_sample, budget = held // batch, max(NORM_BYTES, held // NORM_PARTS)  # the scaled copies of a and g
+    if ghost.kind == "linear" and seen_first[0][0].device.type == "cpu":
+        per_sample = _linear_temporaries(seen_first)  # scaled copies only where values are extreme (products_fit)
     if ghost.kind == "conv":  # and the columns, C_in * k values at each of the L output positions, scaled too
         per_sample += 2 * sum(module.weight[0].numel() * g[0, 0].numel() * g.element_size() for _, g in seen_first)
         budget = max(COLUMNS_BYTES, held)
@@ -97,6 +99,15 @@ def _stacked_norms(ghost, module, seen_first, local) -> dict[str, torch.Tensor]:
         chunks.append(ghost.squared_norms(module, a, g[0], local))
         del a, g
     return {ln: torch.cat([c[ln] for c in chunks]) for ln in chunks[0]}
+
+
+def _linear_temporaries(seen_first) -> int:
+    """Bytes per sample of a Linear's norms computed as they are (``pergrad_viz.rules.products_fit``): two (T, T)
+    Gram matrices, or its (out, in) gradient where that is smaller."""
+    a, g = seen_first[0]
+    tokens = sum(a[0].numel() // a.shape[-1] for a, _ in seen_first)
+    cells = min(2 * tokens * tokens, a.shape[-1] * g.shape[-1])
+    return cells * g.element_size()
 
 
 class _Book:

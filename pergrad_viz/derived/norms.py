@@ -47,7 +47,7 @@ from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.probe import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
-from pergrad_viz.rules.registry import sample_scaled
+from pergrad_viz.rules.registry import row_norms, sample_scaled
 from pergrad_viz.strategies import working_bytes
 
 
@@ -196,8 +196,7 @@ def materialised_chunks(trainable: Trainable, resolved: str, strategy: str, loss
 def row_squared_norms(g: torch.Tensor) -> torch.Tensor:
     """(B,) squared L2 norms of the rows of a (B, *shape) per-sample gradient; ``shape`` may be () (a 0-dim
     parameter such as a learnable temperature gives (B,), where ``flatten(1)`` would fail)."""
-    scaled, s = sample_scaled(g.reshape(g.shape[0], -1))  # huge entries: no overflow where the result is finite
-    return scaled.square().sum(1) * s.square()
+    return row_norms(g.reshape(g.shape[0], -1)).square()  # huge entries: no overflow where the result is finite
 
 
 # A layer's share of a tied weight's per-sample gradient: (left, right, own) with the gradient read as the matrix

