@@ -87,17 +87,25 @@ def _stacked_norms(ghost, module, seen_first, local) -> dict[str, torch.Tensor]:
     batch = seen_first[0][0].shape[0]
     held = sum(a.nbytes + g.nbytes for a, g in seen_first)
     per_sample, budget = held // batch, max(NORM_BYTES, held // NORM_PARTS)  # the scaled copies of a and g
+    direct = ghost.direct_bytes(module, seen_first) if hasattr(ghost, "direct_bytes") else None
     if ghost.kind == "linear" and seen_first[0][0].device.type == "cpu":
         per_sample = _linear_temporaries(seen_first)  # scaled copies only where values are extreme (products_fit)
     if ghost.kind == "conv":  # and the columns, C_in * k values at each of the L output positions, scaled too
         per_sample += 2 * sum(module.weight[0].numel() * g[0, 0].numel() * g.element_size() for _, g in seen_first)
+        per_sample = per_sample if direct is None else direct
         budget = max(COLUMNS_BYTES, held)
     step = samples_at_once(batch, per_sample, budget)
     chunks = []
     for start in range(0, batch, step):
-        a, g = ghost.stack(module, [(a[start:start + step], g[None, start:start + step]) for a, g in seen_first])
+        part = [(a[start:start + step], g[start:start + step]) for a, g in seen_first]
+        if direct is not None:
+            chunks.append(ghost.direct_norms(module, part, local))
+            continue
+        a, g = ghost.stack(module, [(a, g[None]) for a, g in part])
         chunks.append(ghost.squared_norms(module, a, g[0], local))
         del a, g
+    if len(chunks) == 1:
+        return chunks[0]
     return {ln: torch.cat([c[ln] for c in chunks]) for ln in chunks[0]}
 
 

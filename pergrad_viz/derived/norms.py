@@ -266,5 +266,9 @@ def layer_squared_norms(layer: Layer, seen: Seen) -> dict[str, torch.Tensor]:
     ghost = ghost_rule(layer)
     if ghost is None:  # convolutions, norms, recurrent, fallback: this one layer's (B, *param.shape) gradient
         return {ln: row_squared_norms(t[0]) for ln, t in dense_grads(layer, seen).items()}
+    if hasattr(ghost, "direct_bytes"):  # a cheaper form for these shapes (a convolution's pixels' Gram)
+        calls = [(call.activation, call.rule_grad(gs[0])[0]) for call, gs in seen]
+        if ghost.direct_bytes(layer.module, calls) is not None:
+            return ghost.direct_norms(layer.module, calls, layer.local)
     a, g = stack_calls(layer, seen)
     return ghost.squared_norms(layer.module, a, g[0], layer.local)

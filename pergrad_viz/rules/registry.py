@@ -51,6 +51,17 @@ class GhostRule(Protocol):
         """{local name: (B,) squared norm of the per-sample gradient}, from ``stack``'s a and g[0] (B, T, out)."""
 
     @staticmethod
+    def direct_bytes(module: nn.Module, seen: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int | None:
+        """Optional: where a cheaper form than ``stack`` and ``squared_norms`` exists for this layer and the shapes
+        of these calls ``[(activation (B, ...), grad_output (B, ...))]`` (a convolution's Gram from its input
+        pixels, not its im2col columns), the bytes of temporaries it takes per sample; else None."""
+
+    @staticmethod
+    def direct_norms(module: nn.Module, seen: Sequence[tuple[torch.Tensor, torch.Tensor]], local: Collection[str]
+                     ) -> dict[str, torch.Tensor]:
+        """``squared_norms`` of these calls in that form, where ``direct_bytes`` is not None."""
+
+    @staticmethod
     def factors(module: nn.Module, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The weight's per-sample gradient, read as the matrix W.view(rows, -1), as ``sum_t outer(left_t,
         right_t)``: ``(left, right)`` from ``stack``'s a and g[0], left (B, T, rows) or (B, T) integer rows (one-hot

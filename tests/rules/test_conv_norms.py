@@ -1,0 +1,117 @@
+"""A convolution's ghost norms and weighted sums as book-keeping takes them, against per-sample weight gradients
+written out in this test (one ``autograd.grad`` of sum(conv(x_i) * g_i) per sample, float64): the pixels' Gram
+(``ConvGhost.direct_norms``) where it is taken, the im2col columns elsewhere; the weighted sum through the
+convolution's own kernel and, on 1 x 1 maps, through the columns; every padding mode, stride and dilation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz.derived.bookkeeping import _stacked_norms
+from pergrad_viz.rules.conv import SMALL_MAP, ConvGhost, conv_weighted_sum
+
+DT = torch.float64
+B = 4
+
+# (layer, input shape of one sample, whether the pixels' Gram is taken)
+CONFIGS = {
+    "2d-pad1": (lambda: nn.Conv2d(8, 8, 3, padding=1), (8, 3, 3), True),
+    "2d-1x1-map": (lambda: nn.Conv2d(16, 6, 3, padding=1), (16, 1, 1), True),
+    "2d-stride2": (lambda: nn.Conv2d(32, 8, 3, stride=2, padding=1), (32, 3, 3), True),
+    "2d-stride2-columns": (lambda: nn.Conv2d(6, 8, 3, stride=2, padding=1), (6, 4, 4), False),  # the columns' Gram
+    "2d-dilation-same-reflect": (lambda: nn.Conv2d(6, 6, 3, padding="same", dilation=2, padding_mode="reflect"),
+                                 (6, 3, 3), True),
+    "2d-even-kernel-same-circular": (lambda: nn.Conv2d(6, 5, (2, 3), padding="same", padding_mode="circular"),
+                                     (6, 3, 2), True),
+    "2d-asymmetric-replicate-nobias": (lambda: nn.Conv2d(5, 7, 3, padding=(1, 2), padding_mode="replicate",
+                                                         bias=False), (5, 2, 3), True),
+    "2d-1x1-kernel": (lambda: nn.Conv2d(8, 8, 1), (8, 2, 2), True),
+    "1d-stride-dilation": (lambda: nn.Conv1d(6, 8, 3, stride=2, padding=2, dilation=2), (6, 5), True),
+    "1d-same-reflect": (lambda: nn.Conv1d(6, 6, 4, padding="same", padding_mode="reflect"), (6, 4), True),
+    "2d-large-map": (lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 6, 6), False),  # the per-sample form
+}
+
+
+def _case(name: str, seed: int = 0):
+    make, shape, _ = CONFIGS[name]
+    torch.manual_seed(seed)
+    conv = make().to(DT)
+    x = torch.randn(B, *shape, dtype=DT)
+    with torch.no_grad():
+        g = torch.randn_like(conv(x))
+    return conv, x, g
+
+
+def _per_sample(conv: nn.Module, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: (B, *shape)}: the gradient of sum(conv(x_i) * g_i) for each sample alone."""
+    params = dict(conv.named_parameters())
+    rows = {n: [] for n in params}
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad((conv(x[i:i + 1]) * g[i:i + 1]).sum(), list(params.values()))
+        for n, t in zip(params, grads, strict=True):
+            rows[n].append(t)
+    return {n: torch.stack(r) for n, r in rows.items()}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_conv_norms_equal_the_per_sample_gradients(name):
+    conv, x, g = _case(name)
+    assert (ConvGhost.direct_bytes(conv, [(x, g)]) is not None) is CONFIGS[name][2]
+    local = {n: n for n, _ in conv.named_parameters()}
+    got = _stacked_norms(ConvGhost, conv, [(x, g)], local)
+    want = _per_sample(conv, x, g)
+    for n in local:
+        torch.testing.assert_close(got[n], want[n].flatten(1).square().sum(1), rtol=1e-10, atol=1e-12)
+
+
+def test_pixel_gram_norms_of_huge_samples_are_finite_and_right():
+    conv, x, g = _case("2d-pad1", seed=1)
+    x, g = x.float(), g.float()
+    conv = conv.float()
+    x[0] *= 1e20
+    g[0] *= 1e-15  # the plain squares of x overflow float32; the norm does not
+    local = {"weight": "weight", "bias": "bias"}
+    got = ConvGhost.direct_norms(conv, [(x, g)], local)
+    want = _per_sample(conv.double(), x.double(), g.double())
+    for n in local:
+        assert torch.isfinite(got[n]).all()
+        torch.testing.assert_close(got[n].double(), want[n].flatten(1).square().sum(1), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_conv_weighted_sum_is_the_sum_of_scaled_per_sample_gradients(name):
+    conv, x, g = _case(name, seed=2)
+    c = torch.rand(B, dtype=DT)
+    out = {n: torch.zeros_like(p) for n, p in conv.named_parameters()}
+    conv_weighted_sum(conv, [(x, g)], dict.fromkeys(out, c), out)
+    want = _per_sample(conv, x, g)
+    for n, total in out.items():
+        torch.testing.assert_close(total, torch.einsum("b,b...->...", c, want[n]), rtol=1e-10, atol=1e-12)
+
+
+def test_both_weighted_sum_routes_are_tested():
+    maps = {name: _case(name)[2][0, 0].numel() for name in CONFIGS}
+    assert min(maps.values()) <= SMALL_MAP < max(maps.values())
+
+
+def test_clipped_sum_of_a_small_cnn_equals_the_loop():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1),
+                          nn.Tanh(), nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"), nn.Flatten(),
+                          nn.Linear(8 * 2 * 2, 3)).to(DT)
+    x, y = torch.randn(6, 3, 4, 4, dtype=DT), torch.tensor([0, 1, 2, 0, 1, 2])
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    got = pv.clipped_grad_sum(model, loss_fn, x, y, 0.05, strategy="hooks")
+    params = dict(model.named_parameters())
+    want = {n: torch.zeros_like(p) for n, p in params.items()}
+    for i in range(6):
+        grads = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), list(params.values()))
+        norm = torch.sqrt(sum(t.square().sum() for t in grads))
+        factor = min(1.0, 0.05 / (float(norm) + 1e-6))
+        for n, t in zip(params, grads, strict=True):
+            want[n] += factor * t
+    for n in params:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-10)
