@@ -1,10 +1,13 @@
 """``bench --dp``: the DP-SGD gradient of one batch, five ways, in one interleaved table per model.
 
-Rows: a plain forward+backward (``loss.backward()`` into ``.grad``: the cost to beat); this package's DP step
-(:func:`pergrad_viz.clipped_grad_sum` with noise, as called by default, i.e. with its per-call check, and with
-``verify=False``); the materialised route (:func:`pergrad_viz.per_sample_grads`, then
+Rows: a plain forward+backward (``loss.backward()`` into ``.grad``: the cost to beat); this package's clipped sum
+(:func:`pergrad_viz.clipped_grad_sum` as called by default, i.e. with its per-call check; then with the noise of
+sigma = 1, as :func:`pergrad_viz.dp_step` draws it; and with ``verify=False``); the noise alone (P numbers from
+torch's generator: on CPUs a serial draw of about 5 ns a number, whatever computes the clipped sum; Opacus draws the
+same in ``optimizer.step()``); the materialised route (:func:`pergrad_viz.per_sample_grads`, then
 :func:`pergrad_viz.dp_sgd_gradient`); Opacus' ghost clipping (``GradSampleModuleFastGradientClipping``, two
-backward passes) where opacus is installed. Columns: median time and IQR over interleaved rounds, time / plain,
+backward passes) where opacus is installed. The rows without noise compute the same sum as Opacus' row.
+Columns: median time and IQR over interleaved rounds, time / plain,
 peak memory and peak / plain's, max |diff| of the noiseless clipped sum from the loop reference (the package's loop
 strategy, clipped and summed).
 
@@ -38,6 +41,8 @@ from pergrad_viz.core.losses import causal_lm_loss
 from pergrad_viz.tutorial.networks import MLP
 
 DP_MODELS: tuple[str, ...] = ("mlp", "transformer", "resnet18", "gpt2", "bert", "lora-llama")
+NOISED = "pv + noise (sigma=1)"  # the clipped sum with its noise, as pv.dp_step draws it
+NOISE = "the noise alone"
 MAX_NORM = 1.0
 SIGMA = 1.0
 
@@ -230,29 +235,29 @@ def _rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, rounds: int, 
             p.grad = None
         loss_fn(model(x), y).backward()
 
-    methods: dict[str, Callable[[], object]] = {
-        "forward+backward": plain,
-        "pv clipped_grad_sum": lambda: pv.clipped_grad_sum(model, loss_fn, x, y, MAX_NORM, noise_multiplier=SIGMA,
-                                                           generator=generator),
-        "pv, verify=False": lambda: pv.clipped_grad_sum(model, loss_fn, x, y, MAX_NORM, noise_multiplier=SIGMA,
-                                                        generator=generator, verify=False),
-        "materialised + clip": lambda: pv.dp_sgd_gradient(pv.per_sample_grads(model, loss_fn, x, y), MAX_NORM,
-                                                          SIGMA, generator),
-    }
     noiseless = {
         "pv clipped_grad_sum": lambda: pv.clipped_grad_sum(model, loss_fn, x, y, MAX_NORM),
         "pv, verify=False": lambda: pv.clipped_grad_sum(model, loss_fn, x, y, MAX_NORM, verify=False),
         "materialised + clip": lambda: pv.dp_sgd_gradient(pv.per_sample_grads(model, loss_fn, x, y), MAX_NORM, 0.0),
     }
-    notes: dict[str, str] = {}
+    methods: dict[str, Callable[[], object]] = {
+        "forward+backward": plain,
+        "pv clipped_grad_sum": noiseless["pv clipped_grad_sum"],
+        NOISED: lambda: pv.clipped_grad_sum(model, loss_fn, x, y, MAX_NORM, noise_multiplier=SIGMA,
+                                            generator=generator),
+        NOISE: lambda: [torch.empty_like(p).normal_(0.0, SIGMA * MAX_NORM, generator=generator) for _, p in named],
+        "pv, verify=False": noiseless["pv, verify=False"],
+        "materialised + clip": noiseless["materialised + clip"],
+    }
+    notes: dict[str, str] = {NOISE: "P numbers of N(0, sigma^2 C^2), torch's generator"}
     if peers.available("opacus"):
         try:
             run = opacus_ghost(model, loss_fn, x, y, MAX_NORM)
             run()
             methods["opacus ghost clipping"] = noiseless["opacus ghost clipping"] = run
             renamed = {n for n, p in model.named_parameters() if p.requires_grad} - set(run())
-            notes["opacus ghost clipping"] = "noise not included" + (
-                f"; diff without {len(renamed)} renamed parameters" if renamed else "")
+            if renamed:
+                notes["opacus ghost clipping"] = f"diff without {len(renamed)} renamed parameters"
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this model is a row with a note
             notes["opacus ghost clipping"] = f"failed: {type(e).__name__}: {str(e)[:60]}"
     want = pv.dp_sgd_gradient(pv.per_sample_grads(model, loss_fn, x, y, strategy="loop"), MAX_NORM, 0.0)

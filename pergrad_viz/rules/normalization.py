@@ -44,8 +44,11 @@ def group_norm(module: nn.Module, activation: torch.Tensor, grad_output: torch.T
 @register(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 def batch_norm_eval(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
                     out: dict[str, torch.Tensor]) -> None:
-    # Only reached in eval mode with running statistics: api refuses batch statistics.
-    per_channel(running_normalised(activation, module), grad_output, out)
+    # Only reached in eval mode with running statistics: api refuses batch statistics. The input is centred, the
+    # (B, C) sums scaled by 1 / sqrt(var + eps) afterwards: two temporaries of the input's size, not three.
+    view = (1, -1) + (1,) * (activation.dim() - 2)
+    per_channel(activation - module.running_mean.view(view), grad_output, out,
+                torch.rsqrt(module.running_var + module.eps))
 
 
 @register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -66,11 +69,15 @@ def running_normalised(activation: torch.Tensor, module: nn.Module) -> torch.Ten
     return (activation - module.running_mean.view(view)) * torch.rsqrt(module.running_var.view(view) + module.eps)
 
 
-def per_channel(xhat: torch.Tensor, grad_output: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
-    """Channel-wise affine: xhat (B, C, *spatial), grad_output (N, B, C, *spatial) -> sums per channel."""
+def per_channel(xhat: torch.Tensor, grad_output: torch.Tensor, out: dict[str, torch.Tensor],
+                scale: torch.Tensor | None = None) -> None:
+    """Channel-wise affine: xhat (B, C, *spatial), grad_output (N, B, C, *spatial) -> sums per channel (the
+    weight's times ``scale`` (C,) where given: xhat then the input before that scaling)."""
     n, batch, channels = grad_output.shape[:3]
     g = grad_output.reshape(n, batch, channels, -1)
     if "weight" in out:
         torch.sum(g * xhat.reshape(batch, channels, -1), dim=-1, out=out["weight"])
+        if scale is not None:
+            out["weight"].mul_(scale)
     if "bias" in out:
         torch.sum(g, dim=-1, out=out["bias"])
