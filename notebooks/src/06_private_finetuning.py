@@ -181,10 +181,11 @@ print(f"the private run's epsilon after {EPOCHS} epochs is within {TARGET_EPSILO
 # ## 3 · What a DP step costs
 #
 # `bench.dp.dp_rows` (the functions of `python -m pergrad_viz bench --dp`) times one step on a batch of 32 of the
-# private model, five ways, in interleaved rounds: a plain forward+backward (the cost to beat); `pv.clipped_grad_sum`
-# with noise, as `pv.dp_step` calls it (with its per-call check) and with `verify=False`; the per-sample gradients
-# materialised (`pv.per_sample_grads`, then clipped and summed by `pv.dp_sgd_gradient`); and Opacus' ghost
-# clipping (`GradSampleModuleFastGradientClipping`: norms first, then a second backward of the reweighted loss).
+# private model in interleaved rounds: a plain forward+backward (the cost to beat); `pv.clipped_grad_sum` (with its
+# per-call check), then with the noise `pv.dp_step` adds, and with `verify=False`; the noise alone (drawn the same
+# whatever computes the sum); the per-sample gradients materialised (`pv.per_sample_grads`, then clipped and summed by
+# `pv.dp_sgd_gradient`); and Opacus' ghost clipping (`GradSampleModuleFastGradientClipping`: norms first, then a
+# second backward of the reweighted loss), which like the rows without noise computes the noiseless sum.
 # The peak is the memory a step adds above what the process held before it (the resident set on a Linux CPU; the
 # allocator's peak on CUDA); `max |diff|` compares each noiseless clipped sum with the plain loop's. **These are
 # measurements from when this notebook was built, on one thread of a shared 2-core CPU**: noisy, and

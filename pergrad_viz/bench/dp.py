@@ -1,4 +1,4 @@
-"""``bench --dp``: the DP-SGD gradient of one batch, five ways, in one interleaved table per model.
+"""``bench --dp``: the DP-SGD gradient of one batch, seven rows, in one interleaved table per model.
 
 Rows: a plain forward+backward (``loss.backward()`` into ``.grad``: the cost to beat); this package's clipped sum
 (:func:`pergrad_viz.clipped_grad_sum` as called by default, i.e. with its per-call check; then with the noise of
@@ -211,7 +211,7 @@ def dp_table(name: str, *, batch: int = 32, rounds: int = 5, device: str = "cpu"
 
 def dp_rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, *, rounds: int = 5, device: str = "cpu"
             ) -> list[dict]:
-    """The DP-SGD gradient of this batch (inputs ``x``, targets ``y``; B samples) five ways, timed in ``rounds``
+    """The DP-SGD gradient of this batch (inputs ``x``, targets ``y``; B samples) in seven rows, timed in ``rounds``
     interleaved rounds: {method, median_s, iqr, vs_plain, peak, peak_vs_plain, tensors, tensors_vs_plain,
     max_diff, note} per row (see the module docstring), ``peak`` and ``tensors`` in bytes. Any model and loss
     :func:`pergrad_viz.clipped_grad_sum` takes (a mean or a sum over the batch: the plain row backpropagates

@@ -20,7 +20,7 @@ import importlib
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -96,11 +96,23 @@ def start(modules: Iterable[str]) -> Prefetch | None:
         return STARTED[0] if STARTED else None
 
 
-def warm_results(shape: tuple[int, ...], dtype: torch.dtype, count: int = 2) -> None:
+WARM_STEP_BYTES = 32 << 20  # written between two calls of ``check``: a few ms each, tens when the kernel faults
+
+
+def warm_results(shape: tuple[int, ...], dtype: torch.dtype, count: int = 2,
+                 check: Callable[[], None] | None = None) -> None:
     """Write ``count`` CPU results of ``shape`` (B, P) once, now, and let them go: ``core.memory`` keeps their memory
     for the next results of that size, which are then written without page faults (the largest setting's: the
     heatmap's result and ``auto``'s first timed one). Measured here, in-process, for the MLP at B=256, hidden 512
-    (two of (256, 407,050) float32): its first view 1.3-1.9 s after the change, about 0.6 s warmed."""
+    (two of (256, 407,050) float32): its first view 1.3-1.9 s after the change, about 0.6 s warmed.
+
+    ``check()`` is called after every :data:`WARM_STEP_BYTES` written and may raise to stop (a learner's input comes
+    first: writing 834 MB took 1-1.5 s on fragmented memory); what was written stays warm."""
     results = [empty_result(shape, dtype, "cpu") for _ in range(count)]
     for r in results:
-        r.fill_(0)
+        flat = r.view(-1)
+        step = max(1, WARM_STEP_BYTES // r.element_size())
+        for start in range(0, flat.numel(), step):
+            flat[start:start + step].fill_(0)
+            if check is not None:
+                check()

@@ -7,8 +7,8 @@ hands the new setting over and returns, so the controls and the kernel stay free
 drop the stale one (the latest wins; nothing queues); a new sample or clipping threshold is drawn in between the
 timing's blocks without restarting it. Views arrive progressively (see :meth:`.model.ExplorerModel.stages`):
 the gradients' figures and the verdict first, then the bar chart grows tier by tier, the scaling curve last;
-the progress line says where it is (``data-state="busy"`` / ``"done"`` / ``"error"`` on its element).
-While the learner looks, the worker computes the menu's other networks ahead and draws their figures (:meth:`_ahead`).
+the progress line says where it is (``data-state="busy"`` / ``"done"`` / ``"error"`` on its element). While the
+learner looks, the worker computes the menu's other networks ahead and draws their figures (:meth:`_ahead`).
 
 The explorer can be driven from code, which is how its tests work: ``ex.set(batch=8)`` (or
 ``ex.batch_slider.value = 8``), then ``ex.wait()`` and read ``ex.view``.
@@ -252,8 +252,7 @@ class Explorer(w.VBox):
                 elif current is not None and current.done and _same_work(current.setting, setting):
                     self._show(self.model.with_sample(current, sample=setting.sample, clip=setting.clip))
                     self.page.progress("done", setting, current.progress)
-                    self.error = ""
-                    self.error_html.value = ""
+                    self.error = self.error_html.value = ""
                     return
                 ahead = self._worker is not None and bool(self._ahead_left)
                 for view in self.model.stages(setting, check=self._check):
@@ -261,8 +260,7 @@ class Explorer(w.VBox):
                     if ahead and view.stage == "measuring":  # settled: the next network first, then the slow rows
                         ahead = False
                         self._ahead(self._check, settled=True)
-                self.error = ""
-                self.error_html.value = ""
+                self.error = self.error_html.value = ""
                 self.page.progress("done", self.view.setting, self.view.progress)
                 if self._worker is not None:  # the first setting shown: import ahead what the menu needs
                     prefetch.start(m for spec in self.specs.values() for m in spec.imports)
@@ -280,12 +278,13 @@ class Explorer(w.VBox):
         if not settled and (shown is None or not shown.done or self._closed):
             return not self._closed  # the shown setting first
         if not settled and not self._ahead_left and self._warm:  # last: the largest result's memory (prefetch)
-            self._warm, s, top = False, shown.setting, max(self.widths.get(shown.setting.model) or (0,))
-            if top and self.model.device == "cpu" and s.quantity == "grads":
-                size = (max(self.batch_slider.options), self.model.spec(s).num_params(top))
-                prefetch.warm_results(size, self.model.dtype)
-        if shown.setting.model in self._ahead_left:
-            self._ahead_left.remove(shown.setting.model)  # visited: its later visits are no first ones
+            s, top = shown.setting, max(self.widths.get(shown.setting.model) or (0,))
+            if top and self.model.device == "cpu" and s.quantity == "grads":  # gives way to any input (Stale)
+                prefetch.warm_results((max(self.batch_slider.options), self.model.spec(s).num_params(top)),
+                                      self.model.dtype, check=check)
+            self._warm = False
+        if shown.setting.model in self._ahead_left:  # visited: its later visits are no first ones
+            self._ahead_left.remove(shown.setting.model)
         ready = [k for k in self._ahead_left if all(m in sys.modules for m in self.specs[k].imports)]
         importing = prefetch.STARTED and not prefetch.STARTED[0].done.is_set()
         if ready and not (not settled and importing and len(self._ahead_left) < len(self.specs) - 1):
