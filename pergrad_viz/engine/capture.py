@@ -19,6 +19,7 @@ on error; the backward pass then gives the gradients of the tensors it kept as w
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,7 @@ class Call:
     spec: CallSpec
     versions: tuple[int, ...] = ()
     captured: Captured | None = None  # what the layer's capturing forward kept (see pergrad_viz.rules)
+    key: tuple = ()  # (layer name, call index): with a tensor's position, what Plan.copy_captures names
 
     @property
     def internals(self) -> list[torch.Tensor]:
@@ -95,8 +97,8 @@ class Call:
     def tensors(self) -> list[torch.Tensor]:
         return self.input_tensors + self.outputs
 
-    def modified_in_place(self) -> bool:
-        return tuple(t._version for t in self.tensors()) != self.versions
+    def changed(self) -> list[int]:  # the positions in tensors() modified in place since the call
+        return [k for k, (t, v) in enumerate(zip(self.tensors(), self.versions, strict=True)) if t._version != v]
 
 
 def _layers(trainable: Trainable, plan: Plan) -> dict[str, Layer]:
@@ -106,19 +108,14 @@ def _layers(trainable: Trainable, plan: Plan) -> dict[str, Layer]:
 
 def _problem(trainable: Trainable, inputs: Batch) -> str | None:
     plan = plan_for(trainable, inputs)
-    if plan.interaction is not None:
-        return plan.interaction
-    return plan.hooks_problem
+    return plan.interaction if plan.interaction is not None else plan.hooks_problem
 
 
 def check_supported(trainable: Trainable, inputs: Batch | None = None) -> None:
     """Raise :class:`UnsupportedModelError` when the hooks strategy cannot give the per-sample definition for
     ``trainable`` on inputs like ``inputs`` (B, ...); without inputs nothing is probed (every layer is covered by
     a rule or the per-layer fallback)."""
-    if inputs is None:
-        return
-    problem = _problem(trainable, inputs)
-    if problem is not None:
+    if inputs is not None and (problem := _problem(trainable, inputs)) is not None:
         raise UnsupportedModelError(
             f"the hooks strategy cannot be used here: {problem}. Use strategy='torch_func' (or 'auto', which "
             "picks it), which computes each sample alone."
@@ -127,8 +124,7 @@ def check_supported(trainable: Trainable, inputs: Batch | None = None) -> None:
 
 def describe(trainable: Trainable, inputs: Batch) -> dict[str, str]:
     """{layer name: 'rule' | 'call' | 'fallback'}: how each layer's per-sample gradients are computed."""
-    plan = plan_for(trainable, inputs)
-    return {name: lp.kind.value for name, lp in plan.layers.items()}
+    return {name: lp.kind.value for name, lp in plan_for(trainable, inputs).layers.items()}
 
 
 def _mismatch(layer: Layer, name: str, why: str) -> PlanMismatchError:
@@ -195,18 +191,21 @@ def _capturing_forward(layer: Layer, capture, pending: list[Captured | None]):
 class _Recorder:
     """One hooked forward pass's record: every call of a hooked layer, checked against the plan as it happens."""
 
-    def __init__(self, layers: dict[str, Layer], batch: int, copy: bool):
-        self.layers, self.batch, self.copy = layers, batch, copy
+    def __init__(self, layers: dict[str, Layer], batch: int, copy: bool | frozenset):
+        self.layers, self.batch, self.copy = layers, batch, copy  # copied: every captured tensor, or those named
         self.calls: list[Call] = []
         self.counts: Counter[str] = Counter()
         self.names = {id(layer.module): name for name, layer in layers.items()}
         self.pending: dict[int, list[Captured | None]] = {}  # per capturing layer, what its forward kept
         self.before_hooks: dict[int, list[tuple]] = {}  # per layer with pre-hooks: its arguments before them
 
-    def detach(self, t: object) -> object:
+    def copies(self, key: tuple) -> bool:
+        return self.copy is True or (self.copy is not False and key in self.copy)
+
+    def detach(self, t: object, copy: bool) -> object:
         if not isinstance(t, torch.Tensor):
             return t
-        return t.detach().clone() if self.copy else t.detach()
+        return t.detach().clone() if copy else t.detach()
 
     def hook(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
         name = self.names[id(module)]
@@ -218,17 +217,19 @@ class _Recorder:
                                     else t, (args, kwargs))
             output = broadcast.spread(output, self.batch)
         ins = tensors_of(args) if not kwargs else tensors_of((args, kwargs))
-        handed, outputs = _handed_downstream(output, self.copy)
-        spec = _check_call(layer, name, self.counts[name], ins, outputs, self.batch)
+        key = (name, self.counts[name])
+        handed, outputs = _handed_downstream(output, lambda k: self.copies((*key, len(ins) + k)))
+        spec = _check_call(layer, name, key[1], ins, outputs, self.batch)
         self.counts[name] += 1
         if not kwargs and len(ins) == len(args):  # the common case: tensors only, positional
-            saved_ins = [self.detach(t) for t in ins]
+            saved_ins = [self.detach(t, self.copies((*key, k))) for k, t in enumerate(ins)]
             saved = (tuple(saved_ins), {})
         else:
-            saved = tree_map(self.detach, (args, kwargs))
+            whole = any(self.copies((*key, k)) for k in range(len(ins)))
+            saved = tree_map(lambda t: self.detach(t, whole), (args, kwargs))
             saved_ins = tensors_of(saved)
         captured = self.pending[id(module)].pop() if id(module) in self.pending else None
-        call = Call(layer, saved, saved_ins, outputs, spec, captured=captured)
+        call = Call(layer, saved, saved_ins, outputs, spec, captured=captured, key=key)
         call.versions = tuple(t._version for t in call.tensors())
         self.calls.append(call)
         return handed
@@ -258,7 +259,7 @@ class _Recorder:
         return self.calls
 
 
-def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool
+def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool | frozenset
              ) -> tuple[torch.Tensor, list[Call]]:
     batch = inputs.size
     record = _Recorder(layers, batch, copy)
@@ -284,17 +285,18 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
     return output, record.finish(spread, made)
 
 
-def _handed_downstream(output: object, copy: bool) -> tuple[object, list[torch.Tensor]]:
+def _handed_downstream(output: object, copy: Callable[[int], bool]) -> tuple[object, list[torch.Tensor]]:
     """What the layer hands downstream instead of ``output``, and the tensors whose gradients are its call's output
-    gradients: for each output tensor that requires grad, a new alias of it (``copy``: the alias, then a clone of it
-    for downstream, so that in-place operations downstream cannot change it). The gradient at the alias holds only
-    what flows back from downstream, never a path inside the layer from one of its outputs to another (an LSTMCell's
-    ``h = o * tanh(c)``, a layer returning ``(z, tanh(z))``), which the layer's own backward counts once more."""
+    gradients: for each output tensor that requires grad, a new alias of it (``copy(k)`` for the k-th: the alias,
+    then a clone of it for downstream, so that in-place operations downstream cannot change it). The gradient at the
+    alias holds only what flows back from downstream, never a path inside the layer from one of its outputs to another
+    (an LSTMCell's ``h = o * tanh(c)``, a layer returning ``(z, tanh(z))``), which the layer's own backward counts
+    once more."""
     if isinstance(output, torch.Tensor):
         if not output.requires_grad:
-            return (output.clone() if copy else output), [output]
+            return (output.clone() if copy(0) else output), [output]
         alias = output.view_as(output)
-        return (alias.clone() if copy else alias), [alias]
+        return (alias.clone() if copy(0) else alias), [alias]
     aliases: list[torch.Tensor] = []
 
     def hand(t: object) -> object:
@@ -302,7 +304,7 @@ def _handed_downstream(output: object, copy: bool) -> tuple[object, list[torch.T
             return t
         alias = t.view_as(t) if t.requires_grad else t
         aliases.append(alias)
-        return alias.clone() if copy else alias
+        return alias.clone() if copy(len(aliases) - 1) else alias
 
     handed = from_pytree(tree_map(hand, as_pytree(output)))
     if len(aliases) != len(tensors_of(output)):  # a container pytree cannot rebuild: leave the output as it is
@@ -321,11 +323,14 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
     draws = trainable.call.draws  # randomness='different': the state its draws start from, for the check
     state = None if draws is None else draws.mark(inputs.size)
     output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
-    if not plan.copy_captures and any(c.modified_in_place() for c in calls):  # ReLU(inplace=True), `out += x`
-        plan.copy_captured_tensors()  # known from now on for this model and input signature: one forward pass
+    for every in (False, True):  # ReLU(inplace=True), `out += x`: copy what was changed, else every tensor
+        changed = frozenset((*c.key, k) for c in calls for k in c.changed()) if plan.copy_captures is not True else ()
+        if not changed:
+            break
+        plan.copy_captured_tensors(True if every else changed | (plan.copy_captures or frozenset()))  # from now on
         if state is not None:
-            draws.again(state)  # the second forward draws what the first did
-        output, calls = _forward(trainable, inputs, layers, copy=True)
+            draws.again(state)  # the next forward draws what the first did
+        output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
     return output, calls
 
 

@@ -114,7 +114,7 @@ class Plan:
     interaction: str | None  # where the samples interact (None: they do not)
     hooks_problem: str | None  # why the hooks strategy cannot be used (None: it can)
     verified: bool  # the probe had two different samples (else interaction could not be tested)
-    copy_captures: bool = False  # set once a forward modified a captured tensor in place (ReLU(inplace=True), +=)
+    copy_captures: bool | frozenset = False  # once a forward modified captured tensors in place: those, or all
     failed: dict[str, str] = field(default_factory=dict)  # strategy -> why the per-call check found it wrong here
 
     def demote(self, strategy: str, reason: str, batched: bool) -> None:
@@ -125,10 +125,10 @@ class Plan:
         if batched and self.interaction is None:
             self.interaction = f"the samples interact: {reason}"
 
-    def copy_captured_tensors(self) -> None:
-        """A forward modified a captured tensor in place (``ReLU(inplace=True)``, ``out += x``): capture copies from
-        now on for this model and input signature."""
-        self.copy_captures = True
+    def copy_captured_tensors(self, which: bool | frozenset = True) -> None:
+        """A forward modified captured tensors in place (``ReLU(inplace=True)``, ``out += x``): capture copies them
+        (``which``: (layer, call, position) keys, or True: all) from now on for this model and input signature."""
+        self.copy_captures = which
 
 
 def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | Unbatched:
