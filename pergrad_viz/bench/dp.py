@@ -314,7 +314,7 @@ def format_dp_table(name: str, rows: list[dict], batch: int) -> str:
     return "\n".join(lines)
 
 
-def report(models: tuple[str, ...] = DP_MODELS, *, batch: int = 32, rounds: int = 5, device: str = "cpu",
+def report(models: tuple[str, ...] = DP_MODELS, *, batch: int = 32, rounds: int = 9, device: str = "cpu",
            emit: Callable[[str], None] = print) -> None:
     """Print one table per model (those whose libraries are missing get a line saying so)."""
     emit(f"# DP-SGD gradient of one batch: {torch.get_num_threads()} threads, torch {torch.__version__}, {device}; "
