@@ -180,12 +180,11 @@ def tensor_peak_bytes(fn: Callable[[], object], device: str) -> int | None:
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():  # the profiler's own start / stop lines (C++, file descriptor 2)
+    with _quiet_stderr():  # the profiler's own lines (C++, file descriptor 2): start, stop, blocks freed unseen
         prof.start()
-    try:
-        fn()
-    finally:
-        with _quiet_stderr():
+        try:
+            fn()
+        finally:
             prof.stop()
     records = getattr(prof.profiler, "kineto_results", None)
     if records is None:
