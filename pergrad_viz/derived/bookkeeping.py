@@ -213,11 +213,12 @@ def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumO
     squared = {}
     for a, g, full in pairs:
         held = a.nbytes + g.nbytes
-        step = samples_at_once(a.shape[0], held // a.shape[0], max(NORM_BYTES, held // NORM_PARTS))
+        per_sample = _linear_temporaries([(a, g)]) if a.device.type == "cpu" else held // a.shape[0]
+        step = samples_at_once(a.shape[0], per_sample, max(NORM_BYTES, held // NORM_PARTS))
         parts = [LinearGhost.squared_norms(None, a[r:r + step], g[r:r + step], full)
                  for r in range(0, a.shape[0], step)]
         for role in parts[0]:
-            squared[full[role]] = torch.cat([p[role] for p in parts])
+            squared[full[role]] = parts[0][role] if len(parts) == 1 else torch.cat([p[role] for p in parts])
 
     def share(factors: Mapping[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
         for a, g, full in pairs:
