@@ -93,27 +93,35 @@ class ConvGhost(LinearGhost):
 
     @staticmethod
     def direct_bytes(module, seen):
-        # The pixels' Gram where the Gram form is taken and it has at most 4x the columns' Gram's products or is no
-        # larger than one sample's columns (no im2col: 2-4x faster for ResNet-18's 3 x 3 layers on 8 x 8 to 1 x 1
-        # maps, 2 cores).
+        # Two forms without im2col (2 cores, B=16-32): where the Gram form is taken, the pixels' Gram if it has at
+        # most 4x the columns' Gram's products or is no larger than one sample's columns (2-4x faster for
+        # ResNet-18's 3 x 3 layers on 8 x 8 to 1 x 1 maps); elsewhere, at stride 1 or on a few input channels (an
+        # RGB stem), the per-sample gradients of one correlation (224 x 224 ResNet-18: its stem 2.3x faster, its
+        # 64-channel 3 x 3 layers 2x; a 64-channel stride-2 layer 2x slower, its correlation computing taps past the
+        # kernel for every pair of channels).
         if len(seen) != 1:
             return None
         x, g = seen[0]
+        tokens, elem = g[0, 0].numel(), g.element_size()
+        if not gram_is_cheaper(tokens, module.weight.numel()):
+            few = all(s == 1 for s in module.stride) or module.in_channels <= 4
+            return (module.weight.numel() + x[0].numel() + g[0].numel()) * elem if few else None
         pad = module._reversed_padding_repeated_twice
         positions = math.prod(size + pad[2 * k] + pad[2 * k + 1] for k, size in enumerate(reversed(x.shape[2:])))
-        tokens, taps = g[0, 0].numel(), module.weight[0, 0].numel()
-        limit = max(4 * taps * tokens * tokens, tokens * module.weight[0].numel())
-        if not gram_is_cheaper(tokens, module.weight.numel()) or positions * positions > limit:
+        limit = max(4 * module.weight[0, 0].numel() * tokens * tokens, tokens * module.weight[0].numel())
+        if positions * positions > limit:
             return None
-        return (positions * positions + 2 * tokens * tokens + x.shape[1] * positions) * g.element_size()
+        return (positions * positions + 2 * tokens * tokens + x.shape[1] * positions) * elem
 
     @staticmethod
     def direct_norms(module, seen, local):
         x, g = seen[0]
         x = _padded(module, x)
+        if not gram_is_cheaper(g[0, 0].numel(), module.weight.numel()):
+            return _direct_norms(module, x, g, local, _correlated)
         if isinstance(module, nn.Conv1d):
-            return _pixel_gram_norms(module, x.unsqueeze(-2), g.unsqueeze(-2), local, one_d=True)
-        return _pixel_gram_norms(module, x, g, local, one_d=False)
+            return _direct_norms(module, x.unsqueeze(-2), g.unsqueeze(-2), local, _pixel_gram)
+        return _direct_norms(module, x, g, local, _pixel_gram)
 
     @staticmethod
     def factors(module, a, g):
@@ -126,39 +134,54 @@ class ConvGhost(LinearGhost):
         return gram, pairs * module.weight.numel()
 
 
-def _pixel_gram_norms(module, x, g, local, one_d: bool) -> dict[str, torch.Tensor]:
-    """{local name: (B,)} from the padded input x (B, C_in, H_p, W_p) and g (B, C_out, H_o, W_o): the columns'
-    Gram <col_t, col_s> = sum over the k taps of the pixels' Gram at the taps' positions, each tap one strided
-    view of the pixels' (B, H_p, W_p, H_p, W_p) Gram; then sum_{t,s} <col_t, col_s> (g_t . g_s) as for a Linear."""
-    batch, c_in, height, width = x.shape
-    out_h, out_w = g.shape[-2:]
+def _direct_norms(module, x, g, local, weight_norms) -> dict[str, torch.Tensor]:
+    """{local name: (B,)} from the padded input x (B, C_in, *S_p) and g (B, C_out, *S_o): the weight's from
+    ``weight_norms(module, x, g)``, the bias's ||sum_t g_t||^2; x and g scaled per sample first where a square could
+    overflow or underflow (:func:`~pergrad_viz.rules.registry.products_fit`; on the input, not its columns)."""
     sx, sg = sample_maxima(x), sample_maxima(g)
     scale = None
-    if not products_fit(sx, sg, (out_h * out_w) ** 2 * module.weight.numel()):
-        x, sx = sample_scaled(x, sx)  # (the input, k times smaller than its columns)
+    if not products_fit(sx, sg, g[0, 0].numel() ** 2 * module.weight.numel()):
+        x, sx = sample_scaled(x, sx)
         g, sg = sample_scaled(g, sg)
         scale = sg.square()
     result = {}
     if "weight" in local:
-        pixels = x.reshape(batch, c_in, -1)
-        gram = torch.bmm(pixels.mT, pixels).view(batch, height, width, height, width)
-        stride = (1, *module.stride) if one_d else module.stride
-        dilation = (1, *module.dilation) if one_d else module.dilation
-        kernel = (1, *module.kernel_size) if one_d else module.kernel_size
-        columns = g.new_zeros(batch, out_h, out_w, out_h, out_w)
-        for u in range(kernel[0]):
-            rows = slice(u * dilation[0], u * dilation[0] + (out_h - 1) * stride[0] + 1, stride[0])
-            for v in range(kernel[1]):
-                cols = slice(v * dilation[1], v * dilation[1] + (out_w - 1) * stride[1] + 1, stride[1])
-                columns += gram[:, rows, cols, rows, cols]
-        del gram
-        g3 = g.reshape(batch, g.shape[1], -1)
-        weight = (columns.view(batch, out_h * out_w, -1) * torch.bmm(g3.mT, g3)).sum((1, 2)).clamp_min(0)
+        weight = weight_norms(module, x, g)
         result["weight"] = weight if scale is None else weight * (sx * sg).square()
     if "bias" in local:
-        bias = g.reshape(batch, g.shape[1], -1).sum(2).square().sum(1)
+        bias = g.reshape(g.shape[0], g.shape[1], -1).sum(2).square().sum(1)
         result["bias"] = bias if scale is None else bias * scale
     return result
+
+
+def _correlated(module, x, g) -> torch.Tensor:
+    """(B,) squared norms of the per-sample weight gradients (B, C_out, C_in, *k): one correlation."""
+    w = _correlate(x.unsqueeze(0), g.unsqueeze(0), 1, module.kernel_size, module.stride, module.dilation,
+                   (0,) * len(module.kernel_size))
+    return w.reshape(x.shape[0], -1).square().sum(1)
+
+
+def _pixel_gram(module, x, g) -> torch.Tensor:
+    """(B,) from x (B, C_in, H_p, W_p) and g (B, C_out, H_o, W_o) (a Conv1d's with H = 1): the columns' Gram
+    <col_t, col_s> = sum over the k taps of the pixels' Gram at the taps' positions, each tap one strided view of
+    the pixels' (B, H_p, W_p, H_p, W_p) Gram; then sum_{t,s} <col_t, col_s> (g_t . g_s) as for a Linear."""
+    batch, c_in, height, width = x.shape
+    out_h, out_w = g.shape[-2:]
+    one_d = isinstance(module, nn.Conv1d)
+    pixels = x.reshape(batch, c_in, -1)
+    gram = torch.bmm(pixels.mT, pixels).view(batch, height, width, height, width)
+    stride = (1, *module.stride) if one_d else module.stride
+    dilation = (1, *module.dilation) if one_d else module.dilation
+    kernel = (1, *module.kernel_size) if one_d else module.kernel_size
+    columns = g.new_zeros(batch, out_h, out_w, out_h, out_w)
+    for u in range(kernel[0]):
+        rows = slice(u * dilation[0], u * dilation[0] + (out_h - 1) * stride[0] + 1, stride[0])
+        for v in range(kernel[1]):
+            cols = slice(v * dilation[1], v * dilation[1] + (out_w - 1) * stride[1] + 1, stride[1])
+            columns += gram[:, rows, cols, rows, cols]
+    del gram
+    g3 = g.reshape(batch, g.shape[1], -1)
+    return (columns.view(batch, out_h * out_w, -1) * torch.bmm(g3.mT, g3)).sum((1, 2)).clamp_min(0)
 
 
 def _padded(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

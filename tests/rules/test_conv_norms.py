@@ -1,6 +1,6 @@
 """A convolution's ghost norms and weighted sums as book-keeping takes them, against per-sample weight gradients
-written out in this test (one ``autograd.grad`` of sum(conv(x_i) * g_i) per sample, float64): the pixels' Gram
-(``ConvGhost.direct_norms``) where it is taken, the im2col columns elsewhere; the weighted sum through the
+written out in this test (one ``autograd.grad`` of sum(conv(x_i) * g_i) per sample, float64): the pixels' Gram or
+one correlation (``ConvGhost.direct_norms``) where taken, the im2col columns elsewhere; the weighted sum through the
 convolution's own kernel and, on 1 x 1 maps, through the columns; every padding mode, stride and dilation."""
 
 from __future__ import annotations
@@ -16,22 +16,29 @@ from pergrad_viz.rules.conv import SMALL_MAP, ConvGhost, conv_weighted_sum
 DT = torch.float64
 B = 4
 
-# (layer, input shape of one sample, whether the pixels' Gram is taken)
+# (layer, input shape of one sample, the form its norms take: ConvGhost.direct_norms' pixels' Gram or correlation,
+# or None: im2col columns)
 CONFIGS = {
-    "2d-pad1": (lambda: nn.Conv2d(8, 8, 3, padding=1), (8, 3, 3), True),
-    "2d-1x1-map": (lambda: nn.Conv2d(16, 6, 3, padding=1), (16, 1, 1), True),
-    "2d-stride2": (lambda: nn.Conv2d(32, 8, 3, stride=2, padding=1), (32, 3, 3), True),
-    "2d-stride2-columns": (lambda: nn.Conv2d(6, 8, 3, stride=2, padding=1), (6, 4, 4), False),  # the columns' Gram
+    "2d-pad1": (lambda: nn.Conv2d(8, 8, 3, padding=1), (8, 3, 3), "pixels"),
+    "2d-1x1-map": (lambda: nn.Conv2d(16, 6, 3, padding=1), (16, 1, 1), "pixels"),
+    "2d-stride2": (lambda: nn.Conv2d(32, 8, 3, stride=2, padding=1), (32, 3, 3), "pixels"),
+    "2d-stride2-columns": (lambda: nn.Conv2d(6, 8, 3, stride=2, padding=1), (6, 4, 4), None),  # the columns' Gram
     "2d-dilation-same-reflect": (lambda: nn.Conv2d(6, 6, 3, padding="same", dilation=2, padding_mode="reflect"),
-                                 (6, 3, 3), True),
+                                 (6, 3, 3), "pixels"),
     "2d-even-kernel-same-circular": (lambda: nn.Conv2d(6, 5, (2, 3), padding="same", padding_mode="circular"),
-                                     (6, 3, 2), True),
+                                     (6, 3, 2), "pixels"),
     "2d-asymmetric-replicate-nobias": (lambda: nn.Conv2d(5, 7, 3, padding=(1, 2), padding_mode="replicate",
-                                                         bias=False), (5, 2, 3), True),
-    "2d-1x1-kernel": (lambda: nn.Conv2d(8, 8, 1), (8, 2, 2), True),
-    "1d-stride-dilation": (lambda: nn.Conv1d(6, 8, 3, stride=2, padding=2, dilation=2), (6, 5), True),
-    "1d-same-reflect": (lambda: nn.Conv1d(6, 6, 4, padding="same", padding_mode="reflect"), (6, 4), True),
-    "2d-large-map": (lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 6, 6), False),  # the per-sample form
+                                                         bias=False), (5, 2, 3), "pixels"),
+    "2d-1x1-kernel": (lambda: nn.Conv2d(8, 8, 1), (8, 2, 2), "pixels"),
+    "1d-stride-dilation": (lambda: nn.Conv1d(6, 8, 3, stride=2, padding=2, dilation=2), (6, 5), "pixels"),
+    "1d-same-reflect": (lambda: nn.Conv1d(6, 6, 4, padding="same", padding_mode="reflect"), (6, 4), "pixels"),
+    "2d-large-map": (lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 6, 6), "correlation"),  # the per-sample form
+    "2d-large-map-dilation-reflect": (lambda: nn.Conv2d(2, 3, 3, padding=2, dilation=2, padding_mode="reflect"),
+                                      (2, 6, 5), "correlation"),
+    "1d-large-map-same-circular": (lambda: nn.Conv1d(2, 3, 3, padding="same", padding_mode="circular"), (2, 12),
+                                   "correlation"),
+    "2d-large-map-stride2-rgb": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (3, 8, 8), "correlation"),
+    "2d-large-map-stride2": (lambda: nn.Conv2d(5, 2, 3, stride=2, padding=1), (5, 12, 12), None),
 }
 
 
@@ -59,7 +66,10 @@ def _per_sample(conv: nn.Module, x: torch.Tensor, g: torch.Tensor) -> dict[str, 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_conv_norms_equal_the_per_sample_gradients(name):
     conv, x, g = _case(name)
-    assert (ConvGhost.direct_bytes(conv, [(x, g)]) is not None) is CONFIGS[name][2]
+    form = CONFIGS[name][2]
+    assert (ConvGhost.direct_bytes(conv, [(x, g)]) is not None) is (form is not None)
+    if form is not None:  # the form named: the correlation where the Gram form is not taken
+        assert (g[0, 0].numel() ** 2 >= conv.weight.numel()) is (form == "correlation")
     local = {n: n for n, _ in conv.named_parameters()}
     got = _stacked_norms(ConvGhost, conv, [(x, g)], local)
     want = _per_sample(conv, x, g)
@@ -67,8 +77,9 @@ def test_conv_norms_equal_the_per_sample_gradients(name):
         torch.testing.assert_close(got[n], want[n].flatten(1).square().sum(1), rtol=1e-10, atol=1e-12)
 
 
-def test_pixel_gram_norms_of_huge_samples_are_finite_and_right():
-    conv, x, g = _case("2d-pad1", seed=1)
+@pytest.mark.parametrize("name", ["2d-pad1", "2d-large-map"])  # the pixels' Gram, the correlation
+def test_direct_norms_of_huge_samples_are_finite_and_right(name):
+    conv, x, g = _case(name, seed=1)
     x, g = x.float(), g.float()
     conv = conv.float()
     x[0] *= 1e20
