@@ -245,9 +245,7 @@ def _explicit(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[i
     or another padding mode applied to x explicitly."""
     if module.padding_mode == "zeros" and not isinstance(module.padding, str):
         return x, module.padding
-    pad = list(module._reversed_padding_repeated_twice)
-    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    return (F.pad(x, pad, mode=mode) if any(pad) else x), (0,) * len(module.kernel_size)
+    return _padded(module, x), (0,) * len(module.kernel_size)
 
 
 def _conv_by_correlation(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
