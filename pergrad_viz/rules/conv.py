@@ -19,12 +19,10 @@ from torch import nn
 from pergrad_viz.rules.linear import LinearGhost, gram_is_cheaper
 from pergrad_viz.rules.registry import (
     join_positions,
-    products_fit,
     register,
     register_ghost,
     register_weighted_sum,
-    sample_maxima,
-    sample_scaled,
+    scaled_unless_fit,
 )
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -138,19 +136,14 @@ def _direct_norms(module, x, g, local, weight_norms) -> dict[str, torch.Tensor]:
     """{local name: (B,)} from the padded input x (B, C_in, *S_p) and g (B, C_out, *S_o): the weight's from
     ``weight_norms(module, x, g)``, the bias's ||sum_t g_t||^2; x and g scaled per sample first where a square could
     overflow or underflow (:func:`~pergrad_viz.rules.registry.products_fit`; on the input, not its columns)."""
-    sx, sg = sample_maxima(x), sample_maxima(g)
-    scale = None
-    if not products_fit(sx, sg, g[0, 0].numel() ** 2 * module.weight.numel()):
-        x, sx = sample_scaled(x, sx)
-        g, sg = sample_scaled(g, sg)
-        scale = sg.square()
+    x, g, scale, bias_scale = scaled_unless_fit(x, g, g[0, 0].numel() ** 2 * module.weight.numel())
     result = {}
     if "weight" in local:
         weight = weight_norms(module, x, g)
-        result["weight"] = weight if scale is None else weight * (sx * sg).square()
+        result["weight"] = weight if scale is None else weight * scale
     if "bias" in local:
         bias = g.reshape(g.shape[0], g.shape[1], -1).sum(2).square().sum(1)
-        result["bias"] = bias if scale is None else bias * scale
+        result["bias"] = bias if bias_scale is None else bias * bias_scale
     return result
 
 

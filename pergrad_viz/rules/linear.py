@@ -8,13 +8,11 @@ from torch import nn
 
 from pergrad_viz.rules.registry import (
     join_positions,
-    products_fit,
     register,
     register_ghost,
     register_weighted_sum,
     row_norms,
-    sample_maxima,
-    sample_scaled,
+    scaled_unless_fit,
 )
 
 
@@ -122,12 +120,7 @@ class LinearGhost:
             if "bias" in local:
                 result["bias"] = g_norm.square()
             return result
-        sa, sg = sample_maxima(a), sample_maxima(g)
-        scale = bias_scale = None
-        if not products_fit(sa, sg, tokens * tokens * a.shape[-1] * g.shape[-1]):
-            a, sa = sample_scaled(a, sa)  # per sample: the squares below neither overflow nor underflow on their own
-            g, sg = sample_scaled(g, sg)
-            scale, bias_scale = (sa * sg).square(), sg.square()
+        a, g, scale, bias_scale = scaled_unless_fit(a, g, tokens * tokens * a.shape[-1] * g.shape[-1])
         if "weight" in local:
             if gram_is_cheaper(tokens, a.shape[-1] * g.shape[-1]):
                 weight = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2)).clamp_min(0)

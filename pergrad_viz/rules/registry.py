@@ -151,6 +151,20 @@ def products_fit(left: torch.Tensor, right: torch.Tensor, terms: int) -> bool:
     return max(hi_a, hi_g, hi_a * hi_g) ** 2 <= top and lo * lo >= low
 
 
+def scaled_unless_fit(a: torch.Tensor, g: torch.Tensor, terms: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(a, g, weight_scale, bias_scale)`` for a Gram form of ``terms`` products over a (B, ...) and g (B, ...): a and
+    g as they are where those products fit (:func:`products_fit`; then both scales None), else each scaled per sample
+    (:func:`sample_scaled`), a weight's squared norm then to be multiplied by ``weight_scale`` (B,) = (s_a s_g)^2 and
+    a bias's (g alone) by ``bias_scale`` (B,) = s_g^2."""
+    sa, sg = sample_maxima(a), sample_maxima(g)
+    if products_fit(sa, sg, terms):
+        return a, g, None, None
+    a, sa = sample_scaled(a, sa)  # per sample: the squares neither overflow nor underflow on their own
+    g, sg = sample_scaled(g, sg)
+    return a, g, (sa * sg).square(), sg.square()
+
+
 def row_norms(t: torch.Tensor) -> torch.Tensor:
     """(B,) the L2 norm of each row of ``t`` (B, n), with no overflow or underflow in the squares: accumulated in
     float64 for a narrower dtype (its squares all fit there), through :func:`sample_scaled` for float64 itself."""
