@@ -34,6 +34,7 @@ from pergrad_viz.derived.norms import (
     TiedPart,
     dense_part,
     ghost_rule,
+    ghost_squared_norms,
     materialised_chunks,
     row_squared_norms,
     tied_squared_norms,
@@ -46,20 +47,6 @@ from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
 Groups = Sequence[tuple[float, tuple[str, ...]]]
-
-# A layer's norms are computed for as many samples at once as keep their temporaries (scaled copies of a and g)
-# within max(NORM_BYTES, the layer's captures / NORM_PARTS), a convolution's (its columns, k * k times its input, also
-# scaled) within max(COLUMNS_BYTES, its captures): they come on top of what every layer keeps for its share. Each
-# chunk costs some ten small ops more.
-NORM_BYTES = 256 << 10
-NORM_PARTS = 2
-COLUMNS_BYTES = 4 << 20
-
-
-def samples_at_once(batch: int, per_sample: int, budget: int) -> int:
-    """How many samples a layer's norms take at once: ``per_sample`` bytes of temporaries each, within ``budget``."""
-    return max(1, min(batch, budget // max(1, per_sample)))
-
 
 def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups) -> dict[str, torch.Tensor]:
     """{name: (B,) c} with c = min(1, C_k / (||g_i||_k + 1e-6)), the norm over the parameters of name's group k."""
@@ -79,43 +66,6 @@ def _add_weighted(dest: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> None:
 # One layer's share of the clipped sum once the clip factors {full name: (B,)} are known, added into the sums
 # {full name: (*shape)}.
 SumOf = Callable[[Mapping[str, torch.Tensor], dict[str, torch.Tensor]], None]
-
-
-def _stacked_norms(ghost, module, seen_first, local) -> dict[str, torch.Tensor]:
-    """{local name: (B,) squared norm} from the ghost rule, its stacked form built a few samples at a time
-    (:func:`samples_at_once`)."""
-    batch = seen_first[0][0].shape[0]
-    held = sum(a.nbytes + g.nbytes for a, g in seen_first)
-    per_sample, budget = held // batch, max(NORM_BYTES, held // NORM_PARTS)  # the scaled copies of a and g
-    direct = ghost.direct_bytes(module, seen_first) if hasattr(ghost, "direct_bytes") else None
-    if ghost.kind == "linear" and seen_first[0][0].device.type == "cpu":
-        per_sample = _linear_temporaries(seen_first)  # scaled copies only where values are extreme (products_fit)
-    if ghost.kind == "conv":  # and the columns, C_in * k values at each of the L output positions, scaled too
-        per_sample += 2 * sum(module.weight[0].numel() * g[0, 0].numel() * g.element_size() for _, g in seen_first)
-        per_sample = per_sample if direct is None else direct
-        budget = max(COLUMNS_BYTES, held)
-    step = samples_at_once(batch, per_sample, budget)
-    chunks = []
-    for start in range(0, batch, step):
-        part = [(a[start:start + step], g[start:start + step]) for a, g in seen_first]
-        if direct is not None:
-            chunks.append(ghost.direct_norms(module, part, local))
-            continue
-        a, g = ghost.stack(module, [(a, g[None]) for a, g in part])
-        chunks.append(ghost.squared_norms(module, a, g[0], local))
-        del a, g
-    if len(chunks) == 1:
-        return chunks[0]
-    return {ln: torch.cat([c[ln] for c in chunks]) for ln in chunks[0]}
-
-
-def _linear_temporaries(seen_first) -> int:
-    """Bytes per sample of a Linear's norms computed as they are (``pergrad_viz.rules.products_fit``): two (T, T)
-    Gram matrices, or its (out, in) gradient where that is smaller."""
-    a, g = seen_first[0]
-    tokens = sum(a[0].numel() // a.shape[-1] for a, _ in seen_first)
-    cells = min(2 * tokens * tokens, a.shape[-1] * g.shape[-1])
-    return cells * g.element_size()
 
 
 class _Book:
@@ -168,7 +118,7 @@ class _Book:
             return None
         module, local = layer.module, layer.local
         seen_first = [(call.activation, call.rule_grad(gs[0])[0]) for call, gs in seen]
-        own = _stacked_norms(ghost, module, seen_first, local)
+        own = ghost_squared_norms(ghost, module, seen_first, local)
         squared = {}
         for ln, sq in own.items():
             name = local[ln]
@@ -212,13 +162,8 @@ def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumO
         return None  # a parameter of the layer outside its Linear maps (bias_k, bias_v)
     squared = {}
     for a, g, full in pairs:
-        held = a.nbytes + g.nbytes
-        per_sample = _linear_temporaries([(a, g)]) if a.device.type == "cpu" else held // a.shape[0]
-        step = samples_at_once(a.shape[0], per_sample, max(NORM_BYTES, held // NORM_PARTS))
-        parts = [LinearGhost.squared_norms(None, a[r:r + step], g[r:r + step], full)
-                 for r in range(0, a.shape[0], step)]
-        for role in parts[0]:
-            squared[full[role]] = parts[0][role] if len(parts) == 1 else torch.cat([p[role] for p in parts])
+        for role, sq in ghost_squared_norms(LinearGhost, None, [(a, g)], full).items():
+            squared[full[role]] = sq
 
     def share(factors: Mapping[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
         for a, g, full in pairs:

@@ -14,7 +14,9 @@ outputs, then, per layer:
 * ``nn.Embedding``: the rows a sample touches, summed per (sample, token) with ``index_add`` and squared:
   O(B T D) work and memory, never the (B, V, D) gradient (``padding_idx`` rows are zero);
 * ``nn.Conv1d`` / ``nn.Conv2d`` (groups=1): as a Linear from each patch's C_in * k values to C_out at the L
-  output positions (the Gram form when ``L * L`` is the cheaper);
+  output positions (the Gram form when ``L * L`` is the cheaper), from the input's pixels or one correlation where
+  that is cheaper than im2col (``GhostRule.direct_norms``);
+* every ghost layer a few samples at a time, its temporaries within a budget (:func:`ghost_squared_norms`);
 * every other layer (closed-form rules: norms, recurrent, attention; the per-layer fallback): that layer's
   per-sample gradient (B, *param.shape) from its rule, summed over calls, then its norm. Still never the
   whole (B, P);
@@ -254,6 +256,60 @@ def ghost_kind(layer: Layer) -> str | None:
     return None if ghost is None else ghost.kind
 
 
+# A layer's norms are computed for as many samples at once as keep their temporaries (scaled copies of a and g)
+# within max(NORM_BYTES, the layer's captures / NORM_PARTS), a convolution's (its columns, k * k times its input, also
+# scaled) within max(COLUMNS_BYTES, its captures): they come on top of what the backward holds (book-keeping keeps
+# every layer's captures for its share). Each chunk costs some ten small ops more.
+NORM_BYTES = 256 << 10
+NORM_PARTS = 2
+COLUMNS_BYTES = 4 << 20
+
+
+def samples_at_once(batch: int, per_sample: int, budget: int) -> int:
+    """How many samples a layer's norms take at once: ``per_sample`` bytes of temporaries each, within ``budget``."""
+    return max(1, min(batch, budget // max(1, per_sample)))
+
+
+def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
+                        seen_first: Sequence[tuple[torch.Tensor, torch.Tensor]], local) -> dict[str, torch.Tensor]:
+    """{local name: (B,) squared norm} of a ghost-rule layer's calls ``[(activation (B, ...), grad_output (B,
+    ...))]``: the rule's direct form where it has one for these shapes (``GhostRule.direct_norms``), else its stacked
+    form, either a few samples at a time (:func:`samples_at_once`)."""
+    batch = seen_first[0][0].shape[0]
+    held = sum(a.nbytes + g.nbytes for a, g in seen_first)
+    per_sample, budget = held // batch, max(NORM_BYTES, held // NORM_PARTS)  # the scaled copies of a and g
+    direct = ghost.direct_bytes(module, seen_first) if hasattr(ghost, "direct_bytes") else None
+    if direct is not None:  # a convolution's pixels' Gram or correlation
+        per_sample, budget = direct, max(COLUMNS_BYTES, held)
+    elif ghost.kind == "linear" and seen_first[0][0].device.type == "cpu":
+        per_sample = _linear_temporaries(seen_first)  # scaled copies only where values are extreme (products_fit)
+    elif ghost.kind == "conv":  # and the columns, C_in * k values at each of the L output positions, scaled too
+        per_sample += 2 * sum(module.weight[0].numel() * g[0, 0].numel() * g.element_size() for _, g in seen_first)
+        budget = max(COLUMNS_BYTES, held)
+    step = samples_at_once(batch, per_sample, budget)
+    chunks = []
+    for start in range(0, batch, step):
+        part = [(a[start:start + step], g[start:start + step]) for a, g in seen_first]
+        if direct is not None:
+            chunks.append(ghost.direct_norms(module, part, local))
+            continue
+        a, g = ghost.stack(module, [(a, g[None]) for a, g in part])
+        chunks.append(ghost.squared_norms(module, a, g[0], local))
+        del a, g
+    if len(chunks) == 1:
+        return chunks[0]
+    return {ln: torch.cat([c[ln] for c in chunks]) for ln in chunks[0]}
+
+
+def _linear_temporaries(seen_first) -> int:
+    """Bytes per sample of a Linear's norms computed as they are (``pergrad_viz.rules.products_fit``): two (T, T)
+    Gram matrices, or its (out, in) gradient where that is smaller."""
+    a, g = seen_first[0]
+    tokens = sum(a[0].numel() // a.shape[-1] for a, _ in seen_first)
+    cells = min(2 * tokens * tokens, a.shape[-1] * g.shape[-1])
+    return cells * g.element_size()
+
+
 def stack_calls(layer: Layer, seen: Seen) -> tuple[torch.Tensor, torch.Tensor]:
     """All calls of a ghost-rule layer as one call on T positions (a shared layer's calls add up): for a Linear
     a is (B, T, in) and g (N, B, T, out); for an Embedding a is the (B, T) indices and g (N, B, T, D)."""
@@ -266,9 +322,5 @@ def layer_squared_norms(layer: Layer, seen: Seen) -> dict[str, torch.Tensor]:
     ghost = ghost_rule(layer)
     if ghost is None:  # convolutions, norms, recurrent, fallback: this one layer's (B, *param.shape) gradient
         return {ln: row_squared_norms(t[0]) for ln, t in dense_grads(layer, seen).items()}
-    if hasattr(ghost, "direct_bytes"):  # a cheaper form for these shapes (a convolution's pixels' Gram)
-        calls = [(call.activation, call.rule_grad(gs[0])[0]) for call, gs in seen]
-        if ghost.direct_bytes(layer.module, calls) is not None:
-            return ghost.direct_norms(layer.module, calls, layer.local)
-    a, g = stack_calls(layer, seen)
-    return ghost.squared_norms(layer.module, a, g[0], layer.local)
+    calls = [(call.activation, call.rule_grad(gs[0])[0]) for call, gs in seen]  # the samples first
+    return ghost_squared_norms(ghost, layer.module, calls, layer.local)

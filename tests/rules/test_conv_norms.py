@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz.derived.bookkeeping import _stacked_norms
+from pergrad_viz.derived.norms import ghost_squared_norms
 from pergrad_viz.rules.conv import SMALL_MAP, ConvGhost, conv_weighted_sum
 
 DT = torch.float64
@@ -71,7 +71,7 @@ def test_conv_norms_equal_the_per_sample_gradients(name):
     if form is not None:  # the form named: the correlation where the Gram form is not taken
         assert (g[0, 0].numel() ** 2 >= conv.weight.numel()) is (form == "correlation")
     local = {n: n for n, _ in conv.named_parameters()}
-    got = _stacked_norms(ConvGhost, conv, [(x, g)], local)
+    got = ghost_squared_norms(ConvGhost, conv, [(x, g)], local)
     want = _per_sample(conv, x, g)
     for n in local:
         torch.testing.assert_close(got[n], want[n].flatten(1).square().sum(1), rtol=1e-10, atol=1e-12)
