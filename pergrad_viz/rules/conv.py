@@ -113,13 +113,7 @@ class ConvGhost(LinearGhost):
 
     @staticmethod
     def direct_norms(module, seen, local):
-        x, g = seen[0]
-        x = _padded(module, x)
-        if not gram_is_cheaper(g[0, 0].numel(), module.weight.numel()):
-            return _direct_norms(module, x, g, local, _correlated)
-        if isinstance(module, nn.Conv1d):
-            return _direct_norms(module, x.unsqueeze(-2), g.unsqueeze(-2), local, _pixel_gram)
-        return _direct_norms(module, x, g, local, _pixel_gram)
+        return _direct_norms(module, *seen[0], local)
 
     @staticmethod
     def factors(module, a, g):
@@ -132,14 +126,19 @@ class ConvGhost(LinearGhost):
         return gram, pairs * module.weight.numel()
 
 
-def _direct_norms(module, x, g, local, weight_norms) -> dict[str, torch.Tensor]:
-    """{local name: (B,)} from the padded input x (B, C_in, *S_p) and g (B, C_out, *S_o): the weight's from
-    ``weight_norms(module, x, g)``, the bias's ||sum_t g_t||^2; x and g scaled per sample first where a square could
-    overflow or underflow (:func:`~pergrad_viz.rules.registry.products_fit`; on the input, not its columns)."""
+def _direct_norms(module, x, g, local) -> dict[str, torch.Tensor]:
+    """{local name: (B,)} from the input x (B, C_in, *S) and g (B, C_out, *S_o): the weight's by one correlation
+    where the Gram form is not taken, else from the pixels' Gram of the live taps' window (:func:`live_window`); the
+    bias's ||sum_t g_t||^2. x and g are scaled per sample first where a square could overflow or underflow
+    (:func:`~pergrad_viz.rules.registry.products_fit`), before the padding, which holds no larger value."""
     x, g, scale, bias_scale = scaled_unless_fit(x, g, g[0, 0].numel() ** 2 * module.weight.numel())
     result = {}
     if "weight" in local:
-        weight = weight_norms(module, x, g)
+        if not gram_is_cheaper(g[0, 0].numel(), module.weight.numel()):
+            weight = _correlated(module, _padded(module, x), g)
+        else:
+            window, kernel, _ = live_window(module, x, g.shape[2:])
+            weight = _pixel_gram(module, window, g.unsqueeze(-2) if isinstance(module, nn.Conv1d) else g, kernel)
         result["weight"] = weight if scale is None else weight * scale
     if "bias" in local:
         bias = g.reshape(g.shape[0], g.shape[1], -1).sum(2).square().sum(1)
@@ -154,18 +153,16 @@ def _correlated(module, x, g) -> torch.Tensor:
     return w.reshape(x.shape[0], -1).square().sum(1)
 
 
-def _pixel_gram(module, x, g) -> torch.Tensor:
-    """(B,) from x (B, C_in, H_p, W_p) and g (B, C_out, H_o, W_o) (a Conv1d's with H = 1): the columns' Gram
-    <col_t, col_s> = sum over the k taps of the pixels' Gram at the taps' positions, each tap one strided view of
-    the pixels' (B, H_p, W_p, H_p, W_p) Gram; then sum_{t,s} <col_t, col_s> (g_t . g_s) as for a Linear."""
+def _pixel_gram(module, x, g, kernel: tuple[int, int]) -> torch.Tensor:
+    """(B,) from x (B, C_in, H_p, W_p) and g (B, C_out, H_o, W_o) (a Conv1d's with H = 1), x padded and cropped to
+    the live taps' window, ``kernel`` their extent (:func:`live_window`): the columns' Gram <col_t, col_s> = sum over
+    the taps of the pixels' Gram at the taps' positions, each tap one strided view of the pixels' (B, H_p, W_p, H_p,
+    W_p) Gram; then sum_{t,s} <col_t, col_s> (g_t . g_s) as for a Linear."""
     batch, c_in, height, width = x.shape
     out_h, out_w = g.shape[-2:]
-    one_d = isinstance(module, nn.Conv1d)
+    _, stride, dilation = _geometry(module)
     pixels = x.reshape(batch, c_in, -1)
     gram = torch.bmm(pixels.mT, pixels).view(batch, height, width, height, width)
-    stride = (1, *module.stride) if one_d else module.stride
-    dilation = (1, *module.dilation) if one_d else module.dilation
-    kernel = (1, *module.kernel_size) if one_d else module.kernel_size
     columns = g.new_zeros(batch, out_h, out_w, out_h, out_w)
     for u in range(kernel[0]):
         rows = slice(u * dilation[0], u * dilation[0] + (out_h - 1) * stride[0] + 1, stride[0])
@@ -175,6 +172,49 @@ def _pixel_gram(module, x, g) -> torch.Tensor:
     del gram
     g3 = g.reshape(batch, g.shape[1], -1)
     return (columns.view(batch, out_h * out_w, -1) * torch.bmm(g3.mT, g3)).sum((1, 2)).clamp_min(0)
+
+
+def _geometry(module: nn.Module) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """(kernel, stride, dilation) of a Conv1d / Conv2d as a Conv2d's (a Conv1d's with a leading 1)."""
+    if isinstance(module, nn.Conv1d):
+        return (1, *module.kernel_size), (1, *module.stride), (1, *module.dilation)
+    return module.kernel_size, module.stride, module.dilation
+
+
+def live_window(module: nn.Module, x: torch.Tensor, out_shape: tuple[int, ...]
+          ) -> tuple[torch.Tensor, tuple[int, int], tuple[slice, slice] | None]:
+    """(x padded as the layer pads it, (B, C_in, H_p, W_p) as a Conv2d's input; the kernel's extent; its taps) where
+    every tap reads an input value at some output position (taps None); where some read nothing but zero padding
+    at every one (a 3 x 3 kernel on a 1 x 1 map: all but its centre, whose gradient and norm terms are then exactly
+    zero), the window of the others: their extent, their slices of the kernel, and the part of x they read, which
+    the same stride and dilation turn into the same ``out_shape`` output positions."""
+    one_d = isinstance(module, nn.Conv1d)
+    padded = _padded(module, x)
+    padded = padded.unsqueeze(-2) if one_d else padded
+    kernel, stride, dilation = _geometry(module)
+    out = (1, *out_shape) if one_d else tuple(out_shape)
+    if module.padding_mode != "zeros":  # padding made of the input's own values: every tap reads some
+        return padded, kernel, None
+    rev = module._reversed_padding_repeated_twice
+    lefts, rights = ((0, rev[0]), (0, rev[1])) if one_d else ((rev[2], rev[0]), (rev[3], rev[1]))
+    taps, window = [], padded
+    for dim, (left, right, k, s, d, o) in enumerate(zip(lefts, rights, kernel, stride, dilation, out, strict=True)):
+        size = padded.shape[2 + dim] - left - right
+        live = [t for t in range(k) if _reads_input(t * d - left, s, o, size)]
+        first, stop = (live[0], live[-1] + 1) if live else (0, 1)
+        taps.append(slice(first, stop))
+        start = first * d
+        window = window.narrow(2 + dim, start, (o - 1) * s + d * (stop - first - 1) + 1)
+    if all(t.stop - t.start == k for t, k in zip(taps, kernel, strict=True)):
+        return padded, kernel, None
+    return window, tuple(t.stop - t.start for t in taps), (taps[0], taps[1])
+
+
+def _reads_input(offset: int, stride: int, outputs: int, size: int) -> bool:
+    """Whether a tap at ``offset`` from an output's first input position reads one of the ``size`` input positions
+    (0 .. size - 1) at some output j < ``outputs``: offset + j * stride in range."""
+    j = max(0, -(offset // stride))  # the first j with offset + j * stride >= 0
+    return j < outputs and offset + j * stride < size
 
 
 def _padded(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -210,7 +250,7 @@ def conv_weighted_sum(module, seen, weights, out):
                 continue
             scaled = g * c.view(-1, *(1,) * (g.dim() - 1))
             if g[0, 0].numel() <= SMALL_MAP:
-                _sum_by_columns(module, a, scaled, out[ln].view(c_out, -1))
+                _sum_by_columns(module, a, scaled, out[ln])
                 continue
             x, padding = _explicit(module, a)
             grad = torch.ops.aten.convolution_backward(
@@ -220,17 +260,28 @@ def conv_weighted_sum(module, seen, weights, out):
             del scaled, grad
 
 
-def _sum_by_columns(module: nn.Module, a: torch.Tensor, g: torch.Tensor, rows: torch.Tensor) -> None:
-    """rows (C_out, C_in * k) += sum_b g_b cols_b^T, the columns made a few samples at a time."""
+def _sum_by_columns(module: nn.Module, a: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> None:
+    """weight (C_out, C_in, *k) += sum_b g_b cols_b^T, the columns of the live taps (:func:`live_window`) made a few
+    samples at a time."""
     batch, c_out = g.shape[:2]
     g3 = g.reshape(batch, c_out, -1)  # (B, C_out, L)
-    per_sample = module.weight[0].numel() * g3.shape[-1] * a.element_size()  # one sample's columns
+    x, kernel, taps = live_window(module, a, g.shape[2:])
+    _, stride, dilation = _geometry(module)
+    cells = module.in_channels * kernel[0] * kernel[1]
+    rows = weight.view(c_out, -1) if taps is None else weight.new_zeros(c_out, cells)
+    per_sample = cells * g3.shape[-1] * a.element_size()  # one sample's columns
     step = max(1, max(SUM_COLUMNS_BYTES, (a.nbytes + g.nbytes) // 2) // per_sample)
     for first in range(0, batch, step):
         r = slice(first, first + step)
-        cols = _columns(module, a[r])  # (b, C_in * k, L)
-        rows.addmm_(g3[r].transpose(0, 1).reshape(c_out, -1), cols.transpose(1, 2).reshape(-1, cols.shape[1]))
+        cols = F.unfold(x[r], kernel, dilation=dilation, stride=stride)  # (b, cells, L)
+        rows.addmm_(g3[r].transpose(0, 1).reshape(c_out, -1), cols.transpose(1, 2).reshape(-1, cells))
         del cols
+    if taps is not None:  # tap by tap: one add into the whole strided window took 10x as long
+        full = weight.view(c_out, module.in_channels, *_geometry(module)[0])
+        part = rows.view(c_out, module.in_channels, *kernel)
+        for u in range(kernel[0]):
+            for v in range(kernel[1]):
+                full[:, :, taps[0].start + u, taps[1].start + v].add_(part[:, :, u, v])
 
 
 def _explicit(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

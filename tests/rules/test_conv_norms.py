@@ -11,7 +11,7 @@ from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz.derived.norms import ghost_squared_norms
-from pergrad_viz.rules.conv import SMALL_MAP, ConvGhost, conv_weighted_sum
+from pergrad_viz.rules.conv import SMALL_MAP, ConvGhost, conv_weighted_sum, live_window
 
 DT = torch.float64
 B = 4
@@ -39,7 +39,15 @@ CONFIGS = {
                                    "correlation"),
     "2d-large-map-stride2-rgb": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (3, 8, 8), "correlation"),
     "2d-large-map-stride2": (lambda: nn.Conv2d(5, 2, 3, stride=2, padding=1), (5, 12, 12), None),
+    # taps that read only zero padding at every output position (live_window crops them away)
+    "2d-2x2-map-stride2-dead-taps": (lambda: nn.Conv2d(8, 6, 3, stride=2, padding=1), (8, 2, 2), None),
+    "2d-dilated-dead-rows": (lambda: nn.Conv2d(4, 5, 3, padding=2, dilation=2), (4, 1, 3), None),
+    "2d-asymmetric-dead-taps-nobias": (lambda: nn.Conv2d(5, 4, (3, 5), padding=(1, 3), bias=False), (5, 1, 1),
+                                       "pixels"),
+    "1d-dead-taps": (lambda: nn.Conv1d(6, 4, 5, padding=3), (6, 1), "pixels"),
+    "1d-stride3-dead-taps": (lambda: nn.Conv1d(3, 4, 4, stride=3, padding=2), (3, 2), None),
 }
+DEAD_TAPS = [name for name in CONFIGS if "dead" in name or name == "2d-1x1-map"]
 
 
 def _case(name: str, seed: int = 0):
@@ -101,6 +109,20 @@ def test_conv_weighted_sum_is_the_sum_of_scaled_per_sample_gradients(name):
     want = _per_sample(conv, x, g)
     for n, total in out.items():
         torch.testing.assert_close(total, torch.einsum("b,b...->...", c, want[n]), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_live_window_crops_exactly_the_taps_that_read_only_padding(name):
+    conv, x, g = _case(name)
+    _, kernel, taps = live_window(conv, x, g.shape[2:])
+    full = (1, *conv.kernel_size) if isinstance(conv, nn.Conv1d) else conv.kernel_size
+    # a tap is dead where its per-sample gradient is zero for every input (here: every sample of random x and g)
+    want = _per_sample(conv, x, g)["weight"].abs().sum((0, 1, 2)).reshape(full) != 0
+    live = torch.zeros(full, dtype=torch.bool)
+    live[(slice(None), slice(None)) if taps is None else taps] = True
+    assert (taps is not None) is (name in DEAD_TAPS)
+    assert torch.equal(live, want), (live, want)
+    assert taps is None or kernel == tuple(t.stop - t.start for t in taps)
 
 
 def test_both_weighted_sum_routes_are_tested():
