@@ -156,22 +156,29 @@ def _correlated(module, x, g) -> torch.Tensor:
 def _pixel_gram(module, x, g, kernel: tuple[int, int]) -> torch.Tensor:
     """(B,) from x (B, C_in, H_p, W_p) and g (B, C_out, H_o, W_o) (a Conv1d's with H = 1), x padded and cropped to
     the live taps' window, ``kernel`` their extent (:func:`live_window`): the columns' Gram <col_t, col_s> = sum over
-    the taps of the pixels' Gram at the taps' positions, each tap one strided view of the pixels' (B, H_p, W_p, H_p,
-    W_p) Gram; then sum_{t,s} <col_t, col_s> (g_t . g_s) as for a Linear."""
+    the taps of the pixels' Gram at the taps' positions, each tap one strided view of the pixels' Gram (B, H_p, W_p,
+    H_p, W_p), summed over the kernel's columns first, then its rows; then sum_{t,s} <col_t, col_s> (g_t . g_s) as
+    for a Linear."""
     batch, c_in, height, width = x.shape
     out_h, out_w = g.shape[-2:]
     _, stride, dilation = _geometry(module)
     pixels = x.reshape(batch, c_in, -1)
-    gram = torch.bmm(pixels.mT, pixels).view(batch, height, width, height, width)
-    columns = g.new_zeros(batch, out_h, out_w, out_h, out_w)
+    # (B, H_p, H_p, W_p, W_p): summed over the kernel's columns, then its rows (a 5-D strided view a tap took 1.8x
+    # as long: its innermost run is one output row)
+    gram = torch.bmm(pixels.mT, pixels).view(batch, height, width, height, width).permute(0, 1, 3, 2, 4)
+    across = None
+    for v in range(kernel[1]):
+        cols = slice(v * dilation[1], v * dilation[1] + (out_w - 1) * stride[1] + 1, stride[1])
+        across = gram[:, :, :, cols, cols].clone() if across is None else across.add_(gram[:, :, :, cols, cols])
+    del gram
+    columns = None
     for u in range(kernel[0]):
         rows = slice(u * dilation[0], u * dilation[0] + (out_h - 1) * stride[0] + 1, stride[0])
-        for v in range(kernel[1]):
-            cols = slice(v * dilation[1], v * dilation[1] + (out_w - 1) * stride[1] + 1, stride[1])
-            columns += gram[:, rows, cols, rows, cols]
-    del gram
+        columns = across[:, rows, rows].clone() if columns is None else columns.add_(across[:, rows, rows])
+    del across
     g3 = g.reshape(batch, g.shape[1], -1)
-    return (columns.view(batch, out_h * out_w, -1) * torch.bmm(g3.mT, g3)).sum((1, 2)).clamp_min(0)
+    grads = torch.bmm(g3.mT, g3).view(batch, out_h, out_w, out_h, out_w).permute(0, 1, 3, 2, 4)
+    return (columns * grads).sum((1, 2, 3, 4)).clamp_min(0)
 
 
 def _geometry(module: nn.Module) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
