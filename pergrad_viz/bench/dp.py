@@ -16,9 +16,10 @@ its start (on CUDA the allocator's peak, ``torch.cuda.max_memory_allocated``; on
 ``torch.profiler`` with ``profile_memory=True``, every tensor allocation and free in order): exact and repeatable, what
 the targets are read from; ``RSS``, on Linux CPUs the process's peak resident memory above its level at the start of
 the call (``VmHWM`` reset through ``/proc/self/clear_refs``, with glibc's ``malloc_trim`` before and a fixed mmap
-threshold of 128 KiB during the measurement, so that freed tensors leave the resident set; times are taken under the
-heap settings of a warm training loop instead, :func:`_allocator`), which also counts the allocator's slack and Python's objects
-(for models of a few MB it moves with the heap's state); elsewhere a dash.
+threshold of 128 KiB during the measurement, so that freed tensors leave the resident set; the memory is measured
+before the times, which are taken under the heap settings of a warm training loop instead, :func:`_allocator`), which
+also counts the allocator's slack and Python's objects (for models of a few MB it moves with the heap's state);
+elsewhere a dash.
 """
 
 from __future__ import annotations
@@ -238,14 +239,16 @@ def dp_rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, *, rounds: 
     named = [p for p in model.parameters() if p.requires_grad]
     saved = [p.grad for p in named]
     try:
-        return _rows(model, loss_fn, x, y, rounds, device)
+        with warnings.catch_warnings():  # torch.func's note on the materialised row's vmap of attention
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+            return _rows(model, loss_fn, x, y, rounds, device)
     finally:
         for p, grad in zip(named, saved, strict=True):
             p.grad = grad
 
 
 def _rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, rounds: int, device: str) -> list[dict]:
-    _allocator(measuring_memory=False)
+    _allocator(measuring_memory=True)  # the first calls (the diffs) and the memory on a lean heap, then the times
     generator = torch.Generator(device=device).manual_seed(0)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
@@ -281,16 +284,10 @@ def _rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, rounds: int, 
             notes["opacus ghost clipping"] = f"failed: {type(e).__name__}: {str(e)[:60]}"
     want = pv.dp_sgd_gradient(pv.per_sample_grads(model, loss_fn, x, y, strategy="loop"), MAX_NORM, 0.0)
     diffs = {m: _max_diff(fn(), want) for m, fn in noiseless.items()}
-    timings = time_interleaved(methods, rounds=rounds)
     plain()
-    peaks, tensors = {}, {}
-    for m, fn in methods.items():
-        for _, p in named:  # every method starts without .grad, as after zero_grad(set_to_none=True)
-            p.grad = None
-        peaks[m] = peak_bytes(fn, device)
-        for _, p in named:
-            p.grad = None
-        tensors[m] = tensor_peak_bytes(fn, device)
+    peaks, tensors = _memory(methods, [p for _, p in named], device)
+    _allocator(measuring_memory=False)
+    timings = time_interleaved(methods, rounds=rounds)
     base_t, base_m = timings["forward+backward"].median_s, peaks["forward+backward"]
     base_tensors = tensors["forward+backward"]
     rows = []
@@ -306,6 +303,21 @@ def _rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, rounds: int, 
             "max_diff": diffs.get(m), "note": notes.get(m, "NOISY" if t is not None and t.noisy else ""),
         })
     return rows
+
+
+def _memory(methods: dict[str, Callable[[], object]], params: list[torch.Tensor], device: str
+            ) -> tuple[dict[str, int | None], dict[str, int | None]]:
+    """({method: RSS peak bytes}, {method: tensor peak bytes}), each method starting without ``.grad``, as after
+    ``zero_grad(set_to_none=True)``."""
+    peaks, tensors = {}, {}
+    for m, fn in methods.items():
+        for p in params:
+            p.grad = None
+        peaks[m] = peak_bytes(fn, device)
+        for p in params:
+            p.grad = None
+        tensors[m] = tensor_peak_bytes(fn, device)
+    return peaks, tensors
 
 
 def format_dp_table(name: str, rows: list[dict], batch: int) -> str:
