@@ -26,7 +26,20 @@ from pergrad_viz.errors import UnsupportedModelError
 
 RANDOMNESS = ("error", "different")
 
-__all__ = ["RANDOMNESS", "Draws", "check_randomness", "held_fixed", "randomness_of", "refuse_torch_func"]
+__all__ = ["RANDOMNESS", "DispatchMode", "Draws", "check_randomness", "held_fixed", "randomness_of",
+           "refuse_torch_func"]
+
+
+class DispatchMode(TorchDispatchMode):
+    """A ``TorchDispatchMode`` whose ``__torch_dispatch__`` PyTorch leaves as written. PyTorch wraps every mode's in
+    ``torch._disable_dynamo``, whose first call imports ``torch._dynamo`` (0.7 s); imported after
+    ``torch.distributed.init_process_group``, that import keeps the gloo process group's threads alive past
+    ``destroy_process_group``, and the process aborts at exit ("terminate called without an active exception", about
+    one run of a DP step under torchrun in three). The package's modes never run under ``torch.compile``."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
 
 def check_randomness(randomness: object) -> None:
@@ -108,7 +121,7 @@ _CONSTANT = {"bernoulli_": 1.0, "bernoulli": 1.0, "randn": 0.0, "randn_like": 0.
              "rand_like": 0.5, "uniform_": 0.5, "exponential_": 1.0}
 
 
-class _HeldFixed(TorchDispatchMode):
+class _HeldFixed(DispatchMode):
     """Seeded operations made deterministic and the same for every row: a Bernoulli draw (dropout's mask) keeps
     every element, dropout keeps its input, an attention kernel runs without its dropout, Gaussian noise is 0, uniform
     noise 0.5, a permutation the identity; any other draw comes from a generator seeded afresh for that call (the

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from pergrad_viz.core.batch import Batch, as_pytree
+from pergrad_viz.core.randomness import DispatchMode
 from pergrad_viz.core.tolerances import tolerance
 from pergrad_viz.core.trainable import Trainable
 
@@ -81,7 +81,7 @@ class _ParameterUses(TorchFunctionMode):
         return result
 
 
-class _RandomOps(TorchDispatchMode):
+class _RandomOps(DispatchMode):
     """Notes the innermost running module at the first operation that draws random numbers (the operations PyTorch
     tags ``nondeterministic_seeded``: bernoulli, rand, randn, randperm, dropout, ...)."""
 
