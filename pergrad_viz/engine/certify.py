@@ -58,7 +58,7 @@ from pergrad_viz.engine.references import (
     dense,
     grad_of,
     in_its_batch_loss,
-    norms_in_parts,
+    norms_of_grads,
     replayed_weighted_grads,
     weighted_grads,
     weighted_outputs,
@@ -327,7 +327,7 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     loss_of = alone_loss(i) if draws is None else in_its_batch_loss(draws, i)
 
     def norms_of(t: Trainable, x: Batch, y: object, f: LossFn | None) -> Tensors:
-        return norms_in_parts(loss_of(t, x, y, f), t.params)  # a part of the gradient alive at a time
+        return norms_of_grads(loss_of(t, x, y, f), t.params)  # one parameter's gradient alive at a time
 
     want = norms_of(trainable, inputs, targets, loss_fn)
     got = [squared[name][i].clamp_min(0).sqrt().reshape(1).to(w.dtype) for name, w in zip(trainable.names, want,

@@ -91,11 +91,6 @@ def alone_combination(i: int, u: torch.Tensor) -> Callable[[Trainable, Batch, ob
     return compute
 
 
-# A reference's norms computed this many parameters' worth at a time at most (a quarter of them): the check of a
-# clipped sum runs while the sums (P numbers) are alive, and one sample's whole gradient would be P more.
-NORM_PARTS = 4
-
-
 def alone_loss(i: int) -> Callable[[Trainable, Batch, object, LossFn], torch.Tensor]:
     """The scalar loss of sample i run alone: the definition."""
 
@@ -119,24 +114,26 @@ def in_its_batch_loss(draws: Draws, i: int) -> Callable[[Trainable, Batch, objec
     return compute
 
 
-def norms_in_parts(total: torch.Tensor, params: tuple[torch.Tensor, ...]) -> Tensors:
-    """[(1,) the L2 norm of d total / d p for each p of ``params``], from backward passes over consecutive groups of
-    at most a :data:`NORM_PARTS`-th of the parameters' numbers each (one parameter larger than that alone), so that
-    no more than that part of the gradient is alive at once."""
-    budget = max(max(p.numel() for p in params), -(-sum(p.numel() for p in params) // NORM_PARTS))
-    groups: list[list[int]] = [[]]
-    size = 0
-    for k, p in enumerate(params):
-        if groups[-1] and size + p.numel() > budget:
-            groups.append([])
-            size = 0
-        groups[-1].append(k)
-        size += p.numel()
+def norms_of_grads(total: torch.Tensor, params: tuple[torch.Tensor, ...]) -> Tensors:
+    """[(1,) the L2 norm of d total / d p for each p of ``params``] from one backward, each parameter's gradient
+    reduced to its norm by a hook as autograd makes it and handed back as a zero that holds no memory: no more than
+    one parameter's gradient is alive at once (the check of a clipped sum runs while the sums, P numbers, are). The
+    hooks are removed before it returns."""
     norms: Tensors = [torch.zeros(1, dtype=p.dtype, device=p.device) for p in params]
-    for n, group in enumerate(groups):
-        part = tuple(params[k] for k in group)
-        grads = dense(grad_of(total, part, retain_graph=n < len(groups) - 1), part)
-        for k, g in zip(group, grads, strict=True):
-            norms[k] = g.norm().reshape(1)
-        del grads
+    if not total.requires_grad:
+        return norms
+
+    def hook_for(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            norms[k] = (g.to_dense() if g.is_sparse else g).norm().reshape(1)
+            return g if g.is_sparse else g.new_zeros(()).expand(g.shape)
+
+        return hook
+
+    handles = [p.register_hook(hook_for(k)) for k, p in enumerate(params)]
+    try:
+        torch.autograd.grad(total, params, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
     return norms
