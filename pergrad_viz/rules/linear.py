@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -120,6 +122,14 @@ class LinearGhost:
             if "bias" in local:
                 result["bias"] = g_norm.square()
             return result
+        if "weight" in local and a.device.type == "cpu" and gram_is_cheaper(tokens, a.shape[-1] * g.shape[-1]):
+            grams = torch.bmm(a, a.mT), torch.bmm(g, g.mT)  # (B, T, T) each, as they are
+            if grams_fit(*grams, a.shape[-1], g.shape[-1]):
+                result["weight"] = (grams[0] * grams[1]).sum((1, 2)).clamp_min(0)
+                if "bias" in local:  # ||sum_t g_t||^2 = sum_{t,s} g_t . g_s
+                    result["bias"] = grams[1].sum((1, 2)).clamp_min(0)
+                return result
+            del grams  # extreme values: scaled below
         a, g, scale, bias_scale = scaled_unless_fit(a, g, tokens * tokens * a.shape[-1] * g.shape[-1])
         if "weight" in local:
             if gram_is_cheaper(tokens, a.shape[-1] * g.shape[-1]):
@@ -143,6 +153,29 @@ class LinearGhost:
     @staticmethod
     def gram_cost(module, tokens, y_count, pairs):
         return _gram_cost(module.in_features, module.out_features, tokens, y_count, pairs)
+
+
+def grams_fit(aa: torch.Tensor, gg: torch.Tensor, width_a: int, width_g: int) -> bool:
+    """Whether a Linear's Gram norm ``sum_{t,s} aa[t, s] gg[t, s]`` from the Grams (B, T, T) of its unscaled inputs
+    (``width_a`` features) and output gradients (``width_g``) is as exact as from scaled ones, read from their
+    diagonals (B, T) alone, after the fact, on the host (CPUs only: there it is free): every diagonal finite (no
+    square overflowed: an entry is at most its diagonal's), their product times T^2 far below the dtype's largest
+    number (the sum cannot overflow), and each sample's largest diagonal entry 0 or at least ``width`` times
+    ``tiny / eps`` (the terms lost to underflow, at most ``width * tiny`` an entry, stay below the sum's own
+    rounding). Else the caller scales the samples (:func:`~pergrad_viz.rules.registry.scaled_unless_fit`); this
+    replaces four reductions over (B, T, width) tensors by two over (B, T)."""
+    if aa.device.type != "cpu" or not aa.numel():
+        return False
+    info = torch.finfo(aa.dtype)
+    tokens = aa.shape[-1]
+    top_a = aa.diagonal(dim1=1, dim2=2).amax(1).tolist()
+    top_g = gg.diagonal(dim1=1, dim2=2).amax(1).tolist()
+    if not all(map(math.isfinite, top_a + top_g)):
+        return False
+    if max(top_a) * max(top_g) * tokens * tokens > info.max / 16:
+        return False
+    low = info.tiny / info.eps
+    return all(v == 0 or v >= width_a * low for v in top_a) and all(v == 0 or v >= width_g * low for v in top_g)
 
 
 def _gram_cost(width_in: int, width_out: int, tokens: int, y_count: int, pairs: int) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pergrad_viz.rules.conv import ConvGhost
-from pergrad_viz.rules.linear import LinearGhost
+from pergrad_viz.rules.linear import LinearGhost, grams_fit
 from pergrad_viz.rules.registry import products_fit, sample_maxima
 
 
@@ -70,6 +70,32 @@ def test_linear_ghost_norms_ordinary_samples_unscaled_agree():
     want_w, want_b = _reference(a, g)
     torch.testing.assert_close(got["weight"].double(), want_w, rtol=1e-5, atol=0)
     torch.testing.assert_close(got["bias"].double(), want_b, rtol=1e-5, atol=0)
+
+
+def test_linear_gram_norms_of_ordinary_samples_are_taken_unscaled_and_agree():
+    torch.manual_seed(2)
+    a, g = torch.randn(4, 3, 6), torch.randn(4, 3, 7)  # T^2 < in * out: the Gram form
+    assert grams_fit(torch.bmm(a, a.mT), torch.bmm(g, g.mT), 6, 7)
+    got = LinearGhost.squared_norms(None, a, g, {"weight": "w", "bias": "b"})
+    want_w, want_b = _reference(a, g)
+    torch.testing.assert_close(got["weight"].double(), want_w, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got["bias"].double(), want_b, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(("scale_a", "scale_g", "fit"), [
+    (1.0, 1.0, True),
+    (0.0, 1.0, True),  # a zero sample: exact zeros
+    (1e18, 1e-10, False),  # a's squares times 6 features overflow float32 on the diagonal
+    (1e-20, 1e10, False),  # a's squares are subnormal: digits lost
+    (1e9, 1e10, False),  # each Gram fits, their products over T^2 terms do not
+    (1e-14, 1e5, True),  # small, with squares that keep float32's digits
+])
+def test_grams_fit(scale_a, scale_g, fit):
+    torch.manual_seed(3)
+    a, g = torch.randn(2, 3, 6), torch.randn(2, 3, 7)
+    a[1] *= scale_a
+    g[1] *= scale_g
+    assert grams_fit(torch.bmm(a, a.mT), torch.bmm(g, g.mT), 6, 7) is fit
 
 
 def test_conv_ghost_norms_for_huge_samples():
