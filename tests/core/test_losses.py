@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,6 +224,42 @@ def test_causal_lm_loss_per_sample_losses_and_gradients_equal_the_token_loop():
     (g2,) = torch.autograd.grad((want * weights).sum(), out2)
     torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-14)
     assert g1[2].abs().max() == 0  # the sample without targets has no gradient
+
+
+@pytest.mark.parametrize("make", [lambda: losses.causal_lm_loss,
+                                  lambda: functools.partial(losses.causal_lm_loss, reduction="sum"),
+                                  lambda: functools.partial(losses.causal_lm_loss, reduction="mean")],
+                         ids=["itself", "partial sum", "partial mean"])
+def test_the_packages_sequence_losses_take_no_vmap_and_equal_the_token_loop(make, monkeypatch):
+    logits, labels = lm_case()
+    calls = []
+    real = torch.func.vmap
+
+    def counting(*args, **kwargs):  # raising would not do: per_sample_losses falls back to a loop on any error
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.func, "vmap", counting)
+    torch.testing.assert_close(per_sample_losses(make(), logits, labels), token_loop_lm(logits, labels), rtol=1e-12,
+                               atol=1e-14)
+    assert not calls, "vmap called for one of the package's own losses"
+
+
+def test_a_wrapped_sequence_loss_goes_through_vmap_and_agrees():
+    logits, labels = lm_case()
+    calls = []
+    real = torch.func.vmap
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    wrapped = lambda o, t: losses.causal_lm_loss(o, t, reduction="sum")  # noqa: E731 - a user's own callable
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.func, "vmap", counting)
+        got = per_sample_losses(wrapped, logits, labels)
+    assert calls
+    torch.testing.assert_close(got, token_loop_lm(logits, labels), rtol=1e-12, atol=1e-14)
 
 
 def test_losses_take_model_outputs_with_logits():
