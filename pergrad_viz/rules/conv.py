@@ -60,12 +60,9 @@ def conv(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
 
 def _columns(module: nn.Module, activation: torch.Tensor) -> torch.Tensor:
     """im2col of a Conv1d / Conv2d input (B, C_in, *spatial) as the layer sees it: (B, C_in * k, L)."""
-    one_d = isinstance(module, nn.Conv1d)
     x = _padded(module, activation)  # the padding the layer applies, done explicitly
-    x = x.unsqueeze(-2) if one_d else x  # (B, C_in, H, W)
-    kernel = (1, *module.kernel_size) if one_d else module.kernel_size
-    dilation = (1, *module.dilation) if one_d else module.dilation
-    stride = (1, *module.stride) if one_d else module.stride
+    x = x.unsqueeze(-2) if isinstance(module, nn.Conv1d) else x  # (B, C_in, H, W)
+    kernel, stride, dilation = _geometry(module)
     return F.unfold(x, kernel, dilation=dilation, stride=stride)
 
 
@@ -203,10 +200,10 @@ def live_window(module: nn.Module, x: torch.Tensor, out_shape: tuple[int, ...]
     if module.padding_mode != "zeros":  # padding made of the input's own values: every tap reads some
         return padded, kernel, None
     rev = module._reversed_padding_repeated_twice
-    lefts, rights = ((0, rev[0]), (0, rev[1])) if one_d else ((rev[2], rev[0]), (rev[3], rev[1]))
+    lefts = (0, rev[0]) if one_d else (rev[2], rev[0])
+    sizes = (1, x.shape[-1]) if one_d else tuple(x.shape[2:])  # the input's own positions, unpadded
     taps, window = [], padded
-    for dim, (left, right, k, s, d, o) in enumerate(zip(lefts, rights, kernel, stride, dilation, out, strict=True)):
-        size = padded.shape[2 + dim] - left - right
+    for dim, (left, size, k, s, d, o) in enumerate(zip(lefts, sizes, kernel, stride, dilation, out, strict=True)):
         live = [t for t in range(k) if _reads_input(t * d - left, s, o, size)]
         first, stop = (live[0], live[-1] + 1) if live else (0, 1)
         taps.append(slice(first, stop))
@@ -273,7 +270,7 @@ def _sum_by_columns(module: nn.Module, a: torch.Tensor, g: torch.Tensor, weight:
     batch, c_out = g.shape[:2]
     g3 = g.reshape(batch, c_out, -1)  # (B, C_out, L)
     x, kernel, taps = live_window(module, a, g.shape[2:])
-    _, stride, dilation = _geometry(module)
+    full_kernel, stride, dilation = _geometry(module)
     cells = module.in_channels * kernel[0] * kernel[1]
     rows = weight.view(c_out, -1) if taps is None else weight.new_zeros(c_out, cells)
     per_sample = cells * g3.shape[-1] * a.element_size()  # one sample's columns
@@ -284,7 +281,7 @@ def _sum_by_columns(module: nn.Module, a: torch.Tensor, g: torch.Tensor, weight:
         rows.addmm_(g3[r].transpose(0, 1).reshape(c_out, -1), cols.transpose(1, 2).reshape(-1, cells))
         del cols
     if taps is not None:  # tap by tap: one add into the whole strided window took 10x as long
-        full = weight.view(c_out, module.in_channels, *_geometry(module)[0])
+        full = weight.view(c_out, module.in_channels, *full_kernel)
         part = rows.view(c_out, module.in_channels, *kernel)
         for u in range(kernel[0]):
             for v in range(kernel[1]):
