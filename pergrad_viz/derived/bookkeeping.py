@@ -206,9 +206,45 @@ def _lowest(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             or not any(reaches(c) for c, _ in t.grad_fn.next_functions if c is not None)]
 
 
-def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object) -> _Book:
+def _reached(root, nodes: list) -> bool:
+    """Whether the backward graph from ``root`` (a grad_fn) reaches any of ``nodes`` (grad_fns; None: a leaf)."""
+    wanted, seen, stack = {id(n) for n in nodes if n is not None}, set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        if id(node) in wanted:
+            return True
+        seen.add(id(node))
+        stack.extend(c for c, _ in node.next_functions)
+    return False
+
+
+class _StaleLowest(Exception):
+    """The outputs a plan's earlier calls asked autograd for missed one this call's loss reaches (a forward whose
+    graph changes with the data): the batch is run again with its own graph walked."""
+
+
+def _asked(trainable: Trainable, calls: list[Call], wanted: list, fresh: bool) -> tuple[list[int], bool]:
+    """(the positions in ``wanted`` autograd is asked for, whether they come from the plan's memory): the plan's
+    earlier calls' :func:`_lowest` for the same calls, else this graph's (remembered for the next calls)."""
+    plan = trainable.call.plan
+    structure = (tuple(c.key for c in calls), tuple((i, k, t.grad_fn is None) for i, k, t in wanted))
+    known = None if plan is None or fresh else plan.lowest.get(structure)
+    if known is not None:
+        return list(known), True
+    ids = {id(t) for t in _lowest([t for _, _, t in wanted])}
+    positions = [j for j, (_, _, t) in enumerate(wanted) if id(t) in ids]
+    if plan is not None:
+        plan.remember_lowest(structure, tuple(positions))
+    return positions, False
+
+
+def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, fresh: bool) -> _Book:
     """1 forward with hooks, 1 backward of the summed per-sample losses, each layer booked as its output gradients
-    (N = 1 first) arrive; the captured outputs kept as shapes only."""
+    (N = 1 first) arrive; the captured outputs kept as shapes only. Autograd is asked for the outputs the plan's
+    earlier calls found lowest (unless ``fresh``); where an output's gradient then never arrives although the loss
+    reaches it, :class:`_StaleLowest` is raised."""
     output, calls = capture(trainable, inputs)
     book = _Book(tied_names(calls))
     wanted = [(i, k, t) for i, c in enumerate(calls) for k, t in enumerate((*c.outputs, *c.internals))
@@ -236,8 +272,11 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
             with torch.no_grad():
                 book.add(layer, seen, now)
 
-    def hook_for(i: int, k: int, key: int) -> Callable[[torch.Tensor], None]:
+    arrived = [False] * len(wanted)
+
+    def hook_for(i: int, k: int, key: int, j: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
+            arrived[j] = True
             pending[i][k] = grad.unsqueeze(0)
             waiting[key] -= 1
             if waiting[key] == 0:
@@ -245,13 +284,20 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
 
         return hook
 
-    for i, k, t in wanted:
-        t.register_hook(hook_for(i, k, id(calls[i].layer.module)))
-    lowest = _lowest([t for _, _, t in wanted])
+    for j, (i, k, t) in enumerate(wanted):
+        t.register_hook(hook_for(i, k, id(calls[i].layer.module), j))
+    positions, remembered = _asked(trainable, calls, wanted, fresh)
+    lowest = [wanted[j][2] for j in positions]
+    nodes = [t.grad_fn for _, _, t in wanted]  # the graph's nodes only: the outputs themselves are let go
     total = summed_per_sample_loss(loss_fn, output, targets)
     del output, calls, wanted
     torch.autograd.grad(total, lowest, allow_unused=True)
+    root = total.grad_fn
     del total, lowest
+    missed = [nodes[j] for j, got in enumerate(arrived) if not got]
+    if remembered and missed and _reached(root, missed):
+        raise _StaleLowest
+    del root, nodes, missed
     for key, left in waiting.items():  # layers some of whose outputs the loss does not reach
         if left > 0:
             take(key, now=False)
@@ -268,15 +314,34 @@ def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     """({name: (*shape)} the clipped sum added into ``start()``, {name: (B,) squared norms} (for the check)).
     ``start()`` (the sums, noise drawn into them) is called after the first backward, so that the sums and the
     forward pass's activations are not held at once, as plain training's ``.grad`` is made during its backward."""
+    try:
+        return _hooked_sums(trainable, loss_fn, inputs, targets, chunk, groups, start, fresh=False)
+    except _StaleLowest:  # the graph changed with the data: the batch again, from the call's first random state
+        if trainable.call.draws is not None:
+            trainable.call.draws.begin()
+        return _hooked_sums(trainable, loss_fn, inputs, targets, chunk, groups, start, fresh=True)
+
+
+def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, chunk: int, groups: Groups,
+                 start: Callable[[], Sums], fresh: bool) -> tuple[Sums, dict[str, torch.Tensor]]:
     batch = inputs.size
-    squared = {n: torch.zeros(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
+    squared: dict[str, torch.Tensor] = {}
     sums = None
+
+    def zeros() -> torch.Tensor:
+        return torch.zeros(batch, dtype=trainable.dtype, device=trainable.device)
+
     with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
         for first in range(0, batch, chunk):
             rows = slice(first, min(first + chunk, batch))
-            book = _booked_backward(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
-            for name, sq in book.squared.items():
-                squared[name][rows] = sq
+            book = _booked_backward(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), fresh)
+            if rows.stop - rows.start == batch:  # one chunk: the book's norms as they are
+                own = book.squared
+                squared = {n: own[n].to(trainable.dtype) if n in own else zeros() for n in trainable.names}
+            else:
+                squared = squared or {n: zeros() for n in trainable.names}
+                for name, sq in book.squared.items():
+                    squared[name][rows] = sq
             factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)
             sums = start() if sums is None else sums
             with torch.no_grad():

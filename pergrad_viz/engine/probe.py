@@ -1,31 +1,30 @@
 """What a batched fast path may assume about a model, found by running it on a few samples.
 
-Every strategy that evaluates the model once on the whole batch (``hooks``, ``autograd_stack``,
-``batched_grad``) is only right when the samples do not interact: row i of every layer's input and
-output inside the batch equals what that layer sees when sample i runs alone. The ``hooks`` strategy
-needs more: it must know, for each layer that owns trainable parameters, along which dimension each of
-the layer's inputs and outputs holds the samples, and which layer's forward contains every use of each
-parameter. Nothing of this is assumed; it is measured on a probe:
+Every strategy that evaluates the model once on the whole batch (``hooks``, ``autograd_stack``, ``batched_grad``)
+is only right when the samples do not interact: row i of every layer's input and output inside the batch equals
+what that layer sees when sample i runs alone. The ``hooks`` strategy needs more: it must know, for each layer that
+owns trainable parameters, along which dimension each of the layer's inputs and outputs holds the samples, and
+which layer's forward contains every use of each parameter. Nothing of this is assumed; it is measured on a probe:
 
 * sample a alone (twice: outputs that differ for the same inputs are a random forward, refused), sample b alone
   (two *different* samples of the call when there are any), and the pair as a batch of two in both orders, (a, b)
   and (b, a) (a reordering of the rows by their data shows in one of them), each a forward pass with every module
   hooked, under a forked RNG (the caller's random state is untouched);
-* a tensor's *batch dimension* is the one dimension whose size is 1 alone and 2 in the pair (all others
-  equal); a tensor with no such dimension is *shared* (e.g. a positional embedding of ``arange(T)``); a
-  tensor that changes any other way (e.g. (B*T, d) rows) is not per-sample;
+* a tensor's *batch dimension* is the one dimension whose size is 1 alone and 2 in the pair (all others equal); a
+  tensor with no such dimension is *shared* (e.g. a positional embedding of ``arange(T)``); a tensor that changes
+  any other way (e.g. (B*T, d) rows) is not per-sample;
 * rows of the pair are compared with the runs alone (values, with a tolerance per feature: a small difference next
   to one very large feature is seen), and shared tensors must not change with the samples (a batch mean has the
   shape of a shared tensor but not its values);
 * a ``TorchFunctionMode`` notes the stack of running modules at every use of a trainable parameter.
 
 Two batch sizes mean that no coincidence of sizes (T == B, layers == B) can pass for a batch dimension.
-The result, a :class:`Plan`, is cached per model and keyed by what can change it structurally: the input's
-shape past the batch, dtype and device, every module (identity, type, forward, hooks, and its plain attributes:
-the training flag, ``self.task``, any bool / number / string a forward may branch on) and every parameter
-(identity, shape, dtype, ``requires_grad``). Each real call re-checks the shapes it captured against the
-plan, which is cheap; what no structural key can see (values that switch a branch, a reordering or coupling a
-pair does not show) is left to the per-call check (``pergrad_viz.engine.certify``).
+The result, a :class:`Plan`, is cached per model and keyed by what can change it structurally: the input's shape
+past the batch, dtype and device, every module (identity, type, forward, hooks, and its plain attributes: the
+training flag, ``self.task``, any bool / number / string a forward may branch on) and every parameter (identity,
+shape, dtype, ``requires_grad``). Each real call re-checks the shapes it captured against the plan, which is
+cheap; what no structural key can see (values that switch a branch, a reordering or coupling a pair does not
+show) is left to the per-call check (``pergrad_viz.engine.certify``).
 """
 
 from __future__ import annotations
@@ -116,11 +115,11 @@ class Plan:
     verified: bool  # the probe had two different samples (else interaction could not be tested)
     copy_captures: bool | frozenset = False  # once a forward modified captured tensors in place: those, or all
     failed: dict[str, str] = field(default_factory=dict)  # strategy -> why the per-call check found it wrong here
+    lowest: dict = field(default_factory=dict)  # a hooked forward's calls -> the outputs its backward asks for
 
     def demote(self, strategy: str, reason: str, batched: bool) -> None:
-        """The per-call check found ``strategy`` wrong on this model (``reason``, a phrase): ``auto`` skips it from
-        now on, and an explicit call of it is refused. ``batched``: it ran the model once on the whole batch, so
-        the samples interact in a way the probe did not see, and every batched strategy is refused from now on."""
+        """The per-call check found ``strategy`` wrong here (``reason``, a phrase): ``auto`` skips it, an explicit
+        call is refused. ``batched`` (it ran the model on the whole batch): every batched strategy is refused."""
         self.failed[strategy] = reason
         if batched and self.interaction is None:
             self.interaction = f"the samples interact: {reason}"
@@ -129,6 +128,10 @@ class Plan:
         """A forward modified captured tensors in place (``ReLU(inplace=True)``, ``out += x``): capture copies them
         (``which``: (layer, call, position) keys, or True: all) from now on for this model and input signature."""
         self.copy_captures = which
+
+    def remember_lowest(self, calls: tuple, positions: tuple[int, ...]) -> None:
+        """``positions``: the outputs of these ``calls`` (their keys) whose backward graph reaches no other's."""
+        self.lowest[calls] = positions
 
 
 def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | Unbatched:
@@ -242,8 +245,7 @@ def _feature_scale(single: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def _why_not(probe: _Probe, modules: dict[str, nn.Module]):
-    """``why_not(name)``: why module ``name`` cannot handle parameters (its tensors are not per-sample, or an output is
-    shared), or None."""
+    """``why_not(name)``: why module ``name`` cannot handle parameters (tensors not per-sample, a shared output)."""
 
     def why_not(name: str) -> str | None:
         spec = probe.spec(name)
@@ -380,10 +382,8 @@ _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakK
 
 
 def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
-    """The :class:`Plan` for ``trainable`` called on inputs like ``inputs`` (B, ...), from the cache or a probe.
-
-    A plan found on a batch whose samples were all equal is not cached once a call has different samples.
-    """
+    """The :class:`Plan` for ``trainable`` called on inputs like ``inputs`` (B, ...), from the cache or a probe (a
+    plan found on a batch whose samples were all equal is not reused once a call has different samples)."""
     if trainable.call.plan is not None:
         return trainable.call.plan
     inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs)

@@ -193,3 +193,35 @@ def test_tied_squared_norms_of_dense_parts_are_the_norm_of_the_sum():
              dense_part(dense, dense.square().sum((1, 2)))]
     want = (first + second + dense).square().sum((1, 2))
     torch.testing.assert_close(tied_squared_norms(parts), want, rtol=1e-12, atol=1e-12)
+
+
+class _Switched(nn.Module):
+    """Two Linears whose wiring a buffer switches between calls (the same for every sample, so per-sample gradients
+    stay defined; no structural key sees a tensor's value): b(a(x)), or a(x) + b(x)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("chained", torch.tensor(True))
+
+    def forward(self, x):
+        return self.b(self.a(x)) if bool(self.chained) else self.a(x) + self.b(x)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_graph_that_changes_between_calls_keeps_every_layer(first):
+    """The outputs the backward asks autograd for are remembered from a plan's first call; when a later call's graph
+    is wired otherwise (here b's output no longer lies above a's), the call walks its own graph again: the sum still
+    equals the loop's, every layer's share in it (asked for a's output alone, b's share would be zero)."""
+    torch.manual_seed(0)
+    model = _Switched().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    loss_fn = nn.MSELoss(reduction="sum")
+    for chained in (first, not first, first):
+        model.chained.fill_(chained)
+        want, norms = loop_clipped_sum(model, loss_fn, x, y, 1e30)
+        bound = float(norms.median())
+        want, _ = loop_clipped_sum(model, loss_fn, x, y, bound)
+        got = pv.clipped_grad_sum(model, loss_fn, x, y, bound, strategy="hooks", verify=False)
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, rtol=RTOL, atol=1e-12)
