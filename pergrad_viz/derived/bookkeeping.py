@@ -173,10 +173,18 @@ def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumO
     return squared, share
 
 
+_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # one 0-dim zero per dtype and device, read only
+
+
 def _shape_only(t: torch.Tensor) -> torch.Tensor:
     """A tensor of ``t``'s shape, dtype and device that holds no memory (what a rule reads of an output after the
-    backward: its shape)."""
-    return t.new_zeros(()).expand(t.shape)
+    backward: its shape): a shared 0-dim zero, expanded."""
+    key = (t.dtype, t.device)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        with torch.inference_mode(False):
+            zero = _ZEROS[key] = torch.zeros((), dtype=t.dtype, device=t.device)
+    return zero.expand(t.shape)
 
 
 def _lowest(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -312,8 +320,9 @@ Sums = dict[str, torch.Tensor]
 def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, chunk: int, groups: Groups,
                 start: Callable[[], Sums]) -> tuple[Sums, dict[str, torch.Tensor]]:
     """({name: (*shape)} the clipped sum added into ``start()``, {name: (B,) squared norms} (for the check)).
-    ``start()`` (the sums, noise drawn into them) is called after the first backward, so that the sums and the
-    forward pass's activations are not held at once, as plain training's ``.grad`` is made during its backward."""
+    ``start()`` (the sums, noise drawn into them, each made when a layer's share first asks for it:
+    ``pergrad_viz.derived.dp.LazySums``) is called after the first backward, so that the sums and the forward
+    pass's activations are not held at once, as plain training's ``.grad`` is made during its backward."""
     try:
         return _hooked_sums(trainable, loss_fn, inputs, targets, chunk, groups, start, fresh=False)
     except _StaleLowest:  # the graph changed with the data: the batch again, from the call's first random state
@@ -342,7 +351,8 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
                 squared = squared or {n: zeros() for n in trainable.names}
                 for name, sq in book.squared.items():
                     squared[name][rows] = sq
-            factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)
+            whole = rows.stop - rows.start == batch
+            factors = clip_factors(squared if whole else {n: s[rows] for n, s in squared.items()}, groups)
             sums = start() if sums is None else sums
             with torch.no_grad():
                 while book.shares:  # each layer's captures let go once its share is added

@@ -13,6 +13,7 @@ time and clipped (exact, slower).
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping
 
@@ -153,13 +154,14 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     shapes = [(n, p.shape, p.dtype, p.device) for n, p in zip(trainable.names, trainable.params, strict=True)]
     state = None if generator is None else generator.get_state()
 
-    def start() -> dict[str, torch.Tensor]:  # the noise, drawn into the sums the clipped gradients are added to
+    def start() -> LazySums:  # the noise, drawn into the sums the clipped gradients are added to
         if generator is not None:
             generator.set_state(state)  # a hand-over to another route draws the same noise again
-        return initial_sums(shapes, std, generator)
+        return LazySums(shapes, std, generator)
 
     sums, squared = _sums(trainable, resolved, strategy, loss_fn, batch, targets, chunk, chunk_size, verify, groups,
                           start)
+    sums = sums.complete()
     if distributed:
         all_reduce_sums(sums)
     if return_norms:
@@ -186,14 +188,42 @@ def all_reduce_sums(sums: dict[str, torch.Tensor]) -> None:
         t.copy_(part.view(t.shape))
 
 
+class LazySums(dict):
+    """{name: (*shape)}: the tensors the clipped gradients are added into, each made when first asked for
+    (``sums[name]``), ``std * N(0, I)`` drawn in place (``normal_``, from ``generator`` alone) or zeros for ``std=0``,
+    always in parameter order: asking for a later parameter makes the earlier ones first, so the draws are the same
+    whatever order the layers ask in. The layers' shares come bottom layer first, as a backward has let their
+    activations go, so the sums are not all held beside every layer's captures (as plain training's ``.grad`` is
+    made during its backward)."""
+
+    def __init__(self, shapes, std: float, generator: torch.Generator | None):
+        super().__init__()
+        self._todo = collections.deque(shapes)  # (name, shape, dtype, device) not made yet, in order
+        self._std, self._generator = std, generator
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        while self._todo:
+            made, shape, dtype, device = self._todo.popleft()
+            if self._std > 0:
+                t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, self._std, generator=self._generator)
+            else:
+                t = torch.zeros(shape, dtype=dtype, device=device)
+            self[made] = t
+            if made == name:
+                return self[made]
+        raise KeyError(name)
+
+    def complete(self) -> dict[str, torch.Tensor]:
+        """Every parameter's tensor made; a plain dict in parameter order."""
+        if self._todo:
+            self.__missing__(self._todo[-1][0])
+        return dict(self)
+
+
 def initial_sums(shapes, std: float, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-    """{name: (*shape)}: ``std * N(0, I)`` drawn in place (``normal_``, parameter by parameter in order, from
-    ``generator`` alone), or zeros for ``std=0``; the clipped gradients are then added into these (no temporary)."""
-    sums = {}
-    for name, shape, dtype, device in shapes:
-        t = torch.empty(shape, dtype=dtype, device=device)
-        sums[name] = t.normal_(0.0, std, generator=generator) if std > 0 else t.zero_()
-    return sums
+    """{name: (*shape)}: every tensor of :class:`LazySums` made at once (noise drawn parameter by parameter in
+    order, or zeros); the clipped gradients are then added into these (no temporary)."""
+    return LazySums(shapes, std, generator).complete()
 
 
 def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, batch, targets: object, chunk: int,

@@ -289,7 +289,7 @@ def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
     step = samples_at_once(batch, per_sample, budget)
     chunks = []
     for start in range(0, batch, step):
-        part = [(a[start:start + step], g[start:start + step]) for a, g in seen_first]
+        part = seen_first if step >= batch else [(a[start:start + step], g[start:start + step]) for a, g in seen_first]
         if direct is not None:
             chunks.append(ghost.direct_norms(module, part, local))
             continue

@@ -267,6 +267,21 @@ def test_noise_has_the_stated_spread_and_a_hand_over_draws_it_again():
         torch.testing.assert_close(hooks[n], func[n], rtol=1e-12, atol=1e-12)
 
 
+def test_sums_made_in_any_order_draw_the_noise_in_parameter_order():
+    """The layers ask for their sums bottom layer first (after the backward let the others' activations go): each
+    tensor is made when first asked for, every earlier parameter's first, so the draws do not depend on that order."""
+    shapes = [(n, shape, torch.float64, "cpu") for n, shape in (("a", (3, 2)), ("b", (4,)), ("c", (2, 2)))]
+    want = dp.initial_sums(shapes, 1.5, torch.Generator().manual_seed(7))
+    lazy = dp.LazySums(shapes, 1.5, torch.Generator().manual_seed(7))
+    assert torch.equal(lazy["b"], want["b"]) and list(lazy) == ["a", "b"]  # "a" made first, "c" not yet
+    got = lazy.complete()
+    assert list(got) == ["a", "b", "c"] and type(got) is dict
+    for n in want:
+        assert torch.equal(got[n], want[n])
+    zeros = dp.LazySums(shapes, 0.0, None)
+    assert not zeros["c"].any() and list(zeros) == ["a", "b", "c"]
+
+
 @pytest.mark.parametrize("strategy", ["torch_func", "loop"])
 def test_materialised_route_equals_the_loop(strategy):
     model, x = _tutorial("cnn")
