@@ -42,7 +42,7 @@ from pergrad_viz.derived.norms import (
 from pergrad_viz.engine.capture import Call, Layer, capture
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.probe import LayerKind
-from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for
+from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for, writes_fresh
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
@@ -58,14 +58,33 @@ def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups) -> dict[st
     return factors
 
 
-def _add_weighted(dest: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> None:
-    """dest (*shape) += sum_i c_i g_i of a (B, *shape) per-sample gradient, one ``addmm_`` into ``dest``."""
-    dest.view(1, -1).addmm_(c.to(g.dtype).unsqueeze(0), g.reshape(g.shape[0], -1))
+def _add_weighted(sums, name: str, g: torch.Tensor, c: torch.Tensor) -> None:
+    """sums[name] (*shape) += sum_i c_i g_i of a (B, *shape) per-sample gradient, one ``addmm_`` into it (written,
+    not added, where ``sums.destination`` hands it out unwritten)."""
+    dest, fresh = sums.destination(name)
+    dest.view(1, -1).addmm_(c.to(g.dtype).unsqueeze(0), g.reshape(g.shape[0], -1), beta=0 if fresh else 1)
+
+
+def _into(rule: Callable, module, seen, weights: dict[str, torch.Tensor], names: Mapping[str, str], sums) -> None:
+    """A weighted-sum rule's share added into ``sums`` ({full name: (*shape)}, ``names``: the rule's local names'
+    full ones): the tensors ``sums.destination`` hands out unwritten are the rule's to write
+    (``pergrad_viz.rules.writes_fresh``), or zeroed first for a rule that only adds."""
+    out, fresh = {}, []
+    for ln, name in names.items():
+        out[ln], new = sums.destination(name)
+        if new:
+            fresh.append(ln)
+    if writes_fresh(rule):
+        rule(module, seen, weights, out, fresh)
+        return
+    for ln in fresh:
+        out[ln].zero_()
+    rule(module, seen, weights, out)
 
 
 # One layer's share of the clipped sum once the clip factors {full name: (B,)} are known, added into the sums
-# {full name: (*shape)}.
-SumOf = Callable[[Mapping[str, torch.Tensor], dict[str, torch.Tensor]], None]
+# {full name: (*shape)} (a pergrad_viz.derived.dp.LazySums: its ``destination(name)`` may hand a tensor out unwritten).
+SumOf = Callable[[Mapping[str, torch.Tensor], "Sums"], None]
 
 
 class _Book:
@@ -133,9 +152,8 @@ class _Book:
                 part = (*factors, sq)
             self.parts.setdefault(name, []).append(part)
 
-        def share(factors: Mapping[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
-            rule(module, seen_first, {ln: factors[n] for ln, n in local.items()},
-                 {ln: sums[n] for ln, n in local.items()})
+        def share(factors: Mapping[str, torch.Tensor], sums) -> None:
+            _into(rule, module, seen_first, {ln: factors[n] for ln, n in local.items()}, local, sums)
 
         return squared, share
 
@@ -165,10 +183,9 @@ def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumO
         for role, sq in ghost_squared_norms(LinearGhost, None, [(a, g)], full).items():
             squared[full[role]] = sq
 
-    def share(factors: Mapping[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
+    def share(factors: Mapping[str, torch.Tensor], sums) -> None:
         for a, g, full in pairs:
-            linear_weighted_sum(None, [(a, g)], {r: factors[n] for r, n in full.items()},
-                                {r: sums[n] for r, n in full.items()})
+            _into(linear_weighted_sum, None, [(a, g)], {r: factors[n] for r, n in full.items()}, full, sums)
 
     return squared, share
 
@@ -359,7 +376,7 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
                     book.shares.pop()(factors, sums)
                 while book.dense:
                     name, g = book.dense.pop()
-                    _add_weighted(sums[name], g, factors[name])
+                    _add_weighted(sums, name, g, factors[name])
             del book
     return sums, squared
 
@@ -378,6 +395,6 @@ def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_f
         factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)
         with torch.no_grad():
             for name, g in grads.items():
-                _add_weighted(sums[name], g, factors[name])
+                _add_weighted(sums, name, g, factors[name])
         del grads
     return squared

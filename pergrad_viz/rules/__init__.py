@@ -86,6 +86,7 @@ from pergrad_viz.rules.registry import (
     rule_for,
     rule_takes_batch_dim,
     weighted_sum_rule_for,
+    writes_fresh,
 )
 
 __all__ = [
@@ -109,6 +110,7 @@ __all__ = [
     "rule_for",
     "rule_takes_batch_dim",
     "weighted_sum_rule_for",
+    "writes_fresh",
 ]
 
 # The rules register themselves on import; the integrations register by class path and import neither package.

@@ -238,47 +238,57 @@ SMALL_MAP = 1
 SUM_COLUMNS_BYTES = 1 << 20
 
 
-@register_weighted_sum(nn.Conv1d, nn.Conv2d)
-def conv_weighted_sum(module, seen, weights, out):
+@register_weighted_sum(nn.Conv1d, nn.Conv2d, writes_fresh=True)
+def conv_weighted_sum(module, seen, weights, out, fresh=()):
     """Used where the ghost rule applies (groups=1): the weight += the weight gradient of the input and the output
     gradient with each sample's rows times c_b: the convolution's own kernel (the one plain training's backward
     runs), or on small maps im2col and one ``addmm_`` straight into ``out``; bias: the c-weighted sum of the output
-    gradients."""
+    gradients. A ``fresh`` tensor's first contribution is written, not added."""
     c_out = module.out_channels
+    fresh = set(fresh)
     for a, g in seen:
         batch = g.shape[0]
         for ln, c in weights.items():
             c = c.to(g.dtype)
+            first = ln in fresh
+            fresh.discard(ln)
             if ln == "bias":  # (C_out,) += sum_b c_b (output gradient of b summed over positions)
-                out[ln].addmv_(g.reshape(batch, c_out, -1).sum(2).mT, c)
+                out[ln].addmv_(g.reshape(batch, c_out, -1).sum(2).mT, c, beta=0 if first else 1)
                 continue
             scaled = g * c.view(-1, *(1,) * (g.dim() - 1))
             if g[0, 0].numel() <= SMALL_MAP:
-                _sum_by_columns(module, a, scaled, out[ln])
+                _sum_by_columns(module, a, scaled, out[ln], first)
                 continue
             x, padding = _explicit(module, a)
             grad = torch.ops.aten.convolution_backward(
                 scaled, x, module.weight.detach(), None, module.stride, padding, module.dilation, False,
                 (0,) * len(module.kernel_size), module.groups, (False, True, False))[1]
-            out[ln].add_(grad)
+            if first:
+                out[ln].copy_(grad)
+            else:
+                out[ln].add_(grad)
             del scaled, grad
 
 
-def _sum_by_columns(module: nn.Module, a: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> None:
+def _sum_by_columns(module: nn.Module, a: torch.Tensor, g: torch.Tensor, weight: torch.Tensor,
+                    fresh: bool = False) -> None:
     """weight (C_out, C_in, *k) += sum_b g_b cols_b^T, the columns of the live taps (:func:`live_window`) made a few
-    samples at a time."""
+    samples at a time (``fresh``: the weight holds no values yet, and is written)."""
     batch, c_out = g.shape[:2]
     g3 = g.reshape(batch, c_out, -1)  # (B, C_out, L)
     x, kernel, taps = live_window(module, a, g.shape[2:])
     full_kernel, stride, dilation = _geometry(module)
     cells = module.in_channels * kernel[0] * kernel[1]
+    if taps is not None and fresh:  # the taps that read only padding stay zero
+        weight.zero_()
     rows = weight.view(c_out, -1) if taps is None else weight.new_zeros(c_out, cells)
     per_sample = cells * g3.shape[-1] * a.element_size()  # one sample's columns
     step = max(1, max(SUM_COLUMNS_BYTES, (a.nbytes + g.nbytes) // 2) // per_sample)
     for first in range(0, batch, step):
         r = slice(first, first + step)
         cols = F.unfold(x[r], kernel, dilation=dilation, stride=stride)  # (b, cells, L)
-        rows.addmm_(g3[r].transpose(0, 1).reshape(c_out, -1), cols.transpose(1, 2).reshape(-1, cells))
+        beta = 0 if first == 0 and fresh and taps is None else 1
+        rows.addmm_(g3[r].transpose(0, 1).reshape(c_out, -1), cols.transpose(1, 2).reshape(-1, cells), beta=beta)
         del cols
     if taps is not None:  # tap by tap: one add into the whole strided window took 10x as long
         full = weight.view(c_out, module.in_channels, *full_kernel)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 from torch import nn
@@ -202,34 +203,39 @@ def _scaled(t: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (t * weights.view(-1, *(1,) * (t.dim() - 1))).reshape(-1, t.shape[-1])
 
 
-def _linear_sums(seen, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor], in_out: bool) -> None:
+def _linear_sums(seen, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor], in_out: bool,
+                 fresh: Collection[str]) -> None:
     """out += sum_b c_b sum_t g_bt a_bt^T = G^T diag(c) A over the B * T rows of every call: one ``addmm_`` per call
     and weight, straight into ``out`` (``in_out``: the weight stored (in, out)), c applied to the narrower of A and G
-    (the one temporary, (B * T, min(in, out))); the bias += G summed over positions, times c (one ``addmv_``)."""
+    (the one temporary, (B * T, min(in, out))); the bias += G summed over positions, times c (one ``addmv_``). The
+    first product into a ``fresh`` tensor is written (``beta=0``: its old contents are not read)."""
+    fresh = set(fresh)
     for a, g in seen:
         batch = g.shape[0]
         rows_a, rows_g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])  # (B * T, in), (B * T, out)
         for ln, c in weights.items():
             c = c.to(g.dtype)
+            beta = 0 if ln in fresh else 1
+            fresh.discard(ln)
             if ln == "bias":
-                out[ln].addmv_(g.reshape(batch, -1, g.shape[-1]).sum(1).mT, c)
+                out[ln].addmv_(g.reshape(batch, -1, g.shape[-1]).sum(1).mT, c, beta=beta)
                 continue
             if rows_a.shape[1] <= rows_g.shape[1]:
                 left, right = rows_g, _scaled(a, c)
             else:
                 left, right = _scaled(g, c), rows_a
             if in_out:
-                out[ln].addmm_(right.mT, left)
+                out[ln].addmm_(right.mT, left, beta=beta)
             else:
-                out[ln].addmm_(left.mT, right)
+                out[ln].addmm_(left.mT, right, beta=beta)
 
 
-@register_weighted_sum(nn.Linear)
-def linear_weighted_sum(module, seen, weights, out):
+@register_weighted_sum(nn.Linear, writes_fresh=True)
+def linear_weighted_sum(module, seen, weights, out, fresh=()):
     """nn.Linear: weight (out, in) += (c G)^T A, bias (out,) += the c-weighted sum of the output gradients."""
-    _linear_sums(seen, weights, out, in_out=False)
+    _linear_sums(seen, weights, out, False, fresh)
 
 
-def linear_in_out_weighted_sum(module, seen, weights, out):
+def linear_in_out_weighted_sum(module, seen, weights, out, fresh=()):
     """A Linear with its weight stored (in, out): weight += A^T (c G); registered with :func:`linear_in_out`."""
-    _linear_sums(seen, weights, out, in_out=True)
+    _linear_sums(seen, weights, out, True, fresh)

@@ -261,18 +261,30 @@ WeightedSumRule = Callable[[nn.Module, Sequence[tuple[torch.Tensor, torch.Tensor
                             dict[str, torch.Tensor]], None]
 
 
-def register_weighted_sum(*module_types: ModuleType, forward_like: Callable | None = None
+def register_weighted_sum(*module_types: ModuleType, forward_like: Callable | None = None, writes_fresh: bool = False
                           ) -> Callable[[WeightedSumRule], WeightedSumRule]:
     """Decorator: the weighted sum over samples of the per-sample gradients, ``sum_i c_i g_i``, of these module types
     straight from the captured inputs and output gradients (book-keeping: never the (B, *param.shape) gradients);
-    used only where the type's ghost rule applies (the norms come from it)."""
+    used only where the type's ghost rule applies (the norms come from it). ``writes_fresh``: the rule takes a fifth
+    argument, the local names whose ``out`` tensors hold no values yet (allocated, not zeroed), and its first
+    contribution to each writes it whole (``addmm_(..., beta=0)``, ``copy_``); other rules get zeroed tensors."""
 
     def deco(rule: WeightedSumRule) -> WeightedSumRule:
         for t in module_types:
             _SUM_RULES.add(t, rule, forward_like)
+        if writes_fresh:
+            _WRITES_FRESH.add(rule)
         return rule
 
     return deco
+
+
+_WRITES_FRESH: set[Callable] = set()
+
+
+def writes_fresh(rule: WeightedSumRule) -> bool:
+    """Whether ``rule`` was registered with ``writes_fresh=True`` (see :func:`register_weighted_sum`)."""
+    return rule in _WRITES_FRESH
 
 
 def weighted_sum_rule_for(module: nn.Module) -> WeightedSumRule | None:

@@ -278,8 +278,13 @@ def test_sums_made_in_any_order_draw_the_noise_in_parameter_order():
     assert list(got) == ["a", "b", "c"] and type(got) is dict
     for n in want:
         assert torch.equal(got[n], want[n])
-    zeros = dp.LazySums(shapes, 0.0, None)
-    assert not zeros["c"].any() and list(zeros) == ["a", "b", "c"]
+    zeros = dp.LazySums(shapes, 0.0, None)  # no draws: each made alone; handed out unwritten once, to a writer
+    assert not zeros["c"].any() and list(zeros) == ["c"]
+    b, unwritten = zeros.destination("b")
+    assert unwritten and zeros.destination("b") == (b, False) and zeros.destination("c")[1] is False
+    assert list(zeros.complete()) == ["a", "b", "c"] and not zeros.complete()["a"].any()
+    noisy = dp.LazySums(shapes, 1.0, torch.Generator().manual_seed(0))
+    assert noisy.destination("a")[1] is False  # noise in it: always added to
 
 
 @pytest.mark.parametrize("strategy", ["torch_func", "loop"])

@@ -36,7 +36,7 @@ def conv1d(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tenso
 
 
 register_ghost(CONV1D, forward_like=_conv1d_forward)(LinearInOutGhost)
-register_weighted_sum(CONV1D, forward_like=_conv1d_forward)(linear_in_out_weighted_sum)
+register_weighted_sum(CONV1D, forward_like=_conv1d_forward, writes_fresh=True)(linear_in_out_weighted_sum)
 
 # -------------------------------------------------------------------------------------------------------- RMSNorm
 
