@@ -361,14 +361,14 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
         for first in range(0, batch, chunk):
             rows = slice(first, min(first + chunk, batch))
             book = _booked_backward(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), fresh)
-            if rows.stop - rows.start == batch:  # one chunk: the book's norms as they are
+            whole = rows.stop - rows.start == batch
+            if whole:  # one chunk: the book's norms as they are
                 own = book.squared
                 squared = {n: own[n].to(trainable.dtype) if n in own else zeros() for n in trainable.names}
             else:
                 squared = squared or {n: zeros() for n in trainable.names}
                 for name, sq in book.squared.items():
                     squared[name][rows] = sq
-            whole = rows.stop - rows.start == batch
             factors = clip_factors(squared if whole else {n: s[rows] for n, s in squared.items()}, groups)
             sums = start() if sums is None else sums
             with torch.no_grad():
