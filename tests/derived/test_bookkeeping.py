@@ -225,3 +225,37 @@ def test_a_graph_that_changes_between_calls_keeps_every_layer(first):
         got = pv.clipped_grad_sum(model, loss_fn, x, y, bound, strategy="hooks", verify=False)
         for name, w in want.items():
             torch.testing.assert_close(got[name], w, rtol=RTOL, atol=1e-12)
+
+
+class _SwitchedDropout(_Switched):
+    """:class:`_Switched` behind a dropout on its input, left on (``randomness='different'``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return super().forward(self.drop(x))
+
+
+def test_a_rewired_call_run_again_draws_the_same_masks():
+    """With dropout on, the batch run again after a rewired graph starts from the call's first random state: the
+    sum is each sample's under the mask the batch's one forward draws, and the caller's generator ends as after that
+    one forward (the per-call check replays the same masks)."""
+    torch.manual_seed(0)
+    model = _SwitchedDropout().double().train()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    loss_fn = nn.MSELoss(reduction="sum")
+    for chained in (True, False, True):
+        model.chained.fill_(chained)
+        state = torch.get_rng_state()
+        got = pv.clipped_grad_sum(model, loss_fn, x, y, 0.5, strategy="hooks", randomness="different")
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        mask = model.drop(torch.ones_like(x))  # the batch's draw
+        assert torch.equal(after, torch.get_rng_state())
+        model.eval()  # each sample alone under its row of that mask
+        want, _ = loop_clipped_sum(model, loss_fn, x * mask, y, 0.5)
+        model.train()
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, rtol=RTOL, atol=1e-12)
