@@ -39,6 +39,7 @@ from pergrad_viz.derived.norms import (
     row_squared_norms,
     tied_squared_norms,
 )
+from pergrad_viz.derived.sums import LazySums
 from pergrad_viz.engine.capture import Call, Layer, capture
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.probe import LayerKind
@@ -58,14 +59,15 @@ def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups) -> dict[st
     return factors
 
 
-def _add_weighted(sums, name: str, g: torch.Tensor, c: torch.Tensor) -> None:
+def _add_weighted(sums: LazySums, name: str, g: torch.Tensor, c: torch.Tensor) -> None:
     """sums[name] (*shape) += sum_i c_i g_i of a (B, *shape) per-sample gradient, one ``addmm_`` into it (written,
     not added, where ``sums.destination`` hands it out unwritten)."""
     dest, fresh = sums.destination(name)
     dest.view(1, -1).addmm_(c.to(g.dtype).unsqueeze(0), g.reshape(g.shape[0], -1), beta=0 if fresh else 1)
 
 
-def _into(rule: Callable, module, seen, weights: dict[str, torch.Tensor], names: Mapping[str, str], sums) -> None:
+def _into(rule: Callable, module, seen, weights: dict[str, torch.Tensor], names: Mapping[str, str],
+          sums: LazySums) -> None:
     """A weighted-sum rule's share added into ``sums`` ({full name: (*shape)}, ``names``: the rule's local names'
     full ones): the tensors ``sums.destination`` hands out unwritten are the rule's to write
     (``pergrad_viz.rules.writes_fresh``), or zeroed first for a rule that only adds."""
@@ -83,8 +85,8 @@ def _into(rule: Callable, module, seen, weights: dict[str, torch.Tensor], names:
 
 
 # One layer's share of the clipped sum once the clip factors {full name: (B,)} are known, added into the sums
-# {full name: (*shape)} (a pergrad_viz.derived.dp.LazySums: its ``destination(name)`` may hand a tensor out unwritten).
-SumOf = Callable[[Mapping[str, torch.Tensor], "Sums"], None]
+# {full name: (*shape)} (its ``destination(name)`` may hand a tensor out unwritten).
+SumOf = Callable[[Mapping[str, torch.Tensor], LazySums], None]
 
 
 class _Book:
@@ -152,7 +154,7 @@ class _Book:
                 part = (*factors, sq)
             self.parts.setdefault(name, []).append(part)
 
-        def share(factors: Mapping[str, torch.Tensor], sums) -> None:
+        def share(factors: Mapping[str, torch.Tensor], sums: LazySums) -> None:
             _into(rule, module, seen_first, {ln: factors[n] for ln, n in local.items()}, local, sums)
 
         return squared, share
@@ -183,7 +185,7 @@ def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumO
         for role, sq in ghost_squared_norms(LinearGhost, None, [(a, g)], full).items():
             squared[full[role]] = sq
 
-    def share(factors: Mapping[str, torch.Tensor], sums) -> None:
+    def share(factors: Mapping[str, torch.Tensor], sums: LazySums) -> None:
         for a, g, full in pairs:
             _into(linear_weighted_sum, None, [(a, g)], {r: factors[n] for r, n in full.items()}, full, sums)
 
@@ -331,14 +333,12 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     return book
 
 
-Sums = dict[str, torch.Tensor]
-
 
 def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, chunk: int, groups: Groups,
-                start: Callable[[], Sums]) -> tuple[Sums, dict[str, torch.Tensor]]:
+                start: Callable[[], LazySums]) -> tuple[LazySums, dict[str, torch.Tensor]]:
     """({name: (*shape)} the clipped sum added into ``start()``, {name: (B,) squared norms} (for the check)).
     ``start()`` (the sums, noise drawn into them, each made when a layer's share first asks for it:
-    ``pergrad_viz.derived.dp.LazySums``) is called after the first backward, so that the sums and the forward
+    :class:`~pergrad_viz.derived.sums.LazySums`) is called after the first backward, so that the sums and the forward
     pass's activations are not held at once, as plain training's ``.grad`` is made during its backward."""
     try:
         return _hooked_sums(trainable, loss_fn, inputs, targets, chunk, groups, start, fresh=False)
@@ -349,7 +349,7 @@ def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
 
 
 def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, chunk: int, groups: Groups,
-                 start: Callable[[], Sums], fresh: bool) -> tuple[Sums, dict[str, torch.Tensor]]:
+                 start: Callable[[], LazySums], fresh: bool) -> tuple[LazySums, dict[str, torch.Tensor]]:
     batch = inputs.size
     squared: dict[str, torch.Tensor] = {}
     sums = None
@@ -383,7 +383,7 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
 
 def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, inputs: Batch,
                       targets: object, chunk_size: int | None, verify: bool, groups: Groups,
-                      sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                      sums: LazySums) -> dict[str, torch.Tensor]:
     """The clipped sum into ``sums`` from :func:`pergrad_viz.per_sample_grads` with ``strategy``, one chunk of samples
     at a time (chunks sized for ``resolved``, the strategy it runs): exact, slower, O(chunk * P) memory. Returns the
     (B,) squared norms per name."""

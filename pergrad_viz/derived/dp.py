@@ -13,7 +13,6 @@ time and clipped (exact, slower).
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Mapping
 
@@ -26,6 +25,7 @@ from pergrad_viz.core.batch import Inputs, normal_tensor
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.derived.bookkeeping import Groups, hooked_sums, materialised_sums
+from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
 
 PerLayer = bool | Mapping[str, float]
@@ -186,57 +186,6 @@ def all_reduce_sums(sums: dict[str, torch.Tensor]) -> None:
     torch.distributed.all_reduce(flat)
     for t, part in zip(sums.values(), flat.split([t.numel() for t in sums.values()]), strict=True):
         t.copy_(part.view(t.shape))
-
-
-class LazySums(dict):
-    """{name: (*shape)}: the tensors the clipped gradients are added into, each made when first asked for: ``std *
-    N(0, I)`` drawn in place (``normal_``, from ``generator`` alone, always in parameter order: asking for a later
-    parameter draws the earlier ones first, so the draws are the same whatever order the layers ask in), or zeros
-    for ``std=0``. The layers' shares come bottom layer first, as a backward has let their activations go, so the
-    sums are not all held beside every layer's captures (as plain training's ``.grad`` is made during its
-    backward); without noise, :meth:`destination` hands a tensor out unwritten to a writer that fills it."""
-
-    def __init__(self, shapes, std: float, generator: torch.Generator | None):
-        super().__init__()
-        self._shapes = {name: rest for name, *rest in shapes}  # name -> (shape, dtype, device), in order
-        self._todo = collections.deque(self._shapes)  # the names whose noise is not drawn yet, in order
-        self._std, self._generator = std, generator
-
-    def __missing__(self, name: str) -> torch.Tensor:
-        if name not in self._shapes:
-            raise KeyError(name)
-        if self._std == 0:
-            shape, dtype, device = self._shapes[name]
-            t = self[name] = torch.zeros(shape, dtype=dtype, device=device)
-            return t
-        while self._todo:
-            made = self._todo.popleft()
-            shape, dtype, device = self._shapes[made]
-            self[made] = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, self._std,
-                                                                                 generator=self._generator)
-            if made == name:
-                break
-        return self[name]
-
-    def destination(self, name: str) -> tuple[torch.Tensor, bool]:
-        """(the tensor of ``name``, whether it is handed out unwritten): without noise, the first time a name is
-        asked for here its tensor is allocated and not zeroed, and the caller must write all of it before it is
-        read (``addmm_(..., beta=0)``, ``copy_``); every other time it holds values, to be added to."""
-        if self._std == 0 and name not in self and name in self._shapes:
-            shape, dtype, device = self._shapes[name]
-            t = self[name] = torch.empty(shape, dtype=dtype, device=device)
-            return t, True
-        return self[name], False
-
-    def complete(self) -> dict[str, torch.Tensor]:
-        """Every parameter's tensor made; a plain dict in parameter order."""
-        return {name: self[name] for name in self._shapes}
-
-
-def initial_sums(shapes, std: float, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-    """{name: (*shape)}: every tensor of :class:`LazySums` made at once (noise drawn parameter by parameter in
-    order, or zeros); the clipped gradients are then added into these (no temporary)."""
-    return LazySums(shapes, std, generator).complete()
 
 
 def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, batch, targets: object, chunk: int,

@@ -17,7 +17,8 @@ from zoo.nets import DoublyTiedNet, build_net
 
 import pergrad_viz as pv
 from pergrad_viz import api
-from pergrad_viz.derived import bookkeeping, dp
+from pergrad_viz.derived import bookkeeping
+from pergrad_viz.derived import sums as sums_mod
 from pergrad_viz.tutorial import hf_models
 from pergrad_viz.tutorial.networks import MLP, LSTMClassifier, SmallCNN, TransformerClassifier
 
@@ -252,7 +253,7 @@ def test_noise_comes_from_the_generator_alone():
 
 
 def test_noise_has_the_stated_spread_and_a_hand_over_draws_it_again():
-    sums = dp.initial_sums([("a", (40, 30), torch.float64, "cpu"), ("b", (5,), torch.float64, "cpu")], 2.0,
+    sums = sums_mod.initial_sums([("a", (40, 30), torch.float64, "cpu"), ("b", (5,), torch.float64, "cpu")], 2.0,
                            torch.Generator().manual_seed(0))
     values = torch.cat([sums["a"].reshape(-1), sums["b"]])
     assert values.unique().numel() == values.numel() and 1.9 < float(values.std()) < 2.1
@@ -271,19 +272,19 @@ def test_sums_made_in_any_order_draw_the_noise_in_parameter_order():
     """The layers ask for their sums bottom layer first (after the backward let the others' activations go): each
     tensor is made when first asked for, every earlier parameter's first, so the draws do not depend on that order."""
     shapes = [(n, shape, torch.float64, "cpu") for n, shape in (("a", (3, 2)), ("b", (4,)), ("c", (2, 2)))]
-    want = dp.initial_sums(shapes, 1.5, torch.Generator().manual_seed(7))
-    lazy = dp.LazySums(shapes, 1.5, torch.Generator().manual_seed(7))
+    want = sums_mod.initial_sums(shapes, 1.5, torch.Generator().manual_seed(7))
+    lazy = sums_mod.LazySums(shapes, 1.5, torch.Generator().manual_seed(7))
     assert torch.equal(lazy["b"], want["b"]) and list(lazy) == ["a", "b"]  # "a" made first, "c" not yet
     got = lazy.complete()
     assert list(got) == ["a", "b", "c"] and type(got) is dict
     for n in want:
         assert torch.equal(got[n], want[n])
-    zeros = dp.LazySums(shapes, 0.0, None)  # no draws: each made alone; handed out unwritten once, to a writer
+    zeros = sums_mod.LazySums(shapes, 0.0, None)  # no draws: each made alone; handed out unwritten once, to a writer
     assert not zeros["c"].any() and list(zeros) == ["c"]
     b, unwritten = zeros.destination("b")
     assert unwritten and zeros.destination("b") == (b, False) and zeros.destination("c")[1] is False
     assert list(zeros.complete()) == ["a", "b", "c"] and not zeros.complete()["a"].any()
-    noisy = dp.LazySums(shapes, 1.0, torch.Generator().manual_seed(0))
+    noisy = sums_mod.LazySums(shapes, 1.0, torch.Generator().manual_seed(0))
     assert noisy.destination("a")[1] is False  # noise in it: always added to
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz.derived import dp
+from pergrad_viz.derived import sums as sums_mod
 
 
 def test_poisson_batches_are_seeded_independent_and_of_rate_q():
@@ -91,7 +91,7 @@ def test_accountant_refuses_bad_input(call, match):
 def test_noise_step_writes_noise_alone():
     model = nn.Linear(3, 2).double()
     pv.noise_step(model, 0.5, noise_multiplier=2.0, generator=torch.Generator().manual_seed(4), expected_batch_size=10)
-    sums = dp.initial_sums([(n, p.shape, p.dtype, p.device) for n, p in model.named_parameters()], 1.0,
+    sums = sums_mod.initial_sums([(n, p.shape, p.dtype, p.device) for n, p in model.named_parameters()], 1.0,
                            torch.Generator().manual_seed(4))
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, sums[n] / 10)
