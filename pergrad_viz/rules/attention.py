@@ -31,6 +31,10 @@ from pergrad_viz.rules.linear import token_outer_sum
 from pergrad_viz.rules.registry import Captured, register_call, register_linear_views
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+_PARAMETERS = tuple(_SIGNATURE.parameters.values())[1:]  # after self: all positional-or-keyword
+_POSITION = {p.name: k for k, p in enumerate(_PARAMETERS)}
+_DEFAULTS = tuple(p.default for p in _PARAMETERS)
+_SIMPLE = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in _PARAMETERS)
 
 
 @dataclass
@@ -61,6 +65,16 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def bind(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> tuple:
     """The call's eight arguments in forward's order, defaults filled in: (query, key, value, key_padding_mask,
     need_weights, attn_mask, average_attn_weights, is_causal)."""
+    if _SIMPLE and len(args) <= len(_PARAMETERS):  # by hand: inspect's bind took ~30 us a call
+        values = [*args, *_DEFAULTS[len(args):]]
+        for name, value in kwargs.items():
+            k = _POSITION.get(name, -1)
+            if k < len(args):  # unknown, or given twice: inspect raises the TypeError
+                break
+            values[k] = value
+        else:
+            if not any(v is inspect.Parameter.empty for v in values):
+                return tuple(values)
     bound = _SIGNATURE.bind(module, *args, **kwargs)
     bound.apply_defaults()
     return tuple(bound.arguments.values())[1:]

@@ -176,7 +176,9 @@ def grams_fit(aa: torch.Tensor, gg: torch.Tensor, width_a: int, width_g: int) ->
     if max(top_a) * max(top_g) * tokens * tokens > info.max / 16:
         return False
     low = info.tiny / info.eps
-    return all(v == 0 or v >= width_a * low for v in top_a) and all(v == 0 or v >= width_g * low for v in top_g)
+    # every nonzero entry at least width * low (filter(None, ...) drops the zeros; no loop in Python)
+    return min(filter(None, top_a), default=math.inf) >= width_a * low \
+        and min(filter(None, top_g), default=math.inf) >= width_g * low
 
 
 def _gram_cost(width_in: int, width_out: int, tokens: int, y_count: int, pairs: int) -> tuple[int, int]:

@@ -257,3 +257,26 @@ def test_a_failing_forward_leaves_no_capturing_forward_behind() -> None:
     with pytest.raises(RuntimeError, match="boom after the attention"):
         pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_bind_fills_arguments_as_inspect_does_and_refuses_what_it_refuses() -> None:
+    import inspect
+
+    module = nn.MultiheadAttention(E, H)
+    q, mask = torch.zeros(L, B, E), torch.zeros(L, L)
+    signature = inspect.signature(nn.MultiheadAttention.forward)
+
+    def by_inspect(args, kwargs):
+        bound = signature.bind(module, *args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())[1:]
+
+    for args, kwargs in [((q, q, q), {}), ((q, q, q, None, False), {}), ((q,), {"key": q, "value": q}),
+                         ((q, q, q), {"attn_mask": mask, "need_weights": False, "is_causal": True}),
+                         ((q, q, q, None, True, mask, False, True), {})]:
+        got, want = bind(module, args, kwargs), by_inspect(args, kwargs)
+        assert len(got) == len(want) == 8 and all(a is b for a, b in zip(got, want, strict=True))
+    for args, kwargs in [((q, q), {}), ((q, q, q), {"query": q}), ((q, q, q), {"mask": mask}),
+                         ((q,) * 9, {})]:
+        with pytest.raises(TypeError):
+            bind(module, args, kwargs)
