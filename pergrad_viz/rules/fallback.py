@@ -74,6 +74,9 @@ def per_sample_vjp(module: nn.Module, inputs: tuple[tuple, dict], in_dims: tuple
             return {n: g.unsqueeze(0) for n, g in pullback(tuple(c[0] for c in cots))[0].items()}
         return vmap(pullback)(tuple(cots))[0]  # over the N rows: {name: (N, *shape)}
 
+    if all(d is None for d in in_dims):  # no input holds the samples, the output does (``code.repeat(B, 1)``)
+        _masked(layer, params, tensors, cotangents, cot_dims, out)
+        return
     key = _signature(module, tensors, in_dims, cotangents, out_dims, differentiable, out)
     verdicts = _ELEMENTWISE.setdefault(module, {})
     if key is not None and verdicts.get(key) and _expanded(layer, params, tensors, cotangents, out):
@@ -170,3 +173,21 @@ def _loop(layer, params, tensors, in_dims, cotangents, cot_dims, out) -> None:
                         t[row, b].zero_()
                     else:
                         t[row, b].copy_(g)
+
+
+def _masked(layer, params, tensors, cotangents, cot_dims, out) -> None:
+    """A layer whose inputs hold no samples but whose outputs do (a positional code made from the image size and
+    repeated B times: a replay of one sample would give all B rows): its call replayed once, whole; sample b's
+    gradient the vector-Jacobian product of its own rows of the output gradients, every other sample's zero (sample
+    b's loss reaches the layer's output through its rows alone)."""
+    n, batch = next(iter(out.values())).shape[:2]
+    _, pullback = vjp(lambda p: layer(p, tensors), params)  # its pullback may be called again and again
+    for b in range(batch):
+        cots = []
+        for c, d in zip(cotangents, cot_dims, strict=True):
+            own = torch.zeros_like(c)
+            own.select(d, b).copy_(c.select(d, b))
+            cots.append(own)
+        grads = vmap(pullback)(tuple(cots))[0] if n > 1 else pullback(tuple(c[0] for c in cots))[0]
+        for name, t in out.items():
+            t[:, b].copy_(grads[name].reshape(t[:, b].shape))

@@ -107,3 +107,43 @@ def test_one_sample_decides_nothing(monkeypatch):
     x, y = _data(1)
     _close(pv.per_sample_grads(model, loss, x, y, strategy="hooks"), ref_grads(model, loss, x, y))
     assert not fallback._ELEMENTWISE.get(layer)
+
+
+class PositionCode(nn.Module):
+    """A code made from the sequence length alone and repeated for every sample (XCiT's positional encoding): its
+    call holds no samples in its inputs (two ints), only in its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 6, dtype=DT)
+
+    def forward(self, batch: int, length: int):
+        grid = torch.linspace(-1, 1, length * 4, dtype=DT).view(1, length, 4)
+        return torch.tanh(self.proj(grid)).repeat(batch, 1, 1)
+
+
+class Coded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(5, 6, dtype=DT)
+        self.code = PositionCode()
+        self.head = nn.Linear(6, 2, dtype=DT)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.enc(x) + self.code(x.shape[0], x.shape[1])).mean(1))
+
+
+def test_a_layer_whose_inputs_hold_no_samples_gives_each_sample_its_own_rows_gradient(monkeypatch):
+    torch.manual_seed(4)
+    model, x, y = Coded(), torch.randn(3, 7, 5, dtype=DT), torch.randn(3, 2, dtype=DT)
+    loss = nn.MSELoss(reduction="sum")
+    masked, calls = fallback._masked, []
+    monkeypatch.setattr(fallback, "_masked", lambda *a: calls.append(1) or masked(*a))
+    _close(pv.per_sample_grads(model, loss, x, y, strategy="hooks", verify=False), ref_grads(model, loss, x, y))
+    _close(pv.per_sample_jacobian(model, x, strategy="hooks", verify=False), ref_jacobian(model, x))
+    want = ref_grads(model, loss, x, y)
+    c = (1.0 / (torch.cat([g.reshape(3, -1) for g in want.values()], 1).norm(dim=1) + 1e-6)).clamp(max=1.0)
+    got = pv.clipped_grad_sum(model, loss, x, y, 1.0, strategy="hooks", verify=False)  # book-keeping, this layer's rows
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], torch.einsum("b,b...->...", c, w), rtol=1e-9, atol=1e-12)
+    assert len(calls) == 3  # the code's layer took the masked form: gradients, Jacobians, the clipped sum
