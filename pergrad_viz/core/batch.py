@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
+from pergrad_viz.core.norm_grads import contiguous_norm_grads
+
 Inputs = torch.Tensor | Sequence | Mapping
 
 
@@ -133,6 +135,9 @@ class Batch:
         return self.rows(slice(i, i + 1))
 
     def __call__(self, model: Callable) -> object:
+        if self.size == 1 and isinstance(model, torch.nn.Module):  # a batch of one: core/norm_grads.py
+            with contiguous_norm_grads(model):
+                return model(*self.args, **self.kwargs)
         return model(*self.args, **self.kwargs)
 
     def with_leaves(self, leaves: Sequence[torch.Tensor]) -> Batch:
