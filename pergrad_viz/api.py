@@ -114,9 +114,9 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
             return "torch_func" if usable else "loop"
     if strategy == "hooks":
         check_supported(trainable, inputs)
-    elif REGISTRY[strategy].batched_forward and inputs is not None:
-        interaction = plan_for(trainable, inputs).interaction
-        if interaction is not None:
+    elif inputs is not None and (strategy == "torch_func" or REGISTRY[strategy].batched_forward):
+        interaction = plan_for(trainable, inputs).interaction  # torch_func too: the probe refuses a stale graph
+        if interaction is not None and strategy != "torch_func":
             raise UnsupportedModelError(
                 f"the {strategy} strategy runs the model once on the whole batch, which cannot give each sample's "
                 f"own gradient here: {interaction}. Per-sample gradients are defined by each sample alone: use "

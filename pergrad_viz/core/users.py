@@ -58,6 +58,14 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
             and targets.shape[1] == 1 and ("target" in text or "multi-target" in text):
         return ("the targets have shape (B, 1): cross-entropy takes class indices of shape (B,); pass "
                 "targets.squeeze(1) (or targets.view(-1))")
+    if "backward through the graph a second time" in text:
+        return ("the model's forward reuses a tensor that an earlier forward computed from the parameters and kept "
+                "(a cache across calls, such as the attention_bias_cache of timm's LeViT and EfficientViT in eval "
+                "mode): that forward's backward freed its graph, and this call runs the model more than once (the "
+                "probe, the check, a sample at a time), so plain loss.backward() would fail the same way on its "
+                "second step. Make the forward compute such a tensor from the parameters every time (for those "
+                "timm models: type(m).get_attention_biases = lambda self, device: "
+                "self.attention_biases[:, self.attention_bias_idxs] for each module m that has it)")
     dtype_words = ("expected scalar type", "must have the same dtype", "found Long", "found Int", "dtype")
     ints = [name for name, t in inputs.named_leaves() if not t.is_floating_point() and not t.is_complex()]
     if ints and any(w in text for w in dtype_words):

@@ -1,6 +1,8 @@
 """The probe's runs (:mod:`pergrad_viz.engine.probe`): one forward pass with every module hooked, recording what each
 module saw and, on request, where the forward used each trainable parameter or first drew random numbers; and how
-two runs' tensors are compared (equal up to rounding, a tolerance per dtype)."""
+two runs' tensors are compared (equal up to rounding, a tolerance per dtype). The run that watches the parameters
+also refuses a forward that reaches one through a tensor made before the run (an autograd node with a smaller
+sequence number: a cache kept across calls), whose gradient no strategy can give (a freed graph; zeros under vmap)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pergrad_viz.core.batch import Batch, as_pytree
 from pergrad_viz.core.randomness import DispatchMode
 from pergrad_viz.core.tolerances import tolerance
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.errors import UndefinedPerSampleError
 
 
 def close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
@@ -147,9 +150,13 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
             if mode is None:
                 inputs(trainable.model)
             else:
+                start = _sequence_number()
                 with mode:
-                    inputs(trainable.model)
+                    output = inputs(trainable.model)
                 uses = mode.uses
+                stale = _stale_parameter(output, inputs, watch, start)
+                if stale is not None:
+                    raise _stale_error(stale)
     finally:
         for h in handles:
             h.remove()
@@ -168,3 +175,41 @@ def first_difference(first: Record, second: Record) -> str | None:
             if same(ins, ins2) and not same(outs, outs2):
                 return name
     return None
+
+
+def _sequence_number() -> int:
+    """The autograd sequence number the next operation of this thread gets: nodes made later have larger ones."""
+    with torch.enable_grad():
+        return torch.zeros((), requires_grad=True).neg().grad_fn._sequence_nr() + 1
+
+
+def _stale_parameter(output: object, inputs: Batch, watch: dict[int, str], start: int) -> str | None:
+    """The trainable parameter (name) the output reaches through an autograd node made before this forward began
+    (sequence number below ``start``): a tensor computed from it in an earlier pass and kept, not through the
+    inputs' own history; None where there is none."""
+    stop = {id(t.grad_fn) for t in inputs.leaves() if t.grad_fn is not None}
+    seen: set[int] = set()
+    stack = [(t.grad_fn, False) for t in tensors_of(output) if t.grad_fn is not None]
+    while stack:
+        node, old = stack.pop()
+        if node is None or id(node) in stop or (id(node), old) in seen:
+            continue
+        seen.add((id(node), old))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            if old and id(variable) in watch:
+                return watch[id(variable)]
+            continue
+        old = old or node._sequence_nr() < start
+        stack.extend((child, old) for child, _ in node.next_functions)
+    return None
+
+
+def _stale_error(name: str) -> UndefinedPerSampleError:
+    return UndefinedPerSampleError(
+        f"the forward reaches the trainable parameter '{name}' through a tensor computed from it before this forward "
+        "pass and kept (a cache across calls, such as the attention_bias_cache of timm's LeViT and EfficientViT in "
+        "eval mode, or a tensor derived from the parameter once, at construction): its gradient would come from that "
+        "earlier pass's graph (freed after its backward, or left out by torch.func, which gives zeros). Make the "
+        "forward compute the tensor from the parameter every time (for those timm models: type(m).get_attention_biases "
+        "= lambda self, device: self.attention_biases[:, self.attention_bias_idxs] for each module m that has it)")

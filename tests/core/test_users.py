@@ -63,3 +63,45 @@ def test_the_package_own_errors_keep_their_messages_and_no_note():
         pv.per_sample_grads(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)), nn.MSELoss(), torch.randn(4, 4),
                             torch.randn(4, 2))
     assert "eval" in str(info.value) and not _notes(info.value)
+
+
+class CachedBias(nn.Module):
+    """Keeps a tensor computed from its parameter across calls in eval mode (timm's LeViT attention_bias_cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.table = nn.Parameter(torch.randn(3))
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x):
+        if self.training:
+            return self.fc(x) + self.table.exp()
+        if "bias" not in self.cache:
+            self.cache["bias"] = self.table.exp()  # ExpBackward keeps its result: freed by a backward
+        return self.fc(x) + self.cache["bias"]
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "torch_func", "loop"])
+@pytest.mark.parametrize("call", ["per_sample_grads", "clipped_grad_sum"])
+def test_a_tensor_cached_across_forwards_is_refused_naming_the_fix(call, strategy):
+    """torch.func gave zeros for the cached parameter before (the cache holds the parameter's own graph, not the
+    functional one's), and the loop autograd's error of a second backward through a freed graph."""
+    torch.manual_seed(0)
+    model, x, y = CachedBias().eval(), torch.randn(6, 4), torch.randint(0, 3, (6,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    args = (1.0,) if call == "clipped_grad_sum" else ()
+    with pytest.raises((pv.errors.UndefinedPerSampleError, RuntimeError)) as info:
+        getattr(pv, call)(model, loss, x, y, *args, strategy=strategy)
+    text = str(info.value) + _notes(info.value)
+    assert "table" in text or "freed" in text
+    assert "get_attention_biases" in text and "every time" in text
+
+
+def test_a_tensor_derived_in_this_forward_is_not_refused():
+    torch.manual_seed(0)
+    model, x, y = CachedBias().train(), torch.randn(6, 4), torch.randint(0, 3, (6,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    got = pv.per_sample_grads(model, loss, x, y)["table"]
+    want = torch.stack([torch.autograd.grad(loss(model(x[i:i + 1]), y[i:i + 1]), [model.table])[0] for i in range(6)])
+    torch.testing.assert_close(got, want)
