@@ -115,5 +115,5 @@ def _norms(grads: Grads) -> torch.Tensor:
                 f"({first.shape[0]}, ...) {first.dtype} on {first.device}: every entry needs the same samples "
                 "first, one dtype and one device (as per_sample_grads returns them)"
             )
-    squared = torch.stack([g.reshape(g.shape[0], -1).square().sum(1) for g in grads.values()])
+    squared = torch.stack([torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square() for g in grads.values()])
     return squared.sum(0).sqrt()

@@ -147,7 +147,7 @@ def _correlated(module, x, g) -> torch.Tensor:
     """(B,) squared norms of the per-sample weight gradients (B, C_out, C_in, *k): one correlation."""
     w = _correlate(x.unsqueeze(0), g.unsqueeze(0), 1, module.kernel_size, module.stride, module.dilation,
                    (0,) * len(module.kernel_size))
-    return w.reshape(x.shape[0], -1).square().sum(1)
+    return torch.linalg.vector_norm(w.reshape(x.shape[0], -1), dim=1).square()  # no squared copy
 
 
 def _pixel_gram(module, x, g, kernel: tuple[int, int]) -> torch.Tensor:

@@ -136,7 +136,7 @@ class LinearGhost:
             if gram_is_cheaper(tokens, a.shape[-1] * g.shape[-1]):
                 weight = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2)).clamp_min(0)
             else:  # (B, out, in), this layer only
-                weight = torch.bmm(g.mT, a).square().sum((1, 2))
+                weight = torch.linalg.vector_norm(torch.bmm(g.mT, a).flatten(1), dim=1).square()  # no squared copy
             result["weight"] = weight if scale is None else weight * scale
         if "bias" in local:
             bias = g.sum(1).square().sum(1)
