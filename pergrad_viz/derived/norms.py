@@ -49,6 +49,7 @@ from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.probe import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
+from pergrad_viz.rules.linear import gram_is_faster
 from pergrad_viz.rules.registry import row_norms, sample_scaled
 from pergrad_viz.strategies import working_bytes
 
@@ -303,10 +304,11 @@ def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
 
 def _linear_temporaries(seen_first) -> int:
     """Bytes per sample of a Linear's norms computed as they are (``pergrad_viz.rules.products_fit``): two (T, T)
-    Gram matrices, or its (out, in) gradient where that is smaller."""
+    Gram matrices, or its (out, in) gradient where that is faster (``gram_is_faster``)."""
     a, g = seen_first[0]
     tokens = sum(a[0].numel() // a.shape[-1] for a, _ in seen_first)
-    cells = min(2 * tokens * tokens, a.shape[-1] * g.shape[-1])
+    gram = gram_is_faster(tokens, a.shape[-1], g.shape[-1])
+    cells = 2 * tokens * tokens if gram else a.shape[-1] * g.shape[-1]
     return cells * g.element_size()
 
 

@@ -257,10 +257,10 @@ def test_padding_rows_and_all_padding_sample():
 @pytest.mark.parametrize("shape", [(3, 8, 8), (6, 3, 4)], ids=["T3_8x8", "T6_3x4"])
 def test_linear_on_tokens_both_branches(shape, gram, monkeypatch):
     tokens_, d_in, d_out = shape
-    # The natural choice: Gram matrices for T=3 and an 8x8 layer (9 < 64), the layer's gradient for T=6, 3x4.
-    assert linear_rules.gram_is_cheaper(tokens_, d_in * d_out) == (tokens_ == 3)
+    # The natural choice: Gram matrices for T=3 and an 8x8 layer (3 * 16 <= 64), the layer's gradient for T=6, 3x4.
+    assert linear_rules.gram_is_faster(tokens_, d_in, d_out) == (tokens_ == 3)
     taken = []
-    monkeypatch.setattr(linear_rules, "gram_is_cheaper", lambda t, p: taken.append(t) or gram)
+    monkeypatch.setattr(linear_rules, "gram_is_faster", lambda t, i, o: taken.append(t) or gram)
     model = SeqNet(d_in, d_out).double()
     x = torch.randn(5, tokens_, d_in, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     assert_norms(model, nn.CrossEntropyLoss(), x, torch.tensor([0, 1, 2, 1, 0]))

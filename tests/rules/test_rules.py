@@ -246,7 +246,7 @@ def test_conv_ghost_norms_equal_the_dense_rule(kw, gram, monkeypatch):
     conv_rules.conv(layer, x, g, out)
     ghost = ghost_rule_for(layer)
     assert ghost is conv_rules.ConvGhost
-    monkeypatch.setattr(linear_rules, "gram_is_cheaper", lambda tokens, params: gram)
+    monkeypatch.setattr(linear_rules, "gram_is_faster", lambda tokens, width_in, width_out: gram)
     a, gs = ghost.stack(layer, [(x, g)])
     got = ghost.squared_norms(layer, a, gs[0], set(out))
     for name, t in out.items():

@@ -110,3 +110,23 @@ def test_conv_ghost_norms_for_huge_samples():
     want, _ = _reference(a_cols, g_rows[0])
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize(("tokens", "width_in", "width_out", "gram"), [
+    (12, 16, 16, False),  # T^2 < in * out, yet T (in + out) > in * out: the (out, in) gradient is faster
+    (8, 16, 16, True),  # T (in + out) = in * out: the Grams
+    (4, 16, 48, True),
+])
+def test_linear_norms_take_the_faster_form_and_agree(tokens, width_in, width_out, gram, monkeypatch):
+    from pergrad_viz.rules import linear
+
+    assert linear.gram_is_faster(tokens, width_in, width_out) is gram
+    bmm, shapes = torch.bmm, []
+    monkeypatch.setattr(linear.torch, "bmm", lambda x, y: shapes.append(tuple(y.shape)) or bmm(x, y))
+    torch.manual_seed(5)
+    a, g = torch.randn(4, tokens, width_in), torch.randn(4, tokens, width_out)
+    got = LinearGhost.squared_norms(None, a, g, {"weight": "w", "bias": "b"})
+    assert (shapes[0][-1] == tokens) is gram  # a Gram's (B, in, T) operand, or the gradient's (B, T, in)
+    want_w, want_b = _reference(a, g)
+    torch.testing.assert_close(got["weight"].double(), want_w, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got["bias"].double(), want_b, rtol=1e-5, atol=0)
