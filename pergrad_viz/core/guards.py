@@ -34,6 +34,13 @@ REENTRANT_CHECKPOINT = (
     "use_reentrant=False), or for a Hugging Face model model.gradient_checkpointing_enable("
     "gradient_checkpointing_kwargs={'use_reentrant': False}); or turn it off (model.gradient_checkpointing_disable())")
 
+# A forward that reuses a tensor computed from a parameter in an earlier pass: the fix, in the probe's refusal
+# (engine/observe.py) and in the note on autograd's own error where that is what the user sees (core/users.py).
+KEPT_TENSOR_FIX = (
+    "Make the forward compute such a tensor from the parameters every time (for timm's LeViT and EfficientViT, "
+    "which keep attention_bias_cache in eval mode: type(m).get_attention_biases = lambda self, device: "
+    "self.attention_biases[:, self.attention_bias_idxs] for each module m that has it)")
+
 
 def check_takes_part(trainable: Trainable, result: torch.Tensor, what: str = "loss") -> None:
     """Refuse a call in which no trainable parameter takes part: ``result`` (the loss, or the model output of a

@@ -14,6 +14,7 @@ import types
 import torch
 
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.guards import KEPT_TENSOR_FIX
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../pergrad_viz/
 _TRANSFORMS = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_functorch") + os.sep  # vmap's frames
@@ -63,9 +64,7 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
                 "(a cache across calls, such as the attention_bias_cache of timm's LeViT and EfficientViT in eval "
                 "mode): that forward's backward freed its graph, and this call runs the model more than once (the "
                 "probe, the check, a sample at a time), so plain loss.backward() would fail the same way on its "
-                "second step. Make the forward compute such a tensor from the parameters every time (for those "
-                "timm models: type(m).get_attention_biases = lambda self, device: "
-                "self.attention_biases[:, self.attention_bias_idxs] for each module m that has it)")
+                f"second step. {KEPT_TENSOR_FIX}")
     dtype_words = ("expected scalar type", "must have the same dtype", "found Long", "found Int", "dtype")
     ints = [name for name, t in inputs.named_leaves() if not t.is_floating_point() and not t.is_complex()]
     if ints and any(w in text for w in dtype_words):

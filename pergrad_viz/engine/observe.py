@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from pergrad_viz.core.batch import Batch, as_pytree
+from pergrad_viz.core.guards import KEPT_TENSOR_FIX
 from pergrad_viz.core.randomness import DispatchMode
 from pergrad_viz.core.tolerances import tolerance
 from pergrad_viz.core.trainable import Trainable
@@ -210,6 +211,5 @@ def _stale_error(name: str) -> UndefinedPerSampleError:
         f"the forward reaches the trainable parameter '{name}' through a tensor computed from it before this forward "
         "pass and kept (a cache across calls, such as the attention_bias_cache of timm's LeViT and EfficientViT in "
         "eval mode, or a tensor derived from the parameter once, at construction): its gradient would come from that "
-        "earlier pass's graph (freed after its backward, or left out by torch.func, which gives zeros). Make the "
-        "forward compute the tensor from the parameter every time (for those timm models: type(m).get_attention_biases "
-        "= lambda self, device: self.attention_biases[:, self.attention_bias_idxs] for each module m that has it)")
+        "earlier pass's graph (freed after its backward, or left out by torch.func, which gives zeros). "
+        + KEPT_TENSOR_FIX)
