@@ -182,12 +182,12 @@ def _masked(layer, params, tensors, cotangents, cot_dims, out) -> None:
     b's loss reaches the layer's output through its rows alone)."""
     n, batch = next(iter(out.values())).shape[:2]
     _, pullback = vjp(lambda p: layer(p, tensors), params)  # its pullback may be called again and again
+    cots = [torch.zeros_like(c) for c in cotangents]  # one buffer each: sample b's rows in, then out again
     for b in range(batch):
-        cots = []
-        for c, d in zip(cotangents, cot_dims, strict=True):
-            own = torch.zeros_like(c)
+        for own, c, d in zip(cots, cotangents, cot_dims, strict=True):
             own.select(d, b).copy_(c.select(d, b))
-            cots.append(own)
         grads = vmap(pullback)(tuple(cots))[0] if n > 1 else pullback(tuple(c[0] for c in cots))[0]
         for name, t in out.items():
             t[:, b].copy_(grads[name].reshape(t[:, b].shape))
+        for own, d in zip(cots, cot_dims, strict=True):
+            own.select(d, b).zero_()
