@@ -50,7 +50,7 @@ from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_nam
 from pergrad_viz.engine.probe import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
 from pergrad_viz.rules.linear import gram_is_faster
-from pergrad_viz.rules.registry import row_norms, sample_scaled
+from pergrad_viz.rules.registry import products_fit, row_norms, sample_maxima, sample_scaled
 from pergrad_viz.strategies import working_bytes
 
 
@@ -226,16 +226,32 @@ def tied_squared_norms(parts: Sequence[TiedPart]) -> torch.Tensor:
     right_ls)`` per sample (an output Linear tied to an Embedding: the Linear's output gradient gathered at the
     token ids). O(B T_k T_l (rows + cols)) work, (B, T_k, T_l) memory."""
     total = sum(own for _, _, own in parts)
-    scaled = []
-    for left, right, own in parts:  # per sample: the products below neither overflow nor underflow on their own
-        left, sl = sample_scaled(left) if left.is_floating_point() else (left, torch.ones_like(own))
-        right, sr = sample_scaled(right)
-        scaled.append((left, right, sl * sr))
+    scaled = _scaled_parts(parts)
     for k, (left1, right1, s1) in enumerate(scaled):
         for left2, right2, s2 in scaled[k + 1:]:
             cross = (_left_gram(left1, left2, right1.dtype) * torch.bmm(right1, right2.mT)).sum((1, 2))
-            total = total + 2 * cross * (s1 * s2)
+            total = total + 2 * (cross if s1 is None else cross * (s1 * s2))
     return total.clamp_min(0)
+
+
+def _scaled_parts(parts: Sequence[TiedPart]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """The parts' factors (left, right, scale (B,) or None) for the cross terms: as they are where every cross
+    term's products fit (``products_fit`` on every part's per-sample maxima, a one-hot left's being 1; CPUs only,
+    a host read), else each factor scaled per sample, so that the products neither overflow nor underflow on their
+    own (on a tied GPT-2's output gradients, (32, 32, 1000), the scaling was a division pass over them)."""
+    lefts = [sample_maxima(left) if left.is_floating_point() else torch.ones_like(own) for left, _, own in parts]
+    rights = [sample_maxima(right) for _, right, _ in parts]
+    tokens = max(left.shape[1] for left, _, _ in parts)
+    width = max(left.shape[-1] if left.is_floating_point() else 1 for left, _, _ in parts)
+    terms = tokens * tokens * width * max(right.shape[-1] for _, right, _ in parts)
+    if products_fit(torch.cat(lefts), torch.cat(rights), terms):
+        return [(left, right, None) for left, right, _ in parts]
+    result = []
+    for (left, right, own), sl, sr in zip(parts, lefts, rights, strict=True):
+        left, sl = sample_scaled(left, sl) if left.is_floating_point() else (left, torch.ones_like(own))
+        right, sr = sample_scaled(right, sr)
+        result.append((left, right, sl * sr))
+    return result
 
 
 def dense_part(g: torch.Tensor, own: torch.Tensor) -> TiedPart:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from pergrad_viz.derived import norms
 from pergrad_viz.rules.conv import ConvGhost
 from pergrad_viz.rules.linear import LinearGhost, grams_fit
 from pergrad_viz.rules.registry import products_fit, sample_maxima
@@ -130,3 +131,33 @@ def test_linear_norms_take_the_faster_form_and_agree(tokens, width_in, width_out
     want_w, want_b = _reference(a, g)
     torch.testing.assert_close(got["weight"].double(), want_w, rtol=1e-5, atol=0)
     torch.testing.assert_close(got["bias"].double(), want_b, rtol=1e-5, atol=0)
+
+
+def _tied_parts(scale_left: float, scale_right: float):
+    """Two factor parts (left (B, T, R), right (B, T, C)) and a one-hot part (ids (B, T), rows (B, T, C)) of one
+    (R, C) weight in float32, sample 1's factors scaled (its per-sample gradients unchanged); with the float64 norm
+    of their sum."""
+    g = torch.Generator().manual_seed(3)
+    factors = [(torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 6, generator=g)) for _ in range(2)]
+    ids, rows = torch.randint(0, 5, (3, 7), generator=g), torch.randn(3, 7, 6, generator=g)
+    for left, right in factors:
+        left[1] *= scale_left
+        right[1] *= scale_right
+    grads = [torch.einsum("btr,btc->brc", left.double(), right.double()) for left, right in factors]
+    dense = torch.zeros(3, 5, 6, dtype=torch.float64)
+    for b in range(3):
+        dense[b].index_add_(0, ids[b], rows[b].double())
+    parts = [(left, right, w.square().sum((1, 2)).float()) for (left, right), w in zip(factors, grads, strict=True)]
+    parts.append((ids, rows, dense.square().sum((1, 2)).float()))
+    return parts, (grads[0] + grads[1] + dense).square().sum((1, 2))
+
+
+@pytest.mark.parametrize(("scale_left", "scale_right", "plain"), [
+    (1.0, 1.0, True),
+    (1e20, 1e-20, False),  # huge left factors, tiny right ones: the left Gram overflows, the right one underflows
+    (1e-21, 1e21, False),
+])
+def test_tied_cross_terms_as_they_are_only_where_they_fit(scale_left, scale_right, plain):
+    parts, want = _tied_parts(scale_left, scale_right)
+    assert all((s is None) is plain for *_, s in norms._scaled_parts(parts))
+    torch.testing.assert_close(norms.tied_squared_norms(parts).double(), want, rtol=1e-4, atol=0.0)
