@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad_viz.rules.normalization import layer_norm, per_channel, running_normalised
+from pergrad_viz.rules.normalization import layer_norm, layer_normalised, per_channel, running_normalised
 from pergrad_viz.rules.registry import register
 
 PATHS = ("timm.layers.norm.LayerNorm", "timm.layers.norm.LayerNorm2d", "timm.layers.norm_act.BatchNormAct2d",
@@ -54,7 +54,7 @@ def timm_layer_norm(module: nn.Module, activation: torch.Tensor, grad_output: to
 def layer_norm_2d(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tensor,
                   out: dict[str, torch.Tensor]) -> None:
     """activation (B, C, H, W) normalised over C at each position; grad_output (N, B, C, H, W)."""
-    xhat = F.layer_norm(activation.permute(0, 2, 3, 1), module.normalized_shape, eps=module.eps)
+    xhat = layer_normalised(activation.permute(0, 2, 3, 1), torch.Size(module.normalized_shape), module.eps)
     per_channel(xhat.permute(0, 3, 1, 2), grad_output, out)
 
 
