@@ -247,8 +247,9 @@ def _scaled_parts(parts: Sequence[TiedPart]) -> list[tuple[torch.Tensor, torch.T
     if products_fit(torch.cat(lefts), torch.cat(rights), terms):
         return [(left, right, None) for left, right, _ in parts]
     result = []
-    for (left, right, own), sl, sr in zip(parts, lefts, rights, strict=True):
-        left, sl = sample_scaled(left, sl) if left.is_floating_point() else (left, torch.ones_like(own))
+    for (left, right, _), sl, sr in zip(parts, lefts, rights, strict=True):
+        if left.is_floating_point():  # a one-hot left stays as it is, its scale the ones above
+            left, sl = sample_scaled(left, sl)
         right, sr = sample_scaled(right, sr)
         result.append((left, right, sl * sr))
     return result
