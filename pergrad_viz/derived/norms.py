@@ -14,8 +14,8 @@ outputs, then, per layer:
 * ``nn.Embedding``: the rows a sample touches, summed per (sample, token) with ``index_add`` and squared:
   O(B T D) work and memory, never the (B, V, D) gradient (``padding_idx`` rows are zero);
 * ``nn.Conv1d`` / ``nn.Conv2d`` (groups=1): as a Linear from each patch's C_in * k values to C_out at the L
-  output positions (the Gram form when ``L * L`` is the cheaper), from the input's pixels or one correlation where
-  that is cheaper than im2col (``GhostRule.direct_norms``);
+  output positions (the Gram form when ``L * L`` is the cheaper, from the input's pixels where that is cheaper than
+  im2col: ``GhostRule.direct_norms``);
 * every ghost layer a few samples at a time, its temporaries within a budget (:func:`ghost_squared_norms`);
 * every other layer (closed-form rules: norms, recurrent, attention; the per-layer fallback): that layer's
   per-sample gradient (B, *param.shape) from its rule, summed over calls, then its norm. Still never the
@@ -297,7 +297,7 @@ def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
     held = sum(a.nbytes + g.nbytes for a, g in seen_first)
     per_sample, budget = held // batch, max(NORM_BYTES, held // NORM_PARTS)  # the scaled copies of a and g
     direct = ghost.direct_bytes(module, seen_first) if hasattr(ghost, "direct_bytes") else None
-    if direct is not None:  # a convolution's pixels' Gram or correlation
+    if direct is not None:  # a convolution's pixels' Gram
         per_sample, budget = direct, max(COLUMNS_BYTES, held)
     elif ghost.kind == "linear" and seen_first[0][0].device.type == "cpu":
         per_sample = _linear_temporaries(seen_first)  # scaled copies only where values are extreme (products_fit)
