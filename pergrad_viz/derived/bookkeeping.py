@@ -43,7 +43,7 @@ from pergrad_viz.derived.sums import LazySums
 from pergrad_viz.engine.capture import Call, Layer, capture
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.probe import LayerKind
-from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for, writes_fresh
+from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
@@ -57,31 +57,6 @@ def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups) -> dict[st
         c = (bound / (norm + EPS)).clamp(max=1.0)
         factors.update(dict.fromkeys(names, c))
     return factors
-
-
-def _add_weighted(sums: LazySums, name: str, g: torch.Tensor, c: torch.Tensor) -> None:
-    """sums[name] (*shape) += sum_i c_i g_i of a (B, *shape) per-sample gradient, one ``addmm_`` into it (written,
-    not added, where ``sums.destination`` hands it out unwritten)."""
-    dest, fresh = sums.destination(name)
-    dest.view(1, -1).addmm_(c.to(g.dtype).unsqueeze(0), g.reshape(g.shape[0], -1), beta=0 if fresh else 1)
-
-
-def _into(rule: Callable, module, seen, weights: dict[str, torch.Tensor], names: Mapping[str, str],
-          sums: LazySums) -> None:
-    """A weighted-sum rule's share added into ``sums`` ({full name: (*shape)}, ``names``: the rule's local names'
-    full ones): the tensors ``sums.destination`` hands out unwritten are the rule's to write
-    (``pergrad_viz.rules.writes_fresh``), or zeroed first for a rule that only adds."""
-    out, fresh = {}, []
-    for ln, name in names.items():
-        out[ln], new = sums.destination(name)
-        if new:
-            fresh.append(ln)
-    if writes_fresh(rule):
-        rule(module, seen, weights, out, fresh)
-        return
-    for ln in fresh:
-        out[ln].zero_()
-    rule(module, seen, weights, out)
 
 
 # One layer's share of the clipped sum once the clip factors {full name: (B,)} are known, added into the sums
@@ -155,7 +130,7 @@ class _Book:
             self.parts.setdefault(name, []).append(part)
 
         def share(factors: Mapping[str, torch.Tensor], sums: LazySums) -> None:
-            _into(rule, module, seen_first, {ln: factors[n] for ln, n in local.items()}, local, sums)
+            sums.add_share(rule, module, seen_first, {ln: factors[n] for ln, n in local.items()}, local)
 
         return squared, share
 
@@ -187,7 +162,7 @@ def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumO
 
     def share(factors: Mapping[str, torch.Tensor], sums: LazySums) -> None:
         for a, g, full in pairs:
-            _into(linear_weighted_sum, None, [(a, g)], {r: factors[n] for r, n in full.items()}, full, sums)
+            sums.add_share(linear_weighted_sum, None, [(a, g)], {r: factors[n] for r, n in full.items()}, full)
 
     return squared, share
 
@@ -376,7 +351,7 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
                     book.shares.pop()(factors, sums)
                 while book.dense:
                     name, g = book.dense.pop()
-                    _add_weighted(sums, name, g, factors[name])
+                    sums.add_weighted(name, g, factors[name])
             del book
     return sums, squared
 
@@ -395,6 +370,6 @@ def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_f
         factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)
         with torch.no_grad():
             for name, g in grads.items():
-                _add_weighted(sums, name, g, factors[name])
+                sums.add_weighted(name, g, factors[name])
         del grads
     return squared

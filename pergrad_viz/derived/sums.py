@@ -5,8 +5,11 @@ order all the same), and without noise handed out unwritten to a writer that fil
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Mapping
 
 import torch
+
+from pergrad_viz.rules import writes_fresh
 
 
 class LazySums(dict):
@@ -48,6 +51,29 @@ class LazySums(dict):
             t = self[name] = torch.empty(shape, dtype=dtype, device=device)
             return t, True
         return self[name], False
+
+    def add_weighted(self, name: str, g: torch.Tensor, c: torch.Tensor) -> None:
+        """self[name] (*shape) += sum_i c_i g_i of a (B, *shape) per-sample gradient and c (B,), one ``addmm_`` into
+        it (written, not added, where :meth:`destination` hands it out unwritten)."""
+        dest, fresh = self.destination(name)
+        dest.view(1, -1).addmm_(c.to(g.dtype).unsqueeze(0), g.reshape(g.shape[0], -1), beta=0 if fresh else 1)
+
+    def add_share(self, rule: Callable, module, seen, weights: dict[str, torch.Tensor],
+                  names: Mapping[str, str]) -> None:
+        """A weighted-sum rule's share added in (``names``: the rule's local names' full ones): the tensors
+        :meth:`destination` hands out unwritten are the rule's to write (``pergrad_viz.rules.writes_fresh``), or
+        zeroed first for a rule that only adds."""
+        out, fresh = {}, []
+        for ln, name in names.items():
+            out[ln], new = self.destination(name)
+            if new:
+                fresh.append(ln)
+        if writes_fresh(rule):
+            rule(module, seen, weights, out, fresh)
+            return
+        for ln in fresh:
+            out[ln].zero_()
+        rule(module, seen, weights, out)
 
     def complete(self) -> dict[str, torch.Tensor]:
         """Every parameter's tensor made; a plain dict in parameter order."""
