@@ -8,8 +8,11 @@ Memory: each layer is booked as soon as the backward has given all its output gr
 layer output; autograd is asked only for the outputs below which no other layer lies, so that it holds no other
 gradient): its norms are taken then, and only what its share of the sum needs is kept, (a, g) for a layer with a
 weighted-sum rule (``pergrad_viz.rules.register_weighted_sum``), its per-sample gradients (B, *shape) for the others
-(a LayerNorm's (B, D)); its outputs, output gradients and a convolution's columns are let go, as plain training
-lets them go. A layer's stacked form (a convolution's columns) is built a few samples at a time.
+(a LayerNorm's (B, D)) and for a layer whose norm would form them anyway while they hold no more numbers than its
+(a, g) (``GhostRule.instantiates``: a ViT's Linears on 197 tokens, LoRA adapters, an RGB stem), which are then
+added in with one ``addmm_`` instead of the share's T-fold product; its outputs, output gradients and a
+convolution's columns are let go, as plain training lets them go. A layer's stacked form (a convolution's columns)
+is built a few samples at a time.
 
 A weight tied between layers (GPT-2's embedding and output layer) keeps each layer's own form: its squared norm is
 the sum of the layers' own plus twice their cross inner products (:func:`pergrad_viz.derived.norms.
@@ -114,6 +117,9 @@ class _Book:
             return None
         module, local = layer.module, layer.local
         seen_first = [(call.activation, call.rule_grad(gs[0])[0]) for call, gs in seen]
+        cheaper = getattr(ghost, "instantiates", None)
+        if cheaper is not None and self.tied.isdisjoint(local.values()) and cheaper(module, seen_first):
+            return None  # its per-sample gradients are the cheaper (a ViT's layers on 197 tokens, LoRA adapters)
         own = ghost_squared_norms(ghost, module, seen_first, local)
         squared = {}
         for ln, sq in own.items():

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad_viz.rules.linear import LinearGhost, gram_is_cheaper
+from pergrad_viz.rules.linear import LinearGhost, gram_is_cheaper, instantiating_is_cheaper
 from pergrad_viz.rules.registry import (
     join_positions,
     register,
@@ -126,6 +126,14 @@ class ConvGhost(LinearGhost):
     @staticmethod
     def direct_norms(module, seen, local):
         return _direct_norms(module, *seen[0], local)
+
+    @staticmethod
+    def instantiates(module, seen):
+        if len(seen) != 1:
+            return False
+        x, g = seen[0]  # a Linear from the C_in * k values of each patch (ResNet-18's RGB stem on 32 x 32 images)
+        return instantiating_is_cheaper(g[0, 0].numel(), module.weight[0].numel(), module.out_channels, x.shape[0],
+                                        module.weight.numel(), x.numel() + g.numel())
 
     @staticmethod
     def factors(module, a, g):

@@ -101,6 +101,18 @@ def gram_is_faster(tokens: int, width_in: int, width_out: int) -> bool:
     return tokens * (width_in + width_out) <= width_in * width_out
 
 
+def instantiating_is_cheaper(tokens: int, width_in: int, width_out: int, batch: int, layer_params: int,
+                             held: int) -> bool:
+    """Whether book-keeping should form a layer's per-sample weight gradient (B, out, in) on T ``tokens`` (B = ``batch``
+    samples), take its norm and add it into the sum (one ``addmm_``), instead of the ghost norm and then the share
+    ``(c G)^T A``: where the norm forms that gradient anyway (:func:`gram_is_faster` false), so that the share would
+    repeat its T-fold product (2 cores: a ViT on 224 x 224 images, T=197, 1.79x -> 1.62x a plain step at B=16; LoRA
+    adapters of rank 8), and where it holds no more numbers than the ``held`` of the layer's input and output
+    gradient, which book-keeping would hold until the share instead. Where the Grams are faster they stay faster (a
+    BERT's 128 -> 128 layers on 32 tokens: 1.62x with them, 1.77x with these gradients)."""
+    return not gram_is_faster(tokens, width_in, width_out) and batch * layer_params <= held
+
+
 @register_ghost(nn.Linear)
 class LinearGhost:
     """||sum_t g_t a_t^T||^2 = sum_{t,s} (a_t . a_s)(g_t . g_s): the ghost norm (T = 1: ||g||^2 ||a||^2)."""
@@ -151,6 +163,14 @@ class LinearGhost:
             bias = g.sum(1).square().sum(1)
             result["bias"] = bias if bias_scale is None else bias * bias_scale
         return result
+
+    @staticmethod
+    def instantiates(module, seen):
+        if len(seen) != 1:
+            return False
+        a, g = seen[0]
+        return instantiating_is_cheaper(a[0].numel() // a.shape[-1], a.shape[-1], g.shape[-1], a.shape[0],
+                                        module.weight.numel(), a.numel() + g.numel())
 
     @staticmethod
     def factors(module, a, g):

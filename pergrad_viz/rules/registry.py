@@ -62,6 +62,12 @@ class GhostRule(Protocol):
         """``squared_norms`` of these calls in that form, where ``direct_bytes`` is not None."""
 
     @staticmethod
+    def instantiates(module: nn.Module, seen: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Optional: whether the clipped sum of DP-SGD should take this layer's per-sample gradients from its dense
+        rule for these calls ``[(activation (B, ...), grad_output (B, ...))]`` (their norms, then one weighted sum)
+        rather than its ghost norm and weighted-sum rule (``pergrad_viz.derived.bookkeeping``); absent: never."""
+
+    @staticmethod
     def factors(module: nn.Module, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The weight's per-sample gradient, read as the matrix W.view(rows, -1), as ``sum_t outer(left_t,
         right_t)``: ``(left, right)`` from ``stack``'s a and g[0], left (B, T, rows) or (B, T) integer rows (one-hot

@@ -17,6 +17,7 @@ import pergrad_viz as pv
 from pergrad_viz.derived import bookkeeping
 from pergrad_viz.derived.norms import dense_part, tied_squared_norms
 from pergrad_viz.errors import CheckFailedError
+from pergrad_viz.rules.linear import instantiating_is_cheaper
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -120,14 +121,15 @@ def _tied_lm():
     return model, nn.CrossEntropyLoss(), x, _ids(5, 4, 11, seed=1)
 
 
-def _never_dense(monkeypatch, *types: type) -> list[str]:
-    """Record the layers whose per-sample gradients are built; refuse those of ``types``."""
+def _never_dense(monkeypatch, *names: str) -> list[str]:
+    """Record the layers whose per-sample gradients are built; refuse those named (the tied ones: an untied layer
+    may take its per-sample gradients where they are the cheaper, ``GhostRule.instantiates``)."""
     built = []
     real = bookkeeping.dense_grads
 
     def recording(layer, seen):
-        built.append(type(layer.module).__name__)
-        assert not isinstance(layer.module, types), f"per-sample gradients of {type(layer.module).__name__} built"
+        built.append(layer.plan.name)
+        assert layer.plan.name not in names, f"per-sample gradients of {layer.plan.name} built"
         return real(layer, seen)
 
     monkeypatch.setattr(bookkeeping, "dense_grads", recording)
@@ -135,19 +137,19 @@ def _never_dense(monkeypatch, *types: type) -> list[str]:
 
 
 def test_linear_tied_to_an_embedding_equals_the_loop(monkeypatch):
-    _never_dense(monkeypatch, nn.Embedding, nn.Linear)
+    _never_dense(monkeypatch, "emb", "out")
     check(*_tied_lm())
 
 
 def test_two_linears_sharing_a_weight_equal_the_loop(monkeypatch):
-    _never_dense(monkeypatch, nn.Linear)
+    _never_dense(monkeypatch, "first", "second")
     torch.manual_seed(0)
     x = torch.randn(6, 3, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     check(TiedLinears().double(), nn.CrossEntropyLoss(), x, torch.tensor([0, 1, 2, 0, 1, 2]))
 
 
 def test_two_embeddings_sharing_a_table_equal_the_loop(monkeypatch):
-    _never_dense(monkeypatch, nn.Embedding)
+    _never_dense(monkeypatch, "words", "tags")
     torch.manual_seed(0)
     check(TiedEmbeddings().double(), nn.CrossEntropyLoss(), _ids(5, 4, 9), torch.tensor([0, 1, 2, 0, 1]))
 
@@ -159,7 +161,7 @@ def test_tiny_gpt2_with_tied_word_embeddings_equals_the_loop(monkeypatch):
                           embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
     model = t.GPT2LMHeadModel(config).double().eval()
     assert model.lm_head.weight is model.transformer.wte.weight
-    _never_dense(monkeypatch, nn.Embedding, nn.Linear)
+    _never_dense(monkeypatch, "transformer.wte", "lm_head")
     ids = torch.randint(0, 40, (4, 6), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[1, 4:] = 0  # right padding: no targets there
@@ -175,6 +177,40 @@ def test_a_dropped_cross_term_fails(monkeypatch):
         check(*_tied_lm(), verify=False)
     with pytest.raises(CheckFailedError, match="emb.weight"):
         check(*_tied_lm())
+
+
+class _Adapted(nn.Module):
+    """A rank-2 adapter on 9 tokens (16 -> 2 -> 16) beside a wide Linear, and an RGB stem on 12 x 12 images:
+    the adapter's two Linears and the stem take their per-sample gradients (``GhostRule.instantiates``), the wide
+    Linear (16 -> 32 on 9 tokens) its Grams."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 5, stride=2, padding=2)
+        self.down, self.up = nn.Linear(16, 2), nn.Linear(2, 16, bias=False)
+        self.wide = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.stem(x)).flatten(2).mT.reshape(x.shape[0], -1, 16)  # (B, 9, 16) tokens
+        h = h + self.up(torch.tanh(self.down(h)))
+        return self.head(torch.tanh(self.wide(h)).mean(1))
+
+
+def test_layers_whose_per_sample_gradients_are_cheaper_equal_the_loop(monkeypatch):
+    built = _never_dense(monkeypatch, "wide", "head")
+    x = torch.randn(6, 3, 12, 12, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    torch.manual_seed(0)
+    check(_Adapted().double(), nn.CrossEntropyLoss(), x, torch.tensor([0, 1, 2, 0, 1, 2]))
+    assert set(built) == {"stem", "down", "up"}
+
+
+def test_instantiating_is_cheaper_only_where_the_norm_forms_the_gradient_within_the_captures():
+    # (tokens, in, out, batch, layer parameters, numbers in a and g)
+    assert instantiating_is_cheaper(197, 192, 192, 16, 192 * 192, 16 * 197 * 384)  # a ViT's on 224 x 224 images
+    assert instantiating_is_cheaper(32, 128, 8, 32, 128 * 8, 32 * 32 * 136)  # a LoRA adapter's A
+    assert not instantiating_is_cheaper(32, 128, 128, 32, 128 * 128, 32 * 32 * 256)  # BERT's: the Grams faster
+    assert not instantiating_is_cheaper(64, 576, 64, 32, 576 * 64, 32 * 64 * 128)  # more numbers than a and g
 
 
 def test_tied_squared_norms_of_dense_parts_are_the_norm_of_the_sum():
