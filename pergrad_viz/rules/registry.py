@@ -171,13 +171,22 @@ def scaled_unless_fit(a: torch.Tensor, g: torch.Tensor, terms: int
     return a, g, (sa * sg).square(), sg.square()
 
 
+# Float64 row norms of a narrower dtype on pieces of at most this many numbers: vector_norm(dtype=float64) converts
+# all of its input first (18 MB for a ViT's 192 -> 768 per-sample gradients at B=16; 5x slower on 75M numbers).
+ROW_NORM_PIECE = 1 << 19
+
+
 def row_norms(t: torch.Tensor) -> torch.Tensor:
     """(B,) the L2 norm of each row of ``t`` (B, n), with no overflow or underflow in the squares: accumulated in
-    float64 for a narrower dtype (its squares all fit there), through :func:`sample_scaled` for float64 itself."""
+    float64 for a narrower dtype (its squares all fit there), a few columns at a time (:data:`ROW_NORM_PIECE`),
+    through :func:`sample_scaled` for float64 itself."""
     if t.dtype == torch.float64 or not t.is_floating_point():
         scaled, s = sample_scaled(t)
         return torch.linalg.vector_norm(scaled, dim=1) * s
-    return torch.linalg.vector_norm(t, dim=1, dtype=torch.float64).to(t.dtype)
+    if t.numel() <= ROW_NORM_PIECE:
+        return torch.linalg.vector_norm(t, dim=1, dtype=torch.float64).to(t.dtype)
+    pieces = t.split(max(1, ROW_NORM_PIECE // max(1, t.shape[0])), dim=1)
+    return sum(torch.linalg.vector_norm(p, dim=1, dtype=torch.float64).square() for p in pieces).sqrt().to(t.dtype)
 
 
 def class_path(cls: type) -> str:

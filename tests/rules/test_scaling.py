@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from pergrad_viz.derived import norms
+from pergrad_viz.rules import registry
 from pergrad_viz.rules.conv import ConvGhost
 from pergrad_viz.rules.linear import LinearGhost, grams_fit
-from pergrad_viz.rules.registry import products_fit, sample_maxima
+from pergrad_viz.rules.registry import products_fit, row_norms, sample_maxima
 
 
 def test_sample_maxima_is_the_largest_magnitude_of_each_sample():
@@ -22,6 +23,21 @@ def test_sample_maxima_is_the_largest_magnitude_of_each_sample():
     assert got[:2].tolist() == [5.0, 0.0] and math.isnan(got[2])
     assert sample_maxima(t.mT).tolist()[:2] == [5.0, 0.0]  # a strided view, read as it is
     assert sample_maxima(torch.tensor([-2.0, 3.0])).tolist() == [2.0, 3.0]  # (B,): one number per sample
+
+
+@pytest.mark.parametrize("piece", [registry.ROW_NORM_PIECE, 7, 1])  # in one piece, or a few columns at a time
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_norms_are_the_float64_norms_in_any_number_of_pieces(monkeypatch, piece, dtype):
+    monkeypatch.setattr(registry, "ROW_NORM_PIECE", piece)
+    t = torch.randn(5, 23, generator=torch.Generator().manual_seed(0)).to(dtype)
+    t[1] *= 1e30 if dtype == torch.float32 else 1e35  # squares past the dtype's largest number
+    t[2] *= 1e-30  # squares below its smallest
+    t[3] = 0
+    want = torch.linalg.vector_norm(t.double(), dim=1)
+    for rows in (t, t.T.contiguous().T):  # contiguous and strided
+        got = row_norms(rows)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("left", "right", "terms", "fit"), [
