@@ -9,7 +9,7 @@ layer output; autograd is asked only for the outputs below which no other layer 
 gradient): its norms are taken then, and only what its share of the sum needs is kept, (a, g) for a layer with a
 weighted-sum rule (``pergrad_viz.rules.register_weighted_sum``), its per-sample gradients (B, *shape) for the others
 (a LayerNorm's (B, D)) and for a layer whose norm would form them anyway while they hold no more numbers than its
-g (``GhostRule.instantiates``: a ViT's Linears on 197 tokens, a LoRA adapter's B, an RGB stem), which are then
+(a, g) (``GhostRule.instantiates``: a ViT's Linears on 197 tokens, LoRA adapters, an RGB stem), which are then
 added in with one ``addmm_`` instead of the share's T-fold product; its outputs, output gradients and a
 convolution's columns are let go, as plain training lets them go. A layer's stacked form (a convolution's columns)
 is built a few samples at a time.

@@ -133,7 +133,7 @@ class ConvGhost(LinearGhost):
             return False
         x, g = seen[0]  # a Linear from the C_in * k values of each patch (ResNet-18's RGB stem on 32 x 32 images)
         return instantiating_is_cheaper(g[0, 0].numel(), module.weight[0].numel(), module.out_channels, x.shape[0],
-                                        module.weight.numel(), g.numel())
+                                        module.weight.numel(), x.numel() + g.numel())
 
     @staticmethod
     def factors(module, a, g):
