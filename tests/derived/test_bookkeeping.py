@@ -206,6 +206,27 @@ def test_layers_whose_per_sample_gradients_are_cheaper_equal_the_loop(monkeypatc
     assert set(built) == {"stem", "down", "up"}
 
 
+def test_an_hf_conv1d_adapter_takes_its_per_sample_gradients(monkeypatch):
+    """Hugging Face's Conv1D (a weight stored (in, out), as GPT-2's) on 24 tokens, 12 -> 2 -> 12: both layers take
+    their per-sample gradients (``LinearInOutGhost``), against the loop."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    class Adapter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down, self.up, self.head = Conv1D(2, 12), Conv1D(12, 2), nn.Linear(12, 3)
+
+        def forward(self, x):
+            return self.head((x + self.up(torch.tanh(self.down(x)))).mean(1))
+
+    built = _never_dense(monkeypatch)
+    torch.manual_seed(0)
+    x = torch.randn(5, 24, 12, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    check(Adapter().double(), nn.CrossEntropyLoss(), x, torch.tensor([0, 1, 2, 0, 1]))
+    assert set(built) == {"down", "up"}
+
+
 def test_instantiating_is_cheaper_only_where_the_norm_forms_the_gradient_within_the_captures():
     # (tokens, in, out, batch, layer parameters, numbers in the layer's input and output gradient)
     assert instantiating_is_cheaper(197, 192, 192, 16, 192 * 192, 16 * 197 * 384)  # a ViT's on 224 x 224 images
