@@ -131,7 +131,9 @@ class ConvGhost(LinearGhost):
     def instantiates(module, seen):
         if len(seen) != 1:
             return False
-        x, g = seen[0]  # a Linear from the C_in * k values of each patch (ResNet-18's RGB stem on 32 x 32 images)
+        # as a Linear from the C_in * k values of each patch (ResNet-18's RGB stem on 32 x 32 images); where the
+        # pixels' Gram would be taken (direct_bytes) this may replace it too: not measured apart
+        x, g = seen[0]
         return instantiating_is_cheaper(g[0, 0].numel(), module.weight[0].numel(), module.out_channels, x.shape[0],
                                         module.weight.numel(), x.numel() + g.numel())
 
