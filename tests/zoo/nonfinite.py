@@ -1,7 +1,7 @@
 """Non-finite samples (issue 28): one sample with an inf in its input, one with a NaN target, one that overflows inside
-the model (exp), and activations so large (1e20 in float32) that their squares overflow while the gradient is finite
-(scaled down by the model). Each case: ``(name, make_model, make_batch, loss, bad samples)``; the other samples'
-rows and norms must be the loop's, finite."""
+the model (exp), activations so large (1e20 in float32) that their squares overflow while the gradient is finite
+(scaled down by the model), and a NaN input through a layer on the per-layer fallback. Each case: ``(name,
+make_model, make_batch, loss, bad samples)``; the other samples' rows and norms must be the loop's, finite."""
 
 from __future__ import annotations
 
@@ -30,6 +30,28 @@ class Tiny(nn.Module):
 
     def forward(self, x):
         return self.fc(x) * 1e-25
+
+
+class ScaleShift(nn.Module):
+    """x * w + b: a layer without a closed-form rule (the per-layer fallback), which checks its short path against
+    the vmap one on the rows it wrote."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+        self.bias = nn.Parameter(torch.linspace(-0.1, 0.1, n))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+def _fallback():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), ScaleShift(6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def _nan_input(x, y):
+    x[2, 0] = float("nan")
 
 
 def _mlp():
@@ -85,4 +107,5 @@ CASES = [
     ("conv-inf-input", _conv, _with(_batch((1, 4)), _inf_input), nn.MSELoss(reduction="sum"), [1]),
     ("exp-overflow", _exp, _with(_batch((4,)), _overflow), nn.MSELoss(), [3]),
     ("float32-huge-activations", _tiny, _batch((4,), torch.float32, 1e20), nn.MSELoss(), []),
+    ("fallback-layer-nan-input", _fallback, _with(_batch((4,)), _nan_input), nn.MSELoss(reduction="sum"), [2]),
 ]
