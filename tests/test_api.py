@@ -133,6 +133,21 @@ def test_embedding_with_max_norm(quantity):
     assert torch.equal(model[0].weight, weight)  # not renormalised
 
 
+@pytest.mark.parametrize("call", ["grads", "jacobian", "clipped_grad_sum"])
+@pytest.mark.parametrize("kw", [{"max_norm": 0.5}, {"scale_grad_by_freq": True}], ids=["max_norm", "by_freq"])
+def test_embedding_bag_refused_as_embedding_is(kw, call):
+    model = nn.Sequential(nn.EmbeddingBag(5, 6, mode="sum", **kw), nn.Linear(6, 3)).double()
+    x, y = torch.tensor([[0, 1], [1, 1]]), torch.tensor([0, 1])
+    weight = model[0].weight.detach().clone()
+    fix = "max_norm=None" if "max_norm" in kw else "scale_grad_by_freq=False"
+    with pytest.raises(pv.UnsupportedModelError, match=rf"0 \(EmbeddingBag\) has .*EmbeddingBag with {fix}"):
+        if call == "clipped_grad_sum":
+            pv.clipped_grad_sum(model, nn.CrossEntropyLoss(reduction="sum"), x, y, 1.0)
+        else:
+            run(call, model, x, y)
+    assert torch.equal(model[0].weight, weight)  # not renormalised
+
+
 @pytest.mark.parametrize("quantity", QUANTITIES)
 @pytest.mark.parametrize("strategy", ALL)
 def test_embedding_scaling_gradients_by_batch_frequency(quantity, strategy):

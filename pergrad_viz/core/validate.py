@@ -103,17 +103,17 @@ def check_modes(model: nn.Module | TrainableLike, randomness: str = "error") -> 
         if (m.training and getattr(m, "gradient_checkpointing", False) is True
                 and getattr(checkpointing, "keywords", {}).get("use_reentrant") is True):
             raise UnsupportedModelError(f"{label}: {REENTRANT_CHECKPOINT}")
-        if isinstance(m, nn.Embedding) and m.max_norm is not None:
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None:
             raise UndefinedPerSampleError(
                 f"{label} has max_norm={m.max_norm}, which rewrites its weight in place on every forward "
                 "pass; per-sample gradients would change your model. Renormalise once yourself and "
-                "create the Embedding with max_norm=None."
+                f"create the {type(m).__name__} with max_norm=None."
             )
-        if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.scale_grad_by_freq:
             raise UndefinedPerSampleError(
                 f"{label} has scale_grad_by_freq=True, which scales each token's gradient by its count in the "
                 "whole batch, so the gradient of one sample would depend on the other samples. Create the "
-                "Embedding with scale_grad_by_freq=False."
+                f"{type(m).__name__} with scale_grad_by_freq=False."
             )
 
 
