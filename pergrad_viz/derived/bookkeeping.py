@@ -30,7 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from pergrad_viz.core.batch import Batch, cut
-from pergrad_viz.core.losses import LossFn, summed_per_sample_loss
+from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
+from pergrad_viz.core.loss_reads import loss_of_output
+from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.clipping import EPS
 from pergrad_viz.derived.norms import (
@@ -254,6 +256,7 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     earlier calls found lowest (unless ``fresh``); where an output's gradient then never arrives although the loss
     reaches it, :class:`_StaleLowest` is raised."""
     output, calls = capture(trainable, inputs)
+    check_reached(trainable, calls)  # a merged adapter, a forward under no_grad: refused, as per_sample_grads does
     book = _Book(tied_names(calls))
     wanted = [(i, k, t) for i, c in enumerate(calls) for k, t in enumerate((*c.outputs, *c.internals))
               if t.requires_grad]
@@ -297,7 +300,7 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     positions, remembered = _asked(trainable, calls, wanted, fresh)
     lowest = [wanted[j][2] for j in positions]
     nodes = [t.grad_fn for _, _, t in wanted]  # the graph's nodes only: the outputs themselves are let go
-    total = summed_per_sample_loss(loss_fn, output, targets)
+    total = loss_of_output(trainable, loss_fn, output, targets)
     del output, calls, wanted
     torch.autograd.grad(total, lowest, allow_unused=True)
     root = total.grad_fn
@@ -338,7 +341,8 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     def zeros() -> torch.Tensor:
         return torch.zeros(batch, dtype=trainable.dtype, device=trainable.device)
 
-    with restoring_modes(trainable):  # hooks remove their hooks; autograd.grad leaves .grad alone
+    # hooks remove their hooks; autograd.grad leaves .grad alone; a reentrant checkpoint is refused, naming the fix
+    with restoring_modes(trainable), refusing_reentrant_checkpoints():
         for first in range(0, batch, chunk):
             rows = slice(first, min(first + chunk, batch))
             book = _booked_backward(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), fresh)

@@ -28,7 +28,8 @@ from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch, as_pytree, from_pytree
 from pergrad_viz.core.layout import flat_outputs
-from pergrad_viz.core.losses import LossFn, summed_per_sample_loss
+from pergrad_viz.core.loss_reads import loss_of_output
+from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.observe import outputs_close, tensors_of
@@ -367,14 +368,12 @@ def _regroup(calls: list[Call], where: list[tuple[int, int]], grads: tuple, batc
 
 def loss_gradients(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object
                    ) -> tuple[list[Call], list[list]]:
-    """1 forward with hooks, 1 backward of the summed per-sample losses to the layer outputs only.
-
-    Returns (calls, grads): per call, per output tensor, a (1, *output.shape) gradient or None.
-    """
+    """1 forward with hooks, 1 backward of the summed per-sample losses to the layer outputs only. Returns (calls,
+    grads): per call, per output tensor, a (1, *output.shape) gradient or None."""
     output, calls = capture(trainable, inputs)
     if not any(t.requires_grad for c in calls for t in c.outputs):  # no layer with trainable parameters reached
         return calls, _regroup(calls, [], (), batched=False)
-    return calls, backward_to_layers(calls, summed_per_sample_loss(loss_fn, output, targets))
+    return calls, backward_to_layers(calls, loss_of_output(trainable, loss_fn, output, targets))
 
 
 def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], list[list], int]:

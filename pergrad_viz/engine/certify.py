@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_map
 
 from pergrad_viz.core import tolerances
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.references import (
@@ -304,10 +305,11 @@ def _jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targe
         sample = inputs.with_leaves([x.unsqueeze(0) for x in xs])
 
         def value(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            output = functional_call(trainable.model, {**p, **frozen}, sample.args, sample.kwargs)
             if loss_fn is None:
+                output = functional_call(trainable.model, {**p, **frozen}, sample.args, sample.kwargs)
                 return select(output).reshape(-1)
-            return scalar_loss(loss_fn(output, tree_map(lambda t: t.unsqueeze(0), y)))
+            return scalar_loss(functional_loss(trainable.model, {**p, **frozen}, sample.args, sample.kwargs, loss_fn,
+                                               tree_map(lambda t: t.unsqueeze(0), y)))
 
         return jvp(value, (params,), (tangents,))[1]
 

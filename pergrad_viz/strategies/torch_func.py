@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.guards import check_takes_part
+from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.errors import VmapError
@@ -100,11 +101,14 @@ def _first(obj: object) -> object:
 def _call_one(trainable: Trainable, inputs: Batch, params: dict, state: dict, xs: list[torch.Tensor]) -> object:
     """The model on one sample: ``xs`` are that sample's batched tensors without their batch dimension."""
     one = inputs.with_leaves([x.unsqueeze(0) for x in xs])
-    root, prefix = _functional_root(trainable.model)
-    values = {**params, **state}
-    if prefix:
-        values = {n.removeprefix(prefix): t for n, t in values.items()}
+    root, values = _functional_values(trainable, {**params, **state})
     return functional_call(root, values, one.args, one.kwargs)
+
+
+def _functional_values(trainable: Trainable, values: dict) -> tuple[nn.Module, dict]:
+    """(the module ``functional_call`` runs, ``values`` named as in it)."""
+    root, prefix = _functional_root(trainable.model)
+    return root, ({n.removeprefix(prefix): t for n, t in values.items()} if prefix else values)
 
 
 def _functional_root(model: nn.Module) -> tuple[nn.Module, str]:
@@ -129,7 +133,10 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 
     def loss_of_one(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object, state: dict = frozen
                     ) -> torch.Tensor:
-        return scalar_loss(loss_fn(_call_one(trainable, inputs, params, state, xs), _unsqueezed(y)))
+        one = inputs.with_leaves([x.unsqueeze(0) for x in xs])
+        root, values = _functional_values(trainable, {**params, **state})
+        # the loss inside the functional call too: one that reads a parameter (a weight penalty) reads the replaced
+        return scalar_loss(functional_loss(root, values, one.args, one.kwargs, loss_fn, _unsqueezed(y)))
 
     def checked(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object) -> torch.Tensor:
         loss = loss_of_one(params, xs, y)

@@ -60,3 +60,5 @@ def test_derived_quantities_refuse_reentrant_checkpoints_alike(name):
     assert_refuses(lambda: pv.per_sample_grad_norms(model, loss, x, y), model, "use_reentrant=False",
                    error=pv.UnsupportedModelError)
     assert_refuses(lambda: pv.empirical_ntk(model, x), model, "use_reentrant=False", error=pv.UnsupportedModelError)
+    assert_refuses(lambda: pv.clipped_grad_sum(model, loss, x, y, 1.0), model, "use_reentrant=False",
+                   error=pv.UnsupportedModelError)
