@@ -72,10 +72,12 @@ def check_modes(model: nn.Module | TrainableLike, randomness: str = "error") -> 
     for name, m in model.named_modules() if isinstance(model, nn.Module) else model.modules:
         label = f"{name or 'model'} ({type(m).__name__})"
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
+            fix = ("Call model.eval() to use the running statistics" if m.track_running_stats else
+                   "It has no running statistics (track_running_stats=False), so even in eval mode it uses the "
+                   "batch's: create it with track_running_stats=True and train it")
             raise UndefinedPerSampleError(
                 f"{label} normalises with batch statistics, which mixes the samples of a batch, so "
-                "per-sample gradients are not defined. Call model.eval() to use the running statistics, "
-                "or use GroupNorm / LayerNorm instead of BatchNorm."
+                f"per-sample gradients are not defined. {fix}, or use GroupNorm / LayerNorm instead of BatchNorm."
             )
         if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.training and m.track_running_stats:
             raise UndefinedPerSampleError(
