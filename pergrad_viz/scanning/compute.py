@@ -25,6 +25,7 @@ from torch import nn
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
+from pergrad_viz.core.loss_reads import parameters_read_by_loss, reads_only_its_input
 from pergrad_viz.core.losses import LossFn, logits_of, per_sample_losses
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.norms import (
@@ -44,7 +45,8 @@ GRAD_QUANTITIES = frozenset({"grad_norm", "layer_norms", "projection"})
 
 
 class _NeedsMaterialising(HandOverError):
-    """Tied parameters: their per-layer shares must be summed before a norm, which the materialised path does."""
+    """Tied parameters (their per-layer shares must be summed before a norm), a loss that reads a parameter itself:
+    what the materialised path does."""
 
 
 class SelectedLoss:
@@ -150,7 +152,11 @@ def _hooks_batch(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.
         if tied_names(calls):
             raise _NeedsMaterialising("tied parameters: the scan materialises their gradients")
         output, losses = _losses(loss_fn, output, y)  # (B,)
-        per_call = backward_to_layers(calls, losses.sum())
+        total = losses.sum()
+        if not reads_only_its_input(_split(loss_fn)[0]) and parameters_read_by_loss(total, output, trainable.params):
+            raise _NeedsMaterialising("the loss reads a trainable parameter itself: the scan materialises the batch's "
+                                      "gradients (each sample's loss run with the parameters)")
+        per_call = backward_to_layers(calls, total)
     res = _outputs(want, output, losses, y)
     kw = {"dtype": trainable.dtype, "device": trainable.device}
     squared = {n: torch.zeros(batch, **kw) for n in trainable.names}

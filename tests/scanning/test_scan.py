@@ -108,6 +108,20 @@ def test_scan_values_match_references(tmp_path, kind):
     torch.testing.assert_close(res["projection"], flat @ dense, rtol=1e-4, atol=1e-5)
 
 
+def test_a_loss_reading_a_parameter_is_scanned_with_its_gradient(tmp_path):
+    model, ds = _model(MLP), _data(20, flat=True)
+    x, y = ds.tensors
+
+    def loss_fn(out, t):  # a weight penalty inside the loss: part of every example's gradient
+        return nn.functional.cross_entropy(out, t) + 0.05 * model.fc1.weight.square().sum()
+
+    res = pv.scan(model, loss_fn, ds, quantities=("loss", "grad_norm"), batch_size=8, out=tmp_path / "s",
+                  progress=False)
+    losses, ref = _reference(model, loss_fn, x, y)
+    torch.testing.assert_close(res["loss"], losses)
+    torch.testing.assert_close(res["grad_norm"], flatten_ref(ref, 1).norm(dim=1), rtol=1e-5, atol=1e-6)
+
+
 class _Tokens(nn.Module):
     """Embedding -> Linear on (B, T, d) -> Linear without bias, a frozen bias, GroupNorm: every kind of block."""
 
