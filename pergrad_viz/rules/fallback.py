@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pergrad_viz.core.batch import as_pytree
 from pergrad_viz.core.tolerances import tolerance
+from pergrad_viz.errors import HandOverError
 
 
 def per_sample_vjp(module: nn.Module, inputs: tuple[tuple, dict], in_dims: tuple[int | None, ...],
@@ -85,12 +86,31 @@ def per_sample_vjp(module: nn.Module, inputs: tuple[tuple, dict], in_dims: tuple
         result = vmap(one_sample, in_dims=(list(in_dims), cot_dims), out_dims=1)(tensors, cotangents)
     except (RuntimeError, NotImplementedError, ValueError):
         # vmap has no batching rule for something inside the layer: one sample (and one row) at a time.
-        _loop(layer, params, tensors, in_dims, cotangents, cot_dims, out)
+        _replayed(module, lambda: _loop(layer, params, tensors, in_dims, cotangents, cot_dims, out))
         return
     for name, t in out.items():
         t.copy_(result[name])
     if key is not None and key not in verdicts:
         verdicts[key] = _agrees(layer, params, tensors, cotangents, out)
+
+
+def _replayed(module: nn.Module, replay) -> None:
+    """``replay()``, the layer run again one sample at a time; where that fails although the batched forward ran
+    (a call holding state of the whole batch, as a Hugging Face cache object among its arguments), the fallback
+    cannot serve this layer: :class:`~pergrad_viz.errors.HandOverError` (``auto`` runs each sample of the whole model
+    alone instead). Running out of memory is not such a failure: it is raised as it is."""
+    try:
+        replay()
+    except (torch.OutOfMemoryError, MemoryError):
+        raise
+    except (RuntimeError, NotImplementedError, ValueError, TypeError, IndexError) as e:
+        first = str(e).splitlines()[0][:160] if str(e) else ""
+        raise HandOverError(
+            f"the per-layer fallback cannot run {type(module).__name__} one sample at a time ({type(e).__name__}: "
+            f"{first}), although the batched forward ran: its call may hold state of the whole batch (a cache "
+            "object). Use strategy='auto' or 'torch_func' (each sample of the whole model alone) or 'loop'; for a "
+            "Hugging Face model, model_kwargs={'use_cache': False} may let this layer be replayed",
+            reason=f"the per-layer fallback cannot replay {type(module).__name__}") from e
 
 
 # {layer: {call signature: whether its parameters enter only elementwise (the short path gives the vmap rows)}}
