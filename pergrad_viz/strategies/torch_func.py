@@ -40,8 +40,8 @@ def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Call
     """``batched()`` (``vmap`` of ``grad`` or ``jacrev``); an error raised inside it becomes :class:`VmapError` naming
     the innermost layer that was running, if the same computation for one sample without any transform
     (``one_sample(state)``, a plain forward and loss on copies of the frozen parameters and buffers, so that nothing
-    of the model changes) works: a limit of ``torch.func``, not an error of the model or the loss (which is raised
-    unchanged). Hooks to name the layer are only registered after a failure, for one more failing run: the call
+    of the model changes) works: a limit of ``torch.func``, not an error of the model or the loss (where it fails too,
+    its error there is raised, unchanged). Hooks to name the layer are only registered after a failure, for one more failing run: the call
     that works pays nothing."""
     try:
         return batched()
@@ -51,8 +51,10 @@ def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Call
         try:
             with torch.no_grad():
                 one_sample({name: t.clone() for name, t in trainable.frozen_state().items()})
-        except Exception:
-            raise e from None  # the model or the loss fails without torch.func too: their own error
+        except Exception as own:
+            # the model or the loss fails without torch.func too: their own error, as the sample alone raised it (under
+            # vmap it may read otherwise: a label-shape check behind an .item() shows as vmap's data-dependence error)
+            raise own from None
         raise VmapError(
             f"torch.func (vmap of grad / jacrev) failed {_failing_layer(trainable, batched)} "
             f"({str(e).splitlines()[0][:200]}), although one sample alone runs: torch.func cannot run something "

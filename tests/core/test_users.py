@@ -42,6 +42,24 @@ def test_a_target_of_shape_b_1_for_cross_entropy_is_the_users_error_with_its_fix
     assert "(8, 1, 28, 28) float32" in _notes(error)
 
 
+@pytest.mark.parametrize("call", ["grads", "clipped_grad_sum"])
+@pytest.mark.parametrize("strategy", ["auto", "torch_func", "loop"])
+def test_a_loss_check_behind_a_data_dependent_branch_is_the_losss_own_error(strategy, call):
+    def loss_fn(out, y):  # under vmap the branch itself fails (data-dependent control flow), hiding this message
+        if bool((y < 0).any()):
+            raise ValueError("labels must be class indices >= 0")
+        return nn.functional.cross_entropy(out, y, reduction="sum")
+
+    x, y = torch.randn(4, 1, 28, 28), torch.tensor([-3, 1, 2, 0])  # torch_func runs sample 0 alone to tell
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="labels must be class indices >= 0") as info:
+        if call == "grads":
+            pv.per_sample_grads(MLP(784, 20, 10), loss_fn, x, y, strategy=strategy)
+        else:
+            pv.clipped_grad_sum(MLP(784, 20, 10), loss_fn, x, y, 1.0, strategy=strategy)
+    assert "vmap" not in str(info.value)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_integer_inputs_to_a_float_model_name_the_fix(strategy):
     error = _raised(strategy, torch.randint(0, 3, (8, 1, 28, 28)), torch.randint(0, 10, (8,)))
