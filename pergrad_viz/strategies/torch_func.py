@@ -41,8 +41,8 @@ def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Call
     the innermost layer that was running, if the same computation for one sample without any transform
     (``one_sample(state)``, a plain forward and loss on copies of the frozen parameters and buffers, so that nothing
     of the model changes) works: a limit of ``torch.func``, not an error of the model or the loss (where it fails too,
-    its error there is raised, unchanged). Hooks to name the layer are only registered after a failure, for one more failing run: the call
-    that works pays nothing."""
+    its error there is raised, unchanged). Hooks to name the layer are only registered after a failure, for one more
+    failing run: the call that works pays nothing."""
     try:
         return batched()
     except (RuntimeError, NotImplementedError) as e:
