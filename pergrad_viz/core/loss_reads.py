@@ -46,6 +46,12 @@ def parameters_read_by_loss(total: torch.Tensor, output: object, params: Sequenc
     return sorted(found)
 
 
+def loss_reads_parameters(loss_fn, total: torch.Tensor, output: object, params: Sequence[torch.Tensor]) -> list[int]:
+    """:func:`parameters_read_by_loss` of ``total = loss_fn(output, ...)``, none where ``loss_fn`` is known to read
+    only its input (:func:`reads_only_its_input`: the walk is skipped)."""
+    return [] if reads_only_its_input(loss_fn) else parameters_read_by_loss(total, output, params)
+
+
 def reads_only_its_input(loss_fn) -> bool:
     """Whether ``loss_fn`` is known to read nothing trainable but its input: one of ``torch.nn``'s own losses (not a
     subclass) holding no tensor that requires grad (its class weights), or the package's sequence losses. The graph
@@ -81,7 +87,7 @@ def loss_of_output(trainable: Trainable, loss_fn: LossFn, output: object, target
     reads a trainable parameter itself (a weight penalty inside ``loss_fn``), whose part of each sample's gradient
     gradients at the layers' outputs would miss."""
     total = summed_per_sample_loss(loss_fn, output, targets)
-    read = [] if reads_only_its_input(loss_fn) else parameters_read_by_loss(total, output, trainable.params)
+    read = loss_reads_parameters(loss_fn, total, output, trainable.params)
     if read:
         names = ", ".join(repr(trainable.names[k]) for k in read[:3]) + (", ..." if len(read) > 3 else "")
         raise HandOverError(

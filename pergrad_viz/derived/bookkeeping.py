@@ -259,9 +259,7 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     check_reached(trainable, calls)  # a merged adapter, a forward under no_grad: refused, as per_sample_grads does
     book = _Book(tied_names(calls))
     wanted = [(i, k, t) for i, c in enumerate(calls) for k, t in enumerate((*c.outputs, *c.internals))
-              if t.requires_grad]
-    if not wanted:  # no layer with trainable parameters reached
-        return book
+              if t.requires_grad]  # not empty: check_reached refused that
     layers: dict[int, tuple[Layer, list[int]]] = {}
     for i, c in enumerate(calls):
         layers.setdefault(id(c.layer.module), (c.layer, []))[1].append(i)

@@ -25,7 +25,7 @@ from torch import nn
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
-from pergrad_viz.core.loss_reads import parameters_read_by_loss, reads_only_its_input
+from pergrad_viz.core.loss_reads import loss_reads_parameters
 from pergrad_viz.core.losses import LossFn, logits_of, per_sample_losses
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.norms import (
@@ -153,7 +153,7 @@ def _hooks_batch(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.
             raise _NeedsMaterialising("tied parameters: the scan materialises their gradients")
         output, losses = _losses(loss_fn, output, y)  # (B,)
         total = losses.sum()
-        if not reads_only_its_input(_split(loss_fn)[0]) and parameters_read_by_loss(total, output, trainable.params):
+        if loss_reads_parameters(_split(loss_fn)[0], total, output, trainable.params):
             raise _NeedsMaterialising("the loss reads a trainable parameter itself: the scan materialises the batch's "
                                       "gradients (each sample's loss run with the parameters)")
         per_call = backward_to_layers(calls, total)
