@@ -2,7 +2,7 @@
 
 Rows: a plain forward+backward (``loss.backward()`` into ``.grad``: the cost to beat); this package's clipped sum
 (:func:`pergrad_viz.clipped_grad_sum` as called by default, i.e. with its per-call check, timed with the check's
-account as a long training loop has it (:func:`_steady_checks`); then with the noise of
+account as a long training loop has it (:func:`~pergrad_viz.bench.timing.steady_checks`); then with the noise of
 sigma = 1, as :func:`pergrad_viz.dp_step` draws it; and with ``verify=False``); the noise alone (P numbers from
 torch's generator: on CPUs a serial draw of about 5 ns a number, whatever computes the clipped sum; Opacus draws the
 same in ``optimizer.step()``); the materialised route (:func:`pergrad_viz.per_sample_grads`, then
@@ -39,9 +39,8 @@ from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz.bench import peers, problems
-from pergrad_viz.bench.timing import time_interleaved
+from pergrad_viz.bench.timing import steady_checks, time_interleaved
 from pergrad_viz.core.losses import causal_lm_loss
-from pergrad_viz.engine import schedule
 from pergrad_viz.tutorial.networks import MLP
 
 DP_MODELS: tuple[str, ...] = ("mlp", "transformer", "resnet18", "gpt2", "bert", "lora-llama")
@@ -288,7 +287,7 @@ def _rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, rounds: int, 
     diffs = {m: _max_diff(fn(), want) for m, fn in noiseless.items()}
     plain()
     peaks, tensors = _memory(methods, [p for _, p in named], device)
-    _steady_checks(model, noiseless["pv clipped_grad_sum"])
+    steady_checks(model, [noiseless["pv clipped_grad_sum"]])
     _allocator(measuring_memory=False)
     timings = time_interleaved(methods, rounds=rounds)
     base_t, base_m = timings["forward+backward"].median_s, peaks["forward+backward"]
@@ -306,21 +305,6 @@ def _rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, rounds: int, 
             "max_diff": diffs.get(m), "note": notes.get(m, "NOISY" if t is not None and t.noisy else ""),
         })
     return rows
-
-
-def _steady_checks(model: nn.Module, checked: Callable[[], object]) -> None:
-    """The per-call check's account as a training loop has it when the rounds start: the calls above (the memory's
-    under the profiler, several times slower) earned the check a share of their time, which the timed calls would
-    spend on checks at nearly every call. So the account starts afresh and its first calls, always checked
-    (:data:`pergrad_viz.engine.schedule.FIRST`), are made here, and the two with which ``auto`` may time
-    ``torch_func`` against ``hooks`` (:class:`~pergrad_viz.engine.schedule.Race`); from then on the checks cost their
-    share of the time, at most :data:`~pergrad_viz.engine.schedule.SHARE`, as in a long run (ResNet-18 alone, 2
-    threads: 1.80x a plain step against 1.47x without the check before, 1.53x against 1.48x after). Where some of
-    the timed calls are checked and some not (a check of about a fifth of a call, as on ResNet-18), their median
-    is either kind's: the amortised cost is the mean's, not the median's."""
-    schedule.forget(model)
-    for _ in range(schedule.FIRST + 2):
-        checked()
 
 
 def _memory(methods: dict[str, Callable[[], object]], params: list[torch.Tensor], device: str

@@ -34,7 +34,7 @@ from pergrad_viz.bench.records import (
     Record,
     check_cost,
 )
-from pergrad_viz.bench.timing import synchronizer, time_interleaved
+from pergrad_viz.bench.timing import steady_checks, synchronizer, time_interleaved
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.memory import result_bytes
 from pergrad_viz.core.progress import progress_bar
@@ -188,6 +188,7 @@ def compare(model: nn.Module, loss_fn: nn.Module | None, inputs: torch.Tensor, t
         MEMORY_FLOOR: (functools.partial(torch.empty(shape, **kw).fill_, 0.5), nbytes, {}),
     }
     rows = _checked_rows(methods, timed, quantity, batch, hidden, trainable.dtype, nbytes, check, bar)
+    steady_checks(model, [fn for label, (fn, _, _) in timed.items() if label.startswith("auto")])
     # All methods and both reference rows in interleaved rounds: a stall of the machine hits them alike.
     bar.set_postfix_str(f"B={batch}: {len(timed)} methods, {rounds} interleaved rounds")
     timings = time_interleaved({label: fn for label, (fn, _, _) in timed.items()}, rounds=rounds,

@@ -252,3 +252,30 @@ def test_synchronizer_follows_the_device(monkeypatch):
     timing.synchronizer()()
     timing.time_interleaved({"a": FakeClock().method("a", 0.01)}, rounds=2, min_block_s=0.0, clock=FakeClock())
     assert calls == [torch.device("cuda", 1)]
+
+
+def test_steady_checks_start_the_check_account_afresh():
+    """Calls before the rounds (under a profiler, say) earned the check credit that timed calls would spend on
+    checks at nearly every call: after steady_checks the account holds only its own calls, the first checked."""
+    from torch import nn
+
+    import pergrad_viz as pv
+    from pergrad_viz.core.batch import Batch
+    from pergrad_viz.core.trainable import Trainable
+    from pergrad_viz.engine import schedule
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+
+    def call():
+        return pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+
+    call()
+    account = schedule.schedule_for(Trainable.of(model), Batch.of(x), "grads", "hooks")
+    account.compute_seconds = 1e6  # as if the earlier calls had been very slow: checks due for a long while
+    timing.steady_checks(model, [call])
+    fresh = schedule.schedule_for(Trainable.of(model), Batch.of(x), "grads", "hooks")
+    assert fresh is not account
+    assert fresh.calls == schedule.FIRST + 3 and fresh.checks >= schedule.FIRST
+    assert fresh.compute_seconds < 1e3
