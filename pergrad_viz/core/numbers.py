@@ -58,3 +58,13 @@ def _scalar(value: object) -> float | complex | None:
     if getattr(value, "shape", None) == () and hasattr(value, "item"):  # a 0-dim numpy array
         return _scalar(value.item())
     return None
+
+
+SQUARES = torch.float64
+"""The dtype of squared gradient norms, whatever the gradients': a float32 norm above 1.8e19 (gradients that are
+large, not infinite) squares to inf in float32, and its sample would drop out of a clipped sum (c = C / inf = 0)."""
+
+
+def wide_square(t: torch.Tensor) -> torch.Tensor:
+    """``t ** 2`` in :data:`SQUARES` (a norm, or a sum of products, of any floating dtype)."""
+    return t.to(SQUARES).square()

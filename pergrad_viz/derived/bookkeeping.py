@@ -33,6 +33,7 @@ from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.loss_reads import loss_of_output
 from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.numbers import SQUARES
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.clipping import EPS
 from pergrad_viz.derived.norms import (
@@ -54,12 +55,13 @@ from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
 Groups = Sequence[tuple[float, tuple[str, ...]]]
 
-def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups) -> dict[str, torch.Tensor]:
-    """{name: (B,) c} with c = min(1, C_k / (||g_i||_k + 1e-6)), the norm over the parameters of name's group k."""
+def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """{name: (B,) c} in ``dtype`` with c = min(1, C_k / (||g_i||_k + 1e-6)), the norm over the parameters of name's
+    group k (from float64 squares: a float32 norm over 1.8e19 is c = C / norm, not 0)."""
     factors = {}
     for bound, names in groups:
         norm = torch.stack([squared[n] for n in names]).sum(0).sqrt()  # (B,)
-        c = (bound / (norm + EPS)).clamp(max=1.0)
+        c = (bound / (norm + EPS)).clamp(max=1.0).to(dtype)
         factors.update(dict.fromkeys(names, c))
     return factors
 
@@ -337,7 +339,7 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     sums = None
 
     def zeros() -> torch.Tensor:
-        return torch.zeros(batch, dtype=trainable.dtype, device=trainable.device)
+        return torch.zeros(batch, dtype=SQUARES, device=trainable.device)
 
     # hooks remove their hooks; autograd.grad leaves .grad alone; a reentrant checkpoint is refused, naming the fix
     with restoring_modes(trainable), refusing_reentrant_checkpoints():
@@ -347,12 +349,13 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
             whole = rows.stop - rows.start == batch
             if whole:  # one chunk: the book's norms as they are
                 own = book.squared
-                squared = {n: own[n].to(trainable.dtype) if n in own else zeros() for n in trainable.names}
+                squared = {n: own[n].to(SQUARES) if n in own else zeros() for n in trainable.names}
             else:
                 squared = squared or {n: zeros() for n in trainable.names}
                 for name, sq in book.squared.items():
                     squared[name][rows] = sq
-            factors = clip_factors(squared if whole else {n: s[rows] for n, s in squared.items()}, groups)
+            factors = clip_factors(squared if whole else {n: s[rows] for n, s in squared.items()}, groups,
+                                   trainable.dtype)
             sums = start() if sums is None else sums
             with torch.no_grad():
                 while book.shares:  # each layer's captures let go once its share is added
@@ -370,12 +373,12 @@ def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_f
     """The clipped sum into ``sums`` from :func:`pergrad_viz.per_sample_grads` with ``strategy``, one chunk of samples
     at a time (chunks sized for ``resolved``, the strategy it runs): exact, slower, O(chunk * P) memory. Returns the
     (B,) squared norms per name."""
-    squared = {n: torch.empty(inputs.size, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
+    squared = {n: torch.empty(inputs.size, dtype=SQUARES, device=trainable.device) for n in trainable.names}
     for rows, grads in materialised_chunks(trainable, resolved, strategy, loss_fn, inputs, targets, chunk_size,
                                            verify):
         for name, g in grads.items():
             squared[name][rows] = row_squared_norms(g)
-        factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups)
+        factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups, trainable.dtype)
         with torch.no_grad():
             for name, g in grads.items():
                 sums.add_weighted(name, g, factors[name])

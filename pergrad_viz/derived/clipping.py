@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from pergrad_viz.core.numbers import real_number
+from pergrad_viz.core.numbers import real_number, wide_square
+from pergrad_viz.rules.registry import row_norms
 
 Grads = torch.Tensor | dict[str, torch.Tensor]
 
@@ -98,7 +99,7 @@ def _norms(grads: Grads) -> torch.Tensor:
                 f"a flat gradient must be a floating-point (B, P) tensor, got {tuple(grads.shape)} {grads.dtype}; "
                 "use per_sample_grads(..., flat=True), or pass the dict {name: (B, *param.shape)}"
             )
-        return torch.linalg.vector_norm(grads, dim=1)
+        return row_norms(grads)  # accumulated in float64: a float32 norm over 1.8e19 is not inf
     if not isinstance(grads, dict):
         raise TypeError(
             f"grads must be a (B, P) tensor or a dict {{name: (B, *param.shape)}}, got {type(grads).__name__}"
@@ -115,5 +116,5 @@ def _norms(grads: Grads) -> torch.Tensor:
                 f"({first.shape[0]}, ...) {first.dtype} on {first.device}: every entry needs the same samples "
                 "first, one dtype and one device (as per_sample_grads returns them)"
             )
-    squared = torch.stack([torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square() for g in grads.values()])
-    return squared.sum(0).sqrt()
+    squared = torch.stack([wide_square(row_norms(g.reshape(g.shape[0], -1))) for g in grads.values()])  # float64
+    return squared.sum(0).sqrt().to(first.dtype)

@@ -42,6 +42,7 @@ from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
 from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import default_budget, result_bytes
+from pergrad_viz.core.numbers import SQUARES, wide_square
 from pergrad_viz.core.randomness import randomness_of
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.engine.capture import Layer, loss_gradients
@@ -110,16 +111,16 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
 
     squared = api.hand_over(strategy, resolved, trainable, inputs, run, check if verify else None, "norms", targets,
                             may_race=False)  # ghost norms never build (B, P); torch_func would
-    if per_parameter:
-        return {name: s.sqrt() for name, s in squared.items()}
-    return torch.stack(list(squared.values())).sum(0).sqrt()
+    if per_parameter:  # the squares are float64 (a float32 norm over 1.8e19 squares to inf); the norms are not
+        return {name: s.sqrt().to(trainable.dtype) for name, s in squared.items()}
+    return torch.stack(list(squared.values())).sum(0).sqrt().to(trainable.dtype)
 
 
 def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
                          chunk: int) -> dict[str, torch.Tensor]:
     """{name: (B,) squared norms}: per chunk 1 forward with hooks, 1 backward to the layer outputs."""
     batch = inputs.size
-    squared = {n: torch.zeros(batch, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
+    squared = {n: torch.zeros(batch, dtype=SQUARES, device=trainable.device) for n in trainable.names}
     # hooks remove their hooks; autograd.grad leaves .grad alone
     with restoring_modes(trainable), refusing_reentrant_checkpoints():
         for start in range(0, batch, chunk):
@@ -168,7 +169,7 @@ def _materialised_squared_norms(trainable: Trainable, resolved: str, strategy: s
                                 verify: bool = True) -> dict[str, torch.Tensor]:
     """{name: (B,) squared norms} from :func:`pergrad_viz.per_sample_grads` with ``strategy``, one chunk of samples
     at a time (chunks sized for ``resolved``, the strategy it runs)."""
-    squared = {n: torch.empty(inputs.size, dtype=trainable.dtype, device=trainable.device) for n in trainable.names}
+    squared = {n: torch.empty(inputs.size, dtype=SQUARES, device=trainable.device) for n in trainable.names}
     for rows, grads in materialised_chunks(trainable, resolved, strategy, loss_fn, inputs, targets, chunk_size,
                                            verify):
         for name, g in grads.items():
@@ -199,7 +200,7 @@ def materialised_chunks(trainable: Trainable, resolved: str, strategy: str, loss
 def row_squared_norms(g: torch.Tensor) -> torch.Tensor:
     """(B,) squared L2 norms of the rows of a (B, *shape) per-sample gradient; ``shape`` may be () (a 0-dim
     parameter such as a learnable temperature gives (B,), where ``flatten(1)`` would fail)."""
-    return row_norms(g.reshape(g.shape[0], -1)).square()  # huge entries: no overflow where the result is finite
+    return wide_square(row_norms(g.reshape(g.shape[0], -1)))  # float64: no overflow in the square
 
 
 # A layer's share of a tied weight's per-sample gradient: (left, right, own) with the gradient read as the matrix

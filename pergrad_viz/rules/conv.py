@@ -158,10 +158,10 @@ def _direct_norms(module, x, g, local) -> dict[str, torch.Tensor]:
     if "weight" in local:
         window, kernel, _ = live_window(module, x, g.shape[2:])
         weight = _pixel_gram(module, window, g.unsqueeze(-2) if isinstance(module, nn.Conv1d) else g, kernel)
-        result["weight"] = weight if scale is None else weight * scale
+        result["weight"] = weight if scale is None else weight.to(scale.dtype) * scale
     if "bias" in local:
         bias = g.reshape(g.shape[0], g.shape[1], -1).sum(2).square().sum(1)
-        result["bias"] = bias if bias_scale is None else bias * bias_scale
+        result["bias"] = bias if bias_scale is None else bias.to(bias_scale.dtype) * bias_scale
     return result
 
 

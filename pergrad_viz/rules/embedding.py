@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pergrad_viz.core.numbers import wide_square
 from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum, row_norms
 
 
@@ -57,8 +58,8 @@ class EmbeddingGhost:
         pairs = (a + vocab * torch.arange(a.shape[0], device=a.device).unsqueeze(1)).reshape(-1)  # (sample, token)
         unique, inverse = torch.unique(pairs, return_inverse=True)
         rows = g.new_zeros(unique.numel(), g.shape[-1]).index_add_(0, inverse, g.reshape(-1, g.shape[-1]))
-        squared = row_norms(rows).square()  # per row: no overflow in the squares where the squared norm is finite
-        return {"weight": g.new_zeros(a.shape[0]).index_add_(0, unique // vocab, squared)}
+        squared = wide_square(row_norms(rows))  # per row: float64, no overflow in the squares
+        return {"weight": squared.new_zeros(a.shape[0]).index_add_(0, unique // vocab, squared)}
 
     @staticmethod
     def factors(module, a, g):

@@ -9,6 +9,7 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
+from pergrad_viz.core.numbers import wide_square
 from pergrad_viz.rules.registry import (
     join_positions,
     register,
@@ -140,9 +141,9 @@ class LinearGhost:
         if tokens == 1:  # the ghost norm: ||g a^T||^2 = ||g||^2 ||a||^2, and ||g||^2 for the bias
             g_norm = row_norms(g[:, 0])
             if "weight" in local:
-                result["weight"] = (g_norm * row_norms(a[:, 0])).square()
+                result["weight"] = wide_square(g_norm) * wide_square(row_norms(a[:, 0]))
             if "bias" in local:
-                result["bias"] = g_norm.square()
+                result["bias"] = wide_square(g_norm)
             return result
         gram = gram_is_faster(tokens, a.shape[-1], g.shape[-1])
         if "weight" in local and a.device.type == "cpu" and gram:
@@ -158,11 +159,11 @@ class LinearGhost:
             if gram:
                 weight = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2)).clamp_min(0)
             else:  # (B, out, in), this layer only
-                weight = torch.linalg.vector_norm(torch.bmm(g.mT, a).flatten(1), dim=1).square()  # no squared copy
-            result["weight"] = weight if scale is None else weight * scale
+                weight = wide_square(torch.linalg.vector_norm(torch.bmm(g.mT, a).flatten(1), dim=1))  # no squared copy
+            result["weight"] = weight if scale is None else weight.to(scale.dtype) * scale
         if "bias" in local:
             bias = g.sum(1).square().sum(1)
-            result["bias"] = bias if bias_scale is None else bias * bias_scale
+            result["bias"] = bias if bias_scale is None else bias.to(bias_scale.dtype) * bias_scale
         return result
 
     @staticmethod

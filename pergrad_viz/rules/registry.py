@@ -13,6 +13,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from pergrad_viz.core.numbers import wide_square
+
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], None]
 CallRule = Callable[..., None]
 
@@ -162,13 +164,13 @@ def scaled_unless_fit(a: torch.Tensor, g: torch.Tensor, terms: int
     """``(a, g, weight_scale, bias_scale)`` for a Gram form of ``terms`` products over a (B, ...) and g (B, ...): a and
     g as they are where those products fit (:func:`products_fit`; then both scales None), else each scaled per sample
     (:func:`sample_scaled`), a weight's squared norm then to be multiplied by ``weight_scale`` (B,) = (s_a s_g)^2 and
-    a bias's (g alone) by ``bias_scale`` (B,) = s_g^2."""
+    a bias's (g alone) by ``bias_scale`` (B,) = s_g^2, both float64 (:func:`~pergrad_viz.core.numbers.wide_square`)."""
     sa, sg = sample_maxima(a), sample_maxima(g)
     if products_fit(sa, sg, terms):
         return a, g, None, None
     a, sa = sample_scaled(a, sa)  # per sample: the squares neither overflow nor underflow on their own
     g, sg = sample_scaled(g, sg)
-    return a, g, (sa * sg).square(), sg.square()
+    return a, g, wide_square(sa) * wide_square(sg), wide_square(sg)
 
 
 # Float64 row norms of a narrower dtype on pieces of at most this many numbers: vector_norm(dtype=float64) converts

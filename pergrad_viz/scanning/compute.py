@@ -27,6 +27,7 @@ from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.loss_reads import loss_reads_parameters
 from pergrad_viz.core.losses import LossFn, logits_of, per_sample_losses
+from pergrad_viz.core.numbers import SQUARES, wide_square
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.norms import (
     ghost_kind,
@@ -104,14 +105,15 @@ def _outputs(want: set[str], output: torch.Tensor, losses: torch.Tensor, y: torc
     return res
 
 
-def _from_squared(want: set[str], squared: dict[str, torch.Tensor], blocks: list[Block]) -> dict[str, torch.Tensor]:
-    """grad_norm (B,) and layer_norms (B, L) from {name: (B,) squared norms}."""
+def _from_squared(want: set[str], squared: dict[str, torch.Tensor], blocks: list[Block],
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """grad_norm (B,) and layer_norms (B, L) in ``dtype`` from {name: (B,) squared norms} (float64 squares)."""
     res = {}
-    per_block = torch.stack([sum(squared[n] for n in b.params) for b in blocks], dim=1)  # (B, L)
+    per_block = torch.stack([sum(squared[n].to(SQUARES) for n in b.params) for b in blocks], dim=1)  # (B, L)
     if "grad_norm" in want:
-        res["grad_norm"] = per_block.sum(1).sqrt()
+        res["grad_norm"] = per_block.sum(1).sqrt().to(dtype)
     if "layer_norms" in want:
-        res["layer_norms"] = per_block.sqrt()
+        res["layer_norms"] = per_block.sqrt().to(dtype)
     return res
 
 
@@ -159,7 +161,7 @@ def _hooks_batch(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.
         per_call = backward_to_layers(calls, total)
     res = _outputs(want, output, losses, y)
     kw = {"dtype": trainable.dtype, "device": trainable.device}
-    squared = {n: torch.zeros(batch, **kw) for n in trainable.names}
+    squared = {n: torch.zeros(batch, dtype=SQUARES, device=trainable.device) for n in trainable.names}
     dense: dict[str, torch.Tensor] = {}  # full name -> (B, *shape), only where a sketch needs it
     sketched: dict[int, torch.Tensor] = {}  # block index -> (B, k_b)
     want_sketch = sketch is not None and "projection" in want
@@ -181,7 +183,7 @@ def _hooks_batch(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.
                 dense[local[ln]] = t[0]
                 if kind is None:
                     squared[local[ln]] = row_squared_norms(t[0])
-    res.update(_from_squared(want, squared, blocks))
+    res.update(_from_squared(want, squared, blocks, trainable.dtype))
     if want_sketch:
         for i, bs in enumerate(sketch.blocks):
             if i not in sketched:
@@ -204,8 +206,10 @@ def _materialised_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: t
         grads = api.per_sample_grads(model, loss_fn, x, y)  # {name: (B, *shape)}: this batch only
         squared = {n: row_squared_norms(g) for n, g in grads.items()}
         res["projection"] = sketch.project_grads(grads)
+        dtype = next(iter(grads.values())).dtype
     else:
         norms = per_sample_grad_norms(model, loss_fn, x, y, per_parameter=True)
-        squared = {n: t.square() for n, t in norms.items()}
-    res.update(_from_squared(want, squared, blocks))
+        squared = {n: wide_square(t) for n, t in norms.items()}
+        dtype = next(iter(norms.values())).dtype
+    res.update(_from_squared(want, squared, blocks, dtype))
     return res
