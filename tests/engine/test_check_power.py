@@ -192,41 +192,12 @@ def test_the_schedule_checks_first_calls_then_within_its_share(monkeypatch):
     assert len(checked) == before + 1
 
 
-def test_auto_times_torch_func_against_hooks_and_keeps_the_faster(monkeypatch):
+@pytest.mark.parametrize("cold_first_s", [0.0, 0.5])
+def test_auto_times_torch_func_against_hooks_and_keeps_the_faster(monkeypatch, cold_first_s):
     """The race (engine.schedule.Race): hooks' first calls, then torch_func timed; here torch_func is made the
-    faster (hooks slowed down), so auto runs it from then on, and its results are the loop's."""
-    import time
-
-    model, x, y = _tutorial(8)
-    model, x = model.double(), x.double()
-    real = REGISTRY["hooks"]
-
-    def slow(*args):
-        time.sleep(0.05)
-        real.grads(*args)
-
-    monkeypatch.setitem(REGISTRY, "hooks", dataclasses.replace(real, grads=slow))
-    used = []
-    for name in ("hooks", "torch_func"):
-        record = REGISTRY[name]
-
-        def counting(*args, _record=record, _name=name):
-            used.append(_name)
-            _record.grads(*args)
-
-        monkeypatch.setitem(REGISTRY, name, dataclasses.replace(record, grads=counting))
-    want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
-    for _ in range(6):
-        got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
-    assert used[:schedule.FIRST] == ["hooks"] * schedule.FIRST
-    assert used[schedule.FIRST:] == ["torch_func"] * (6 - schedule.FIRST)
-
-
-def test_the_process_first_torch_func_call_does_not_lose_the_race(monkeypatch):
-    """torch.func's start-up lands on the process's first call (0.9 s against 3 ms the next): that call is not
-    timed against hooks, so torch_func, the faster from its second call on, still wins the race."""
+    faster (hooks slowed down), so auto runs it from then on, and its results are the loop's. torch.func's start-up
+    lands on the process's first call (0.9 s against 3 ms the next; ``cold_first_s`` here): that call is not timed
+    against hooks, so torch_func still wins."""
     import time
 
     model, x, y = _tutorial(8)
@@ -245,7 +216,7 @@ def test_the_process_first_torch_func_call_does_not_lose_the_race(monkeypatch):
         monkeypatch.setitem(REGISTRY, name, dataclasses.replace(record, grads=grads))
 
     slowed("hooks", 0.05, 0.05)
-    slowed("torch_func", 0.5, 0.0)  # cold first call, then the faster
+    slowed("torch_func", cold_first_s, 0.0)
     want = ref_grads(model, nn.CrossEntropyLoss(), x, y)
     for _ in range(6):
         got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
