@@ -231,7 +231,7 @@ def tied_squared_norms(parts: Sequence[TiedPart]) -> torch.Tensor:
     for k, (left1, right1, s1) in enumerate(scaled):
         for left2, right2, s2 in scaled[k + 1:]:
             cross = (_left_gram(left1, left2, right1.dtype) * torch.bmm(right1, right2.mT)).sum((1, 2))
-            total = total + 2 * (cross if s1 is None else cross * (s1 * s2))
+            total = total + 2 * (cross if s1 is None else cross.to(SQUARES) * (s1.to(SQUARES) * s2.to(SQUARES)))
     return total.clamp_min(0)
 
 
@@ -240,7 +240,8 @@ def _scaled_parts(parts: Sequence[TiedPart]) -> list[tuple[torch.Tensor, torch.T
     term's products fit (``products_fit`` on every part's per-sample maxima, a one-hot left's being 1; CPUs only,
     a host read), else each factor scaled per sample, so that the products neither overflow nor underflow on their
     own (on a tied GPT-2's output gradients, (32, 32, 1000), the scaling was a division pass over them)."""
-    lefts = [sample_maxima(left) if left.is_floating_point() else torch.ones_like(own) for left, _, own in parts]
+    lefts = [sample_maxima(left) if left.is_floating_point() else own.new_ones(own.shape, dtype=right.dtype)
+             for left, right, own in parts]  # in the factors' dtype (own is float64): products_fit reads its range
     rights = [sample_maxima(right) for _, right, _ in parts]
     tokens = max(left.shape[1] for left, _, _ in parts)
     width = max(left.shape[-1] if left.is_floating_point() else 1 for left, _, _ in parts)

@@ -17,6 +17,7 @@ from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses, scalar_loss
 from pergrad_viz.core.randomness import Draws
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.rules.registry import row_norms
 
 Tensors = list[torch.Tensor]
 
@@ -125,7 +126,7 @@ def norms_of_grads(total: torch.Tensor, params: tuple[torch.Tensor, ...]) -> Ten
 
     def hook_for(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(g: torch.Tensor) -> torch.Tensor:
-            norms[k] = (g.to_dense() if g.is_sparse else g).norm().reshape(1)
+            norms[k] = row_norms((g.to_dense() if g.is_sparse else g).reshape(1, -1))  # no overflow in the squares
             return g if g.is_sparse else g.new_zeros(()).expand(g.shape)
 
         return hook

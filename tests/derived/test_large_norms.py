@@ -28,12 +28,26 @@ class Tokens(nn.Module):
         return self.head(self.mix(self.norm(self.embed(ids))).mean(1))
 
 
+class TiedLM(nn.Module):
+    """An Embedding tied to the output Linear (GPT-2's wte / lm_head): the tied weight's norm from its cross terms."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(25, 12)
+        self.out = nn.Linear(12, 25, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.emb(ids))).mean(1)[:, :3]
+
+
 def _cases():
     torch.manual_seed(0)
     yield "mlp", nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), torch.randn(6, 5)
     yield "cnn", nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)), \
         torch.randn(6, 1, 6, 6)
     yield "tokens", Tokens(), torch.randint(0, 20, (6, 6))
+    yield "tied", TiedLM(), torch.randint(0, 25, (6, 6))
 
 
 CASES = {name: (model, x) for name, model, x in _cases()}
@@ -43,12 +57,18 @@ def huge_loss(output, target):
     return SCALE * F.cross_entropy(output, target, reduction="sum")
 
 
-def _loop_grads(model, x, y) -> torch.Tensor:
+def one_huge_loss(output, target):
+    """Class 2's samples' losses times 1e22, the others' as they are: one huge sample among ordinary ones."""
+    weights = torch.where(target == 2, 1e22, 1.0)
+    return (weights * F.cross_entropy(output, target, reduction="none")).sum()
+
+
+def _loop_grads(model, x, y, loss_fn=huge_loss) -> torch.Tensor:
     """(B, P) float32 per-sample gradients, one backward per sample."""
     params = [p for p in model.parameters() if p.requires_grad]
     rows = []
     for i in range(x.shape[0]):
-        grads = torch.autograd.grad(huge_loss(model(x[i:i + 1]), y[i:i + 1]), params)
+        grads = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), params)
         rows.append(torch.cat([g.reshape(-1) for g in grads]))
     return torch.stack(rows)
 
@@ -67,14 +87,16 @@ def test_norms_past_float32_squares(name, strategy):
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)
 
 
+@pytest.mark.parametrize("loss_fn", [huge_loss, one_huge_loss])
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_clipped_sum_keeps_samples_past_float32_squares(name):
+def test_a_clipped_sum_keeps_samples_past_float32_squares(name, loss_fn):
     model, x = CASES[name]
-    y = torch.arange(x.shape[0]) % 3
-    grads = _loop_grads(model, x, y).double()
+    y = torch.tensor([0, 2, 1, 0, 1, 0]) if loss_fn is one_huge_loss else torch.arange(x.shape[0]) % 3
+    grads = _loop_grads(model, x, y, loss_fn).double()
     norms = torch.linalg.vector_norm(grads, dim=1)
+    assert norms.max() > 1e20 and (loss_fn is huge_loss or norms.min() < 1e3)
     want = (grads * (1.0 / (norms + 1e-6)).clamp(max=1.0)[:, None]).sum(0)  # each sample clipped to C = 1
-    got = pv.clipped_grad_sum(model, huge_loss, x, y, max_norm=1.0)
+    got = pv.clipped_grad_sum(model, loss_fn, x, y, max_norm=1.0)
     flat = torch.cat([got[n].reshape(-1) for n, p in model.named_parameters() if p.requires_grad]).double()
     assert flat.isfinite().all()
     torch.testing.assert_close(flat, want, rtol=1e-4, atol=1e-6)
@@ -102,3 +124,17 @@ def test_a_scan_of_gradients_past_float32_squares(tmp_path):
                   out=tmp_path / "s", progress=False)
     got = torch.as_tensor(res["grad_norm"]).double()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+
+
+def test_the_checks_reference_norms_past_float32_squares():
+    """The per-call check's reference norm (one backward) is finite where the gradient is: an inf reference would
+    let any result pass, NaN included."""
+    from pergrad_viz.engine.references import norms_of_grads
+
+    model, x = CASES["tied"]
+    y = torch.arange(x.shape[0]) % 3
+    params = tuple(p for p in model.parameters() if p.requires_grad)
+    got = norms_of_grads(huge_loss(model(x[:1]), y[:1]), params)
+    want = torch.linalg.vector_norm(_loop_grads(model, x[:1], y[:1]).double(), dim=1)
+    assert len(got) == 1 and got[0].dtype == torch.float32
+    torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=0)
