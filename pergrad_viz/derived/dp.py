@@ -165,7 +165,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     if distributed:
         all_reduce_sums(sums)
     if return_norms:
-        return sums, torch.stack(list(squared.values())).sum(0).sqrt()
+        return sums, torch.stack(list(squared.values())).sum(0).sqrt().to(trainable.dtype)  # float64 squares
     return sums
 
 

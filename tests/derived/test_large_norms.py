@@ -96,7 +96,9 @@ def test_a_clipped_sum_keeps_samples_past_float32_squares(name, loss_fn):
     norms = torch.linalg.vector_norm(grads, dim=1)
     assert norms.max() > 1e20 and (loss_fn is huge_loss or norms.min() < 1e3)
     want = (grads * (1.0 / (norms + 1e-6)).clamp(max=1.0)[:, None]).sum(0)  # each sample clipped to C = 1
-    got = pv.clipped_grad_sum(model, loss_fn, x, y, max_norm=1.0)
+    got, got_norms = pv.clipped_grad_sum(model, loss_fn, x, y, max_norm=1.0, return_norms=True)
+    assert got_norms.dtype == torch.float32  # as the gradients (the squares are float64 inside)
+    torch.testing.assert_close(got_norms.double(), norms, rtol=1e-4, atol=1e-6)
     flat = torch.cat([got[n].reshape(-1) for n, p in model.named_parameters() if p.requires_grad]).double()
     assert flat.isfinite().all()
     torch.testing.assert_close(flat, want, rtol=1e-4, atol=1e-6)
