@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
+from pergrad_viz.errors import HandOverError, UndefinedPerSampleError, UnsupportedModelError
 
 
 class Trainable(Protocol):
@@ -52,9 +52,50 @@ def check_takes_part(trainable: Trainable, result: torch.Tensor, what: str = "lo
 
 def check_reached(trainable: Trainable, calls: Sequence, what: str = "loss") -> None:
     """Refuse a hooked forward (``calls``: the captured layer calls, ``pergrad_viz.engine.capture``) in which no
-    layer output carries a gradient: no trainable parameter takes part (as :func:`check_takes_part`)."""
-    if not any(t.requires_grad for c in calls for t in (*c.outputs, *c.internals)):
+    layer output carries a gradient: no trainable parameter takes part (as :func:`check_takes_part`); or in which
+    a layer ran without gradients inside a reentrant checkpoint (:func:`check_no_reentrant_checkpoint`)."""
+    carried = [any(t.requires_grad for t in (*c.outputs, *c.internals)) for c in calls]
+    if not any(carried):
         raise nothing_takes_part(trainable, what)
+    check_computed_in(trainable, calls)
+    if not all(carried):  # a layer ran under no_grad: the user's own, or a reentrant checkpoint's forward
+        check_no_reentrant_checkpoint([t for c in calls for t in c.tensors()])
+
+
+def check_computed_in(trainable: Trainable, calls: Sequence) -> None:
+    """Hand over (:class:`HandOverError`) where a layer's output is in another floating dtype than the parameters'
+    (``torch.autocast`` inside the forward, or layers of several dtypes): the layer rules would mix the two."""
+    for c in calls:
+        for t in c.outputs:
+            if t.is_floating_point() and t.dtype != trainable.dtype:
+                raise HandOverError(
+                    f"a layer computed in {t.dtype} while the parameters are {trainable.dtype} (torch.autocast inside "
+                    f"the forward, or layers of several dtypes): the layer rules would mix the two. Use "
+                    f"strategy='auto' or 'loop' (each sample alone, as the forward runs it)",
+                    reason=f"a layer computed in {t.dtype}, the parameters {trainable.dtype}")
+
+
+def reentrant_checkpoint_in(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the backward graph of any of ``tensors`` holds a checkpoint with ``use_reentrant=True``: its layers
+    ran under no_grad and are recomputed only by ``.backward()``, so ``autograd.grad`` (every strategy, the loop's
+    too) would see no gradient for them where one samples' ``.backward()`` finds it. One walk, each node once."""
+    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.name() == "CheckpointFunctionBackward":
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
+
+
+def check_no_reentrant_checkpoint(tensors: Sequence[torch.Tensor]) -> None:
+    """Raise :class:`UnsupportedModelError` naming ``use_reentrant=False`` where :func:`reentrant_checkpoint_in`."""
+    if reentrant_checkpoint_in(tensors):
+        raise UnsupportedModelError(REENTRANT_CHECKPOINT)
 
 
 def nothing_takes_part(trainable: Trainable, what: str = "loss") -> ValueError:
@@ -92,6 +133,8 @@ def refusing_reentrant_checkpoints() -> Iterator[None]:
     try:
         yield
     except (RuntimeError, ValueError) as e:
+        if isinstance(e, UnsupportedModelError) and str(e) == REENTRANT_CHECKPOINT:
+            raise  # found in the graph (check_no_reentrant_checkpoint): already this refusal
         if not isinstance(e, UndefinedPerSampleError) and _from_reentrant_checkpoint(e):
             # torch.func's own error type is kept (auto hands it over to the loop, which then says it, or computes
             # what PyTorch computes where no checkpointed input records gradients)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch
-from pergrad_viz.core.guards import check_takes_part
+from pergrad_viz.core.guards import check_no_reentrant_checkpoint, check_takes_part
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
@@ -29,6 +29,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     mark_draws(trainable, inputs)
     losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)  # (B,)
     check_takes_part(trainable, losses)
+    check_no_reentrant_checkpoint([losses])  # its layers would get no gradient from autograd.grad
     batch = losses.shape[0]
     for i in range(batch):
         g = torch.autograd.grad(losses[i], trainable.params, retain_graph=i < batch - 1, allow_unused=True)
@@ -40,6 +41,7 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
     """1 forward, B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
     outputs = flat_outputs(trainable.outputs(inputs))  # (B, Y)
     check_takes_part(trainable, outputs, "model output")
+    check_no_reentrant_checkpoint([outputs])
     batch, y_count = outputs.shape
     for i in range(batch):
         for j in range(y_count):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch
-from pergrad_viz.core.guards import check_takes_part
+from pergrad_viz.core.guards import check_no_reentrant_checkpoint, check_takes_part
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
@@ -29,6 +29,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     mark_draws(trainable, inputs)
     losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)  # (B,)
     check_takes_part(trainable, losses)
+    check_no_reentrant_checkpoint([losses])  # its layers would get no gradient from autograd.grad
     one_hot = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)
     g = _batched_backward(losses, trainable.params, one_hot)
     write(out, trainable.names, g, slice(None))
@@ -39,6 +40,7 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
     """Writes (B, Y, *param.shape) into ``out`` from B x Y one-hot grad outputs of shape (B, Y)."""
     outputs = flat_outputs(trainable.outputs(inputs))  # (B, Y)
     check_takes_part(trainable, outputs, "model output")
+    check_no_reentrant_checkpoint([outputs])
     batch, y_count = outputs.shape
     one_hot = torch.eye(batch * y_count, dtype=outputs.dtype, device=outputs.device)
     g = _batched_backward(outputs, trainable.params, one_hot.view(-1, batch, y_count))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch, cut
-from pergrad_viz.core.guards import nothing_takes_part
+from pergrad_viz.core.guards import check_no_reentrant_checkpoint, nothing_takes_part
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies.outputs import non_finite_rows, refuse_random_forward, write
@@ -25,12 +25,15 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     """B forward and B backward passes of one sample each; writes (B, *param.shape) into ``out``."""
     refuse_random_forward(trainable, inputs)
     unused = [None] * len(trainable.params)
-    took_part = False
+    took_part, walked = False, False
     for i in range(inputs.size):
         loss = scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
         took_part |= loss.requires_grad  # a sample no trainable parameter reaches: zeros (allow_unused)
-        write(out, trainable.names, torch.autograd.grad(loss, trainable.params, allow_unused=True)
-              if loss.requires_grad else unused, i)
+        g = torch.autograd.grad(loss, trainable.params, allow_unused=True) if loss.requires_grad else unused
+        if loss.requires_grad and not walked and any(t is None for t in g):
+            check_no_reentrant_checkpoint([loss])  # unused, or recomputed only by .backward(): zeros here
+            walked = True
+        write(out, trainable.names, g, i)
     if not took_part:
         raise nothing_takes_part(trainable)
 
@@ -39,7 +42,7 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
     """B forward and B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
     refuse_random_forward(trainable, inputs)
     unused = [None] * len(trainable.params)
-    took_part = False
+    took_part, walked = False, False
     for i in range(inputs.size):
         output = trainable.outputs(inputs.sample(i)).reshape(-1)
         y_count = output.numel()
@@ -47,6 +50,9 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
         for j in range(y_count):
             g = torch.autograd.grad(output[j], trainable.params, retain_graph=j < y_count - 1, allow_unused=True
                                     ) if output.requires_grad else unused
+            if output.requires_grad and not walked and any(t is None for t in g):
+                check_no_reentrant_checkpoint([output])
+                walked = True
             write(out, trainable.names, g, (i, j))
     if not took_part and inputs.size:
         raise nothing_takes_part(trainable, "model output")

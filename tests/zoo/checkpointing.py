@@ -36,6 +36,28 @@ class CheckpointedBlock(nn.Module):
         return self.head(h)
 
 
+class CheckpointedFirst(CheckpointedBlock):
+    """The checkpointed block first, on an input that requires grad (as peft's ``enable_input_require_grads`` makes
+    a frozen embedding's output): no trainable layer comes before the checkpoint, so PyTorch raises nothing, and
+    ``autograd.grad`` leaves the block's layers without gradients that ``.backward()`` gives them."""
+
+    def forward(self, x):
+        return self.head(torch.relu(self.stem(checkpoint(self.block6, x, use_reentrant=self.reentrant))))
+
+    def block6(self, x):
+        return torch.tanh(self.fc(torch.cat([x, x[:, :2]], 1)))  # (B, 4) -> (B, 6)
+
+
+def first(reentrant: bool) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        model = CheckpointedFirst(reentrant).to(DT)
+        model.stem, model.fc2 = nn.Linear(6, 5).to(DT), None  # fc (6 -> 6) in the checkpoint, then stem, head
+        return model
+
+    return make
+
+
 def custom(reentrant: bool) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         torch.manual_seed(0)
@@ -65,6 +87,10 @@ def floats(batch: int) -> torch.Tensor:
     return torch.randn(batch, 4, generator=torch.Generator().manual_seed(11), dtype=DT)
 
 
+def floats_requiring_grad(batch: int) -> torch.Tensor:
+    return floats(batch).requires_grad_()
+
+
 def tokens(batch: int) -> torch.Tensor:
     return torch.randint(1, 30, (batch, 6), generator=torch.Generator().manual_seed(12))
 
@@ -72,6 +98,8 @@ def tokens(batch: int) -> torch.Tensor:
 CASES = [  # (name, maker, inputs, reentrant, optional package)
     ("custom-reentrant", custom(True), floats, True, ""),
     ("custom-non-reentrant", custom(False), floats, False, ""),
+    ("first-reentrant", first(True), floats_requiring_grad, True, ""),
+    ("first-non-reentrant", first(False), floats_requiring_grad, False, ""),
     ("hf-bert-reentrant", hf_bert(True), tokens, True, "transformers"),
     ("hf-bert-non-reentrant", hf_bert(False), tokens, False, "transformers"),
 ]
