@@ -76,3 +76,34 @@ def test_the_autocast_loop_differs_from_the_float32_loop():
     low = _autocast_loop(model, x, y, torch.bfloat16, "grads")
     full = _autocast_loop(model, x, y, None, "grads")
     assert (low - full).abs().max() > 1e-4
+
+
+class _Decorated(torch.nn.Module):
+    """A forward decorated with ``@torch.autocast``: the call itself sees no autocast, the layers compute in it."""
+
+    def __init__(self, inner, dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=self.dtype):
+            return self.inner(x)
+
+
+@pytest.mark.parametrize(("label", "dtype"), AUTOCAST, ids=[a[0] for a in AUTOCAST])
+@pytest.mark.parametrize(("name", "make"), CASES, ids=[c[0] for c in CASES])
+def test_a_forward_under_its_own_autocast_gives_the_loop_and_its_clipped_sum(name, make, label, dtype):
+    """The clipped sum's products took the layers' bfloat16 inputs and output gradients into float32 sums (PyTorch's
+    raw "mat1 and mat2 must have the same dtype"): now as .grad is, in the parameters' dtype."""
+    model = _Decorated(make(), dtype)
+    x, y = inputs(B)
+    loss = torch.nn.CrossEntropyLoss()
+    want = _autocast_loop(model, x, y, None, "grads")  # the autocast is the forward's own
+    tol = {"rtol": 1.6e-2, "atol": 1e-5}
+    torch.testing.assert_close(pv.per_sample_grads(model, loss, x, y, flat=True), want, **tol)
+    norms = want.double().norm(dim=1)
+    clipped = (want.double() * (0.5 / (norms + 1e-6)).clamp(max=1.0)[:, None]).sum(0)
+    got = pv.clipped_grad_sum(model, loss, x, y, 0.5)
+    assert all(t.dtype == torch.float32 for t in got.values())
+    flat = torch.cat([got[n].reshape(-1) for n, p in model.named_parameters() if p.requires_grad])
+    torch.testing.assert_close(flat.double(), clipped, rtol=1.6e-2, atol=1.6e-2 * float(clipped.abs().max()))  # bf16
