@@ -218,7 +218,8 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
     the expected batch size q * N, not by this batch's size, which is itself private); ``expected_batch_size=None``
     divides by this batch's B (with ``distributed=True``, the B of every process together). ``.grad`` is replaced,
     as after ``optimizer.zero_grad()`` and ``loss.backward()``: nothing is accumulated. With :func:`noise_step`, the
-    only calls of the package that write ``.grad``.
+    only calls of the package that write ``.grad``. An empty batch (B = 0, which Poisson sampling draws) is
+    :func:`noise_step`'s (``expected_batch_size`` needed), so that every step the accountant counts is taken.
 
     Args:
         expected_batch_size: a positive int, or None (this batch's size).
@@ -232,6 +233,13 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
                                             or not isinstance(expected_batch_size, int) or expected_batch_size < 1):
         raise ValueError(f"expected_batch_size must be a positive int (e.g. round(sample_rate * len(dataset))) or "
                          f"None, got {expected_batch_size!r}")
+    if _empty(inputs) and not options.get("distributed"):  # Poisson sampling's empty batch: noise alone
+        if expected_batch_size is None:
+            raise ValueError("empty batch (B = 0, as Poisson sampling draws with probability (1 - q)^n): its DP "
+                             "step is noise alone, over the expected batch size; pass expected_batch_size= (e.g. "
+                             "round(sample_rate * len(dataset))), or call pv.noise_step for it")
+        return noise_step(model, max_norm, noise_multiplier=noise_multiplier, generator=generator,
+                          expected_batch_size=expected_batch_size)
     sums, norms = clipped_grad_sum(model, loss_fn, inputs, targets, max_norm, noise_multiplier=noise_multiplier,
                                    generator=generator, return_norms=True, **options)
     divisor = expected_batch_size
@@ -245,6 +253,13 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
         total.div_(divisor)
         params[name].grad = total
     return sums
+
+
+def _empty(inputs: object) -> bool:
+    """Whether the first tensor of ``inputs`` (a tensor, or the first in a tuple, list or dict) has no samples."""
+    while isinstance(inputs, (tuple, list, Mapping)) and len(inputs):
+        inputs = next(iter(inputs.values())) if isinstance(inputs, Mapping) else inputs[0]
+    return isinstance(inputs, torch.Tensor) and inputs.dim() > 0 and inputs.shape[0] == 0
 
 
 def noise_step(model: nn.Module, max_norm: float, *, noise_multiplier: float, generator: torch.Generator,

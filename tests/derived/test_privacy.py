@@ -97,3 +97,32 @@ def test_noise_step_writes_noise_alone():
         torch.testing.assert_close(p.grad, sums[n] / 10)
     with pytest.raises(ValueError, match="needs generator="):
         pv.noise_step(model, 0.5, noise_multiplier=2.0, generator=None, expected_batch_size=10)
+
+
+@pytest.mark.parametrize("inputs", [torch.zeros(0, 3, dtype=torch.float64),
+                                    {"x": torch.zeros(0, 3, dtype=torch.float64)}], ids=["tensor", "dict"])
+def test_dp_step_on_an_empty_batch_is_the_noise_step(inputs):
+    """Poisson sampling draws an empty batch with probability (1 - q)^n: dp_step takes that step as noise alone
+    (the step the accountant counts), as noise_step does; without expected_batch_size it names the fix."""
+    model = nn.Linear(3, 2).double()
+    loss_fn = nn.CrossEntropyLoss() if isinstance(inputs, torch.Tensor) else (lambda out, y: out.sum())
+    targets = torch.zeros(0, dtype=torch.long)
+    call_model = model if isinstance(inputs, torch.Tensor) else _DictInput(model)  # model(**inputs)
+    pv.dp_step(call_model, loss_fn, inputs, targets, 0.5, noise_multiplier=2.0,
+               generator=torch.Generator().manual_seed(4), expected_batch_size=10)
+    sums = sums_mod.initial_sums([(n, p.shape, p.dtype, p.device) for n, p in call_model.named_parameters()], 1.0,
+                                 torch.Generator().manual_seed(4))
+    for n, p in call_model.named_parameters():
+        torch.testing.assert_close(p.grad, sums[n] / 10)
+    with pytest.raises(ValueError, match="expected_batch_size=.*noise_step"):
+        pv.dp_step(call_model, loss_fn, inputs, targets, 0.5, noise_multiplier=2.0,
+                   generator=torch.Generator().manual_seed(4))
+
+
+class _DictInput(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
