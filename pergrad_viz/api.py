@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
-from pergrad_viz.core.guards import check_autocast
+from pergrad_viz.core.guards import check_autocast, check_one_dtype
 from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
@@ -186,7 +186,7 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     chunk = check_chunk(chunk_size, batch.size)
     if out is not None:
         check_out_memory(out, trainable, flat, batch, targets)  # before the probe runs the model
-    if check_autocast(strategy, trainable):  # under torch.autocast: each sample alone, as the definition runs it
+    if check_autocast(strategy, trainable) or check_one_dtype(strategy, trainable):  # each sample alone, as it runs
         check_modes(trainable, randomness)
         return trainable, "loop", batch, chunk
     try:

@@ -434,3 +434,32 @@ def test_targets_on_another_device_are_refused_before_allocating():
     model = nn.Linear(4, 3)
     with pytest.raises(ValueError, match=r"targets are on meta but inputs are on cpu.*targets\.to\('cpu'\)"):
         pv.per_sample_grads(model, nn.MSELoss(), torch.randn(2, 4), torch.empty(2, 3, device="meta"))
+
+
+class _TwoDtypes(nn.Module):
+    """A float32 layer, then a float64 one, the forward casting between them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(6, 5)
+        self.fc2 = nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)).double())
+
+
+def test_trainable_parameters_of_two_dtypes_give_the_loop_or_a_refusal_naming_it():
+    model, x, y = _TwoDtypes(), torch.randn(5, 6), torch.tensor([0, 1, 2, 0, 1])
+    loss = nn.CrossEntropyLoss()
+    params = [p for p in model.parameters()]
+    want = [torch.autograd.grad(loss(model(x[i:i + 1]), y[i:i + 1]), params) for i in range(5)]
+    for strategy in ("auto", "loop"):
+        got = pv.per_sample_grads(model, loss, x, y, strategy=strategy)
+        for k, (name, _) in enumerate(model.named_parameters()):
+            torch.testing.assert_close(got[name].double(), torch.stack([w[k] for w in want]).double())
+    norms = torch.stack([torch.cat([g.double().reshape(-1) for g in w]) for w in want]).norm(dim=1)
+    torch.testing.assert_close(pv.per_sample_grad_norms(model, loss, x, y).double(), norms, rtol=1e-5, atol=1e-7)
+    for strategy in ("hooks", "torch_func"):
+        with pytest.raises(pv.UnsupportedModelError, match="several dtypes.*strategy='auto' or 'loop'"):
+            pv.per_sample_grads(model, loss, x, y, strategy=strategy)

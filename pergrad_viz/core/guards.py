@@ -165,3 +165,21 @@ def check_autocast(strategy: str, trainable: Trainable) -> bool:
             f"parameters' {trainable.dtype}). Use strategy='auto' or 'loop' (each sample alone under autocast, the "
             f"result in {trainable.dtype}), or call it outside the autocast block")
     return True
+
+
+def check_one_dtype(strategy: str, trainable: Trainable) -> bool:
+    """Whether the trainable parameters are of several floating dtypes (a float32 layer beside a float64 one; then
+    ``auto`` is the loop: each sample alone, as the forward casts between them); any other strategy than the loop
+    is refused, naming it: the layer rules, the flat layout and torch.func compute in one dtype."""
+    dtypes = {}
+    for name, p in zip(trainable.names, trainable.params, strict=True):
+        dtypes.setdefault(p.dtype, name)
+    if len(dtypes) < 2:
+        return False
+    if strategy not in ("auto", "loop"):
+        listed = ", ".join(f"{dtype} ('{name}')" for dtype, name in dtypes.items())
+        raise UnsupportedModelError(
+            f"the trainable parameters are of several dtypes ({listed}), which the {strategy} strategy cannot mix "
+            f"(its layer rules and torch.func compute in one dtype). Use strategy='auto' or 'loop' (each sample "
+            f"alone, as the forward casts), or cast the model to one dtype (model.float() or model.double())")
+    return True
