@@ -9,7 +9,7 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
-from pergrad_viz.core.numbers import wide_square
+from pergrad_viz.core.numbers import SQUARES, wide_square
 from pergrad_viz.rules.registry import (
     join_positions,
     register,
@@ -141,7 +141,7 @@ class LinearGhost:
         if tokens == 1:  # the ghost norm: ||g a^T||^2 = ||g||^2 ||a||^2, and ||g||^2 for the bias
             g_norm = row_norms(g[:, 0])
             if "weight" in local:
-                result["weight"] = wide_square(g_norm) * wide_square(row_norms(a[:, 0]))
+                result["weight"] = wide_square(g_norm.to(SQUARES) * row_norms(a[:, 0]).to(SQUARES))  # 0 * huge: 0
             if "bias" in local:
                 result["bias"] = wide_square(g_norm)
             return result

@@ -140,3 +140,23 @@ def test_the_checks_reference_norms_past_float32_squares():
     want = torch.linalg.vector_norm(_loop_grads(model, x[:1], y[:1]).double(), dim=1)
     assert len(got) == 1 and got[0].dtype == torch.float32
     torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("big", [1e160, 1e200])
+def test_a_saturated_sample_with_a_huge_input_keeps_a_finite_norm(big):
+    """A float64 input row of 1e160 through tanh: the output gradient is 0 there, the activation's norm squared
+    overflows even float64; the weight's norm is ||g|| ||a|| (0 * huge = 0), not inf * 0 = NaN, which made every
+    entry of the clipped sum NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    x[3] = big
+    loss = nn.CrossEntropyLoss()
+    params = list(model.parameters())
+    grads = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss(model(x[i:i + 1]), y[i:i + 1]),
+                                                                               params)]) for i in range(5)])
+    norms = grads.norm(dim=1)
+    torch.testing.assert_close(pv.per_sample_grad_norms(model, loss, x, y), norms)
+    got = pv.clipped_grad_sum(model, loss, x, y, 0.05)
+    want = (grads * (0.05 / (norms + 1e-6)).clamp(max=1.0)[:, None]).sum(0)
+    torch.testing.assert_close(torch.cat([got[n].reshape(-1) for n, _ in model.named_parameters()]), want)
