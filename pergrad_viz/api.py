@@ -347,7 +347,8 @@ def output_size(trainable: Trainable, inputs: Batch) -> int:
         output = trainable.outputs(inputs.sample(0))
     if not isinstance(output, torch.Tensor):
         raise TypeError(
-            f"per_sample_jacobian differentiates one output tensor, but this model returns a {type(output).__name__}: "
+            f"per_sample_jacobian and empirical_ntk differentiate one output tensor, but this model returns a "
+            f"{type(output).__name__}: "
             "say which tensor with output=, e.g. output=lambda out: out.logits (or out[0])"
         )
     if not output.is_floating_point():

@@ -21,6 +21,7 @@ probe refuses ``hooks`` fall back to :func:`pergrad_viz.per_sample_jacobian` ``(
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +74,8 @@ def _add_dense(dense: dict[str, torch.Tensor], local: dict[str, str], grads: dic
 
 @computing_gradients
 def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mode: str = "full",
-                  chunk_size: int | None = None, max_bytes: int | None = None, verify: bool = True) -> torch.Tensor:
+                  chunk_size: int | None = None, max_bytes: int | None = None, verify: bool = True,
+                  output: Callable[[object], torch.Tensor] | None = None) -> torch.Tensor:
     """The empirical NTK ``K[i, j] = J(x1_i) J(x2_j)^T`` over all trainable parameters.
 
     Args:
@@ -88,6 +90,9 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
         verify: check one random entry K[i, j] against the two samples' Jacobians computed alone
             (``pergrad_viz.engine.certify``; on a mismatch K is computed from per-sample Jacobians instead); ``False``
             skips it.
+        output: picks the tensor whose Jacobians form K from what the model returns, as in
+            :func:`pergrad_viz.per_sample_jacobian`: ``output=lambda out: out.logits`` for a Hugging Face model
+            (default: the output itself).
 
     Returns:
         (N1, N2, Y, Y) for ``"full"`` (``K[i, j, y, z] = sum_p J(x1_i)[y, p] J(x2_j)[z, p]``), or (N1, N2)
@@ -101,6 +106,8 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: 'full' (N1, N2, Y, Y) or 'trace' (N1, N2)")
     trainable, strategy, x1, chunk = api.prepare(model, x1, None, "auto", chunk_size)
+    if output is not None:
+        trainable = trainable.selecting(output)
     if x2 is not None:
         x2 = batch_of(trainable, x2)
         if x2.signature() != x1.signature():

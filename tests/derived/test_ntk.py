@@ -241,3 +241,38 @@ def test_kernel_over_the_memory_budget_is_refused_before_computing():
     with pytest.raises(pv.MemoryBudgetError, match=r"empirical NTK of 6 x 6 samples x 10\^2 outputs.*KiB"):
         pv.empirical_ntk(model, torch.randn(6, 784), mode="full", max_bytes=1000)
     assert pv.empirical_ntk(model, torch.randn(6, 784), mode="trace", max_bytes=1000).shape == (6, 6)
+
+
+class _DictOutput(nn.Module):
+    """Returns a dict, as a Hugging Face model returns a ModelOutput: the NTK needs to be told which tensor."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return {"logits": self.b(h), "hidden": h}
+
+
+@pytest.mark.parametrize("mode", ["full", "trace"])
+def test_ntk_of_a_model_returning_a_dict_takes_output(mode):
+    model = _DictOutput().double()
+    x1, x2 = torch.randn(4, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    params = list(model.parameters())
+
+    def jac(x):  # (Y, P) of one sample, by autograd
+        out = model(x[None])["logits"].reshape(-1)
+        return torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[j], params,
+                                                                                 retain_graph=True)])
+                            for j in range(out.numel())])
+
+    j1, j2 = [jac(x) for x in x1], [jac(x) for x in x2]
+    want = torch.stack([torch.stack([a @ b.T for b in j2]) for a in j1])  # (N1, N2, Y, Y)
+    if mode == "trace":
+        want = want.diagonal(dim1=2, dim2=3).sum(-1)
+    got = pv.empirical_ntk(model, x1, x2, mode=mode, output=lambda out: out["logits"])
+    torch.testing.assert_close(got, want)
+    with pytest.raises(TypeError, match="output=lambda out: out.logits"):
+        pv.empirical_ntk(model, x1)
