@@ -106,3 +106,46 @@ def test_the_clipped_sum_under_the_defaults_is_the_true_one(norm: str) -> None:
     for name, w in want.items():
         torch.testing.assert_close(got[name], torch.einsum("b,b...->...", c, w), rtol=1e-9, atol=1e-12,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+class Image(nn.Module):
+    """A convolution and a norm on a channels_last image, flattened: the norm's input is channels-last, the output
+    gradient arrives contiguous (through the hooked pass's alias of the output)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = norm
+        self.head = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.conv(x))).flatten(1))
+
+
+def _image_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = Image(nn.BatchNorm2d(4)).to(DT).eval()
+    with torch.no_grad():
+        model.norm.running_mean.uniform_(-0.5, 0.5)
+        model.norm.running_var.uniform_(0.5, 2.0)
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+@pytest.mark.parametrize("strategy", ["loop", "hooks", "torch_func", "auto"])
+def test_a_channels_last_image_in_chunks_of_one_gives_the_true_gradient(strategy: str, chunk_size: int | None) -> None:
+    model, (x, y) = _image_model(), _data()
+    x = x.contiguous(memory_format=torch.channels_last)
+    want = _true_grads(model, x, y)
+    got = pv.per_sample_grads(model, LOSS, x, y, strategy=strategy, chunk_size=chunk_size, verify=False)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+    flat = torch.cat([g.reshape(B, -1) for g in want.values()], 1)
+    norms = flat.norm(dim=1)
+    torch.testing.assert_close(pv.per_sample_grad_norms(model, LOSS, x, y, chunk_size=chunk_size, verify=False), norms)
+    c = (float(norms.median()) / (norms + 1e-6)).clamp(max=1.0)
+    got = pv.clipped_grad_sum(model, LOSS, x, y, float(norms.median()), chunk_size=chunk_size, verify=False)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], torch.einsum("b,b...->...", c, w), rtol=1e-9, atol=1e-12)
