@@ -39,7 +39,8 @@ from pergrad_viz.derived.norms import (
 from pergrad_viz.engine.capture import backward_to_layers, capture
 from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import dense_grads, group_calls, tied_names
-from pergrad_viz.errors import HandOverError
+from pergrad_viz.engine.probe import plan_for
+from pergrad_viz.errors import HandOverError, UnsupportedModelError
 from pergrad_viz.scanning.sketch import Block, GradientSketch
 
 GRAD_QUANTITIES = frozenset({"grad_norm", "layer_norms", "projection"})
@@ -82,6 +83,30 @@ def _losses(loss_fn: LossFn, output: object, y: object) -> tuple[object, torch.T
     return output, per_sample_losses(loss, output, y)
 
 
+def _batch_losses(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.Tensor) -> tuple[object, torch.Tensor]:
+    """(the outputs, the (B,) losses) of the batch: from one forward where the samples are apart, else (the probe
+    found them interact: a batch statistic) each example's alone, as its loss is defined."""
+    if not (trainable.params and _interacting(trainable, inputs)):
+        with torch.no_grad():
+            return _losses(loss_fn, inputs(trainable.model), y)
+    outputs, losses = [], []
+    with torch.no_grad():
+        for i in range(inputs.size):
+            output, loss = _losses(loss_fn, inputs.sample(i)(trainable.model), y[i:i + 1])
+            outputs.append(logits_of(output) if not isinstance(output, torch.Tensor) else output)
+            losses.append(loss)
+    return torch.cat(outputs), torch.cat(losses)
+
+
+def _interacting(trainable: Trainable, inputs: Batch) -> bool:
+    """Whether the probe's plan (cached per model state and input signature) found the samples interact; a model the
+    probe cannot run (a strategy's refusal) counts as keeping them apart, as before."""
+    try:
+        return plan_for(trainable, inputs).interaction is not None
+    except UnsupportedModelError:
+        return False
+
+
 def el2n(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """EL2N scores (B,): ||softmax(logits_i) - onehot(y_i)||_2 for logits (B, C) and class indices y (B,) (or a model
     output holding the logits: a Hugging Face ``ModelOutput``, see :func:`pergrad_viz.core.losses.logits_of`)."""
@@ -121,11 +146,10 @@ def batch_quantities(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
                      blocks: list[Block], sketch: GradientSketch | None, use_hooks: bool) -> dict[str, torch.Tensor]:
     """{quantity: (B, ...)} for one batch: ``loss`` (B,), ``grad_norm`` (B,), ``layer_norms`` (B, L),
     ``el2n`` (B,), ``projection`` (B, K), as asked in ``want``."""
-    if not want & GRAD_QUANTITIES:
-        with torch.no_grad():
-            output, losses = _losses(loss_fn, Batch.of(x, size=len(y))(model), y)
-            return _outputs(want, output, losses, y)
     trainable, inputs = Trainable.of(model), Batch.of(x, size=len(y))
+    if not want & GRAD_QUANTITIES:
+        output, losses = _batch_losses(trainable, inputs, loss_fn, y)
+        return _outputs(want, output, losses, y)
 
     def run(used: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
         if used == "hooks":
@@ -199,9 +223,9 @@ def _hooks_batch(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.
 def _materialised_batch(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, want: set[str],
                         blocks: list[Block], sketch: GradientSketch | None) -> dict[str, torch.Tensor]:
     res: dict[str, torch.Tensor] = {}
-    with torch.no_grad():  # also where neither is wanted: a loss that cannot take the output is refused clearly
-        output, losses = _losses(loss_fn, Batch.of(x, size=len(y))(model), y)
-        res.update(_outputs(want, output, losses, y))
+    # also where neither is wanted: a loss that cannot take the output is refused clearly
+    output, losses = _batch_losses(Trainable.of(model), Batch.of(x, size=len(y)), loss_fn, y)
+    res.update(_outputs(want, output, losses, y))
     if sketch is not None and "projection" in want:
         grads = api.per_sample_grads(model, loss_fn, x, y)  # {name: (B, *shape)}: this batch only
         squared = {n: row_squared_norms(g) for n, g in grads.items()}

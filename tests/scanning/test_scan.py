@@ -584,3 +584,36 @@ def test_cli_scan_in_process_and_bench_table(tmp_path, capsys):
                                               "scan: + projection"]
     assert "examples/s" in table and "scan: + projection 16" in table
     assert torchrun_command(2, ["--out", "d"])[:3] == [sys.executable, "-m", "torch.distributed.run"]
+
+
+class _BatchCentred(nn.Module):
+    """Its samples interact (a batch mean): each example's loss alone differs from its loss in the batch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h - 0.5 * h.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("quantities", [("loss", "el2n"), ("loss", "grad_norm", "el2n")])
+def test_a_model_whose_samples_interact_is_scanned_example_by_example(tmp_path, quantities):
+    model = _BatchCentred().double()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 1])
+    loss_fn = nn.CrossEntropyLoss()
+    res = pv.scan(model, loss_fn, torch.utils.data.TensorDataset(x, y), quantities=quantities, batch_size=2,
+                  out=tmp_path / "s", progress=False)
+    with torch.no_grad():
+        want_loss = torch.stack([loss_fn(model(x[i:i + 1]), y[i:i + 1]) for i in range(4)])
+        p = torch.softmax(torch.cat([model(x[i:i + 1]) for i in range(4)]), 1)
+    p[torch.arange(4), y] -= 1
+    torch.testing.assert_close(torch.as_tensor(res["loss"]), want_loss)
+    torch.testing.assert_close(torch.as_tensor(res["el2n"]), p.norm(dim=1))
+    if "grad_norm" in quantities:
+        params = list(model.parameters())
+        want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+            loss_fn(model(x[i:i + 1]), y[i:i + 1]), params)]).norm() for i in range(4)])
+        torch.testing.assert_close(torch.as_tensor(res["grad_norm"]), want)
