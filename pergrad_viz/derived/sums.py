@@ -56,7 +56,6 @@ class LazySums(dict):
         """self[name] (*shape) += sum_i c_i g_i of a (B, *shape) per-sample gradient and c (B,), one ``addmm_`` into
         it (written, not added, where :meth:`destination` hands it out unwritten)."""
         dest, fresh = self.destination(name)
-        g = g.to(dest.dtype)  # a forward under autocast: bfloat16 gradients into the float32 sum, as .grad
         dest.view(1, -1).addmm_(c.to(g.dtype).unsqueeze(0), g.reshape(g.shape[0], -1), beta=0 if fresh else 1)
 
     def add_share(self, rule: Callable, module, seen, weights: dict[str, torch.Tensor],
@@ -69,9 +68,6 @@ class LazySums(dict):
             out[ln], new = self.destination(name)
             if new:
                 fresh.append(ln)
-        dtype = next(iter(out.values())).dtype
-        if any(t.is_floating_point() and t.dtype != dtype for call in seen for t in call):  # a forward under autocast
-            seen = [tuple(t.to(dtype) if t.is_floating_point() else t for t in call) for call in seen]
         if writes_fresh(rule):
             rule(module, seen, weights, out, fresh)
             return
