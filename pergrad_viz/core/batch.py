@@ -39,7 +39,8 @@ def cut(obj: object, rows: slice | torch.Tensor, size: int) -> object:
     return tree_unflatten([t[rows] if _is_batched(t, size) else t for t in leaves], spec)
 
 
-def _first_tensor(obj: object) -> torch.Tensor | None:
+def first_tensor(obj: object) -> torch.Tensor | None:
+    """The first tensor of ``obj`` (a tensor, or a pytree of them: tuple, list, dict) in pytree order, else None."""
     return next((t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)), None)
 
 
@@ -82,7 +83,7 @@ class Batch:
             if clash:
                 raise ValueError(f"{clash} given both in inputs and in model_kwargs: pass each argument once")
             kwargs.update(model_kwargs)
-        first = inputs if isinstance(inputs, torch.Tensor) and not model_kwargs else _first_tensor((args, kwargs))
+        first = inputs if isinstance(inputs, torch.Tensor) and not model_kwargs else first_tensor((args, kwargs))
         if first is None:
             raise TypeError(
                 f"inputs must be a torch.Tensor of shape (B, ...), or a tuple / dict of tensors, got a "
@@ -173,7 +174,7 @@ class Batch:
         t = self.tensor
         if t is not None:
             return t.device
-        return _first_tensor((self.args, self.kwargs)).device
+        return first_tensor((self.args, self.kwargs)).device
 
 
 def differs(batch: Batch, i: int, j: int) -> bool:

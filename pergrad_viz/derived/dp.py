@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz import api
-from pergrad_viz.core.batch import Inputs, normal_tensor
+from pergrad_viz.core.batch import Inputs, first_tensor, normal_tensor
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.derived.bookkeeping import Groups, hooked_sums, materialised_sums
@@ -256,10 +256,10 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
 
 
 def _empty(inputs: object) -> bool:
-    """Whether the first tensor of ``inputs`` (a tensor, or the first in a tuple, list or dict) has no samples."""
-    while isinstance(inputs, (tuple, list, Mapping)) and len(inputs):
-        inputs = next(iter(inputs.values())) if isinstance(inputs, Mapping) else inputs[0]
-    return isinstance(inputs, torch.Tensor) and inputs.dim() > 0 and inputs.shape[0] == 0
+    """Whether the first tensor of ``inputs`` (which holds B first, as :class:`~pergrad_viz.core.batch.Batch`
+    reads it) has no samples."""
+    first = first_tensor(dict(inputs) if isinstance(inputs, Mapping) else inputs)  # a BatchEncoding as a dict
+    return first is not None and first.dim() > 0 and first.shape[0] == 0
 
 
 def noise_step(model: nn.Module, max_norm: float, *, noise_multiplier: float, generator: torch.Generator,
