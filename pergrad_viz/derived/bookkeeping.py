@@ -60,8 +60,8 @@ def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups, dtype: tor
     group k (from float64 squares: a float32 norm over 1.8e19 is c = C / norm, not 0)."""
     factors = {}
     for bound, names in groups:
-        norm = torch.stack([squared[n] for n in names]).sum(0).sqrt()  # (B,)
-        c = (bound / (norm + EPS)).clamp(max=1.0).to(dtype)
+        norm = squared[names[0]].sqrt() if len(names) == 1 else torch.stack([squared[n] for n in names]).sum(0).sqrt_()
+        c = norm.add_(EPS).reciprocal_().mul_(bound).clamp_(max=1.0).to(dtype)  # (B,), norm's own memory
         factors.update(dict.fromkeys(names, c))
     return factors
 

@@ -9,14 +9,14 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
-from pergrad_viz.core.numbers import SQUARES, wide_square
+from pergrad_viz.core.numbers import wide_square
 from pergrad_viz.rules.registry import (
     join_positions,
     register,
     register_ghost,
     register_weighted_sum,
-    row_norms,
     scaled_unless_fit,
+    wide_row_norms,
 )
 
 
@@ -139,11 +139,11 @@ class LinearGhost:
         result = {}
         tokens = a.shape[1]
         if tokens == 1:  # the ghost norm: ||g a^T||^2 = ||g||^2 ||a||^2, and ||g||^2 for the bias
-            g_norm = row_norms(g[:, 0])
+            g_norm = wide_row_norms(g[:, 0])  # float64
             if "weight" in local:
-                result["weight"] = wide_square(g_norm.to(SQUARES) * row_norms(a[:, 0]).to(SQUARES))  # 0 * huge: 0
+                result["weight"] = (g_norm * wide_row_norms(a[:, 0])).square()  # 0 * huge: 0
             if "bias" in local:
-                result["bias"] = wide_square(g_norm)
+                result["bias"] = g_norm.square()
             return result
         gram = gram_is_faster(tokens, a.shape[-1], g.shape[-1])
         if "weight" in local and a.device.type == "cpu" and gram:
@@ -251,7 +251,8 @@ def _linear_sums(seen, weights: dict[str, torch.Tensor], out: dict[str, torch.Te
             beta = 0 if ln in fresh else 1
             fresh.discard(ln)
             if ln == "bias":
-                out[ln].addmv_(g.reshape(batch, -1, g.shape[-1]).sum(1).mT, c, beta=beta)
+                per_sample = rows_g if rows_g.shape[0] == batch else g.reshape(batch, -1, g.shape[-1]).sum(1)
+                out[ln].addmv_(per_sample.mT, c, beta=beta)
                 continue
             if rows_a.shape[1] <= rows_g.shape[1]:
                 left, right = rows_g, _scaled(a, c)

@@ -181,14 +181,21 @@ ROW_NORM_PIECE = 1 << 19
 def row_norms(t: torch.Tensor) -> torch.Tensor:
     """(B,) the L2 norm of each row of ``t`` (B, n), with no overflow or underflow in the squares: accumulated in
     float64 for a narrower dtype (its squares all fit there), a few columns at a time (:data:`ROW_NORM_PIECE`),
-    through :func:`sample_scaled` for float64 itself."""
+    through :func:`sample_scaled` for float64 itself; in ``t``'s dtype."""
+    norms = wide_row_norms(t)
+    return norms if norms.dtype == t.dtype or not t.is_floating_point() else norms.to(t.dtype)
+
+
+def wide_row_norms(t: torch.Tensor) -> torch.Tensor:
+    """:func:`row_norms` in float64 (a narrower dtype's norms as accumulated, not rounded back to it: a float32
+    row's norm may exceed float32's largest number)."""
     if t.dtype == torch.float64 or not t.is_floating_point():
         scaled, s = sample_scaled(t)
         return torch.linalg.vector_norm(scaled, dim=1) * s
     if t.numel() <= ROW_NORM_PIECE:
-        return torch.linalg.vector_norm(t, dim=1, dtype=torch.float64).to(t.dtype)
+        return torch.linalg.vector_norm(t, dim=1, dtype=torch.float64)
     pieces = t.split(max(1, ROW_NORM_PIECE // max(1, t.shape[0])), dim=1)
-    return sum(torch.linalg.vector_norm(p, dim=1, dtype=torch.float64).square() for p in pieces).sqrt().to(t.dtype)
+    return sum(torch.linalg.vector_norm(p, dim=1, dtype=torch.float64).square() for p in pieces).sqrt()
 
 
 def class_path(cls: type) -> str:
