@@ -31,6 +31,7 @@ with :func:`pergrad_viz.per_sample_grads` one chunk of samples at a time and tak
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -304,7 +305,8 @@ def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
     elif ghost.kind == "linear" and seen_first[0][0].device.type == "cpu":
         per_sample = _linear_temporaries(seen_first)  # scaled copies only where values are extreme (products_fit)
     elif ghost.kind == "conv":  # and the columns, C_in * k values at each of the L output positions, scaled too
-        per_sample += 2 * sum(module.weight[0].numel() * g[0, 0].numel() * g.element_size() for _, g in seen_first)
+        columns = math.prod(module.weight.shape[1:])
+        per_sample += 2 * sum(columns * math.prod(g.shape[2:]) * g.element_size() for _, g in seen_first)
         budget = max(COLUMNS_BYTES, held)
     step = samples_at_once(batch, per_sample, budget)
     chunks = []
@@ -325,7 +327,7 @@ def _linear_temporaries(seen_first) -> int:
     """Bytes per sample of a Linear's norms computed as they are (``pergrad_viz.rules.products_fit``): two (T, T)
     Gram matrices, or its (out, in) gradient where that is faster (``gram_is_faster``)."""
     a, g = seen_first[0]
-    tokens = sum(a[0].numel() // a.shape[-1] for a, _ in seen_first)
+    tokens = sum(math.prod(a.shape[1:-1]) for a, _ in seen_first)
     gram = gram_is_faster(tokens, a.shape[-1], g.shape[-1])
     cells = 2 * tokens * tokens if gram else a.shape[-1] * g.shape[-1]
     return cells * g.element_size()

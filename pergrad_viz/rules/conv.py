@@ -113,12 +113,13 @@ class ConvGhost(LinearGhost):
         if len(seen) != 1:
             return None
         x, g = seen[0]
-        tokens, elem = g[0, 0].numel(), g.element_size()
+        tokens, elem = math.prod(g.shape[2:]), g.element_size()
         if not gram_is_cheaper(tokens, module.weight.numel()):
             return None
         pad = module._reversed_padding_repeated_twice
         positions = math.prod(size + pad[2 * k] + pad[2 * k + 1] for k, size in enumerate(reversed(x.shape[2:])))
-        limit = max(4 * module.weight[0, 0].numel() * tokens * tokens, tokens * module.weight[0].numel())
+        kernel = module.weight.shape
+        limit = max(4 * math.prod(kernel[2:]) * tokens * tokens, tokens * math.prod(kernel[1:]))
         if positions * positions > limit:
             return None
         return (positions * positions + 2 * tokens * tokens + x.shape[1] * positions) * elem
@@ -134,8 +135,8 @@ class ConvGhost(LinearGhost):
         # as a Linear from the C_in * k values of each patch (ResNet-18's RGB stem on 32 x 32 images); where the
         # pixels' Gram would be taken (direct_bytes) this may replace it too: not measured apart
         x, g = seen[0]
-        return instantiating_is_cheaper(g[0, 0].numel(), module.weight[0].numel(), module.out_channels, x.shape[0],
-                                        module.weight.numel(), x.numel() + g.numel())
+        return instantiating_is_cheaper(math.prod(g.shape[2:]), math.prod(module.weight.shape[1:]), module.out_channels,
+                                        x.shape[0], module.weight.numel(), x.numel() + g.numel())
 
     @staticmethod
     def factors(module, a, g):
@@ -143,7 +144,7 @@ class ConvGhost(LinearGhost):
 
     @staticmethod
     def gram_cost(module, tokens, y_count, pairs):
-        inputs, width = module.weight[0].numel(), module.out_channels
+        inputs, width = math.prod(module.weight.shape[1:]), module.out_channels
         gram = tokens * tokens * (inputs + y_count * width) + tokens * pairs * width
         return gram, pairs * module.weight.numel()
 
@@ -153,7 +154,7 @@ def _direct_norms(module, x, g, local) -> dict[str, torch.Tensor]:
     the live taps' window (:func:`live_window`), the bias's ||sum_t g_t||^2. x and g are scaled per sample first
     where a square could overflow or underflow (:func:`~pergrad_viz.rules.registry.products_fit`), before the padding,
     which holds no larger value."""
-    x, g, scale, bias_scale = scaled_unless_fit(x, g, g[0, 0].numel() ** 2 * module.weight.numel())
+    x, g, scale, bias_scale = scaled_unless_fit(x, g, math.prod(g.shape[2:]) ** 2 * module.weight.numel())
     result = {}
     if "weight" in local:
         window, kernel, _ = live_window(module, x, g.shape[2:])
@@ -271,7 +272,7 @@ def conv_weighted_sum(module, seen, weights, out, fresh=()):
                 out[ln].addmv_(g.reshape(batch, c_out, -1).sum(2).mT, c, beta=0 if first else 1)
                 continue
             scaled = g * c.view(-1, *(1,) * (g.dim() - 1))
-            if g[0, 0].numel() <= SMALL_MAP:
+            if math.prod(g.shape[2:]) <= SMALL_MAP:
                 _sum_by_columns(module, a, scaled, out[ln], first)
                 continue
             x, padding = _explicit(module, a)

@@ -171,7 +171,7 @@ class LinearGhost:
         if len(seen) != 1:
             return False
         a, g = seen[0]
-        return instantiating_is_cheaper(a[0].numel() // a.shape[-1], a.shape[-1], g.shape[-1], a.shape[0],
+        return instantiating_is_cheaper(math.prod(a.shape[1:-1]), a.shape[-1], g.shape[-1], a.shape[0],
                                         module.weight.numel(), a.numel() + g.numel())
 
     @staticmethod

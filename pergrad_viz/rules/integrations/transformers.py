@@ -9,6 +9,8 @@ float32 and cast back) are not registered.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -110,7 +112,7 @@ def _rms_in_float32(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _scale(module: nn.Module, xhat: torch.Tensor, grad_output: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """The weight's gradient of weight * xhat: grad_output (N, B, ..., d) times xhat (B, ..., d), summed per d."""
     shape = module.weight.shape
-    affine_sums(xhat, grad_output, xhat[0].numel() // shape.numel(), out, shape)
+    affine_sums(xhat, grad_output, math.prod(xhat.shape[1:]) // shape.numel(), out, shape)
 
 
 @register(*LLAMA_RMS_NORMS, features=lambda module: 1, forward_like=_llama_forward)
