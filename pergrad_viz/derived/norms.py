@@ -43,7 +43,7 @@ from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
 from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import default_budget, result_bytes
-from pergrad_viz.core.numbers import SQUARES, wide_square
+from pergrad_viz.core.numbers import SQUARES
 from pergrad_viz.core.randomness import randomness_of
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.engine.capture import Layer, loss_gradients
@@ -52,7 +52,7 @@ from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_nam
 from pergrad_viz.engine.probe import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
 from pergrad_viz.rules.linear import gram_is_faster
-from pergrad_viz.rules.registry import products_fit, row_norms, sample_maxima, sample_scaled
+from pergrad_viz.rules.registry import products_fit, sample_maxima, sample_scaled, wide_row_norms
 from pergrad_viz.strategies import working_bytes
 
 
@@ -201,7 +201,7 @@ def materialised_chunks(trainable: Trainable, resolved: str, strategy: str, loss
 def row_squared_norms(g: torch.Tensor) -> torch.Tensor:
     """(B,) squared L2 norms of the rows of a (B, *shape) per-sample gradient; ``shape`` may be () (a 0-dim
     parameter such as a learnable temperature gives (B,), where ``flatten(1)`` would fail)."""
-    return wide_square(row_norms(g.reshape(g.shape[0], -1)))  # float64: no overflow in the square
+    return wide_row_norms(g.reshape(g.shape[0], -1)).square()  # float64: no overflow in the square
 
 
 # A layer's share of a tied weight's per-sample gradient: (left, right, own) with the gradient read as the matrix
