@@ -178,6 +178,10 @@ def scaled_unless_fit(a: torch.Tensor, g: torch.Tensor, terms: int
 ROW_NORM_PIECE = 1 << 19
 
 
+# From this many numbers on, float32 row norms are taken first on CPUs (below it the float64 ones cost as little).
+FLOAT32_FIRST = 1 << 16
+
+
 def row_norms(t: torch.Tensor) -> torch.Tensor:
     """(B,) the L2 norm of each row of ``t`` (B, n), with no overflow or underflow in the squares: accumulated in
     float64 for a narrower dtype (its squares all fit there), a few columns at a time (:data:`ROW_NORM_PIECE`),
@@ -188,14 +192,32 @@ def row_norms(t: torch.Tensor) -> torch.Tensor:
 
 def wide_row_norms(t: torch.Tensor) -> torch.Tensor:
     """:func:`row_norms` in float64 (a narrower dtype's norms as accumulated, not rounded back to it: a float32
-    row's norm may exceed float32's largest number)."""
+    row's norm may exceed float32's largest number). On CPUs a float32 ``t`` of at least :data:`FLOAT32_FIRST`
+    numbers has its norms taken in float32 first, kept where they are exact to float32's rounding
+    (:func:`_float32_exact`), as they almost always are: a float64 accumulation reads 5-8x slower there (2 cores,
+    (32, 16384): 157 against 31 us)."""
     if t.dtype == torch.float64 or not t.is_floating_point():
         scaled, s = sample_scaled(t)
         return torch.linalg.vector_norm(scaled, dim=1) * s
+    if t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.numel() >= FLOAT32_FIRST:
+        norms = torch.linalg.vector_norm(t, dim=1)
+        if _float32_exact(norms, t.shape[1]):
+            return norms.to(torch.float64)
     if t.numel() <= ROW_NORM_PIECE:
         return torch.linalg.vector_norm(t, dim=1, dtype=torch.float64)
     pieces = t.split(max(1, ROW_NORM_PIECE // max(1, t.shape[0])), dim=1)
     return sum(torch.linalg.vector_norm(p, dim=1, dtype=torch.float64).square() for p in pieces).sqrt()
+
+
+def _float32_exact(norms: torch.Tensor, width: int) -> bool:
+    """Whether float32 row norms (B,) of rows of ``width`` numbers lost nothing to overflow or underflow, read on the
+    host (CPUs: free): every one finite (a square or partial sum past float32's range makes the norm inf) and each
+    at least sqrt(width * tiny / eps), so that the squares lost to underflow, under ``tiny`` each, stay below the
+    norm's own rounding (a zero norm, whose row may hold only such numbers, is not kept either)."""
+    info = torch.finfo(torch.float32)
+    values = norms.tolist()
+    return all(map(math.isfinite, values)) and min(values, default=math.inf) >= math.sqrt(
+        width * info.tiny / info.eps)
 
 
 def class_path(cls: type) -> str:

@@ -40,6 +40,29 @@ def test_row_norms_are_the_float64_norms_in_any_number_of_pieces(monkeypatch, pi
         torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("odd", [None, "overflow", "underflow", "zero"])
+def test_wide_row_norms_of_long_float32_rows_are_the_float64_norms(odd):
+    """Rows of at least FLOAT32_FIRST numbers take float32 norms first: kept to float32's rounding where nothing
+    overflowed or underflowed, else every row in float64 (exactly its norms)."""
+    width = registry.FLOAT32_FIRST // 4 + 1
+    t = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
+    if odd == "overflow":
+        t[1, 7] = 3e19  # its square is past float32's largest number: the float32 norm is inf
+    elif odd == "underflow":
+        t[2] *= 1e-22  # squares below float32's smallest normal number: the float32 norm loses digits
+    elif odd == "zero":
+        t[3] = 0
+    want = torch.linalg.vector_norm(t.double(), dim=1)
+    got = registry.wide_row_norms(t)
+    assert got.dtype == torch.float64
+    if odd is None:  # float32 norms, widened
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+        assert torch.equal(got, torch.linalg.vector_norm(t, dim=1).double())
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(row_norms(t), want.float(), rtol=2e-6, atol=0)
+
+
 @pytest.mark.parametrize(("left", "right", "terms", "fit"), [
     ([1.0, 2.0], [0.5, 3.0], 10_000, True),
     ([1.0, 0.0], [0.0, 3.0], 10_000, True),  # a zero sample: its norm is exactly 0 either way
