@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.numbers import real_number, wide_square
-from pergrad_viz.rules.registry import row_norms
+from pergrad_viz.rules.scaling import row_norms
 
 Grads = torch.Tensor | dict[str, torch.Tensor]
 

@@ -17,7 +17,7 @@ from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses, scalar_loss
 from pergrad_viz.core.randomness import Draws
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.rules.registry import row_norms
+from pergrad_viz.rules.scaling import row_norms
 
 Tensors = list[torch.Tensor]
 

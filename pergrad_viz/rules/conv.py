@@ -17,13 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pergrad_viz.rules.linear import LinearGhost, gram_is_cheaper, instantiating_is_cheaper
-from pergrad_viz.rules.registry import (
-    join_positions,
-    register,
-    register_ghost,
-    register_weighted_sum,
-    scaled_unless_fit,
-)
+from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum
+from pergrad_viz.rules.scaling import scaled_unless_fit
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -152,7 +147,7 @@ class ConvGhost(LinearGhost):
 def _direct_norms(module, x, g, local) -> dict[str, torch.Tensor]:
     """{local name: (B,)} from the input x (B, C_in, *S) and g (B, C_out, *S_o): the weight's from the pixels' Gram of
     the live taps' window (:func:`live_window`), the bias's ||sum_t g_t||^2. x and g are scaled per sample first
-    where a square could overflow or underflow (:func:`~pergrad_viz.rules.registry.products_fit`), before the padding,
+    where a square could overflow or underflow (:func:`~pergrad_viz.rules.scaling.products_fit`), before the padding,
     which holds no larger value."""
     x, g, scale, bias_scale = scaled_unless_fit(x, g, math.prod(g.shape[2:]) ** 2 * module.weight.numel())
     result = {}

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from pergrad_viz.core.numbers import wide_square
-from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum, row_norms
+from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum
+from pergrad_viz.rules.scaling import row_norms
 
 
 @register(nn.Embedding, features=lambda module: 0)

@@ -10,14 +10,8 @@ import torch
 from torch import nn
 
 from pergrad_viz.core.numbers import wide_square
-from pergrad_viz.rules.registry import (
-    join_positions,
-    register,
-    register_ghost,
-    register_weighted_sum,
-    scaled_unless_fit,
-    wide_row_norms,
-)
+from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum
+from pergrad_viz.rules.scaling import scaled_unless_fit, wide_row_norms
 
 
 @register(nn.Linear, features=lambda module: 1)
@@ -194,7 +188,7 @@ def grams_fit(aa: torch.Tensor, gg: torch.Tensor, width_a: int, width_g: int) ->
     square overflowed: an entry is at most its diagonal's), their product times T^2 far below the dtype's largest
     number (the sum cannot overflow), and each sample's largest diagonal entry 0 or at least ``width`` times
     ``tiny / eps`` (the terms lost to underflow, at most ``width * tiny`` an entry, stay below the sum's own
-    rounding). Else the caller scales the samples (:func:`~pergrad_viz.rules.registry.scaled_unless_fit`); this
+    rounding). Else the caller scales the samples (:func:`~pergrad_viz.rules.scaling.scaled_unless_fit`); this
     replaces four reductions over (B, T, width) tensors by two over (B, T)."""
     if aa.device.type != "cpu" or not aa.numel():
         return False

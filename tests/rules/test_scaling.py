@@ -1,4 +1,4 @@
-"""Ghost norms computed as they are or scaled per sample (``rules.registry.products_fit``): the plain form is taken
+"""Ghost norms computed as they are or scaled per sample (``rules.scaling.products_fit``): the plain form is taken
 only where no square overflows or underflows, and both forms give the norm of the per-sample gradient written out
 in float64 (an einsum in this test), for ordinary, huge, tiny and zero samples."""
 
@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from pergrad_viz.derived import norms
-from pergrad_viz.rules import registry
+from pergrad_viz.rules import scaling
 from pergrad_viz.rules.conv import ConvGhost
 from pergrad_viz.rules.linear import LinearGhost, grams_fit
-from pergrad_viz.rules.registry import products_fit, row_norms, sample_maxima
+from pergrad_viz.rules.scaling import products_fit, row_norms, sample_maxima
 
 
 def test_sample_maxima_is_the_largest_magnitude_of_each_sample():
@@ -25,10 +25,10 @@ def test_sample_maxima_is_the_largest_magnitude_of_each_sample():
     assert sample_maxima(torch.tensor([-2.0, 3.0])).tolist() == [2.0, 3.0]  # (B,): one number per sample
 
 
-@pytest.mark.parametrize("piece", [registry.ROW_NORM_PIECE, 7, 1])  # in one piece, or a few columns at a time
+@pytest.mark.parametrize("piece", [scaling.ROW_NORM_PIECE, 7, 1])  # in one piece, or a few columns at a time
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_norms_are_the_float64_norms_in_any_number_of_pieces(monkeypatch, piece, dtype):
-    monkeypatch.setattr(registry, "ROW_NORM_PIECE", piece)
+    monkeypatch.setattr(scaling, "ROW_NORM_PIECE", piece)
     t = torch.randn(5, 23, generator=torch.Generator().manual_seed(0)).to(dtype)
     t[1] *= 1e30 if dtype == torch.float32 else 1e35  # squares past the dtype's largest number
     t[2] *= 1e-30  # squares below its smallest
@@ -44,7 +44,7 @@ def test_row_norms_are_the_float64_norms_in_any_number_of_pieces(monkeypatch, pi
 def test_wide_row_norms_of_long_float32_rows_are_the_float64_norms(odd):
     """Rows of at least FLOAT32_FIRST numbers take float32 norms first: kept to float32's rounding where nothing
     overflowed or underflowed, else every row in float64 (exactly its norms)."""
-    width = registry.FLOAT32_FIRST // 4 + 1
+    width = scaling.FLOAT32_FIRST // 4 + 1
     t = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
     if odd == "overflow":
         t[1, 7] = 3e19  # its square is past float32's largest number: the float32 norm is inf
@@ -53,7 +53,7 @@ def test_wide_row_norms_of_long_float32_rows_are_the_float64_norms(odd):
     elif odd == "zero":
         t[3] = 0
     want = torch.linalg.vector_norm(t.double(), dim=1)
-    got = registry.wide_row_norms(t)
+    got = scaling.wide_row_norms(t)
     assert got.dtype == torch.float64
     if odd is None:  # float32 norms, widened
         torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
