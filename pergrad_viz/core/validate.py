@@ -61,62 +61,94 @@ def check_model(model: object, named_parameters: Sequence[tuple[str, nn.Paramete
     return named
 
 
+_SPECIAL = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.MultiheadAttention, nn.RNNBase,
+            *_RANDOM_IN_TRAINING, nn.Embedding, nn.EmbeddingBag)  # the types check_modes looks into
+_SPECIAL_TYPES: dict[type, bool] = {}  # per module type: whether it is an instance of one of _SPECIAL (types do not
+# change their bases, so this is read once per type)
+
+
+def _special(kind: type) -> bool:
+    special = _SPECIAL_TYPES.get(kind)
+    if special is None:
+        special = _SPECIAL_TYPES[kind] = issubclass(kind, _SPECIAL)
+    return special
+
+
 def check_modes(model: nn.Module | TrainableLike, randomness: str = "error") -> None:
     """Refuse layers whose per-sample gradients are undefined or random in the model's current mode.
 
     BatchNorm that uses batch statistics mixes the samples of a batch, so "the gradient of sample i"
     depends on the other samples; Dropout in training mode draws different masks in each strategy (allowed with
-    ``randomness="different"``, ``pergrad_viz.core.randomness``).
+    ``randomness="different"``, ``pergrad_viz.core.randomness``). Read on every call, for every module (a flag
+    changed since the last call must be seen); a module of another type costs a dict lookup, and its Hugging Face
+    checkpointing flag is read in training mode only.
     """
     random_ok = randomness == "different"
     for name, m in model.named_modules() if isinstance(model, nn.Module) else model.modules:
-        label = f"{name or 'model'} ({type(m).__name__})"
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
-            fix = ("Call model.eval() to use the running statistics" if m.track_running_stats else
-                   "It has no running statistics (track_running_stats=False), so even in eval mode it uses the "
-                   "batch's: create it with track_running_stats=True and train it")
-            raise UndefinedPerSampleError(
-                f"{label} normalises with batch statistics, which mixes the samples of a batch, so "
-                f"per-sample gradients are not defined. {fix}, or use GroupNorm / LayerNorm instead of BatchNorm."
-            )
-        if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.training and m.track_running_stats:
-            raise UndefinedPerSampleError(
-                f"{label} has track_running_stats=True in training mode: every forward pass would update its "
-                "running statistics, so computing per-sample gradients would change your model. Call model.eval() "
-                "or create it with track_running_stats=False."
-            )
-        internal_dropout = (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) or (
-            isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
-        if internal_dropout and m.training and not random_ok:
-            raise UndefinedPerSampleError(
-                f"{label} applies dropout={m.dropout} in training mode: it would draw different random masks in each "
-                "strategy and each sample, so results would be random and not comparable. Call model.eval() (or "
-                "create it with dropout=0) before computing per-sample gradients, or pass randomness='different' for "
-                "each sample's gradient under its own mask (DP fine-tuning with dropout on)."
-            )
-        if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0 and not random_ok:
-            raise UndefinedPerSampleError(
-                f"{label} is in training mode: it would draw different random numbers (masks, slopes) in each strategy "
-                "and each sample, so results would be random and not comparable. Call model.eval() "
-                "(or set p=0) before computing per-sample gradients, or pass randomness='different' for each sample's "
-                "gradient under its own mask (DP fine-tuning with dropout on)."
-            )
-        checkpointing = getattr(m, "_gradient_checkpointing_func", None)  # Hugging Face's, in training mode only
-        if (m.training and getattr(m, "gradient_checkpointing", False) is True
-                and getattr(checkpointing, "keywords", {}).get("use_reentrant") is True):
-            raise UnsupportedModelError(f"{label}: {REENTRANT_CHECKPOINT}")
-        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None:
-            raise UndefinedPerSampleError(
-                f"{label} has max_norm={m.max_norm}, which rewrites its weight in place on every forward "
-                "pass; per-sample gradients would change your model. Renormalise once yourself and "
-                f"create the {type(m).__name__} with max_norm=None."
-            )
-        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.scale_grad_by_freq:
-            raise UndefinedPerSampleError(
-                f"{label} has scale_grad_by_freq=True, which scales each token's gradient by its count in the "
-                "whole batch, so the gradient of one sample would depend on the other samples. Create the "
-                f"{type(m).__name__} with scale_grad_by_freq=False."
-            )
+        if _special(type(m)):
+            _check_special(name, m, random_ok)
+        if m.training and _checkpointing(m):
+            checkpointing = getattr(m, "_gradient_checkpointing_func", None)
+            if getattr(checkpointing, "keywords", {}).get("use_reentrant") is True:
+                raise UnsupportedModelError(f"{_label(name, m)}: {REENTRANT_CHECKPOINT}")
+
+
+def _checkpointing(m: nn.Module) -> bool:
+    """Whether ``m.gradient_checkpointing is True`` (Hugging Face's flag, an instance or class attribute), without the
+    exception ``nn.Module.__getattr__`` raises for a module that has none."""
+    if "gradient_checkpointing" in m.__dict__:
+        return m.__dict__["gradient_checkpointing"] is True
+    return hasattr(type(m), "gradient_checkpointing") and getattr(m, "gradient_checkpointing", False) is True
+
+
+def _label(name: str, m: nn.Module) -> str:
+    return f"{name or 'model'} ({type(m).__name__})"
+
+
+def _check_special(name: str, m: nn.Module, random_ok: bool) -> None:
+    """check_modes for a module of one of the _SPECIAL types."""
+    if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
+        fix = ("Call model.eval() to use the running statistics" if m.track_running_stats else
+               "It has no running statistics (track_running_stats=False), so even in eval mode it uses the "
+               "batch's: create it with track_running_stats=True and train it")
+        raise UndefinedPerSampleError(
+            f"{_label(name, m)} normalises with batch statistics, which mixes the samples of a batch, so "
+            f"per-sample gradients are not defined. {fix}, or use GroupNorm / LayerNorm instead of BatchNorm."
+        )
+    if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.training and m.track_running_stats:
+        raise UndefinedPerSampleError(
+            f"{_label(name, m)} has track_running_stats=True in training mode: every forward pass would update its "
+            "running statistics, so computing per-sample gradients would change your model. Call model.eval() "
+            "or create it with track_running_stats=False."
+        )
+    internal_dropout = (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) or (
+        isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
+    if internal_dropout and m.training and not random_ok:
+        raise UndefinedPerSampleError(
+            f"{_label(name, m)} applies dropout={m.dropout} in training mode: it would draw different random masks in "
+            "each strategy and each sample, so results would be random and not comparable. Call model.eval() (or "
+            "create it with dropout=0) before computing per-sample gradients, or pass randomness='different' for "
+            "each sample's gradient under its own mask (DP fine-tuning with dropout on)."
+        )
+    if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0 and not random_ok:
+        raise UndefinedPerSampleError(
+            f"{_label(name, m)} is in training mode: it would draw different random numbers (masks, slopes) in each "
+            "strategy and each sample, so results would be random and not comparable. Call model.eval() "
+            "(or set p=0) before computing per-sample gradients, or pass randomness='different' for each sample's "
+            "gradient under its own mask (DP fine-tuning with dropout on)."
+        )
+    if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None:
+        raise UndefinedPerSampleError(
+            f"{_label(name, m)} has max_norm={m.max_norm}, which rewrites its weight in place on every forward "
+            "pass; per-sample gradients would change your model. Renormalise once yourself and "
+            f"create the {type(m).__name__} with max_norm=None."
+        )
+    if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.scale_grad_by_freq:
+        raise UndefinedPerSampleError(
+            f"{_label(name, m)} has scale_grad_by_freq=True, which scales each token's gradient by its count in the "
+            "whole batch, so the gradient of one sample would depend on the other samples. Create the "
+            f"{type(m).__name__} with scale_grad_by_freq=False."
+        )
 
 
 def check_loss(loss_fn: object) -> None:
