@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from pergrad_viz.core.graph import walk
 from pergrad_viz.errors import HandOverError, UndefinedPerSampleError, UnsupportedModelError
 
 
@@ -79,17 +80,8 @@ def reentrant_checkpoint_in(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the backward graph of any of ``tensors`` holds a checkpoint with ``use_reentrant=True``: its layers
     ran under no_grad and are recomputed only by ``.backward()``, so ``autograd.grad`` (every strategy, the loop's
     too) would see no gradient for them where one samples' ``.backward()`` finds it. One walk, each node once."""
-    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node.name() == "CheckpointFunctionBackward":
-            return True
-        stack.extend(n for n, _ in node.next_functions)
-    return False
+    roots = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor)]
+    return any(node.name() == "CheckpointFunctionBackward" for node in walk(roots))
 
 
 def check_no_reentrant_checkpoint(tensors: Sequence[torch.Tensor]) -> None:

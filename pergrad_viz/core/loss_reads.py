@@ -18,6 +18,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
 from pergrad_viz.core.batch import as_pytree
+from pergrad_viz.core.graph import walk
 from pergrad_viz.core.losses import LossFn, sequence_loss, summed_per_sample_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.errors import HandOverError
@@ -30,19 +31,13 @@ def parameters_read_by_loss(total: torch.Tensor, output: object, params: Sequenc
     root = total.grad_fn
     if root is None:
         return []
-    stops = {id(t.grad_fn) for t in tree_flatten(as_pytree(output))[0]
-             if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-    wanted = {id(p): k for k, p in enumerate(params)}
-    found, seen, stack = set(), set(), [root]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen or id(node) in stops:
-            continue
-        seen.add(id(node))
+    stops = [t.grad_fn for t in tree_flatten(as_pytree(output))[0] if isinstance(t, torch.Tensor)]
+    wanted = {id(p): k for k, p in enumerate(params)}  # the parameters themselves are held by the caller
+    found = set()
+    for node in walk([root], stops):
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf tensor
         if variable is not None and id(variable) in wanted:
             found.add(wanted[id(variable)])
-        stack.extend(child for child, _ in node.next_functions)
     return sorted(found)
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from pergrad_viz.core.batch import Batch, cut
+from pergrad_viz.core.graph import NodeMap, Nodes, children, walk
 from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.loss_reads import loss_of_output
 from pergrad_viz.core.losses import LossFn
@@ -195,41 +196,32 @@ def _lowest(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors whose backward graph reaches no other one's: asking autograd for their gradients alone runs the
     backward through all the others (each then seen by its hook) without holding theirs. An iterative walk of the
     graph, each node visited once."""
-    nodes = {id(t.grad_fn) for t in tensors if t.grad_fn is not None}
-    below: dict[int, bool] = {}  # per node: whether it is, or leads to, a node of one of the tensors
+    nodes = Nodes(t.grad_fn for t in tensors)
+    below: NodeMap[bool] = NodeMap()  # per node: whether it is, or leads to, a node of one of the tensors
 
     def reaches(node) -> bool:
         stack = [node]
         while stack:
             n = stack[-1]
-            if id(n) in below:
+            if n in below:
                 stack.pop()
                 continue
-            children = [c for c, _ in n.next_functions if c is not None]
-            todo = [c for c in children if id(c) not in below]
+            below_n = children(n)
+            todo = [c for c in below_n if c not in below]
             if todo:
                 stack.extend(todo)
                 continue
             stack.pop()
-            below[id(n)] = id(n) in nodes or any(below[id(c)] for c in children)
-        return below[id(node)]
+            below[n] = n in nodes or any(below[c] for c in below_n)
+        return below[node]
 
-    return [t for t in tensors if t.grad_fn is None
-            or not any(reaches(c) for c, _ in t.grad_fn.next_functions if c is not None)]
+    return [t for t in tensors if t.grad_fn is None or not any(reaches(c) for c in children(t.grad_fn))]
 
 
 def _reached(root, nodes: list) -> bool:
     """Whether the backward graph from ``root`` (a grad_fn) reaches any of ``nodes`` (grad_fns; None: a leaf)."""
-    wanted, seen, stack = {id(n) for n in nodes if n is not None}, set(), [root]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        if id(node) in wanted:
-            return True
-        seen.add(id(node))
-        stack.extend(c for c, _ in node.next_functions)
-    return False
+    wanted = Nodes(nodes)
+    return any(node in wanted for node in walk([root]))
 
 
 class _StaleLowest(Exception):

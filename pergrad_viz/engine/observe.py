@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from pergrad_viz.core.batch import Batch, as_pytree
+from pergrad_viz.core.graph import Nodes
 from pergrad_viz.core.guards import KEPT_TENSOR_FIX
 from pergrad_viz.core.randomness import DispatchMode
 from pergrad_viz.core.tolerances import tolerance
@@ -188,14 +189,14 @@ def _stale_parameter(output: object, inputs: Batch, watch: dict[int, str], start
     """The trainable parameter (name) the output reaches through an autograd node made before this forward began
     (sequence number below ``start``): a tensor computed from it in an earlier pass and kept, not through the
     inputs' own history; None where there is none."""
-    stop = {id(t.grad_fn) for t in inputs.leaves() if t.grad_fn is not None}
-    seen: set[int] = set()
+    stop = Nodes(t.grad_fn for t in inputs.leaves())
+    seen = {False: Nodes(), True: Nodes()}  # the nodes met on a path through new nodes only, and through an old one
     stack = [(t.grad_fn, False) for t in tensors_of(output) if t.grad_fn is not None]
     while stack:
         node, old = stack.pop()
-        if node is None or id(node) in stop or (id(node), old) in seen:
+        if node is None or node in stop or node in seen[old]:
             continue
-        seen.add((id(node), old))
+        seen[old].add(node)
         variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
         if variable is not None:
             if old and id(variable) in watch:
