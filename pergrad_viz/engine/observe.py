@@ -97,22 +97,28 @@ class _RandomOps(DispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.first is None and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+        if (self.first is None and torch.Tag.nondeterministic_seeded in func.tags
+                and draws_random_numbers(func, args, kwargs)):
             self.first = self.stack[-1] if self.stack else ""
         return func(*args, **kwargs)
 
 
-def _draws(func, args: tuple, kwargs: dict) -> bool:
+# A seeded operation's arguments that, at 0, mean it draws nothing: attention kernels' ``dropout_p``, dropout's ``p``,
+# and the cuDNN / MIOpen RNN kernels' ``dropout`` (``_cudnn_rnn``: an RNN on CUDA, tagged seeded even without dropout).
+_RATES = ("dropout_p", "p", "dropout")
+
+
+def draws_random_numbers(func, args: tuple, kwargs: dict) -> bool:
     """Whether this call of a seeded operation draws: not an attention kernel with ``dropout_p=0``, a dropout with
-    ``p=0`` / ``train=False`` or RReLU with ``training=False`` (those may take random numbers but use none)."""
+    ``p=0`` / ``train=False``, an RNN kernel with ``dropout=0`` or RReLU with ``training=False`` (those may take
+    random numbers but use none)."""
     schema = func._schema.arguments
     values = {a.name: a.default_value for a in schema if a.has_default_value()}
     values.update({a.name: v for a, v in zip(schema, args, strict=False)})
     values.update(kwargs)
-    if (values.get("dropout_p", None) == 0 or values.get("p", None) == 0 or values.get("train", True) is False
-            or values.get("training", True) is False):
+    if any(isinstance(values.get(rate), int | float) and values[rate] == 0 for rate in _RATES):
         return False
-    return True
+    return values.get("train", True) is not False and values.get("training", True) is not False
 
 
 def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,

@@ -14,6 +14,7 @@ from torch.nn.utils import parametrizations
 
 import pergrad_viz as pv
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.observe import draws_random_numbers
 from pergrad_viz.strategies import hooks
 
 ALL = (*pv.STRATEGIES, "auto")
@@ -340,3 +341,27 @@ def test_position_wise_rules_take_the_samples_on_any_leading_dimension(strategy)
     if strategy == "hooks":
         assert hooks.describe(Trainable.of(model), x) == {"conv": "fallback", "head": "rule"}
     assert agree_or_refuse(model, nn.CrossEntropyLoss(), x, y, strategy)
+
+
+# ------------------------------------------------------------------------- which seeded kernels draw
+
+
+@pytest.mark.parametrize(("op", "values", "draws"), [
+    # an RNN on CUDA runs cuDNN's kernel, tagged seeded for its dropout between layers; at dropout=0 it draws nothing
+    ("_cudnn_rnn", {"dropout": 0.0, "train": True}, False),
+    ("_cudnn_rnn", {"dropout": 0.5, "train": True}, True),
+    ("_cudnn_rnn", {"dropout": 0.5, "train": False}, False),
+    ("miopen_rnn", {"dropout": 0.0, "train": True}, False),
+    ("native_dropout", {"p": 0.0, "train": True}, False),
+    ("native_dropout", {"p": 0.1, "train": True}, True),
+    ("native_dropout", {"p": 0.1, "train": False}, False),
+    ("_scaled_dot_product_efficient_attention", {"dropout_p": 0.0}, False),
+    ("_scaled_dot_product_efficient_attention", {"dropout_p": 0.1}, True),
+    ("rrelu_with_noise", {"training": False}, False),
+    ("rrelu_with_noise", {"training": True}, True),
+])
+def test_which_seeded_kernels_draw(op, values, draws):
+    """The probe's test for a random forward reads each seeded kernel's arguments (no GPU needed: only the schema)."""
+    func = getattr(torch.ops.aten, op).default
+    assert torch.Tag.nondeterministic_seeded in func.tags
+    assert draws_random_numbers(func, (), values) is draws
