@@ -74,9 +74,10 @@ LOOSE = 30.0  # without a float64 copy, a suspicion fails beyond this many times
 
 
 
-def tolerance(dtype: torch.dtype) -> float:
-    """The check's relative tolerance per parameter tensor for results in ``dtype`` (``core.tolerances``)."""
-    return tolerances.tolerance(dtype).check
+def tolerance(dtype: torch.dtype, device: torch.device | None = None) -> float:
+    """The check's relative tolerance per parameter tensor for results in ``dtype`` on ``device``
+    (``core.tolerances``)."""
+    return tolerances.tolerance(dtype, device).check
 
 
 def draw(batch: int) -> int:
@@ -112,7 +113,7 @@ def verdict(names: tuple[str, ...], got: Tensors, want: Tensors, dtype: torch.dt
     """The first parameter tensor where ``got`` (the result's) is not ``want`` (the reference in the result's
     precision) up to rounding, with its relative difference; None where every one passes. ``exact()``: the
     reference again in float64 (None where it cannot be had), asked only on a suspicion below float64."""
-    rtol = tolerance(dtype)
+    rtol = tolerance(dtype, want[0].device if want else None)
     n = len(want)
     norms = _norms([*want, *torch._foreach_sub(got, want)], dtype)
     total = math.sqrt(sum(w * w for w in norms[:n]))
@@ -282,7 +283,7 @@ def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Bat
         diff = (got - derivative).reshape(batch, -1).norm(dim=1)
         size = (block_norms * scale).square().sum(1).sqrt()
         size = torch.maximum(size, 1e-3 * size.max())
-        excess = diff / (tolerance(trainable.dtype) * size)
+        excess = diff / (tolerance(trainable.dtype, trainable.device) * size)
         worst = int(torch.nan_to_num(excess, nan=math.inf).argmax())
         if not bool(excess[worst] <= 1):
             i = worst
@@ -358,7 +359,7 @@ def check_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: torch.T
     want = j1 @ j2.T if full else (j1 * j2).sum()
     diff = float((kernel[i, j].double() - want.double()).norm())
     scale = float(j1.double().norm() * j2.double().norm())
-    if _fails(diff, max(scale, 1e-300), tolerance(trainable.dtype)):
+    if _fails(diff, max(scale, 1e-300), tolerance(trainable.dtype, trainable.device)):
         reason = (f"the per-call check found that the kernel entry K[{i}, {j}] differs from J_{i} J_{j}^T computed "
                   f"from the two samples alone (difference {diff:.2e} against a scale of {scale:.2e})")
         raise CheckFailedError(f"{reason}: the model's forward does not keep the samples apart in a way the probe "

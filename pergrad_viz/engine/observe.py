@@ -31,7 +31,7 @@ def close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -
         return bool(torch.equal(a, b))
     if a.numel() == 0:
         return True
-    rtol, atol = tolerance(a.dtype).probe
+    rtol, atol = tolerance(a.dtype, a.device).probe
     size = torch.maximum(a.abs(), b.abs()) if scale is None else scale
     size = size.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # infinities (a -inf attention mask) compare equal
     floor = max(float(size.max()) * 1e-2, 1.0)

@@ -170,7 +170,8 @@ def _agrees(layer, params: dict[str, torch.Tensor], tensors: list[torch.Tensor],
     trial = {name: torch.empty_like(t) for name, t in out.items()}
     if not _expanded(layer, params, tensors, cotangents, trial):
         return False
-    tol = tolerance(next(iter(out.values())).dtype).replay
+    first = next(iter(out.values()))
+    tol = tolerance(first.dtype, first.device).replay
     # rows of a non-finite sample (a NaN input) are compared where they are finite, and must be non-finite alike
     return all(torch.allclose(trial[name], t, rtol=tol, atol=tol * _largest_finite(t), equal_nan=True)
                for name, t in out.items())
