@@ -11,3 +11,12 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def tf32_settings():
+    """PyTorch's TF32 settings restored after the test (it may change them: tests/core/test_tolerances.py,
+    tests/test_cuda.py)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

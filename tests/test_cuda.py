@@ -1,7 +1,7 @@
 """On a CUDA device (skipped without one): the zoo's architectures, per-sample gradients, their norms and the DP
-clipped sum against a loop written here on the same device, in float64; float32 models under the device's default
-math (TF32 convolutions on Ampere and later) against a float32 loop, with the fast path kept (no spurious hand-over
-from the per-call check); the model left as it was."""
+clipped sum against a loop written here on the same device, in float64; float32 models with and without TF32
+convolutions (cuDNN's default on Ampere and later) against float64 and a float32 loop, with the fast path kept (no
+refusal, no spurious hand-over from the per-call check); the model left as it was."""
 
 from __future__ import annotations
 
@@ -80,20 +80,12 @@ def assert_as_close_as_the_loop(got: dict, loop: dict, exact: dict, rounding: fl
     """Per sample and parameter, ``got`` is at most 8 times as far from the float64 ``exact`` as the float32 loop is
     (the per-call check's own criterion), plus ``rounding`` times the row's size."""
     for name, e in exact.items():
-        dims = tuple(range(1, e.dim()))
-        off = (got[name].double() - e).square().sum(dims).sqrt()
-        loop_off = (loop[name].double() - e).square().sum(dims).sqrt()
-        size = e.square().sum(dims).sqrt()
+        off = (got[name].double() - e).flatten(1).norm(dim=1)  # (B,): also for a 0-dim parameter's (B,) rows
+        loop_off = (loop[name].double() - e).flatten(1).norm(dim=1)
+        size = e.flatten(1).norm(dim=1)
         bad = off > 8 * loop_off + rounding * size
         assert not bad.any(), (f"{name}: {off[bad].tolist()[:3]} from float64, the loop {loop_off[bad].tolist()[:3]}, "
                                f"the rows' size {size[bad].tolist()[:3]}")
-
-
-@pytest.fixture
-def tf32_settings():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @pytest.mark.parametrize("tf32", [False, True], ids=["float32", "tf32-convolutions"])

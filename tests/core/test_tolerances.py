@@ -11,13 +11,6 @@ from pergrad_viz.core.tolerances import HALF, SINGLE, TF32, tolerance
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
-@pytest.fixture
-def tf32_settings():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @pytest.mark.parametrize(("conv", "matmul", "device", "want"), [
     (True, False, CUDA, TF32),  # PyTorch's defaults: cuDNN's convolutions in TF32
     (False, True, CUDA, TF32),  # torch.set_float32_matmul_precision("high")
