@@ -28,6 +28,16 @@ def ref_grads(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> di
     return {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(named)}
 
 
+def in_batch_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-sample gradients of the cross-entropy from one forward of the whole batch, each sample's loss
+    differentiated alone: what the batch's kernels give each sample (the loop's values where the samples do not
+    interact, up to those kernels' rounding)."""
+    named = trainable(model)
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    rows = [torch.autograd.grad(losses[i], [p for _, p in named], retain_graph=True) for i in range(x.shape[0])]
+    return {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(named)}
+
+
 def ref_jacobian(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-sample output Jacobians by the definition: a double loop over samples and output elements."""
     named = trainable(model)

@@ -49,7 +49,7 @@ from pergrad_viz.derived.norms import (
 from pergrad_viz.derived.sums import LazySums
 from pergrad_viz.engine.capture import Call, Layer, capture
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
-from pergrad_viz.engine.probe import LayerKind
+from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 

@@ -49,7 +49,7 @@ from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring
 from pergrad_viz.engine.capture import Layer, loss_gradients
 from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
-from pergrad_viz.engine.probe import LayerKind
+from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
 from pergrad_viz.rules.linear import gram_is_faster
 from pergrad_viz.rules.scaling import products_fit, sample_maxima, sample_scaled, wide_row_norms

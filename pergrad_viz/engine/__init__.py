@@ -1,3 +1,3 @@
-"""The fast path's engine, above the layer rules: the probe and its plans (:mod:`.probe`), the hooked forward and
-the backward to the layer outputs (:mod:`.capture`), the rules applied per call and layer (:mod:`.grouping`) and
-the per-call check (:mod:`.certify`)."""
+"""The fast path's engine, above the layer rules: the probe (:mod:`.probe`) and its plans (:mod:`.plan`), the
+hooked forward and the backward to the layer outputs (:mod:`.capture`), the rules applied per call and layer
+(:mod:`.grouping`) and the per-call check (:mod:`.certify`)."""

@@ -33,14 +33,8 @@ from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.observe import outputs_close, tensors_of
-from pergrad_viz.engine.probe import (
-    SHARED,
-    CallSpec,
-    LayerKind,
-    LayerPlan,
-    Plan,
-    plan_for,
-)
+from pergrad_viz.engine.plan import SHARED, CallSpec, LayerKind, LayerPlan, Plan
+from pergrad_viz.engine.probe import plan_for
 from pergrad_viz.errors import PlanMismatchError, UnsupportedModelError
 from pergrad_viz.rules import Captured, capture_for, rule_for
 

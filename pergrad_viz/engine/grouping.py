@@ -15,7 +15,7 @@ from torch import nn
 from pergrad_viz.core.ownership import tied
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.capture import Call, Layer
-from pergrad_viz.engine.probe import LayerKind
+from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import call_rule_for
 from pergrad_viz.rules.fallback import per_sample_vjp
 

@@ -29,109 +29,26 @@ show) is left to the per-call check (``pergrad_viz.engine.certify``).
 
 from __future__ import annotations
 
-import enum
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 
 from pergrad_viz.core.batch import Batch, differs
+from pergrad_viz.core.float64 import below_float64, float64_copy, to_float64
 from pergrad_viz.core.guards import refusing_reentrant_checkpoints
 from pergrad_viz.core.ownership import assign
 from pergrad_viz.core.randomness import held_fixed
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.observe import close, first_difference, observe
+from pergrad_viz.engine.plan import SHARED, CallSpec, LayerKind, LayerPlan, Plan, Unbatched
 from pergrad_viz.engine.plan_key import plan_key
 from pergrad_viz.errors import UndefinedPerSampleError
 from pergrad_viz.rules import call_rule_for, rule_for, rule_takes_batch_dim
-
-SHARED = None  # the batch dimension of a tensor that holds no samples
-
-
-class Unbatched(enum.Enum):
-    """A tensor whose shape changes with the batch other than along one dimension (e.g. (B*T, d) rows)."""
-
-    NOT_PER_SAMPLE = "not per-sample"
-
-
-class LayerKind(enum.StrEnum):
-    """How a layer's per-sample parameter gradients are computed (see :class:`LayerPlan`)."""
-
-    RULE = "rule"
-    CALL = "call"
-    FALLBACK = "fallback"
-    BROADCAST = "broadcast"
-
-
-@dataclass(frozen=True)
-class CallSpec:
-    """One call of a layer: the batch dimension (or SHARED) and the shape without it, for every tensor leaf
-    of its inputs (``(args, kwargs)`` flattened) and of its output."""
-
-    in_dims: tuple[int | None, ...]
-    in_rest: tuple[tuple[int, ...], ...]
-    out_dims: tuple[int | None, ...]
-    out_rest: tuple[tuple[int, ...], ...]
-
-
-@dataclass
-class LayerPlan:
-    """A module whose per-sample parameter gradients come from its own calls.
-
-    ``kind`` is ``RULE`` (a closed-form rule on (B, ...) input and output), ``CALL`` (a closed-form rule
-    for a layer with several inputs / outputs, e.g. LSTM), ``FALLBACK`` (``torch.func`` on this layer
-    alone) or ``BROADCAST`` (its parameters, each (1, ...), broadcast over the batch in its forward: a per-sample
-    copy of each in the batched pass, see :mod:`pergrad_viz.engine.broadcast`). ``local`` maps the parameter's name
-    inside the module (dotted for a descendant's parameter the module uses itself, e.g. MultiheadAttention's
-    ``out_proj.weight``) to its full name.
-    """
-
-    name: str
-    kind: LayerKind
-    local: dict[str, str]
-    calls: list[CallSpec] = field(default_factory=list)
-    captures_checked: set = field(default_factory=set)  # kinds of call whose capturing forward equals the layer's
-    spread: bool = False  # its calls hold no samples: its output (1, ...) goes downstream as a (B, ...) copy
-
-    def check_capture(self, signature: tuple, same: bool) -> None:
-        """The layer's capturing forward (its call rule's) was compared with its own forward for calls of this
-        ``signature``: ``same``, or the layer takes the per-layer fallback from now on."""
-        if same:
-            self.captures_checked.add(signature)
-        else:
-            self.kind = LayerKind.FALLBACK
-
-
-@dataclass
-class Plan:
-    layers: dict[str, LayerPlan]  # by module name, in named_modules() order
-    interaction: str | None  # where the samples interact (None: they do not)
-    hooks_problem: str | None  # why the hooks strategy cannot be used (None: it can)
-    verified: bool  # the probe had two different samples (else interaction could not be tested)
-    copy_captures: bool | frozenset = False  # once a forward modified captured tensors in place: those, or all
-    failed: dict[str, str] = field(default_factory=dict)  # strategy -> why the per-call check found it wrong here
-    lowest: dict = field(default_factory=dict)  # a hooked forward's calls -> the outputs its backward asks for
-
-    def demote(self, strategy: str, reason: str, batched: bool) -> None:
-        """The per-call check found ``strategy`` wrong here (``reason``, a phrase): ``auto`` skips it, an explicit
-        call is refused. ``batched`` (it ran the model on the whole batch): every batched strategy is refused."""
-        self.failed[strategy] = reason
-        if batched and self.interaction is None:
-            self.interaction = f"the samples interact: {reason}"
-
-    def copy_captured_tensors(self, which: bool | frozenset = True) -> None:
-        """A forward modified captured tensors in place (``ReLU(inplace=True)``, ``out += x``): capture copies them
-        (``which``: (layer, call, position) keys, or True: all) from now on for this model and input signature."""
-        self.copy_captures = which
-
-    def remember_lowest(self, calls: tuple, positions: tuple[int, ...]) -> None:
-        """``positions``: the outputs of these ``calls`` (their keys) whose backward graph reaches no other's."""
-        self.lowest[calls] = positions
 
 
 def _batch_dim(alone: torch.Size, pair: torch.Size) -> int | None | Unbatched:
@@ -295,6 +212,8 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
             "first, or pass randomness='different' for each sample's gradient under its own random numbers.")
     for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
         probe.spec(name)
+    if probe.interaction is not None and below_float64(trainable.dtype):
+        probe.interaction = _in_float64(trainable, inputs, probe.interaction)
     # Handlers keep the samples apart (checked by why_not), or hand a shared output downstream as per-sample copies.
     handlers, hooks_problem, spread = _assign_spreading(trainable, inputs, probe)
     if module_mod._global_forward_pre_hooks and hooks_problem is None:
@@ -320,6 +239,23 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
         probe.interaction = (f"the model's output has a tensor with {where}, not 0: a batched output cannot be "
                              "split into per-sample losses or outputs by its first dimension")
     return Plan(layers, probe.interaction, hooks_problem, probe.verified)
+
+
+def _in_float64(trainable: Trainable, inputs: Batch, found: str) -> str | None:
+    """A sample that differs inside a batch and alone below float64, settled on a float64 copy: ``found`` where the
+    copy's probe sees it too (or no copy runs), None where not (rounding: on CUDA a batch and a sample alone take
+    different kernels, in TF32 by default for convolutions; ResNet-18's layer3 on an H200 was 2% apart)."""
+    copied = float64_copy(trainable)
+    if copied is None:
+        return found
+    try:
+        with restoring_modes(copied):
+            again = _Probe(copied, inputs.map(to_float64))
+            for name, _m in copied.modules:
+                again.spec(name)
+    except (RuntimeError, TypeError, ValueError):  # the model does not run in float64 (a dtype hard-coded)
+        return found
+    return None if again.interaction is None else found
 
 
 def _broadcast(trainable: Trainable, inputs: Batch, index: torch.Tensor, layers: dict[str, LayerPlan]) -> None:

@@ -71,10 +71,11 @@ def weighted_outputs(trainable: Trainable, inputs: Batch, targets: object, loss_
     return dense(grad_of(total, trainable.params), trainable.params)
 
 
-def alone_grads(i: int) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
-    """Sample i's gradient from a forward of sample i alone: the definition."""
+def alone_grads(i: int, in_batch: bool = False) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
+    """Sample i's gradient from a forward of sample i alone: the definition (``in_batch``: from a forward of the
+    whole batch, :func:`alone_loss`)."""
 
-    loss_of = alone_loss(i)
+    loss_of = alone_loss(i, in_batch)
 
     def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
         return dense(grad_of(loss_of(trainable, inputs, targets, loss_fn), trainable.params), trainable.params)
@@ -82,20 +83,29 @@ def alone_grads(i: int) -> Callable[[Trainable, Batch, object, LossFn | None], T
     return compute
 
 
-def alone_combination(i: int, u: torch.Tensor) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
-    """The gradient of ``u . f(sample i alone)`` (u (Y,)): a random combination of sample i's Jacobian rows."""
+def alone_combination(i: int, u: torch.Tensor, in_batch: bool = False
+                      ) -> Callable[[Trainable, Batch, object, LossFn | None], Tensors]:
+    """The gradient of ``u . f(sample i alone)`` (u (Y,)): a random combination of sample i's Jacobian rows
+    (``in_batch``: of row i of the whole batch's flat outputs (B, Y))."""
 
     def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
-        output = trainable.outputs(inputs.sample(i)).reshape(-1)
+        if in_batch:
+            output = flat_outputs(trainable.outputs(inputs))[i]
+        else:
+            output = trainable.outputs(inputs.sample(i)).reshape(-1)
         return dense(grad_of(output @ u.to(output.dtype), trainable.params), trainable.params)
 
     return compute
 
 
-def alone_loss(i: int) -> Callable[[Trainable, Batch, object, LossFn], torch.Tensor]:
-    """The scalar loss of sample i run alone: the definition."""
+def alone_loss(i: int, in_batch: bool = False) -> Callable[[Trainable, Batch, object, LossFn], torch.Tensor]:
+    """The scalar loss of sample i run alone: the definition. ``in_batch``: sample i's loss from a forward of the
+    whole batch instead, the kernels the batch ran (the definition where the samples do not interact, up to the
+    rounding of those kernels, which the per-call check allows for)."""
 
     def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn) -> torch.Tensor:
+        if in_batch:
+            return per_sample_losses(loss_fn, inputs(trainable.model), targets)[i]
         return scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
 
     return compute
