@@ -50,7 +50,8 @@ from pergrad_viz.derived.sums import LazySums
 from pergrad_viz.engine.capture import Call, Layer, capture
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.plan import LayerKind
-from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for
+from pergrad_viz.rules import Captured, doubts, linear_views_for, weighted_sum_rule_for
+from pergrad_viz.rules.doubts import Doubts
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
@@ -77,8 +78,9 @@ class _Book:
     norms {full name: (B,)}, the shares formed from captures, the per-sample gradients [(full name, (B, *shape))] of
     the other layers, and the parts of each tied weight's norm."""
 
-    def __init__(self, tied: set[str]):
+    def __init__(self, tied: set[str], doubts: Doubts | None = None):
         self.tied = tied
+        self.doubts = doubts  # on a GPU: the layers' norms unscaled, their range read once in finish()
         self.squared: dict[str, torch.Tensor] = {}
         self.shares: list[SumOf] = []
         self.dense: list[tuple[str, torch.Tensor]] = []
@@ -89,7 +91,7 @@ class _Book:
         """Book one layer whose output gradients are all known (``now``: during the backward)."""
         entry = self._ghost(layer, seen)
         if entry is None and self.tied.isdisjoint(layer.local.values()):
-            entry = _call_layer(layer, seen)
+            entry = _call_layer(layer, seen, self._norms)
         if entry is not None:
             self.squared.update(entry[0])
             self.shares.append(entry[1])
@@ -106,12 +108,23 @@ class _Book:
                 self.dense.append((name, g[0]))
 
     def finish(self) -> None:
-        """The layers left for after the backward, then the tied weights' norms from their parts."""
+        """The layers left for after the backward, the unscaled norms' range read (a layer with extreme values
+        computed again), then the tied weights' norms from their parts."""
+        if self.doubts is not None:
+            self.doubts.settle()
         for layer, seen in self.later:
             self.add(layer, seen, now=False)
         self.later = []
         for name, parts in self.parts.items():
             self.squared[name] = tied_squared_norms(parts)
+
+    def _norms(self, compute: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """{full name: (B,) squared norm} from ``compute()``: on a GPU (``doubts``) with the Grams unscaled, their range
+        read in :meth:`finish`, where a layer with extreme values is computed again (scaled) into ``squared``."""
+        if self.doubts is None:
+            return compute()
+        with self.doubts.layer(lambda: self.squared.update(compute())):
+            return compute()
 
     def _ghost(self, layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumOf] | None:
         """A layer with a weighted-sum rule: ({full name: (B,) squared norm} of its untied parameters, its share),
@@ -125,7 +138,12 @@ class _Book:
         cheaper = getattr(ghost, "instantiates", None)
         if cheaper is not None and self.tied.isdisjoint(local.values()) and cheaper(module, seen_first):
             return None  # its per-sample gradients are the cheaper (a ViT's layers on 197 tokens, LoRA adapters)
-        own = ghost_squared_norms(ghost, module, seen_first, local)
+        if self.tied.isdisjoint(local.values()):
+            full = self._norms(lambda: {local[ln]: sq for ln, sq in ghost_squared_norms(ghost, module, seen_first,
+                                                                                        local).items()})
+            own = {ln: full[n] for ln, n in local.items() if n in full}
+        else:  # a tied weight's parts are summed in finish(): computed now, scaled where need be
+            own = ghost_squared_norms(ghost, module, seen_first, local)
         squared = {}
         for ln, sq in own.items():
             name = local[ln]
@@ -146,9 +164,11 @@ class _Book:
         return squared, share
 
 
-def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumOf] | None:
-    """A call layer made of Linear maps (``register_linear_views``), called once: each map's ghost norm and
-    book-keeping; None where the layer's rule must give its per-sample gradients."""
+def _call_layer(layer: Layer, seen: Seen, norms: Callable[[Callable[[], dict]], dict]
+                ) -> tuple[dict[str, torch.Tensor], SumOf] | None:
+    """A call layer made of Linear maps (``register_linear_views``), called once: each map's ghost norm (through
+    ``norms``, :meth:`_Book._norms`) and book-keeping; None where the layer's rule must give its per-sample
+    gradients."""
     views_rule = linear_views_for(layer.module) if layer.kind is LayerKind.CALL else None
     if views_rule is None or len(seen) != 1:
         return None
@@ -168,8 +188,8 @@ def _call_layer(layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumO
         return None  # a parameter of the layer outside its Linear maps (bias_k, bias_v)
     squared = {}
     for a, g, full in pairs:
-        for role, sq in ghost_squared_norms(LinearGhost, None, [(a, g)], full).items():
-            squared[full[role]] = sq
+        squared.update(norms(lambda a=a, g=g, full=full: {full[role]: sq for role, sq in ghost_squared_norms(
+            LinearGhost, None, [(a, g)], full).items()}))
 
     def share(factors: Mapping[str, torch.Tensor], sums: LazySums) -> None:
         for a, g, full in pairs:
@@ -251,7 +271,7 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     reaches it, :class:`_StaleLowest` is raised."""
     output, calls = capture(trainable, inputs)
     check_reached(trainable, calls)  # a merged adapter, a forward under no_grad: refused, as per_sample_grads does
-    book = _Book(tied_names(calls))
+    book = _Book(tied_names(calls), Doubts() if trainable.device.type != "cpu" or doubts.ON_CPU else None)
     wanted = [(i, k, t) for i, c in enumerate(calls) for k, t in enumerate((*c.outputs, *c.internals))
               if t.requires_grad]  # not empty: check_reached refused that
     layers: dict[int, tuple[Layer, list[int]]] = {}

@@ -31,6 +31,7 @@ with :func:`pergrad_viz.per_sample_grads` one chunk of samples at a time and tak
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 
@@ -51,6 +52,8 @@ from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
+from pergrad_viz.rules import doubts as deferred
+from pergrad_viz.rules.doubts import Doubts, deferring
 from pergrad_viz.rules.linear import gram_is_faster
 from pergrad_viz.rules.scaling import products_fit, sample_maxima, sample_scaled, wide_row_norms
 from pergrad_viz.strategies import working_bytes
@@ -130,17 +133,24 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, t
             check_reached(trainable, calls)
             tied = tied_names(calls)
             parts: dict[str, list[TiedPart]] = {}  # tied parameters: each layer's share of their norm
+            doubts = Doubts() if trainable.device.type != "cpu" or deferred.ON_CPU else None  # a GPU: read once
             for layer, seen in group_calls(calls, grads).values():
                 local = layer.local
                 if tied.isdisjoint(local.values()):
-                    for local_name, sq in layer_squared_norms(layer, seen).items():
-                        squared[local[local_name]][rows] = sq
+                    def write(layer: Layer = layer, seen: Seen = seen, rows: slice = rows) -> None:
+                        for local_name, sq in layer_squared_norms(layer, seen).items():
+                            squared[layer.local[local_name]][rows] = sq
+
+                    with doubts.layer(write) if doubts is not None else contextlib.nullcontext():
+                        write()  # on a GPU unscaled, computed again below where the values are extreme
                     continue
                 for name, sq, part in _tied_layer(layer, seen, tied):
                     if part is None:
                         squared[name][rows] = sq
                     else:
                         parts.setdefault(name, []).append(part)
+            if doubts is not None:
+                doubts.settle()
             for name, p in parts.items():
                 squared[name][rows] = tied_squared_norms(p)
     return squared
@@ -302,7 +312,7 @@ def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
     direct = ghost.direct_bytes(module, seen_first) if hasattr(ghost, "direct_bytes") else None
     if direct is not None:  # a convolution's pixels' Gram
         per_sample, budget = direct, max(COLUMNS_BYTES, held)
-    elif ghost.kind == "linear" and seen_first[0][0].device.type == "cpu":
+    elif ghost.kind == "linear" and (seen_first[0][0].device.type == "cpu" or deferring()):
         per_sample = _linear_temporaries(seen_first)  # scaled copies only where values are extreme (products_fit)
     elif ghost.kind == "conv":  # and the columns, C_in * k values at each of the L output positions, scaled too
         columns = math.prod(module.weight.shape[1:])

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pergrad_viz.rules.doubts import deferring, gram_tops, note_tops
 from pergrad_viz.rules.linear import LinearGhost, gram_is_cheaper, instantiating_is_cheaper
 from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum
 from pergrad_viz.rules.scaling import scaled_unless_fit
@@ -149,11 +150,15 @@ def _direct_norms(module, x, g, local) -> dict[str, torch.Tensor]:
     the live taps' window (:func:`live_window`), the bias's ||sum_t g_t||^2. x and g are scaled per sample first
     where a square could overflow or underflow (:func:`~pergrad_viz.rules.scaling.products_fit`), before the padding,
     which holds no larger value."""
-    x, g, scale, bias_scale = scaled_unless_fit(x, g, math.prod(g.shape[2:]) ** 2 * module.weight.numel())
+    noting = deferring() and "weight" in local  # a caller reads the Grams' range later (a GPU: no read here)
+    if noting:
+        scale = bias_scale = None
+    else:
+        x, g, scale, bias_scale = scaled_unless_fit(x, g, math.prod(g.shape[2:]) ** 2 * module.weight.numel())
     result = {}
     if "weight" in local:
         window, kernel, _ = live_window(module, x, g.shape[2:])
-        weight = _pixel_gram(module, window, g.unsqueeze(-2) if isinstance(module, nn.Conv1d) else g, kernel)
+        weight = _pixel_gram(module, window, g.unsqueeze(-2) if isinstance(module, nn.Conv1d) else g, kernel, noting)
         result["weight"] = weight if scale is None else weight.to(scale.dtype) * scale
     if "bias" in local:
         bias = g.reshape(g.shape[0], g.shape[1], -1).sum(2).square().sum(1)
@@ -161,19 +166,23 @@ def _direct_norms(module, x, g, local) -> dict[str, torch.Tensor]:
     return result
 
 
-def _pixel_gram(module, x, g, kernel: tuple[int, int]) -> torch.Tensor:
+def _pixel_gram(module, x, g, kernel: tuple[int, int], noting: bool = False) -> torch.Tensor:
     """(B,) from x (B, C_in, H_p, W_p) and g (B, C_out, H_o, W_o) (a Conv1d's with H = 1), x padded and cropped to
     the live taps' window, ``kernel`` their extent (:func:`live_window`): the columns' Gram <col_t, col_s> = sum over
     the taps of the pixels' Gram at the taps' positions, each tap one strided view of the pixels' Gram (B, H_p, W_p,
     H_p, W_p), summed over the kernel's columns first, then its rows; then sum_{t,s} <col_t, col_s> (g_t . g_s) as
-    for a Linear."""
+    for a Linear. ``noting``: both Grams noted for the open layer (:func:`~pergrad_viz.rules.doubts.note_grams`;
+    a sum of at most L^2 k entries of each, L output positions, k taps)."""
     batch, c_in, height, width = x.shape
     out_h, out_w = g.shape[-2:]
     _, stride, dilation = _geometry(module)
     pixels = x.reshape(batch, c_in, -1)
     # (B, H_p, H_p, W_p, W_p): summed over the kernel's columns, then its rows (a 5-D strided view a tap took 1.8x
     # as long: its innermost run is one output row)
-    gram = torch.bmm(pixels.mT, pixels).view(batch, height, width, height, width).permute(0, 1, 3, 2, 4)
+    pixels_gram = torch.bmm(pixels.mT, pixels)  # (B, H_p W_p, H_p W_p)
+    top_x = gram_tops(pixels_gram) if noting else None
+    gram = pixels_gram.view(batch, height, width, height, width).permute(0, 1, 3, 2, 4)
+    del pixels_gram
     across = None
     for v in range(kernel[1]):
         cols = slice(v * dilation[1], v * dilation[1] + (out_w - 1) * stride[1] + 1, stride[1])
@@ -185,7 +194,11 @@ def _pixel_gram(module, x, g, kernel: tuple[int, int]) -> torch.Tensor:
         columns = across[:, rows, rows].clone() if columns is None else columns.add_(across[:, rows, rows])
     del across
     g3 = g.reshape(batch, g.shape[1], -1)
-    grads = torch.bmm(g3.mT, g3).view(batch, out_h, out_w, out_h, out_w).permute(0, 1, 3, 2, 4)
+    grads = torch.bmm(g3.mT, g3)
+    if noting:
+        note_tops(torch.stack([top_x, gram_tops(grads)]), (out_h * out_w) ** 2 * kernel[0] * kernel[1], c_in,
+                  g.shape[1])
+    grads = grads.view(batch, out_h, out_w, out_h, out_w).permute(0, 1, 3, 2, 4)
     return (columns * grads).sum((1, 2, 3, 4)).clamp_min(0)
 
 

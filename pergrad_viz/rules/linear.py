@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pergrad_viz.core.numbers import wide_square
+from pergrad_viz.rules.doubts import deferring, note_grams, tops_fit
 from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum
 from pergrad_viz.rules.scaling import scaled_unless_fit, wide_row_norms
 
@@ -140,9 +141,12 @@ class LinearGhost:
                 result["bias"] = g_norm.square()
             return result
         gram = gram_is_faster(tokens, a.shape[-1], g.shape[-1])
-        if "weight" in local and a.device.type == "cpu" and gram:
+        noting = deferring()  # a caller reads the Grams' range later for all layers (a GPU: no read here)
+        if "weight" in local and (a.device.type == "cpu" or noting) and gram:
             grams = torch.bmm(a, a.mT), torch.bmm(g, g.mT)  # (B, T, T) each, as they are
-            if grams_fit(*grams, a.shape[-1], g.shape[-1]):  # summed in their dtype (sum(dtype=float64): 6x slower)
+            if noting:
+                note_grams(*grams, tokens * tokens, a.shape[-1], g.shape[-1])
+            if noting or grams_fit(*grams, a.shape[-1], g.shape[-1]):  # summed in their dtype (in float64: 6x slower)
                 result["weight"] = (grams[0] * grams[1]).sum((1, 2)).clamp_min(0)
                 if "bias" in local:  # ||sum_t g_t||^2 = sum_{t,s} g_t . g_s
                     result["bias"] = grams[1].sum((1, 2)).clamp_min(0)
@@ -192,18 +196,9 @@ def grams_fit(aa: torch.Tensor, gg: torch.Tensor, width_a: int, width_g: int) ->
     replaces four reductions over (B, T, width) tensors by two over (B, T)."""
     if aa.device.type != "cpu" or not aa.numel():
         return False
-    info = torch.finfo(aa.dtype)
-    tokens = aa.shape[-1]
     top_a = aa.diagonal(dim1=1, dim2=2).amax(1).tolist()
     top_g = gg.diagonal(dim1=1, dim2=2).amax(1).tolist()
-    if not all(map(math.isfinite, top_a + top_g)):
-        return False
-    if max(top_a) * max(top_g) * tokens * tokens > info.max / 16:
-        return False
-    low = info.tiny / info.eps
-    # every nonzero entry at least width * low (filter(None, ...) drops the zeros; no loop in Python)
-    return min(filter(None, top_a), default=math.inf) >= width_a * low \
-        and min(filter(None, top_g), default=math.inf) >= width_g * low
+    return tops_fit(top_a, top_g, aa.dtype, aa.shape[-1] ** 2, width_a, width_g)
 
 
 def _gram_cost(width_in: int, width_out: int, tokens: int, y_count: int, pairs: int) -> tuple[int, int]:

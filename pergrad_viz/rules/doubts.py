@@ -1,0 +1,120 @@
+"""Gram norms computed as they are, their range read later. Whether a layer's squared norms, a sum of products of
+four entries (a Linear's ``sum_{t,s} (a_t . a_s)(g_t . g_s)``, a convolution's), may be computed from unscaled values
+is read from each sample's largest Gram diagonal entry (:func:`tops_fit`). On a CPU the rules read it at once (a
+read of the host's own memory). On a GPU that read synchronises, so there the rules used to scale every sample of
+every layer (some 25 small kernels a layer, each a launch: most of a transformer's DP step on an H200). Now a caller
+that can wait (book-keeping, :class:`Doubts`) opens a layer, the rules note the maxima (two kernels) and return the
+unscaled norms, and one read for all layers of the call, before any norm is used, finds the rare layer whose values
+are extreme: computed again, scaled (:mod:`pergrad_viz.rules.scaling`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+# Where true, a caller opens its layers on a CPU too (tests: the path a GPU takes, checked here).
+ON_CPU = False
+
+
+@dataclass(frozen=True)
+class _Note:
+    tops: torch.Tensor  # (2, B): per sample, the largest diagonal entry of the left and of the right Gram
+    span: int  # the sum's terms per pair of diagonal maxima (T^2 for a Linear on T tokens)
+    widths: tuple[int, int]  # the features each Gram entry sums over (left, right)
+
+
+_OPEN: ContextVar[list[_Note] | None] = ContextVar("pergrad_viz_open_layer", default=None)
+
+
+def tops_fit(top_a: list[float], top_g: list[float], dtype: torch.dtype, span: int, width_a: int,
+             width_g: int) -> bool:
+    """Whether a Gram norm summing ``span`` products of an entry of a left Gram (entries over ``width_a`` features)
+    and one of a right Gram (``width_g``), each sample's largest diagonal entries ``top_a`` and ``top_g`` (an entry is
+    at most its diagonal's), is as exact unscaled as scaled: every maximum finite (no square overflowed), their
+    product times ``span`` far below the dtype's largest number (the sum cannot overflow), and each sample's maximum 0
+    or at least ``width`` times ``tiny / eps`` (the terms lost to underflow, at most ``width * tiny`` an entry, stay
+    below the sum's own rounding)."""
+    if not all(map(math.isfinite, top_a + top_g)):
+        return False
+    info = torch.finfo(dtype)
+    if max(top_a, default=0.0) * max(top_g, default=0.0) * span > info.max / 16:
+        return False
+    low = info.tiny / info.eps
+    # every nonzero entry at least width * low (filter(None, ...) drops the zeros; no loop in Python)
+    return min(filter(None, top_a), default=math.inf) >= width_a * low \
+        and min(filter(None, top_g), default=math.inf) >= width_g * low
+
+
+def deferring() -> bool:
+    """Whether a caller has opened a layer: the rules may note their Grams' maxima instead of reading them."""
+    return _OPEN.get() is not None
+
+
+def note_grams(left: torch.Tensor, right: torch.Tensor, span: int, width_a: int, width_g: int) -> None:
+    """Note the Grams (B, n, n) and (B, m, m) of the open layer's unscaled factors for :meth:`Doubts.settle`."""
+    note_tops(torch.stack([gram_tops(left), gram_tops(right)]), span, width_a, width_g)
+
+
+def gram_tops(gram: torch.Tensor) -> torch.Tensor:
+    """(B,) each sample's largest diagonal entry of a Gram (B, n, n)."""
+    return gram.diagonal(dim1=1, dim2=2).amax(1)
+
+
+def note_tops(tops: torch.Tensor, span: int, width_a: int, width_g: int) -> None:
+    """Note (2, B) Gram maxima (:func:`gram_tops` of the left and of the right Gram) for the open layer."""
+    notes = _OPEN.get()
+    assert notes is not None, "a note outside an open layer"
+    notes.append(_Note(tops, span, (width_a, width_g)))
+
+
+class Doubts:
+    """The layers of one call whose norms were computed unscaled, each with its notes and how to compute it again."""
+
+    def __init__(self) -> None:
+        self._layers: list[tuple[list[_Note], Callable[[], None]]] = []
+
+    @contextmanager
+    def layer(self, redo: Callable[[], None]) -> Iterator[None]:
+        """Inside: the rules may note their Grams for this layer (``redo()``: its norms again, scaled, put where the
+        caller keeps them; called by :meth:`settle` where the notes do not fit)."""
+        notes: list[_Note] = []
+        token = _OPEN.set(notes)
+        try:
+            yield
+        finally:
+            _OPEN.reset(token)
+        if notes:
+            self._layers.append((notes, redo))
+
+    def settle(self) -> int:
+        """One host read of every note (per dtype), then each layer whose notes do not fit :func:`tops_fit` computed
+        again. Returns how many were."""
+        layers, self._layers = self._layers, []
+        if not layers:
+            return 0
+        notes = [n for group, _ in layers for n in group]
+        values: dict[int, list[float]] = {}
+        for dtype in {n.tops.dtype for n in notes}:
+            picked = [k for k, n in enumerate(notes) if n.tops.dtype == dtype]
+            flat = torch.cat([notes[k].tops.flatten() for k in picked]).tolist()  # the one synchronisation
+            at = 0
+            for k in picked:
+                size = notes[k].tops.numel()
+                values[k] = flat[at:at + size]
+                at += size
+        redone, k = 0, 0
+        for group, redo in layers:
+            fits = True
+            for n in group:
+                half = n.tops.shape[1]
+                fits = fits and tops_fit(values[k][:half], values[k][half:], n.tops.dtype, n.span, *n.widths)
+                k += 1
+            if not fits:
+                redo()
+                redone += 1
+        return redone
