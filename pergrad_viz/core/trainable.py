@@ -182,7 +182,12 @@ def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if len(picked) == 1:
             copies[picked[0]] = tensors[picked[0]].detach().clone()
             continue
-        flat = torch.cat([tensors[k].detach().reshape(-1) for k in picked])
+        try:
+            flat = torch.cat([tensors[k].detach().reshape(-1) for k in picked])
+        except RuntimeError:  # a tensor that cannot be flattened (a nested one): one clone each
+            for k in picked:
+                copies[k] = tensors[k].detach().clone()
+            continue
         for k, piece in zip(picked, flat.split([tensors[k].numel() for k in picked]), strict=True):
             copies[k] = piece.view(tensors[k].shape)
     return copies

@@ -253,7 +253,7 @@ def _in_float64(trainable: Trainable, inputs: Batch, found: str) -> str | None:
             again = _Probe(copied, inputs.map(to_float64))
             for name, _m in copied.modules:
                 again.spec(name)
-    except (RuntimeError, TypeError, ValueError):  # the model does not run in float64 (a dtype hard-coded)
+    except Exception:  # the model does not run in float64 (a dtype hard-coded, an assertion): as found
         return found
     return None if again.interaction is None else found
 

@@ -197,7 +197,7 @@ def _pixel_gram(module, x, g, kernel: tuple[int, int], noting: bool = False) -> 
     grads = torch.bmm(g3.mT, g3)
     if noting:
         note_tops(torch.stack([top_x, gram_tops(grads)]), (out_h * out_w) ** 2 * kernel[0] * kernel[1], c_in,
-                  g.shape[1])
+                  g.shape[1], (x.dtype, g.dtype))
     grads = grads.view(batch, out_h, out_w, out_h, out_w).permute(0, 1, 3, 2, 4)
     return (columns * grads).sum((1, 2, 3, 4)).clamp_min(0)
 

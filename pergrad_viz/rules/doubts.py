@@ -26,28 +26,28 @@ class _Note:
     tops: torch.Tensor  # (2, B): per sample, the largest diagonal entry of the left and of the right Gram
     span: int  # the sum's terms per pair of diagonal maxima (T^2 for a Linear on T tokens)
     widths: tuple[int, int]  # the features each Gram entry sums over (left, right)
+    dtypes: tuple[torch.dtype, torch.dtype]  # each Gram's own (under autocast a float32 input, a float16 gradient)
 
 
 _OPEN: ContextVar[list[_Note] | None] = ContextVar("pergrad_viz_open_layer", default=None)
 
 
-def tops_fit(top_a: list[float], top_g: list[float], dtype: torch.dtype, span: int, width_a: int,
-             width_g: int) -> bool:
+def tops_fit(top_a: list[float], top_g: list[float], dtypes: tuple[torch.dtype, torch.dtype], span: int,
+             width_a: int, width_g: int) -> bool:
     """Whether a Gram norm summing ``span`` products of an entry of a left Gram (entries over ``width_a`` features)
     and one of a right Gram (``width_g``), each sample's largest diagonal entries ``top_a`` and ``top_g`` (an entry is
     at most its diagonal's), is as exact unscaled as scaled: every maximum finite (no square overflowed), their
     product times ``span`` far below the dtype's largest number (the sum cannot overflow), and each sample's maximum 0
     or at least ``width`` times ``tiny / eps`` (the terms lost to underflow, at most ``width * tiny`` an entry, stay
-    below the sum's own rounding)."""
+    below the sum's own rounding), each Gram in its own dtype (``dtypes``), their products in the narrower range."""
     if not all(map(math.isfinite, top_a + top_g)):
         return False
-    info = torch.finfo(dtype)
-    if max(top_a, default=0.0) * max(top_g, default=0.0) * span > info.max / 16:
+    left, right = torch.finfo(dtypes[0]), torch.finfo(dtypes[1])
+    if max(top_a, default=0.0) * max(top_g, default=0.0) * span > min(left.max, right.max) / 16:
         return False
-    low = info.tiny / info.eps
-    # every nonzero entry at least width * low (filter(None, ...) drops the zeros; no loop in Python)
-    return min(filter(None, top_a), default=math.inf) >= width_a * low \
-        and min(filter(None, top_g), default=math.inf) >= width_g * low
+    # every nonzero entry at least width * tiny / eps (filter(None, ...) drops the zeros; no loop in Python)
+    return min(filter(None, top_a), default=math.inf) >= width_a * left.tiny / left.eps \
+        and min(filter(None, top_g), default=math.inf) >= width_g * right.tiny / right.eps
 
 
 def deferring() -> bool:
@@ -57,7 +57,7 @@ def deferring() -> bool:
 
 def note_grams(left: torch.Tensor, right: torch.Tensor, span: int, width_a: int, width_g: int) -> None:
     """Note the Grams (B, n, n) and (B, m, m) of the open layer's unscaled factors for :meth:`Doubts.settle`."""
-    note_tops(torch.stack([gram_tops(left), gram_tops(right)]), span, width_a, width_g)
+    note_tops(torch.stack([gram_tops(left), gram_tops(right)]), span, width_a, width_g, (left.dtype, right.dtype))
 
 
 def gram_tops(gram: torch.Tensor) -> torch.Tensor:
@@ -65,11 +65,13 @@ def gram_tops(gram: torch.Tensor) -> torch.Tensor:
     return gram.diagonal(dim1=1, dim2=2).amax(1)
 
 
-def note_tops(tops: torch.Tensor, span: int, width_a: int, width_g: int) -> None:
-    """Note (2, B) Gram maxima (:func:`gram_tops` of the left and of the right Gram) for the open layer."""
+def note_tops(tops: torch.Tensor, span: int, width_a: int, width_g: int,
+              dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+    """Note (2, B) Gram maxima (:func:`gram_tops` of the left and of the right Gram, in ``dtypes``) for the open
+    layer."""
     notes = _OPEN.get()
     assert notes is not None, "a note outside an open layer"
-    notes.append(_Note(tops, span, (width_a, width_g)))
+    notes.append(_Note(tops, span, (width_a, width_g), dtypes))
 
 
 class Doubts:
@@ -112,7 +114,7 @@ class Doubts:
             fits = True
             for n in group:
                 half = n.tops.shape[1]
-                fits = fits and tops_fit(values[k][:half], values[k][half:], n.tops.dtype, n.span, *n.widths)
+                fits = fits and tops_fit(values[k][:half], values[k][half:], n.dtypes, n.span, *n.widths)
                 k += 1
             if not fits:
                 redo()

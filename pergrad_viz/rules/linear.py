@@ -198,7 +198,7 @@ def grams_fit(aa: torch.Tensor, gg: torch.Tensor, width_a: int, width_g: int) ->
         return False
     top_a = aa.diagonal(dim1=1, dim2=2).amax(1).tolist()
     top_g = gg.diagonal(dim1=1, dim2=2).amax(1).tolist()
-    return tops_fit(top_a, top_g, aa.dtype, aa.shape[-1] ** 2, width_a, width_g)
+    return tops_fit(top_a, top_g, (aa.dtype, gg.dtype), aa.shape[-1] ** 2, width_a, width_g)
 
 
 def _gram_cost(width_in: int, width_out: int, tokens: int, y_count: int, pairs: int) -> tuple[int, int]:
