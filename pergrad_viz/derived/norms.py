@@ -312,7 +312,7 @@ def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
     direct = ghost.direct_bytes(module, seen_first) if hasattr(ghost, "direct_bytes") else None
     if direct is not None:  # a convolution's pixels' Gram
         per_sample, budget = direct, max(COLUMNS_BYTES, held)
-    elif ghost.kind == "linear" and (seen_first[0][0].device.type == "cpu" or deferring()):
+    elif ghost.kind == "linear" and (seen_first[0][0].device.type == "cpu" or deferring(*seen_first[0])):
         per_sample = _linear_temporaries(seen_first)  # scaled copies only where values are extreme (products_fit)
     elif ghost.kind == "conv":  # and the columns, C_in * k values at each of the L output positions, scaled too
         columns = math.prod(module.weight.shape[1:])

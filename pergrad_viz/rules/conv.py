@@ -150,7 +150,7 @@ def _direct_norms(module, x, g, local) -> dict[str, torch.Tensor]:
     the live taps' window (:func:`live_window`), the bias's ||sum_t g_t||^2. x and g are scaled per sample first
     where a square could overflow or underflow (:func:`~pergrad_viz.rules.scaling.products_fit`), before the padding,
     which holds no larger value."""
-    noting = deferring() and "weight" in local  # a caller reads the Grams' range later (a GPU: no read here)
+    noting = deferring(x, g) and "weight" in local  # a caller reads the Grams' range later (a GPU: no read here)
     if noting:
         scale = bias_scale = None
     else:

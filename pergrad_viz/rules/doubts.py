@@ -50,9 +50,11 @@ def tops_fit(top_a: list[float], top_g: list[float], dtypes: tuple[torch.dtype, 
         and min(filter(None, top_g), default=math.inf) >= width_g * right.tiny / right.eps
 
 
-def deferring() -> bool:
-    """Whether a caller has opened a layer: the rules may note their Grams' maxima instead of reading them."""
-    return _OPEN.get() is not None
+def deferring(*factors: torch.Tensor) -> bool:
+    """Whether a caller has opened a layer, so that the rules may note the Grams' maxima of these ``factors`` instead
+    of reading them: not in float16, whose squares underflow below 6e-5 (most layers' gradients would be computed
+    twice, unscaled and again scaled)."""
+    return _OPEN.get() is not None and all(t.dtype != torch.float16 for t in factors)
 
 
 def note_grams(left: torch.Tensor, right: torch.Tensor, span: int, width_a: int, width_g: int) -> None:

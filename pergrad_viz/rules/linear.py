@@ -141,7 +141,7 @@ class LinearGhost:
                 result["bias"] = g_norm.square()
             return result
         gram = gram_is_faster(tokens, a.shape[-1], g.shape[-1])
-        noting = deferring()  # a caller reads the Grams' range later for all layers (a GPU: no read here)
+        noting = deferring(a, g)  # a caller reads the Grams' range later for all layers (a GPU: no read here)
         if "weight" in local and (a.device.type == "cpu" or noting) and gram:
             grams = torch.bmm(a, a.mT), torch.bmm(g, g.mT)  # (B, T, T) each, as they are
             if noting:

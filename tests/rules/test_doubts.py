@@ -40,3 +40,11 @@ def test_settle_reads_every_note_and_redoes_only_the_layers_that_do_not_fit():
     assert store.settle() == 2
     assert redone == ["b", "c"]  # e: a Gram of zeros loses nothing
     assert store.settle() == 0  # settled once
+
+
+def test_float16_factors_are_not_deferred():
+    store = doubts.Doubts()
+    with store.layer(lambda: None):
+        assert doubts.deferring(torch.ones(2, dtype=F32), torch.ones(2, dtype=torch.bfloat16))
+        assert not doubts.deferring(torch.ones(2, dtype=F32), torch.ones(2, dtype=F16))
+    assert not doubts.deferring(torch.ones(2))
