@@ -37,13 +37,16 @@ def tops_fit(top_a: list[float], top_g: list[float], dtypes: tuple[torch.dtype, 
     """Whether a Gram norm summing ``span`` products of an entry of a left Gram (entries over ``width_a`` features)
     and one of a right Gram (``width_g``), each sample's largest diagonal entries ``top_a`` and ``top_g`` (an entry is
     at most its diagonal's), is as exact unscaled as scaled: every maximum finite (no square overflowed), their
-    product times ``span`` far below the dtype's largest number (the sum cannot overflow), and each sample's maximum 0
-    or at least ``width`` times ``tiny / eps`` (the terms lost to underflow, at most ``width * tiny`` an entry, stay
-    below the sum's own rounding), each Gram in its own dtype (``dtypes``), their products in the narrower range."""
+    product and each alone times ``span`` far below the dtype's largest number (no sum can overflow), and each
+    sample's maximum 0 or at least ``width`` times ``tiny / eps`` (the terms lost to underflow, at most ``width *
+    tiny`` an entry, stay below the sum's own rounding), each Gram in its own dtype (``dtypes``), their products in
+    the narrower range."""
     if not all(map(math.isfinite, top_a + top_g)):
         return False
     left, right = torch.finfo(dtypes[0]), torch.finfo(dtypes[1])
-    if max(top_a, default=0.0) * max(top_g, default=0.0) * span > min(left.max, right.max) / 16:
+    hi_a, hi_g = max(top_a, default=0.0), max(top_g, default=0.0)
+    # nor a sum of one Gram's entries alone (a bias's ||sum_t g_t||^2, a convolution's taps summed)
+    if max(hi_a * hi_g, hi_a, hi_g) * span > min(left.max, right.max) / 16:
         return False
     # every nonzero entry at least width * tiny / eps (filter(None, ...) drops the zeros; no loop in Python)
     return min(filter(None, top_a), default=math.inf) >= width_a * left.tiny / left.eps \

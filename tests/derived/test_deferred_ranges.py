@@ -66,8 +66,9 @@ def _loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float, boun
 
 
 @pytest.mark.parametrize("inputs, scale, redo", [(1.0, 1.0, False), (1e20, 1.0, True), (1e-22, 1.0, True),
-                                                 (1.0, 1e25, True)],
-                         ids=["ordinary", "huge activations", "tiny activations", "huge gradients"])
+                                                 (1.0, 1e25, True), (1e-12, 7e19, True)],
+                         ids=["ordinary", "huge activations", "tiny activations", "huge gradients",
+                              "a bias's huge sum"])
 @pytest.mark.parametrize("kind", MODELS)
 def test_gram_norms_unscaled_then_settled(deferred, kind, inputs, scale, redo):
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ def test_tops_fit_reads_each_gram_in_its_own_dtype():
     assert doubts.tops_fit([1.0, 0.0], [2.0, 0.0], (F32, F32), 16, 8, 8)  # a zero sample: nothing lost
     assert not doubts.tops_fit([1.0, float("inf")], [2.0, 0.5], (F32, F32), 16, 8, 8)  # a square overflowed
     assert not doubts.tops_fit([1e30, 1.0], [1e10, 1.0], (F32, F32), 16, 8, 8)  # the sum would overflow
+    assert not doubts.tops_fit([1e-10], [1e37], (F32, F32), 16, 8, 8)  # a bias's sum of the right Gram alone
     assert not doubts.tops_fit([1.0, 1e-40], [1.0, 1.0], (F32, F32), 16, 8, 8)  # float32's underflow
     # 1e-6 is far above float32's underflow and below float16's (its squares lose digits there)
     assert doubts.tops_fit([1.0], [1e-6], (F32, F32), 16, 8, 8)
