@@ -254,7 +254,7 @@ def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[
         if schedule.due():
             with restoring_modes(trainable), schedule.checking():
                 check(result, strategy)
-        schedule.computed(seconds)
+        schedule.computed(seconds, inputs.size)
     return result
 
 

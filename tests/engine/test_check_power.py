@@ -192,6 +192,28 @@ def test_the_schedule_checks_first_calls_then_within_its_share(monkeypatch):
     assert len(checked) == before + 1
 
 
+def test_what_a_check_makes_the_next_call_pay_is_the_check_s(monkeypatch):
+    """A check's references, freed, can leave the next call faulting its tensors' pages in again: that call's time
+    beyond a typical call's (per sample, times its batch size) is counted as the check's, so checks run less often."""
+    clock = iter(range(10**6))
+    monkeypatch.setattr(schedule.time, "perf_counter", lambda: float(next(clock)))  # every check takes 1 s
+    s = schedule.Schedule()
+    for batch in (32, 32, 16, 32, 32):  # no check: 0.05 s per sample (a 16-sample call, 0.8 s)
+        s.computed(0.05 * batch, batch)
+    with s.checking():
+        pass
+    s.computed(1.6, 32)  # the checked call itself, as before
+    assert s.check_seconds == 1.0
+    s.computed(2.4, 32)  # the next call: 0.8 s over a typical one, the check's
+    assert s.check_seconds == pytest.approx(1.8) and s.last_check == pytest.approx(1.8)
+    s.computed(0.8, 16)  # then as before: nothing added, and it counts as typical again
+    assert s.check_seconds == pytest.approx(1.8) and len(s.recent) == 7  # the checked call itself was typical
+    plain = schedule.Schedule()
+    for _ in range(5):
+        plain.computed(1.6, 32)
+    assert plain.check_seconds == 0 and plain.recent == [0.05] * 5
+
+
 @pytest.mark.parametrize("cold_first_s", [0.0, 0.5])
 def test_auto_times_torch_func_against_hooks_and_keeps_the_faster(monkeypatch, cold_first_s):
     """The race (engine.schedule.Race): hooks' first calls, then torch_func timed; here torch_func is made the
