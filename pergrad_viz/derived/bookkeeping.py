@@ -359,9 +359,11 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
             rows = slice(first, min(first + chunk, batch))
             book = _booked_backward(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), fresh)
             whole = rows.stop - rows.start == batch
-            if whole:  # one chunk: the book's norms as they are
-                own = book.squared
-                squared = {n: own[n].to(SQUARES) if n in own else zeros() for n in trainable.names}
+            if whole:  # one chunk: the book's norms as they are, in float64 (one stack, not a conversion each)
+                present = [n for n in trainable.names if n in book.squared]
+                wide = dict(zip(present, torch.stack([book.squared[n] for n in present]).to(SQUARES).unbind(0)
+                                if present else (), strict=True))
+                squared = {n: wide[n] if n in wide else zeros() for n in trainable.names}
             else:
                 squared = squared or {n: zeros() for n in trainable.names}
                 for name, sq in book.squared.items():
