@@ -62,7 +62,11 @@ def deferring(*factors: torch.Tensor) -> bool:
 
 def note_grams(left: torch.Tensor, right: torch.Tensor, span: int, width_a: int, width_g: int) -> None:
     """Note the Grams (B, n, n) and (B, m, m) of the open layer's unscaled factors for :meth:`Doubts.settle`."""
-    note_tops(torch.stack([gram_tops(left), gram_tops(right)]), span, width_a, width_g, (left.dtype, right.dtype))
+    if left.shape == right.shape and left.dtype == right.dtype:  # both diagonals in one reduction (a Linear's)
+        tops = torch.stack([left.diagonal(dim1=1, dim2=2), right.diagonal(dim1=1, dim2=2)]).amax(2)
+    else:
+        tops = torch.stack([gram_tops(left), gram_tops(right)])
+    note_tops(tops, span, width_a, width_g, (left.dtype, right.dtype))
 
 
 def gram_tops(gram: torch.Tensor) -> torch.Tensor:

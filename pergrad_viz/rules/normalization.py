@@ -16,11 +16,10 @@ def affine_sums(xhat: torch.Tensor, grad_output: torch.Tensor, positions: int, o
     """xhat (B, ...) and grad_output (N, B, ...) viewed as (N, B, positions, *shape) summed over positions."""
     n, batch = grad_output.shape[:2]
     g = grad_output.reshape(n, batch, positions, -1)
-    if "weight" in out:
-        w = (g * xhat.reshape(batch, positions, -1)).sum(2)
-        out["weight"].copy_(w.view(n, batch, *shape))
+    if "weight" in out:  # summed straight into the result (a kernel fewer than a sum, then a copy)
+        torch.sum(g * xhat.reshape(batch, positions, -1), dim=2, out=out["weight"].view(n, batch, -1))
     if "bias" in out:
-        out["bias"].copy_(g.sum(2).view(n, batch, *shape))
+        torch.sum(g, dim=2, out=out["bias"].view(n, batch, -1))
 
 
 _ONES: dict[tuple[torch.Size, torch.dtype, torch.device], torch.Tensor] = {}  # read only
