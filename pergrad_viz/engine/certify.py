@@ -188,37 +188,36 @@ _BATCHED_WHY = ("this model's forward does not keep the samples apart in a way t
 # --------------------------------------------------------------------------------------- float64 references
 
 
-def _again(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None,
-           compute: Callable[[Trainable, Batch, object, LossFn | None], Tensors]) -> Callable[[], Tensors | None]:
-    """``compute`` again on a float64 copy of the model, inputs, targets and loss (asked only on a suspicion)."""
+class _Float64:
+    """A check's call (model, inputs, targets, loss) and its float64 copies, made once, at the first reference asked
+    in float64 (a sample-alone check may ask for two: the sample alone and in its batch)."""
 
-    def again() -> Tensors | None:
-        copied = float64_copy(trainable)
-        if copied is None:
+    def __init__(self, trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None):
+        self.call = (trainable, inputs, targets, loss_fn)
+        self._copies: tuple | None = None
+
+    def run(self, compute: Callable[[Trainable, Batch, object, LossFn | None], Tensors]) -> Tensors | None:
+        """``compute`` on the float64 copies; None where they cannot be made or the model does not run in float64."""
+        if self._copies is None:
+            trainable, inputs, targets, loss_fn = self.call
+            copied = float64_copy(trainable)
+            loss = copy.deepcopy(loss_fn).double() if isinstance(loss_fn, torch.nn.Module) else loss_fn
+            self._copies = () if copied is None else (copied, inputs.map(to_float64), to_float64(targets), loss)
+        if not self._copies:
             return None
-        loss = copy.deepcopy(loss_fn).double() if isinstance(loss_fn, torch.nn.Module) else loss_fn
         try:
-            return [g.double() for g in compute(copied, inputs.map(to_float64), to_float64(targets), loss)]
+            return [g.double() for g in compute(*self._copies)]
         except (RuntimeError, TypeError, ValueError):  # the model does not run in float64 (a dtype hard-coded)
             return None
 
-    return again
+    def again(self, compute: Callable[..., Tensors]) -> Callable[[], Tensors | None]:
+        """``compute`` again in float64, for :func:`verdict`'s ``exact`` (asked only on a suspicion)."""
+        return lambda: self.run(compute)
 
-
-def _in_batch(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None,
-              compute: Callable[[Trainable, Batch, object, LossFn | None], Tensors]
-              ) -> Callable[[], tuple[Tensors, Tensors] | None]:
-    """``compute`` (a sample's value from a forward of its whole batch) in the result's precision and on a float64
-    copy, for :func:`verdict`'s ``in_batch``."""
-    high = _again(trainable, inputs, targets, loss_fn, compute)
-
-    def both() -> tuple[Tensors, Tensors] | None:
-        again = high()
-        if again is None:
-            return None
-        return compute(trainable, inputs, targets, loss_fn), again
-
-    return both
+    def in_batch(self, compute: Callable[..., Tensors]) -> Callable[[], tuple[Tensors, Tensors] | None]:
+        """``compute`` (a sample's value from a forward of its whole batch) in the result's precision and in float64,
+        for :func:`verdict`'s ``in_batch``."""
+        return lambda: None if (high := self.run(compute)) is None else (compute(*self.call), high)
 
 
 # ------------------------------------------------------------------------------------------------ the checks
@@ -237,13 +236,13 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     draws = trainable.call.draws
     if draws is not None:  # randomness='different': the reference draws the strategy's random numbers again
         want = replayed_weighted_grads(draws, trainable, inputs, targets, loss_fn, w)
-        again = _again(trainable, inputs, targets, loss_fn,
-                       lambda t, x, y, f: replayed_weighted_grads(draws, t, x, y, f, w))
+        again = _Float64(trainable, inputs, targets, loss_fn).again(
+            lambda t, x, y, f: replayed_weighted_grads(draws, t, x, y, f, w))
         _raise(verdict(trainable.names, got, want, trainable.dtype, again),
                "a random combination of the rows (the same random draws)", strategy, _BATCHED_WHY)
         return  # a sample alone would draw other numbers: couplings are the probe's, with the draws held fixed
     want = weighted_grads(trainable, inputs, targets, loss_fn, w)
-    again = _again(trainable, inputs, targets, loss_fn, lambda t, x, y, f: weighted_grads(t, x, y, f, w))
+    again = _Float64(trainable, inputs, targets, loss_fn).again(lambda t, x, y, f: weighted_grads(t, x, y, f, w))
     _raise(verdict(trainable.names, got, want, trainable.dtype, again),
            "a random combination of the rows", strategy, _BATCHED_WHY)
     _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, draw(inputs.size))
@@ -254,8 +253,9 @@ def _check_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     compute = alone_grads(i)
     want = compute(trainable, inputs, targets, loss_fn)
     got = [rows[name][i] for name in trainable.names]
-    _raise(verdict(trainable.names, got, want, trainable.dtype, _again(trainable, inputs, targets, loss_fn, compute),
-                   _in_batch(trainable, inputs, targets, loss_fn, alone_grads(i, in_batch=True))),
+    copies = _Float64(trainable, inputs, targets, loss_fn)
+    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute),
+                   copies.in_batch(alone_grads(i, in_batch=True))),
            f"sample {i}'s gradient", strategy, _BATCHED_WHY)
 
 
@@ -269,7 +269,7 @@ def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch
     w = _randn(tuple(first.shape[:2]), first)
     got = [torch.tensordot(w, rows[name], dims=2) for name in trainable.names]
     want = weighted_outputs(trainable, inputs, None, None, w)
-    again = _again(trainable, inputs, None, None, lambda t, x, y, f: weighted_outputs(t, x, y, f, w))
+    again = _Float64(trainable, inputs, None, None).again(lambda t, x, y, f: weighted_outputs(t, x, y, f, w))
     _raise(verdict(trainable.names, got, want, trainable.dtype, again),
            "a random combination of the Jacobians' rows", strategy, _BATCHED_WHY)
     _check_alone_jacobian(trainable, inputs, rows, strategy, draw(inputs.size))
@@ -282,8 +282,9 @@ def _check_alone_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str
     compute = alone_combination(i, u)
     want = compute(trainable, inputs, None, None)
     got = [torch.tensordot(u, rows[name][i], dims=1) for name in trainable.names]
-    _raise(verdict(trainable.names, got, want, trainable.dtype, _again(trainable, inputs, None, None, compute),
-                   _in_batch(trainable, inputs, None, None, alone_combination(i, u, in_batch=True))),
+    copies = _Float64(trainable, inputs, None, None)
+    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute),
+                   copies.in_batch(alone_combination(i, u, in_batch=True))),
            f"sample {i}'s Jacobian (a random combination of its rows)", strategy, _BATCHED_WHY)
 
 
@@ -361,15 +362,14 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     def norms_of(t: Trainable, x: Batch, y: object, f: LossFn | None) -> Tensors:
         return norms_of_grads(loss_of(t, x, y, f), t.params)  # one parameter's gradient alive at a time
 
-    def norms_in_batch(t: Trainable, x: Batch, y: object, f: LossFn | None) -> Tensors:
-        return norms_of_grads(alone_loss(i, in_batch=True)(t, x, y, f), t.params)
-
     want = norms_of(trainable, inputs, targets, loss_fn)
     got = [squared[name][i].clamp_min(0).sqrt().reshape(1).to(w.dtype) for name, w in zip(trainable.names, want,
                                                                                           strict=True)]
-    in_batch = None if draws is not None else _in_batch(trainable, inputs, targets, loss_fn, norms_in_batch)
-    _raise(verdict(trainable.names, got, want, trainable.dtype, _again(trainable, inputs, targets, loss_fn, norms_of),
-                   in_batch), f"sample {i}'s gradient norm", strategy, _BATCHED_WHY)
+    copies = _Float64(trainable, inputs, targets, loss_fn)
+    in_batch = None if draws is not None else copies.in_batch(
+        lambda t, x, y, f: norms_of_grads(alone_loss(i, in_batch=True)(t, x, y, f), t.params))
+    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(norms_of), in_batch),
+           f"sample {i}'s gradient norm", strategy, _BATCHED_WHY)
 
 
 def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:
