@@ -50,8 +50,8 @@ from pergrad_viz.derived.sums import LazySums
 from pergrad_viz.engine.capture import Call, Layer, capture
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.plan import LayerKind
-from pergrad_viz.rules import Captured, doubts, linear_views_for, weighted_sum_rule_for
-from pergrad_viz.rules.doubts import Doubts
+from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for
+from pergrad_viz.rules.doubts import Doubts, doubts_for
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
@@ -271,7 +271,7 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     reaches it, :class:`_StaleLowest` is raised."""
     output, calls = capture(trainable, inputs)
     check_reached(trainable, calls)  # a merged adapter, a forward under no_grad: refused, as per_sample_grads does
-    book = _Book(tied_names(calls), Doubts() if trainable.device.type != "cpu" or doubts.ON_CPU else None)
+    book = _Book(tied_names(calls), doubts_for(trainable.device))
     wanted = [(i, k, t) for i, c in enumerate(calls) for k, t in enumerate((*c.outputs, *c.internals))
               if t.requires_grad]  # not empty: check_reached refused that
     layers: dict[int, tuple[Layer, list[int]]] = {}

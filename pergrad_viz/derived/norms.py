@@ -52,8 +52,7 @@ from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
-from pergrad_viz.rules import doubts as deferred
-from pergrad_viz.rules.doubts import Doubts, deferring
+from pergrad_viz.rules.doubts import deferring, doubts_for
 from pergrad_viz.rules.linear import gram_is_faster
 from pergrad_viz.rules.scaling import products_fit, sample_maxima, sample_scaled, wide_row_norms
 from pergrad_viz.strategies import working_bytes
@@ -133,7 +132,7 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, t
             check_reached(trainable, calls)
             tied = tied_names(calls)
             parts: dict[str, list[TiedPart]] = {}  # tied parameters: each layer's share of their norm
-            doubts = Doubts() if trainable.device.type != "cpu" or deferred.ON_CPU else None  # a GPU: read once
+            doubts = doubts_for(trainable.device)  # a GPU: the Grams' range read once, below
             for layer, seen in group_calls(calls, grads).values():
                 local = layer.local
                 if tied.isdisjoint(local.values()):

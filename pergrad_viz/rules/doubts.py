@@ -83,6 +83,12 @@ def note_tops(tops: torch.Tensor, span: int, width_a: int, width_g: int,
     notes.append(_Note(tops, span, (width_a, width_g), dtypes))
 
 
+def doubts_for(device: torch.device) -> Doubts | None:
+    """A :class:`Doubts` for a call on ``device`` where reading a Gram's range now would synchronise (not a CPU, but
+    with :data:`ON_CPU`), else None: the rules read it at once."""
+    return Doubts() if device.type != "cpu" or ON_CPU else None
+
+
 class Doubts:
     """The layers of one call whose norms were computed unscaled, each with its notes and how to compute it again."""
 
