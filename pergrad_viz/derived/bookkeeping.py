@@ -24,7 +24,6 @@ the hooks strategy cannot run, :func:`materialised_sums` builds the per-sample g
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -87,16 +86,21 @@ class _Book:
         self.parts: dict[str, list[TiedPart]] = {}
         self.later: list[tuple[Layer, Seen]] = []  # layers whose rules replay them (torch.func): after the backward
 
-    def add(self, layer: Layer, seen: Seen, now: bool = True) -> None:
-        """Book one layer whose output gradients are all known (``now``: during the backward)."""
-        entry = self._ghost(layer, seen)
+    def add(self, layer: Layer, arrived: Seen, now: bool = True) -> None:
+        """Book one layer whose output gradients are all known (``now``: during the backward); ``arrived``: per call,
+        its output gradients as autograd gave them (no N dimension; None where none arrived)."""
+        entry = self._ghost(layer, arrived)
+        if entry is None and now and layer.kind is not LayerKind.RULE and layer.kind is not LayerKind.CALL:
+            self.later.append((layer, arrived))
+            return
+        seen = _with_n(arrived) if entry is None else None
         if entry is None and self.tied.isdisjoint(layer.local.values()):
             entry = _call_layer(layer, seen, self._norms)
         if entry is not None:
             self.squared.update(entry[0])
             self.shares.append(entry[1])
         elif now and layer.kind is not LayerKind.RULE:
-            self.later.append((layer, seen))
+            self.later.append((layer, arrived))
         else:
             for ln, g in dense_grads(layer, seen).items():
                 name = layer.local[ln]
@@ -134,7 +138,7 @@ class _Book:
         if rule is None:
             return None
         module, local = layer.module, layer.local
-        seen_first = [(call.activation, call.rule_grad(gs[0])[0]) for call, gs in seen]
+        seen_first = [(call.activation, call.sample_grad(gs[0])) for call, gs in seen]
         cheaper = getattr(ghost, "instantiates", None)
         if cheaper is not None and self.tied.isdisjoint(local.values()) and cheaper(module, seen_first):
             return None  # its per-sample gradients are the cheaper (a ViT's layers on 197 tokens, LoRA adapters)
@@ -153,7 +157,7 @@ class _Book:
             a, g = ghost.stack(module, [(a, g[None]) for a, g in seen_first])
             factors = ghost.factors(module, a, g[0]) if ln == "weight" else None
             if factors is None:  # this layer's per-sample gradient of the weight, as a part
-                part = dense_part(dense_grads(layer, seen)[ln][0], sq)
+                part = dense_part(dense_grads(layer, _with_n(seen))[ln][0], sq)
             else:
                 part = (*factors, sq)
             self.parts.setdefault(name, []).append(part)
@@ -162,6 +166,11 @@ class _Book:
             sums.add_share(rule, module, seen_first, {ln: factors[n] for ln, n in local.items()}, local)
 
         return squared, share
+
+
+def _with_n(arrived: Seen) -> Seen:
+    """Each call's output gradients as the rules take them, (N = 1, *output.shape)."""
+    return [(call, [None if g is None else g.unsqueeze(0) for g in gs]) for call, gs in arrived]
 
 
 def _call_layer(layer: Layer, seen: Seen, norms: Callable[[Callable[[], dict]], dict]
@@ -198,18 +207,23 @@ def _call_layer(layer: Layer, seen: Seen, norms: Callable[[Callable[[], dict]], 
     return squared, share
 
 
-_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # one 0-dim zero per dtype and device, read only
+# Shape-only stand-ins, read only: per (shape, dtype, device) one expanded 0-dim zero, made once (an expand a layer
+# output each call cost ~4 us of the ~150 us a layer's book-keeping took on 2 cores); cleared when it grows large.
+_STAND_INS: dict[tuple, torch.Tensor] = {}
+_STAND_IN_LIMIT = 1024
 
 
 def _shape_only(t: torch.Tensor) -> torch.Tensor:
     """A tensor of ``t``'s shape, dtype and device that holds no memory (what a rule reads of an output after the
-    backward: its shape): a shared 0-dim zero, expanded."""
-    key = (t.dtype, t.device)
-    zero = _ZEROS.get(key)
-    if zero is None:
+    backward: its shape): a shared 0-dim zero, expanded, the same object for every output of that shape."""
+    key = (t.shape, t.dtype, t.device)
+    stand_in = _STAND_INS.get(key)
+    if stand_in is None:
+        if len(_STAND_INS) >= _STAND_IN_LIMIT:
+            _STAND_INS.clear()
         with torch.inference_mode(False):
-            zero = _ZEROS[key] = torch.zeros((), dtype=t.dtype, device=t.device)
-    return zero.expand(t.shape)
+            stand_in = _STAND_INS[key] = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+    return stand_in
 
 
 def _lowest(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -281,9 +295,10 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     for i, _, _ in wanted:
         waiting[id(calls[i].layer.module)] += 1
     pending: list[list | None] = [[None] * (len(c.outputs) + len(c.internals)) for c in calls]
-    records: list[Call | None] = [dataclasses.replace(c, outputs=[_shape_only(t) for t in c.outputs], captured=(
-        None if c.captured is None else Captured([_shape_only(t) for t in c.captured.internals], c.captured.state)))
-        for c in calls]
+    records: list[Call | None] = [Call(c.layer, c.inputs, c.input_tensors, [_shape_only(t) for t in c.outputs], c.spec,
+                                       c.versions, None if c.captured is None else Captured(
+                                           [_shape_only(t) for t in c.captured.internals], c.captured.state), c.key)
+                                  for c in calls]
 
     def take(key: int, now: bool = True) -> None:
         layer, idx = layers[key]
@@ -300,7 +315,7 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     def hook_for(i: int, k: int, key: int, j: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             arrived[j] = True
-            pending[i][k] = grad.unsqueeze(0)
+            pending[i][k] = grad
             waiting[key] -= 1
             if waiting[key] == 0:
                 take(key)

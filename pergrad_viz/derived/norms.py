@@ -53,7 +53,7 @@ from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_nam
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
 from pergrad_viz.rules.doubts import deferring, doubts_for
-from pergrad_viz.rules.linear import gram_is_faster
+from pergrad_viz.rules.linear import LinearGhost, gram_is_faster
 from pergrad_viz.rules.scaling import products_fit, sample_maxima, sample_scaled, wide_row_norms
 from pergrad_viz.strategies import working_bytes
 
@@ -324,8 +324,13 @@ def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
         if direct is not None:
             chunks.append(ghost.direct_norms(module, part, local))
             continue
-        a, g = ghost.stack(module, [(a, g[None]) for a, g in part])
-        chunks.append(ghost.squared_norms(module, a, g[0], local))
+        if len(part) == 1 and ghost.stack is LinearGhost.stack:  # one call: its rows as they are (no N to add)
+            a, g = part[0]
+            a, g = a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+        else:
+            a, g = ghost.stack(module, [(a, g[None]) for a, g in part])
+            g = g[0]
+        chunks.append(ghost.squared_norms(module, a, g, local))
         del a, g
     if len(chunks) == 1:
         return chunks[0]

@@ -18,6 +18,7 @@ on error; the backward pass then gives the gradients of the tensors it kept as w
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,6 +90,11 @@ class Call:
         dim = self.spec.out_dims[0]
         return grad if not dim else grad.movedim(dim + 1, 1)
 
+    def sample_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """:meth:`rule_grad` of one gradient without its N dimension: (*output.shape) as (B, ...)."""
+        dim = self.spec.out_dims[0]
+        return grad if not dim else grad.movedim(dim, 0)
+
     def tensors(self) -> list[torch.Tensor]:
         return self.input_tensors + self.outputs
 
@@ -136,14 +142,27 @@ def _check_call(layer: Layer, name: str, index: int, ins: list[torch.Tensor], ou
     if index >= len(specs):
         raise _mismatch(layer, name, f"is called more than {len(specs)} time(s)")
     spec = specs[index]
-    for tensors, dims, rests in ((ins, spec.in_dims, spec.in_rest), (outs, spec.out_dims, spec.out_rest)):
-        if len(tensors) != len(dims):
+    want_ins, want_outs = _expected_shapes(spec, batch)
+    if [t.shape for t in ins] == want_ins and [t.shape for t in outs] == want_outs:  # the common case: one compare
+        return spec
+    for tensors, want in ((ins, want_ins), (outs, want_outs)):
+        if len(tensors) != len(want):
             raise _mismatch(layer, name, "has a different number of tensors")
-        for t, d, rest in zip(tensors, dims, rests, strict=True):
-            want = rest if d is SHARED else (*rest[:d], batch, *rest[d:])
-            if tuple(t.shape) != tuple(want):
-                raise _mismatch(layer, name, f"sees a tensor of shape {tuple(t.shape)} instead of {tuple(want)}")
+        for t, shape in zip(tensors, want, strict=True):
+            if t.shape != shape:
+                raise _mismatch(layer, name, f"sees a tensor of shape {tuple(t.shape)} instead of {tuple(shape)}")
     return spec
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_shapes(spec: CallSpec, batch: int) -> tuple[list[torch.Size], list[torch.Size]]:
+    """The shapes a call of ``spec`` has at batch size ``batch``: (inputs, outputs), each a list of ``torch.Size``
+    (read only)."""
+    def shapes(dims, rests):
+        return [torch.Size(rest if d is SHARED else (*rest[:d], batch, *rest[d:])) for d, rest in zip(dims, rests,
+                                                                                                       strict=True)]
+
+    return shapes(spec.in_dims, spec.in_rest), shapes(spec.out_dims, spec.out_rest)
 
 
 def _call_signature(args: tuple, kwargs: dict) -> tuple:

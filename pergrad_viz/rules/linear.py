@@ -234,11 +234,12 @@ def _linear_sums(seen, weights: dict[str, torch.Tensor], out: dict[str, torch.Te
     (the one temporary, (B * T, min(in, out))); the bias += G summed over positions, times c (one ``addmv_``). The
     first product into a ``fresh`` tensor is written (``beta=0``: its old contents are not read)."""
     fresh = set(fresh)
+    converted: dict[int, torch.Tensor] = {}  # a weight and its bias share c (flat clipping): converted once
     for a, g in seen:
         batch = g.shape[0]
         rows_a, rows_g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])  # (B * T, in), (B * T, out)
         for ln, c in weights.items():
-            c = c.to(g.dtype)
+            c = converted[id(c)] if id(c) in converted else converted.setdefault(id(c), c.to(g.dtype))
             beta = 0 if ln in fresh else 1
             fresh.discard(ln)
             if ln == "bias":
