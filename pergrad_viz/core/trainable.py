@@ -59,10 +59,13 @@ class Trainable:
 
     @classmethod
     def of(cls, model: nn.Module) -> Trainable:
-        everything = tuple(model.named_parameters()) if isinstance(model, nn.Module) else ()
+        if not isinstance(model, nn.Module):
+            check_model(model)  # raises, naming the fix
+        modules = tuple(model.named_modules())
+        everything = _named_parameters(model, modules)
         named = check_model(model, everything)
         names, params = zip(*named, strict=True)
-        return cls(model, tuple(names), tuple(params), tuple(model.named_modules()), named_parameters=everything)
+        return cls(model, tuple(names), tuple(params), modules, named_parameters=everything)
 
     @property
     def shapes(self) -> dict[str, torch.Size]:
@@ -97,6 +100,27 @@ class Trainable:
                 seen.add(id(t))
                 state[n] = t
         return state
+
+
+def _named_parameters(model: nn.Module, modules: tuple[tuple[str, nn.Module], ...]
+                      ) -> tuple[tuple[str, nn.Parameter], ...]:
+    """``tuple(model.named_parameters())`` read from ``modules`` (its ``named_modules()``, just walked), as
+    ``nn.Module`` lists them (each parameter once, under its first name), without a second walk of the model; a model
+    whose class defines its own ``named_parameters`` or ``named_modules`` is asked itself."""
+    if type(model).named_parameters is not _NAMED_PARAMETERS or type(model).named_modules is not _NAMED_MODULES:
+        return tuple(model.named_parameters())
+    seen: set[int] = set()
+    named = []
+    for prefix, module in modules:
+        for key, p in module._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            named.append((f"{prefix}.{key}" if prefix else key, p))
+    return tuple(named)
+
+
+_NAMED_PARAMETERS, _NAMED_MODULES = nn.Module.named_parameters, nn.Module.named_modules
 
 
 def hooked_parameter(trainable: Trainable) -> str | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Collection
 
@@ -97,6 +98,7 @@ def gram_is_faster(tokens: int, width_in: int, width_out: int) -> bool:
     return tokens * (width_in + width_out) <= width_in * width_out
 
 
+@functools.lru_cache(maxsize=4096)
 def instantiating_is_cheaper(tokens: int, width_in: int, width_out: int, batch: int, layer_params: int,
                              held: int) -> bool:
     """Whether book-keeping should form a layer's per-sample weight gradient (B, out, in) on T ``tokens`` (B = ``batch``
@@ -198,8 +200,11 @@ def grams_fit(aa: torch.Tensor, gg: torch.Tensor, width_a: int, width_g: int) ->
     replaces four reductions over (B, T, width) tensors by two over (B, T)."""
     if aa.device.type != "cpu" or not aa.numel():
         return False
-    top_a = aa.diagonal(dim1=1, dim2=2).amax(1).tolist()
-    top_g = gg.diagonal(dim1=1, dim2=2).amax(1).tolist()
+    if aa.dtype == gg.dtype and aa.shape[1] == gg.shape[1]:  # both diagonals' maxima in one reduction, one read
+        top_a, top_g = torch.stack((aa.diagonal(dim1=1, dim2=2), gg.diagonal(dim1=1, dim2=2))).amax(2).tolist()
+    else:
+        top_a = aa.diagonal(dim1=1, dim2=2).amax(1).tolist()
+        top_g = gg.diagonal(dim1=1, dim2=2).amax(1).tolist()
     return tops_fit(top_a, top_g, (aa.dtype, gg.dtype), aa.shape[-1] ** 2, width_a, width_g)
 
 
