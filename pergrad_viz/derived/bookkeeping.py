@@ -29,7 +29,6 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from pergrad_viz.core.batch import Batch, cut
-from pergrad_viz.core.graph import NodeMap, Nodes, children, walk
 from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.loss_reads import loss_of_output
 from pergrad_viz.core.losses import LossFn
@@ -48,6 +47,7 @@ from pergrad_viz.derived.norms import (
 from pergrad_viz.derived.sums import LazySums
 from pergrad_viz.engine.capture import Call, Layer, capture
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
+from pergrad_viz.engine.lowest import StaleLowest, asked, reached
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for
 from pergrad_viz.rules.doubts import Doubts, doubts_for
@@ -226,63 +226,11 @@ def _shape_only(t: torch.Tensor) -> torch.Tensor:
     return stand_in
 
 
-def _lowest(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors whose backward graph reaches no other one's: asking autograd for their gradients alone runs the
-    backward through all the others (each then seen by its hook) without holding theirs. An iterative walk of the
-    graph, each node visited once."""
-    nodes = Nodes(t.grad_fn for t in tensors)
-    below: NodeMap[bool] = NodeMap()  # per node: whether it is, or leads to, a node of one of the tensors
-
-    def reaches(node) -> bool:
-        stack = [node]
-        while stack:
-            n = stack[-1]
-            if n in below:
-                stack.pop()
-                continue
-            below_n = children(n)
-            todo = [c for c in below_n if c not in below]
-            if todo:
-                stack.extend(todo)
-                continue
-            stack.pop()
-            below[n] = n in nodes or any(below[c] for c in below_n)
-        return below[node]
-
-    return [t for t in tensors if t.grad_fn is None or not any(reaches(c) for c in children(t.grad_fn))]
-
-
-def _reached(root, nodes: list) -> bool:
-    """Whether the backward graph from ``root`` (a grad_fn) reaches any of ``nodes`` (grad_fns; None: a leaf)."""
-    wanted = Nodes(nodes)
-    return any(node in wanted for node in walk([root]))
-
-
-class _StaleLowest(Exception):
-    """The outputs a plan's earlier calls asked autograd for missed one this call's loss reaches (a forward whose
-    graph changes with the data): the batch is run again with its own graph walked."""
-
-
-def _asked(trainable: Trainable, calls: list[Call], wanted: list, fresh: bool) -> tuple[list[int], bool]:
-    """(the positions in ``wanted`` autograd is asked for, whether they come from the plan's memory): the plan's
-    earlier calls' :func:`_lowest` for the same calls, else this graph's (remembered for the next calls)."""
-    plan = trainable.call.plan
-    structure = (tuple(c.key for c in calls), tuple((i, k, t.grad_fn is None) for i, k, t in wanted))
-    known = None if plan is None or fresh else plan.lowest.get(structure)
-    if known is not None:
-        return list(known), True
-    ids = {id(t) for t in _lowest([t for _, _, t in wanted])}
-    positions = [j for j, (_, _, t) in enumerate(wanted) if id(t) in ids]
-    if plan is not None:
-        plan.remember_lowest(structure, tuple(positions))
-    return positions, False
-
-
 def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, fresh: bool) -> _Book:
     """1 forward with hooks, 1 backward of the summed per-sample losses, each layer booked as its output gradients
     (N = 1 first) arrive; the captured outputs kept as shapes only. Autograd is asked for the outputs the plan's
     earlier calls found lowest (unless ``fresh``); where an output's gradient then never arrives although the loss
-    reaches it, :class:`_StaleLowest` is raised."""
+    reaches it, :class:`~pergrad_viz.engine.lowest.StaleLowest` is raised."""
     output, calls = capture(trainable, inputs)
     check_reached(trainable, calls)  # a merged adapter, a forward under no_grad: refused, as per_sample_grads does
     book = _Book(tied_names(calls), doubts_for(trainable.device))
@@ -324,7 +272,7 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
 
     for j, (i, k, t) in enumerate(wanted):
         t.register_hook(hook_for(i, k, id(calls[i].layer.module), j))
-    positions, remembered = _asked(trainable, calls, wanted, fresh)
+    positions, remembered = asked(trainable, calls, wanted, fresh)
     lowest = [wanted[j][2] for j in positions]
     nodes = [t.grad_fn for _, _, t in wanted]  # the graph's nodes only: the outputs themselves are let go
     total = loss_of_output(trainable, loss_fn, output, targets)
@@ -333,8 +281,8 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     root = total.grad_fn
     del total, lowest
     missed = [nodes[j] for j, got in enumerate(arrived) if not got]
-    if remembered and missed and _reached(root, missed):
-        raise _StaleLowest
+    if remembered and missed and reached(root, missed):
+        raise StaleLowest
     del root, nodes, missed
     for key, left in waiting.items():  # layers some of whose outputs the loss does not reach
         if left > 0:
@@ -353,7 +301,7 @@ def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     pass's activations are not held at once, as plain training's ``.grad`` is made during its backward."""
     try:
         return _hooked_sums(trainable, loss_fn, inputs, targets, chunk, groups, start, fresh=False)
-    except _StaleLowest:  # the graph changed with the data: the batch again, from the call's first random state
+    except StaleLowest:  # the graph changed with the data: the batch again, from the call's first random state
         if trainable.call.draws is not None:
             trainable.call.draws.begin()
         return _hooked_sums(trainable, loss_fn, inputs, targets, chunk, groups, start, fresh=True)

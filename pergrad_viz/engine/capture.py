@@ -18,7 +18,6 @@ on error; the backward pass then gives the gradients of the tensors it kept as w
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,10 +32,11 @@ from pergrad_viz.core.loss_reads import loss_of_output
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine import broadcast
+from pergrad_viz.engine.call_shapes import check_call, mismatch
 from pergrad_viz.engine.observe import outputs_close, tensors_of
-from pergrad_viz.engine.plan import SHARED, CallSpec, LayerKind, LayerPlan, Plan
+from pergrad_viz.engine.plan import CallSpec, LayerKind, LayerPlan, Plan
 from pergrad_viz.engine.probe import plan_for
-from pergrad_viz.errors import PlanMismatchError, UnsupportedModelError
+from pergrad_viz.errors import UnsupportedModelError
 from pergrad_viz.rules import Captured, capture_for, rule_for
 
 
@@ -128,43 +128,6 @@ def describe(trainable: Trainable, inputs: Batch) -> dict[str, str]:
     return {name: lp.kind.value for name, lp in plan_for(trainable, inputs).layers.items()}
 
 
-def _mismatch(layer: Layer, name: str, why: str) -> PlanMismatchError:
-    return PlanMismatchError(
-        f"layer '{name or 'model'}' ({type(layer.module).__name__}) {why} in this call, unlike in the probe of "
-        "this model: its behaviour depends on the data, so the per-layer rules cannot be trusted. Use "
-        "strategy='torch_func' (or 'auto', which switches to it)."
-    )
-
-
-def _check_call(layer: Layer, name: str, index: int, ins: list[torch.Tensor], outs: list[torch.Tensor],
-                batch: int) -> CallSpec:
-    specs = layer.plan.calls
-    if index >= len(specs):
-        raise _mismatch(layer, name, f"is called more than {len(specs)} time(s)")
-    spec = specs[index]
-    want_ins, want_outs = _expected_shapes(spec, batch)
-    if [t.shape for t in ins] == want_ins and [t.shape for t in outs] == want_outs:  # the common case: one compare
-        return spec
-    for tensors, want in ((ins, want_ins), (outs, want_outs)):
-        if len(tensors) != len(want):
-            raise _mismatch(layer, name, "has a different number of tensors")
-        for t, shape in zip(tensors, want, strict=True):
-            if t.shape != shape:
-                raise _mismatch(layer, name, f"sees a tensor of shape {tuple(t.shape)} instead of {tuple(shape)}")
-    return spec
-
-
-@functools.lru_cache(maxsize=4096)
-def _expected_shapes(spec: CallSpec, batch: int) -> tuple[list[torch.Size], list[torch.Size]]:
-    """The shapes a call of ``spec`` has at batch size ``batch``: (inputs, outputs), each a list of ``torch.Size``
-    (read only)."""
-    def shapes(dims, rests):
-        return [torch.Size(rest if d is SHARED else (*rest[:d], batch, *rest[d:])) for d, rest in zip(dims, rests,
-                                                                                                       strict=True)]
-
-    return shapes(spec.in_dims, spec.in_rest), shapes(spec.out_dims, spec.out_rest)
-
-
 def _call_signature(args: tuple, kwargs: dict) -> tuple:
     """What selects a layer's code path: each argument's kind (a tensor's dtype and rank, None, a flag's value)."""
 
@@ -233,7 +196,7 @@ class _Recorder:
         ins = tensors_of(args) if not kwargs else tensors_of((args, kwargs))
         key = (name, self.counts[name])
         handed, outputs = _handed_downstream(output, lambda k: self.copies((*key, len(ins) + k)))
-        spec = _check_call(layer, name, key[1], ins, outputs, self.batch)
+        spec = check_call(layer.plan, module, name, key[1], ins, outputs, self.batch)
         self.counts[name] += 1
         if not kwargs and len(ins) == len(args):  # the common case: tensors only, positional
             saved_ins = [self.detach(t, self.copies((*key, k))) for k, t in enumerate(ins)]
@@ -265,7 +228,8 @@ class _Recorder:
         """The calls, once every layer was called as often as in the probe; broadcast layers' copies last."""
         for name, layer in self.layers.items():
             if 0 < self.counts[name] < len(layer.plan.calls):
-                raise _mismatch(layer, name, f"is called {self.counts[name]} time(s), not {len(layer.plan.calls)},")
+                raise mismatch(layer.module, name,
+                               f"is called {self.counts[name]} time(s), not {len(layer.plan.calls)},")
         for name, layer in spread.items():
             copied = list(made[name].values())
             spec = CallSpec((), (), (0,) * len(copied), tuple(tuple(e.shape[1:]) for e in copied))

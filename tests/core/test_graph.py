@@ -13,7 +13,7 @@ import torch
 from pergrad_viz.core.graph import NodeMap, Nodes, children, walk
 from pergrad_viz.core.guards import reentrant_checkpoint_in
 from pergrad_viz.core.loss_reads import parameters_read_by_loss
-from pergrad_viz.derived import bookkeeping
+from pergrad_viz.engine import lowest as lowest_outputs
 
 
 class Node:
@@ -80,16 +80,16 @@ def test_fresh_objects_do_take_a_dropped_ones_id():
 
 def test_lowest_outputs_are_both_embeddings():
     tok, pos, fc, head = layer_outputs()
-    lowest = bookkeeping._lowest([tok, pos, fc, head])
+    lowest = lowest_outputs.lowest([tok, pos, fc, head])
     assert [t.node for t in lowest] == [tok.node, pos.node]
 
 
 def test_reached():
     tok, pos, fc, head = layer_outputs()
     nodes = [t.grad_fn for t in (tok, pos)]
-    assert bookkeeping._reached(head.grad_fn, nodes)
-    assert not bookkeeping._reached(pos.grad_fn, [tok.grad_fn])
-    assert not bookkeeping._reached(tok.grad_fn, [head.grad_fn, fc.grad_fn])
+    assert lowest_outputs.reached(head.grad_fn, nodes)
+    assert not lowest_outputs.reached(pos.grad_fn, [tok.grad_fn])
+    assert not lowest_outputs.reached(tok.grad_fn, [head.grad_fn, fc.grad_fn])
 
 
 def test_walk_meets_every_node_once():
