@@ -24,7 +24,7 @@ the hooks strategy cannot run, :func:`materialised_sums` builds the per-sample g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -34,13 +34,14 @@ from pergrad_viz.core.loss_reads import loss_of_output
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.numbers import SQUARES
 from pergrad_viz.core.trainable import Trainable, restoring_modes
-from pergrad_viz.derived.clipping import EPS
+from pergrad_viz.derived.clipping import Groups, clip_factors
 from pergrad_viz.derived.norms import (
     TiedPart,
     dense_part,
     ghost_rule,
     ghost_squared_norms,
     materialised_chunks,
+    norm_step,
     row_squared_norms,
     tied_squared_norms,
 )
@@ -52,20 +53,6 @@ from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for
 from pergrad_viz.rules.doubts import Doubts, doubts_for
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
-
-# Clipping groups: (bound C_k, the parameter names clipped together), in order.
-Groups = Sequence[tuple[float, tuple[str, ...]]]
-
-def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """{name: (B,) c} in ``dtype`` with c = min(1, C_k / (||g_i||_k + 1e-6)), the norm over the parameters of name's
-    group k (from float64 squares: a float32 norm over 1.8e19 is c = C / norm, not 0)."""
-    factors = {}
-    for bound, names in groups:
-        norm = squared[names[0]].sqrt() if len(names) == 1 else torch.stack([squared[n] for n in names]).sum(0).sqrt_()
-        c = norm.add_(EPS).reciprocal_().mul_(bound).clamp_(max=1.0).to(dtype)  # (B,), norm's own memory
-        factors.update(dict.fromkeys(names, c))
-    return factors
-
 
 # One layer's share of the clipped sum once the clip factors {full name: (B,)} are known, added into the sums
 # {full name: (*shape)} (its ``destination(name)`` may hand a tensor out unwritten).
@@ -133,6 +120,10 @@ class _Book:
     def _ghost(self, layer: Layer, seen: Seen) -> tuple[dict[str, torch.Tensor], SumOf] | None:
         """A layer with a weighted-sum rule: ({full name: (B,) squared norm} of its untied parameters, its share),
         its tied weights' parts noted; else None."""
+        if layer.kind is not LayerKind.RULE:  # no ghost rule (a call layer's views are booked by _call_layer)
+            return None
+        if len(seen) == 1 and self.doubts is None and self.tied.isdisjoint(layer.local.values()):
+            return self._routed(layer, seen[0])
         ghost = ghost_rule(layer)
         rule = weighted_sum_rule_for(layer.module) if ghost is not None else None
         if rule is None:
@@ -166,6 +157,52 @@ class _Book:
             sums.add_share(rule, module, seen_first, {ln: factors[n] for ln, n in local.items()}, local)
 
         return squared, share
+
+
+    def _routed(self, layer: Layer, arrived: tuple) -> tuple[dict[str, torch.Tensor], SumOf] | None:
+        """:meth:`_ghost` of an untied layer called once, on a CPU: what it decides from the call's shapes alone
+        (:func:`_route`) kept in the layer's plan from the first call of these shapes."""
+        call, gs = arrived
+        a, g = call.activation, call.sample_grad(gs[0])
+        key = (layer.kind, a.shape, g.shape, a.dtype, g.dtype, a.device)
+        route = layer.plan.memo.get(key, _UNSEEN)
+        if route is _UNSEEN:
+            if len(layer.plan.memo) >= _ROUTES:  # batch sizes change (Poisson sampling): the memo stays small
+                layer.plan.memo.clear()
+            route = layer.plan.memo[key] = _route(layer, [(a, g)])
+        if route is None:
+            return None
+        ghost, rule, single = route
+        module, local = layer.module, layer.local
+        if single:  # a Linear's one call: its rows as they are
+            own = ghost.squared_norms(module, a.reshape(a.shape[0], -1, a.shape[-1]),
+                                      g.reshape(g.shape[0], -1, g.shape[-1]), local)
+        else:
+            own = ghost_squared_norms(ghost, module, [(a, g)], local)
+        squared = {local[ln]: sq for ln, sq in own.items()}
+
+        def share(factors: Mapping[str, torch.Tensor], sums: LazySums) -> None:
+            sums.add_share(rule, module, [(a, g)], {ln: factors[n] for ln, n in local.items()}, local)
+
+        return squared, share
+
+
+_UNSEEN, _ROUTES = object(), 64  # a route not made yet; the shapes remembered per layer
+
+
+def _route(layer: Layer, seen_first: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple | None:
+    """(ghost rule, weighted-sum rule, whether its norms are one Linear's in one piece) of a layer booked by its
+    ghost norm and weighted sum for calls of these shapes; None where its rules are others, or where its per-sample
+    gradients are the cheaper (``GhostRule.instantiates``)."""
+    ghost = ghost_rule(layer)
+    rule = weighted_sum_rule_for(layer.module) if ghost is not None else None
+    if rule is None:
+        return None
+    cheaper = getattr(ghost, "instantiates", None)
+    if cheaper is not None and cheaper(layer.module, seen_first):
+        return None
+    step, direct = norm_step(ghost, layer.module, seen_first)
+    return ghost, rule, direct is None and step >= seen_first[0][0].shape[0] and ghost.stack is LinearGhost.stack
 
 
 def _with_n(arrived: Seen) -> Seen:

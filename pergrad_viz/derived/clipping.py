@@ -6,6 +6,8 @@ Shapes: B samples, P trainable scalars. Gradients come either flat, (B, P), or a
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from pergrad_viz.core.numbers import real_number, wide_square
@@ -14,6 +16,20 @@ from pergrad_viz.rules.scaling import row_norms
 Grads = torch.Tensor | dict[str, torch.Tensor]
 
 EPS = 1e-6  # added to the norm in the scale factor, as Opacus does
+
+
+# Clipping groups: (bound C_k, the parameter names clipped together), in order.
+Groups = Sequence[tuple[float, tuple[str, ...]]]
+
+def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """{name: (B,) c} in ``dtype`` with c = min(1, C_k / (||g_i||_k + 1e-6)), the norm over the parameters of name's
+    group k (from float64 squares: a float32 norm over 1.8e19 is c = C / norm, not 0)."""
+    factors = {}
+    for bound, names in groups:
+        norm = squared[names[0]].sqrt() if len(names) == 1 else torch.stack([squared[n] for n in names]).sum(0).sqrt_()
+        c = norm.add_(EPS).reciprocal_().mul_(bound).clamp_(max=1.0).to(dtype)  # (B,), norm's own memory
+        factors.update(dict.fromkeys(names, c))
+    return factors
 
 
 def clip_per_sample(grads: Grads, max_norm: float) -> tuple[Grads, torch.Tensor]:

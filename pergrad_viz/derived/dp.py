@@ -24,7 +24,8 @@ from pergrad_viz import api
 from pergrad_viz.core.batch import Inputs, first_tensor, normal_tensor
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable, computing_gradients
-from pergrad_viz.derived.bookkeeping import Groups, hooked_sums, materialised_sums
+from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
+from pergrad_viz.derived.clipping import Groups
 from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
 

@@ -300,11 +300,10 @@ def samples_at_once(batch: int, per_sample: int, budget: int) -> int:
     return max(1, min(batch, budget // max(1, per_sample)))
 
 
-def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
-                        seen_first: Sequence[tuple[torch.Tensor, torch.Tensor]], local) -> dict[str, torch.Tensor]:
-    """{local name: (B,) squared norm} of a ghost-rule layer's calls ``[(activation (B, ...), grad_output (B,
-    ...))]``: the rule's direct form where it has one for these shapes (``GhostRule.direct_norms``), else its stacked
-    form, either a few samples at a time (:func:`samples_at_once`)."""
+def norm_step(ghost: GhostRule, module: nn.Module | None,
+              seen_first: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int | None]:
+    """(how many samples :func:`ghost_squared_norms` takes at once, the bytes a sample of the rule's direct form
+    takes or None where it has none for these shapes): what it decides from the calls' shapes alone."""
     batch = seen_first[0][0].shape[0]
     held = sum(a.nbytes + g.nbytes for a, g in seen_first)
     per_sample, budget = held // batch, max(NORM_BYTES, held // NORM_PARTS)  # the scaled copies of a and g
@@ -317,7 +316,16 @@ def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
         columns = math.prod(module.weight.shape[1:])
         per_sample += 2 * sum(columns * math.prod(g.shape[2:]) * g.element_size() for _, g in seen_first)
         budget = max(COLUMNS_BYTES, held)
-    step = samples_at_once(batch, per_sample, budget)
+    return samples_at_once(batch, per_sample, budget), direct
+
+
+def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
+                        seen_first: Sequence[tuple[torch.Tensor, torch.Tensor]], local) -> dict[str, torch.Tensor]:
+    """{local name: (B,) squared norm} of a ghost-rule layer's calls ``[(activation (B, ...), grad_output (B,
+    ...))]``: the rule's direct form where it has one for these shapes (``GhostRule.direct_norms``), else its stacked
+    form, either a few samples at a time (:func:`samples_at_once`)."""
+    batch = seen_first[0][0].shape[0]
+    step, direct = norm_step(ghost, module, seen_first)
     chunks = []
     for start in range(0, batch, step):
         part = seen_first if step >= batch else [(a[start:start + step], g[start:start + step]) for a, g in seen_first]

@@ -54,6 +54,7 @@ class LayerPlan:
     calls: list[CallSpec] = field(default_factory=list)
     captures_checked: set = field(default_factory=set)  # kinds of call whose capturing forward equals the layer's
     spread: bool = False  # its calls hold no samples: its output (1, ...) goes downstream as a (B, ...) copy
+    memo: dict = field(default_factory=dict)  # what a caller decided from a call's shapes alone (derived.bookkeeping)
 
     def check_capture(self, signature: tuple, same: bool) -> None:
         """The layer's capturing forward (its call rule's) was compared with its own forward for calls of this
