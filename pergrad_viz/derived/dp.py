@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_map
 from pergrad_viz import api
 from pergrad_viz.core.batch import Inputs, first_tensor, normal_tensor
 from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.numbers import real_number
 from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
 from pergrad_viz.derived.clipping import Groups
@@ -32,29 +33,28 @@ from pergrad_viz.engine.certify import check_norms
 PerLayer = bool | Mapping[str, float]
 
 
-def _finite(value: object, positive: bool) -> bool:
-    return (not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
-            and (value > 0 if positive else value >= 0))
-
-
-def check_dp_arguments(max_norm: object, noise_multiplier: object, generator: object, per_layer: object) -> None:
-    """Raise ValueError / TypeError naming the fix for a bad bound, noise multiplier, generator or ``per_layer``."""
-    if not isinstance(per_layer, bool | Mapping):
+def check_dp_arguments(max_norm: object, noise_multiplier: object, generator: object, per_layer: object
+                       ) -> tuple[float | None, float, PerLayer]:
+    """(max_norm, noise_multiplier, per_layer) as numbers (any real scalar: a float, ``np.float32(0.5)``, a 0-dim
+    tensor); ValueError / TypeError naming the fix for a bad bound, noise multiplier, generator or ``per_layer``."""
+    if per_layer is not True and per_layer is not False and not isinstance(per_layer, Mapping):
         raise TypeError(f"per_layer must be True, False or a dict {{name prefix: bound}}, got {per_layer!r:.80}")
     if isinstance(per_layer, Mapping):
         if max_norm is not None:
             raise ValueError("with per_layer={prefix: bound, ...} the bounds are the dict's: pass max_norm=None")
         if not per_layer:
             raise ValueError("per_layer is an empty dict: give a bound per parameter group, e.g. {'': 1.0}")
+        bounds = {}
         for key, bound in per_layer.items():
-            if not isinstance(key, str) or not _finite(bound, positive=True):
-                raise ValueError(f"per_layer[{key!r}] must map a name prefix (str) to a finite bound > 0, got "
-                                 f"{bound!r}")
-    elif not _finite(max_norm, positive=True):
-        raise ValueError(f"max_norm must be a finite number > 0 (the largest L2 norm a sample's gradient may keep), "
-                         f"got {max_norm!r}")
-    if not _finite(noise_multiplier, positive=False):
-        raise ValueError(f"noise_multiplier must be a finite number >= 0 (0 adds no noise), got {noise_multiplier!r}")
+            if not isinstance(key, str):
+                raise ValueError(f"per_layer's keys must be name prefixes (str), got {key!r}")
+            bounds[key] = real_number(f"per_layer[{key!r}]", bound, positive=True,
+                                      hint=" (the largest L2 norm that group of a sample's gradient may keep)")
+        per_layer = bounds
+    else:
+        max_norm = real_number("max_norm", max_norm, positive=True,
+                               hint=" (the largest L2 norm a sample's gradient may keep)")
+    noise_multiplier = real_number("noise_multiplier", noise_multiplier, hint=" (0 adds no noise)")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if noise_multiplier > 0 and generator is None:
@@ -64,6 +64,7 @@ def check_dp_arguments(max_norm: object, noise_multiplier: object, generator: ob
             "generator=torch.Generator().manual_seed(seed), and pass the same one at every step (a fresh generator "
             "with the same seed at every step would repeat the noise)"
         )
+    return max_norm, noise_multiplier, per_layer
 
 
 def clipping_groups(names: tuple[str, ...], max_norm: float | None, per_layer: PerLayer) -> Groups:
@@ -84,6 +85,13 @@ def clipping_groups(names: tuple[str, ...], max_norm: float | None, per_layer: P
                 "name or a module prefix of it, or '' for every parameter not named otherwise"
             )
         members[max(keys, key=len)].append(name)
+    unmatched = [k for k in per_layer if k and not any(n == k or n.startswith(k + ".") for n in names)]
+    if unmatched:  # a typo would leave its layer in a group with another bound, unnoticed
+        raise ValueError(
+            f"per_layer key(s) {unmatched} match no trainable parameter (a key is a parameter's name or a module "
+            f"prefix of it, e.g. {names[0].rsplit('.', 1)[0]!r}); trainable parameters: {list(names)[:6]}"
+            f"{' ...' if len(names) > 6 else ''}"
+        )
     return [(float(per_layer[k]), tuple(ns)) for k, ns in members.items() if ns]
 
 
@@ -138,7 +146,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             generator, a generator on another device, a ``per_layer`` dict missing a parameter; as
             :func:`pergrad_viz.per_sample_grads` for the batch, strategy and model (all before any work).
     """
-    check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
+    max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
     if not isinstance(return_norms, bool):
         raise TypeError(f"return_norms must be True or False, got {return_norms!r}")
     check_distributed(distributed)
@@ -268,7 +276,7 @@ def noise_step(model: nn.Module, max_norm: float, *, noise_multiplier: float, ge
     """The DP step of an empty batch (Poisson sampling draws one with probability (1 - q)^n): ``.grad`` = noise of
     std ``noise_multiplier * max_norm`` / ``expected_batch_size``, drawn from ``generator`` as :func:`dp_step` draws
     it, so that every step the accountant counts is taken. Returns the tensors now in ``.grad``."""
-    check_dp_arguments(max_norm, noise_multiplier, generator, False)
+    max_norm, noise_multiplier, _ = check_dp_arguments(max_norm, noise_multiplier, generator, False)
     if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1:
         raise ValueError(f"expected_batch_size must be a positive int, got {expected_batch_size!r}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

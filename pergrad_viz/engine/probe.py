@@ -101,8 +101,9 @@ class _Probe:
         alone = [self.alone_a.calls.get(name, []), self.alone_b.calls.get(name, [])]
         result: list[CallSpec] | str
         if len(alone[0]) != len(pair) or len(alone[1]) != len(pair) or len(swapped) != len(pair):
-            result = (f"layer '{name or 'model'}' ({type(module).__name__}) is called {len(alone[0])} time(s) for one "
-                      f"sample but {len(pair)} time(s) for two: its calls depend on the batch")
+            result = (f"layer '{name or 'model'}' ({type(module).__name__}) is called {len(alone[0])} and "
+                      f"{len(alone[1])} time(s) for two samples alone but {len(pair)} and {len(swapped)} time(s) for "
+                      "the two together (in either order): its calls depend on the data")
             self.interaction = self.interaction or result
         else:
             result = []

@@ -52,14 +52,20 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
 def _batched_backward(output: torch.Tensor, params: tuple, one_hot: torch.Tensor) -> tuple:
     """``autograd.grad`` of ``output`` with the batched grad outputs ``one_hot`` (N, *output.shape): (N, *param.shape)
     each, None where unused. Where the backward has no batching rule (anomaly detection mode, a backward hook that
-    reads a value: "Batching rule not implemented for aten::item"), one backward per row, the same numbers."""
+    reads a value: "Batching rule not implemented for aten::item"; sparse gradients, ``nn.Embedding(sparse=True)``),
+    one backward per row, the same numbers (a sparse gradient made dense)."""
     try:
         return torch.autograd.grad(output, params, grad_outputs=one_hot, is_grads_batched=True, allow_unused=True,
                                    retain_graph=True)  # kept for the fallback; freed with ``output``
-    except RuntimeError as e:
-        if "atching rule" not in str(e) and "vmap" not in str(e):
+    except (RuntimeError, NotImplementedError) as e:
+        if not any(cue in str(e) for cue in ("atching rule", "vmap", "Sparse")):
             raise
     rows = [torch.autograd.grad(output, params, grad_outputs=row, retain_graph=k < len(one_hot) - 1, allow_unused=True)
             for k, row in enumerate(one_hot)]
-    return tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows]) for k in range(len(params)))
+    return tuple(None if rows[0][k] is None else torch.stack([_dense(r[k]) for r in rows])
+                 for k in range(len(params)))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t.to_dense() if t.is_sparse else t
 

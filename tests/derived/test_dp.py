@@ -333,7 +333,9 @@ def test_dp_step_writes_the_mean_into_grad_and_steps_like_pytorch():
     ({"noise_multiplier": 1.0}, "needs generator="),
     ({"per_layer": {"": 1.0}}, "pass max_norm=None"),
     ({"max_norm": None, "per_layer": {"fc": 1.0}}, "is in no group"),
-    ({"max_norm": None, "per_layer": {"": -1.0}}, "finite bound > 0"),
+    ({"max_norm": None, "per_layer": {"": -1.0}}, r"per_layer\[''\] must be a finite number > 0"),
+    ({"max_norm": None, "per_layer": {"": 1.0, "fc9": 2.0}}, "match no trainable parameter"),
+    ({"max_norm": torch.ones(2)}, "max_norm must be a finite number > 0"),
     ({"per_layer": "yes"}, "per_layer must be"),
 ])
 def test_bad_arguments_are_refused_before_any_work(kwargs, match, monkeypatch):
@@ -341,12 +343,30 @@ def test_bad_arguments_are_refused_before_any_work(kwargs, match, monkeypatch):
     y = torch.tensor([0, 1, 2, 3, 0, 1])
     args = {"max_norm": 1.0, **kwargs}
     max_norm = args.pop("max_norm")
-    if "is in no group" not in match:  # refused before the batch is even looked at
+    if "is in no group" not in match and "no trainable" not in match:  # refused before the batch is looked at
         monkeypatch.setattr(api, "prepare", lambda *a, **k: pytest.fail("work started"))
     before = snapshot(model)
     with pytest.raises((ValueError, TypeError), match=match):
         pv.clipped_grad_sum(model, nn.CrossEntropyLoss(), x, y, max_norm, **args)
     assert_state_unchanged(model, before)
+
+
+def test_numbers_from_numpy_and_0_dim_tensors_are_numbers():
+    np = pytest.importorskip("numpy")
+    model, x = _tutorial("mlp")
+    y = torch.tensor([0, 1, 2, 3, 0, 1])
+    loss_fn = nn.CrossEntropyLoss()
+    want = pv.clipped_grad_sum(model, loss_fn, x, y, 0.5, noise_multiplier=1.0,
+                               generator=torch.Generator().manual_seed(3))
+    for bound, sigma in ((np.float32(0.5), np.float32(1.0)), (torch.tensor(0.5), torch.tensor(1.0))):
+        got = pv.clipped_grad_sum(model, loss_fn, x, y, bound, noise_multiplier=sigma,
+                                  generator=torch.Generator().manual_seed(3))
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7)
+    by_dict = pv.clipped_grad_sum(model, loss_fn, x, y, None, per_layer={"": np.float32(0.5)})
+    plain = pv.clipped_grad_sum(model, loss_fn, x, y, None, per_layer={"": 0.5})
+    for n in plain:
+        torch.testing.assert_close(by_dict[n], plain[n])
 
 
 def test_generator_type_and_expected_batch_size_are_checked():
