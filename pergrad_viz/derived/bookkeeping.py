@@ -42,11 +42,12 @@ from pergrad_viz.derived.norms import (
     ghost_squared_norms,
     materialised_chunks,
     norm_step,
+    one_linear_call_norms,
     row_squared_norms,
     tied_squared_norms,
 )
 from pergrad_viz.derived.sums import LazySums
-from pergrad_viz.engine.capture import Call, Layer, capture
+from pergrad_viz.engine.capture import Call, Layer, capture, shape_only
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.lowest import StaleLowest, asked, reached
 from pergrad_viz.engine.plan import LayerKind
@@ -124,15 +125,12 @@ class _Book:
             return None
         if len(seen) == 1 and self.doubts is None and self.tied.isdisjoint(layer.local.values()):
             return self._routed(layer, seen[0])
-        ghost = ghost_rule(layer)
-        rule = weighted_sum_rule_for(layer.module) if ghost is not None else None
-        if rule is None:
-            return None
         module, local = layer.module, layer.local
         seen_first = [(call.activation, call.sample_grad(gs[0])) for call, gs in seen]
-        cheaper = getattr(ghost, "instantiates", None)
-        if cheaper is not None and self.tied.isdisjoint(local.values()) and cheaper(module, seen_first):
-            return None  # its per-sample gradients are the cheaper (a ViT's layers on 197 tokens, LoRA adapters)
+        rules = _rules(layer, seen_first, self.tied.isdisjoint(local.values()))
+        if rules is None:
+            return None
+        ghost, rule = rules
         if self.tied.isdisjoint(local.values()):
             full = self._norms(lambda: {local[ln]: sq for ln, sq in ghost_squared_norms(ghost, module, seen_first,
                                                                                         local).items()})
@@ -158,7 +156,6 @@ class _Book:
 
         return squared, share
 
-
     def _routed(self, layer: Layer, arrived: tuple) -> tuple[dict[str, torch.Tensor], SumOf] | None:
         """:meth:`_ghost` of an untied layer called once, on a CPU: what it decides from the call's shapes alone
         (:func:`_route`) kept in the layer's plan from the first call of these shapes."""
@@ -174,9 +171,8 @@ class _Book:
             return None
         ghost, rule, single = route
         module, local = layer.module, layer.local
-        if single:  # a Linear's one call: its rows as they are
-            own = ghost.squared_norms(module, a.reshape(a.shape[0], -1, a.shape[-1]),
-                                      g.reshape(g.shape[0], -1, g.shape[-1]), local)
+        if single:
+            own = one_linear_call_norms(ghost, module, a, g, local)
         else:
             own = ghost_squared_norms(ghost, module, [(a, g)], local)
         squared = {local[ln]: sq for ln, sq in own.items()}
@@ -187,22 +183,33 @@ class _Book:
         return squared, share
 
 
-_UNSEEN, _ROUTES = object(), 64  # a route not made yet; the shapes remembered per layer
+_UNSEEN = object()  # a route not made yet
+_ROUTES = 64  # the shapes remembered per layer
 
 
 def _route(layer: Layer, seen_first: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple | None:
     """(ghost rule, weighted-sum rule, whether its norms are one Linear's in one piece) of a layer booked by its
     ghost norm and weighted sum for calls of these shapes; None where its rules are others, or where its per-sample
     gradients are the cheaper (``GhostRule.instantiates``)."""
+    rules = _rules(layer, seen_first, untied=True)
+    if rules is None:
+        return None
+    ghost = rules[0]
+    step, direct = norm_step(ghost, layer.module, seen_first)
+    return *rules, direct is None and step >= seen_first[0][0].shape[0] and ghost.stack is LinearGhost.stack
+
+
+def _rules(layer: Layer, seen_first: list[tuple[torch.Tensor, torch.Tensor]], untied: bool) -> tuple | None:
+    """(ghost rule, weighted-sum rule) of a layer booked by them; None where it has none, or where it is ``untied``
+    and its per-sample gradients are the cheaper (a ViT's layers on 197 tokens, LoRA adapters)."""
     ghost = ghost_rule(layer)
     rule = weighted_sum_rule_for(layer.module) if ghost is not None else None
     if rule is None:
         return None
     cheaper = getattr(ghost, "instantiates", None)
-    if cheaper is not None and cheaper(layer.module, seen_first):
+    if untied and cheaper is not None and cheaper(layer.module, seen_first):
         return None
-    step, direct = norm_step(ghost, layer.module, seen_first)
-    return ghost, rule, direct is None and step >= seen_first[0][0].shape[0] and ghost.stack is LinearGhost.stack
+    return ghost, rule
 
 
 def _with_n(arrived: Seen) -> Seen:
@@ -244,25 +251,6 @@ def _call_layer(layer: Layer, seen: Seen, norms: Callable[[Callable[[], dict]], 
     return squared, share
 
 
-# Shape-only stand-ins, read only: per (shape, dtype, device) one expanded 0-dim zero, made once (an expand a layer
-# output each call cost ~4 us of the ~150 us a layer's book-keeping took on 2 cores); cleared when it grows large.
-_STAND_INS: dict[tuple, torch.Tensor] = {}
-_STAND_IN_LIMIT = 1024
-
-
-def _shape_only(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``t``'s shape, dtype and device that holds no memory (what a rule reads of an output after the
-    backward: its shape): a shared 0-dim zero, expanded, the same object for every output of that shape."""
-    key = (t.shape, t.dtype, t.device)
-    stand_in = _STAND_INS.get(key)
-    if stand_in is None:
-        if len(_STAND_INS) >= _STAND_IN_LIMIT:
-            _STAND_INS.clear()
-        with torch.inference_mode(False):
-            stand_in = _STAND_INS[key] = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
-    return stand_in
-
-
 def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, fresh: bool) -> _Book:
     """1 forward with hooks, 1 backward of the summed per-sample losses, each layer booked as its output gradients
     (N = 1 first) arrive; the captured outputs kept as shapes only. Autograd is asked for the outputs the plan's
@@ -280,9 +268,9 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     for i, _, _ in wanted:
         waiting[id(calls[i].layer.module)] += 1
     pending: list[list | None] = [[None] * (len(c.outputs) + len(c.internals)) for c in calls]
-    records: list[Call | None] = [Call(c.layer, c.inputs, c.input_tensors, [_shape_only(t) for t in c.outputs], c.spec,
+    records: list[Call | None] = [Call(c.layer, c.inputs, c.input_tensors, [shape_only(t) for t in c.outputs], c.spec,
                                        c.versions, None if c.captured is None else Captured(
-                                           [_shape_only(t) for t in c.captured.internals], c.captured.state), c.key)
+                                           [shape_only(t) for t in c.captured.internals], c.captured.state), c.key)
                                   for c in calls]
 
     def take(key: int, now: bool = True) -> None:

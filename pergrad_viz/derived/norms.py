@@ -332,17 +332,23 @@ def ghost_squared_norms(ghost: GhostRule, module: nn.Module | None,
         if direct is not None:
             chunks.append(ghost.direct_norms(module, part, local))
             continue
-        if len(part) == 1 and ghost.stack is LinearGhost.stack:  # one call: its rows as they are (no N to add)
-            a, g = part[0]
-            a, g = a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
-        else:
-            a, g = ghost.stack(module, [(a, g[None]) for a, g in part])
-            g = g[0]
-        chunks.append(ghost.squared_norms(module, a, g, local))
+        if len(part) == 1 and ghost.stack is LinearGhost.stack:
+            chunks.append(one_linear_call_norms(ghost, module, *part[0], local))
+            continue
+        a, g = ghost.stack(module, [(a, g[None]) for a, g in part])
+        chunks.append(ghost.squared_norms(module, a, g[0], local))
         del a, g
     if len(chunks) == 1:
         return chunks[0]
     return {ln: torch.cat([c[ln] for c in chunks]) for ln in chunks[0]}
+
+
+def one_linear_call_norms(ghost: GhostRule, module: nn.Module | None, a: torch.Tensor, g: torch.Tensor, local
+                          ) -> dict[str, torch.Tensor]:
+    """``ghost.squared_norms`` of a Linear's one call (activation (B, ..., in), grad_output (B, ..., out)): its rows
+    as they are, (B, T, width), without the stacking of several calls (no N dimension added and taken off)."""
+    return ghost.squared_norms(module, a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1]),
+                               local)
 
 
 def _linear_temporaries(seen_first) -> int:
