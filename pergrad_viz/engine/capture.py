@@ -36,6 +36,7 @@ from pergrad_viz.engine.call_shapes import check_call, mismatch
 from pergrad_viz.engine.observe import outputs_close, tensors_of
 from pergrad_viz.engine.plan import CallSpec, LayerKind, LayerPlan, Plan
 from pergrad_viz.engine.probe import plan_for
+from pergrad_viz.engine.unplanned import refuse_unplanned, unplanned
 from pergrad_viz.errors import UnsupportedModelError
 from pergrad_viz.rules import Captured, capture_for, rule_for
 
@@ -331,14 +332,16 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
     return output, calls
 
 
-def backward_to_layers(calls: list[Call], total: torch.Tensor) -> list[list]:
+def backward_to_layers(trainable: Trainable, calls: list[Call], total: torch.Tensor) -> list[list]:
     """The gradients of the scalar ``total`` with respect to every captured layer output (1 backward pass, to the
-    layer outputs only): per call, per output tensor, a (1, *output.shape) gradient or None."""
+    layer outputs only; :mod:`~pergrad_viz.engine.unplanned` checked): per call, per output, (1, *shape) or None."""
     tensors, where = _grad_targets(calls)
-    if not tensors:
+    names, extra = unplanned(trainable) if total.requires_grad else ([], [])
+    if not tensors and not extra:
         return _regroup(calls, [], (), batched=False)
-    grads = torch.autograd.grad(total, tensors, allow_unused=True)
-    return _regroup(calls, where, grads, batched=False)
+    grads = torch.autograd.grad(total, tensors + extra, allow_unused=True)
+    refuse_unplanned(names, grads[len(tensors):])
+    return _regroup(calls, where, grads[:len(tensors)], batched=False)
 
 
 def _grad_targets(calls: list[Call]) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
@@ -353,8 +356,7 @@ def _grad_targets(calls: list[Call]) -> tuple[list[torch.Tensor], list[tuple[int
 
 
 def _regroup(calls: list[Call], where: list[tuple[int, int]], grads: tuple, batched: bool) -> list[list]:
-    """Per call, per output leaf (then per captured internal): (N, *leaf.shape) gradients (None where the leaf gets
-    none)."""
+    """Per call, per output leaf (then per captured internal): (N, *leaf.shape) gradients (or None)."""
     per_call: list[list] = [[None] * (len(c.outputs) + len(c.internals)) for c in calls]
     for (i, k), g in zip(where, grads, strict=True):
         if g is not None:
@@ -369,7 +371,7 @@ def loss_gradients(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets
     output, calls = capture(trainable, inputs)
     if not any(t.requires_grad for c in calls for t in c.outputs):  # no layer with trainable parameters reached
         return calls, _regroup(calls, [], (), batched=False)
-    return calls, backward_to_layers(calls, loss_of_output(trainable, loss_fn, output, targets))
+    return calls, backward_to_layers(trainable, calls, loss_of_output(trainable, loss_fn, output, targets))
 
 
 def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], list[list], int]:
@@ -381,15 +383,18 @@ def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], l
     outputs = flat_outputs(output if trainable.select is None else trainable.select(output))  # (B, Y)
     batch, y_count = outputs.shape
     tensors, where = _grad_targets(calls)
-    if not tensors:
+    names, extra = unplanned(trainable) if outputs.requires_grad else ([], [])
+    if not tensors and not extra:
         return calls, _regroup(calls, [], (), batched=True), y_count
     one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
+    asked = tensors + extra
     try:
-        grads = torch.autograd.grad(outputs, tensors, grad_outputs=one_hot, is_grads_batched=True,
+        grads = torch.autograd.grad(outputs, asked, grad_outputs=one_hot, is_grads_batched=True,
                                     allow_unused=True, retain_graph=True)
     except (RuntimeError, NotImplementedError):  # a backward without a batching rule: one output at a time
-        rows = [torch.autograd.grad(outputs, tensors, grad_outputs=one_hot[j], allow_unused=True,
+        rows = [torch.autograd.grad(outputs, asked, grad_outputs=one_hot[j], allow_unused=True,
                                     retain_graph=True) for j in range(y_count)]
         grads = tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows])
-                      for k in range(len(tensors)))
-    return calls, _regroup(calls, where, grads, batched=True), y_count
+                      for k in range(len(asked)))
+    refuse_unplanned(names, grads[len(tensors):])
+    return calls, _regroup(calls, where, grads[:len(tensors)], batched=True), y_count

@@ -74,6 +74,14 @@ class Plan:
     copy_captures: bool | frozenset = False  # once a forward modified captured tensors in place: those, or all
     failed: dict[str, str] = field(default_factory=dict)  # strategy -> why the per-call check found it wrong here
     lowest: dict = field(default_factory=dict)  # a hooked forward's calls -> the outputs its backward asks for
+    _planned: frozenset[str] | None = None
+
+    @property
+    def planned(self) -> frozenset[str]:
+        """The full names of the parameters some layer handles (the others: no forward of the probe used them)."""
+        if self._planned is None:
+            self._planned = frozenset(full for lp in self.layers.values() for full in lp.local.values())
+        return self._planned
 
     def demote(self, strategy: str, reason: str, batched: bool) -> None:
         """The per-call check found ``strategy`` wrong here (``reason``, a phrase): ``auto`` skips it, an explicit

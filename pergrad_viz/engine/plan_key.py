@@ -3,8 +3,11 @@ afresh on every call (a value changed since the plan was made must be seen)."""
 
 from __future__ import annotations
 
+import enum
+import types
 from collections import OrderedDict
 
+import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 
@@ -16,9 +19,11 @@ _EXACTLY_PLAIN = frozenset(_PLAIN)  # a value of exactly one of these types is p
 _NEVER_PLAIN = frozenset((dict, OrderedDict, set))  # nn.Module's own bookkeeping (hooks, _parameters, ...)
 
 
-def _plain_attributes(module: nn.Module) -> tuple:
-    """The module's attributes that are plain values (bools, numbers, strings, None, tuples / lists of them): what a
-    forward may branch on (``self.task``, ``self.center``), so a plan made with other values does not describe it.
+def _plain_attributes(module: nn.Module, settings: dict[int, tuple]) -> tuple:
+    """The module's attributes that are plain values (bools, numbers, strings, None, enum members, tuples / lists of
+    them): what a forward may branch on (``self.task``, ``self.center``), so a plan made with other values does not
+    describe it. A settings object it holds (:func:`_role`) counts by its identity here, its plain fields read into
+    ``settings`` once per call however many modules share it; a dict of its own by its plain items.
 
     Read on every call (a value changed since the plan was made must be seen); the exact-type tests first only skip
     the ``isinstance`` calls (a subclass of a plain type, an ``IntEnum`` flag, still counts)."""
@@ -27,25 +32,77 @@ def _plain_attributes(module: nn.Module) -> tuple:
         kind = type(v)
         if kind in _EXACTLY_PLAIN:
             items.append((k, v))
-        elif kind in _NEVER_PLAIN:
             continue
-        elif isinstance(v, _PLAIN):
-            items.append((k, v))
-        elif isinstance(v, (tuple, list)) and all(isinstance(e, _PLAIN) for e in v):
-            items.append((k, tuple(v)))
+        role = _ROLES.get(kind)
+        if role is None:
+            role = _ROLES[kind] = _role(kind, v)
+        if role == _DICT:
+            if not k.startswith("_"):
+                items.append((k, _plain_fields(v)))
+        elif role == _MAYBE_PLAIN:
+            if (plain := _plain(v)) is not _NOT_PLAIN:
+                items.append((k, plain))
+        elif role == _SETTINGS:
+            if id(v) not in settings:
+                settings[id(v)] = _plain_fields(vars(v))
+            items.append((k, id(v)))
     return tuple(items)
+
+
+_SKIP, _DICT, _MAYBE_PLAIN, _SETTINGS = range(4)
+_ROLES: dict[type, int] = {}  # an attribute's type -> what the key reads of it (the same for every value)
+
+
+def _role(kind: type, value: object) -> int:
+    """What the key reads of an attribute of type ``kind`` (``value``, one of them): nothing; a dict's plain items
+    (not ``nn.Module``'s underscored bookkeeping); the value, where plain (:func:`_plain`); or, for a settings object
+    (``self.config``: a dataclass, a ``SimpleNamespace``, a Hugging Face config: an instance with a ``__dict__``
+    that is not a module, tensor, class, function or other callable), its plain fields."""
+    if issubclass(kind, dict):
+        return _DICT
+    if issubclass(kind, (*_PLAIN, enum.Enum, tuple, list)):
+        return _MAYBE_PLAIN
+    if kind in _NEVER_PLAIN or callable(value) or not hasattr(value, "__dict__"):
+        return _SKIP
+    return _SKIP if issubclass(kind, (nn.Module, torch.Tensor, type, types.ModuleType)) else _SETTINGS
+
+
+_NOT_PLAIN = object()
+
+
+def _plain(v: object) -> object:
+    """``v`` as a key part where it is a plain value, an enum member or a tuple / list of them; else _NOT_PLAIN."""
+    if isinstance(v, (*_PLAIN, enum.Enum)):
+        return v
+    if isinstance(v, (tuple, list)) and all(isinstance(e, (*_PLAIN, enum.Enum)) for e in v):
+        return tuple(v)
+    return _NOT_PLAIN
+
+
+def _plain_fields(fields: dict) -> tuple:
+    """The (name, value) pairs of ``fields`` whose values are plain (:func:`_plain`), one level deep."""
+    out = []
+    for k, v in fields.items():
+        if type(v) in _EXACTLY_PLAIN:
+            out.append((k, v))
+        elif (plain := _plain(v)) is not _NOT_PLAIN:
+            out.append((k, plain))
+    return tuple(out)
 
 
 def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
     """What a plan depends on, read afresh: the input signature; per module its name, identity, type, forward (the
-    class's and an instance's own), forward hooks and plain attributes; the global forward hooks; per parameter
-    (``named_parameters()``, frozen ones too, walked once per call by :meth:`Trainable.of`) its name, identity,
-    shape, dtype and ``requires_grad``; and the call's ``randomness=``."""
+    class's and an instance's own), forward hooks and plain attributes; the plain fields of the settings objects
+    the modules hold; the global forward hooks; per parameter (``named_parameters()``, frozen ones too, walked once
+    per call by :meth:`Trainable.of`) its name, identity, shape, dtype and ``requires_grad``; and the call's
+    ``randomness=``."""
+    settings: dict[int, tuple] = {}
     return (
         inputs.signature(),
         tuple((n, id(m), type(m), type(m).forward, m.__dict__.get("forward"),
-               len(m._forward_hooks) + len(m._forward_pre_hooks), _plain_attributes(m))
+               len(m._forward_hooks) + len(m._forward_pre_hooks), _plain_attributes(m, settings))
               for n, m in trainable.modules),
+        tuple(settings.items()),
         len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks),
         tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad)
               for n, p in trainable.named_parameters or trainable.model.named_parameters()),

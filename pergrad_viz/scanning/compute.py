@@ -182,7 +182,7 @@ def _hooks_batch(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.
         if loss_reads_parameters(_split(loss_fn)[0], total, output, trainable.params):
             raise _NeedsMaterialising("the loss reads a trainable parameter itself: the scan materialises the batch's "
                                       "gradients (each sample's loss run with the parameters)")
-        per_call = backward_to_layers(calls, total)
+        per_call = backward_to_layers(trainable, calls, total)
     res = _outputs(want, output, losses, y)
     kw = {"dtype": trainable.dtype, "device": trainable.device}
     squared = {n: torch.zeros(batch, dtype=SQUARES, device=trainable.device) for n in trainable.names}

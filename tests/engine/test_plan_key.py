@@ -3,6 +3,9 @@ nothing else: the same model and inputs give the same key."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+
 import torch
 from torch import nn
 
@@ -14,6 +17,38 @@ from pergrad_viz.engine.plan_key import plan_key
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+
+
+class Mode(enum.Enum):
+    A = "a"
+    B = object()
+
+
+@dataclasses.dataclass
+class Settings:
+    center: bool = False
+    sizes: tuple = (1, 2)
+    ids: dict = dataclasses.field(default_factory=dict)
+
+
+def _with_settings(model: nn.Module) -> nn.Module:
+    """Settings as models hold them: one config object shared by two layers (as Hugging Face's ``self.config``),
+    an enum flag, a dict of flags."""
+    model[1].config = model[2].config = Settings()
+    model[0].mode, model[0].flags = Mode.A, {"skip": False}
+    return model
+
+
+def test_settings_are_read_afresh_but_not_their_identity_alone():
+    model, x = _with_settings(_net()), torch.randn(3, 4)
+    before = _key(model, x)
+    model[1].config.ids["x"] = 1  # not a plain field: not read
+    model[0].mode = Mode.A  # the same member again
+    assert _key(model, x) == before
+    key = _key(model, x)
+    assert len(key[2]) == 1  # the shared object read once
+    model[1].config.center = True
+    assert _key(model, x)[2] != key[2]
 
 
 def _key(model: nn.Module, x: torch.Tensor) -> tuple:
@@ -38,9 +73,13 @@ def test_every_structural_change_changes_the_key():
         "forward pre-hook": lambda m: m[2].register_forward_pre_hook(lambda *a: None),
         "plain attribute": lambda m: setattr(m[1], "task", 2),
         "instance forward": lambda m: setattr(m[1], "forward", torch.tanh),
+        "a settings object's field": lambda m: setattr(m[1].config, "center", True),
+        "a settings object's nested tuple": lambda m: setattr(m[2].config, "sizes", (1, 3)),
+        "an enum attribute": lambda m: setattr(m[0], "mode", Mode.B),
+        "a dict attribute's item": lambda m: m[0].flags.update(skip=True),
     }
     for what, change in changes.items():
-        model = _net()
+        model = _with_settings(_net())
         before = _key(model, x)
         change(model)
         assert _key(model, x.to(next(model.parameters()).dtype)) != before, what
