@@ -27,7 +27,9 @@ half precision, per parameter tensor) is only a suspicion in a precision below f
 computed again in float64 on a float64 copy of the model, and the result fails only where it is further from that
 exact value than the tolerance and 8 times as far as the reference in the result's precision is: where a float32
 reduction cancels (a first convolution under batch norm can lose 2 digits), the float32 loop is as far off, and
-the result passes. Where no float64 copy can be made, a suspicion fails beyond 30 times the tolerance.
+the result passes. Where no float64 copy can be made, a suspicion fails beyond 30 times the tolerance. A sample
+whose gradient is 0 (its loss at its minimum: the batch and the sample alone round to 0 and 1e-16) is measured
+against 1e-3 of the batch's largest row, as the directional check measures every row (``engine/verdict.py``).
 
 A failed check raises :class:`~pergrad_viz.errors.CheckFailedError` (``auto`` then hands over, and the plan
 remembers it). The check draws its random numbers from a generator of its own: the caller's state is untouched.
@@ -46,7 +48,6 @@ import torch
 from torch.func import functional_call, jvp, vmap
 from torch.utils._pytree import tree_map
 
-from pergrad_viz.core import tolerances
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.float64 import float64_copy, to_float64
 from pergrad_viz.core.loss_reads import functional_loss
@@ -65,20 +66,13 @@ from pergrad_viz.engine.references import (
     weighted_grads,
     weighted_outputs,
 )
+from pergrad_viz.engine.verdict import fails, tolerance, verdict
 from pergrad_viz.errors import CheckFailedError
 
 __all__ = ["CheckFailedError", "check_grads", "check_jacobian", "check_norms", "check_ntk", "draw"]
 
 _DRAW = random.Random(int.from_bytes(os.urandom(8), "little"))  # private: the caller's random state is not touched
-AGAIN = 8.0  # a result may be this many times as far from the float64 value as the reference in its precision is
-LOOSE = 30.0  # without a float64 copy, a suspicion fails beyond this many times the tolerance
 
-
-
-def tolerance(dtype: torch.dtype, device: torch.device | None = None) -> float:
-    """The check's relative tolerance per parameter tensor for results in ``dtype`` on ``device``
-    (``core.tolerances``)."""
-    return tolerances.tolerance(dtype, device).check
 
 
 def draw(batch: int) -> int:
@@ -89,84 +83,6 @@ def draw(batch: int) -> int:
 def _randn(shape: tuple, like: torch.Tensor) -> torch.Tensor:
     gen = torch.Generator(device=like.device).manual_seed(_DRAW.getrandbits(62))
     return torch.randn(shape, generator=gen, dtype=like.dtype, device=like.device)
-
-
-def _norms(tensors: Tensors, dtype: torch.dtype) -> list[float]:
-    """2-norms as floats, one ``_foreach_norm`` and one host read; again in float64 where one is not finite."""
-    if not tensors:
-        return []
-    low = dtype in (torch.float16, torch.bfloat16)
-    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32 if low else None)).tolist()
-    if not all(map(math.isfinite, norms)):
-        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).tolist()
-    return norms
-
-
-# ----------------------------------------------------------------------------------------------- the verdict
-
-
-def _fails(got: float, size: float, rtol: float) -> bool:
-    return (got > rtol * size and got > 0) or (not math.isfinite(got) and math.isfinite(size))
-
-
-def verdict(names: tuple[str, ...], got: Tensors, want: Tensors, dtype: torch.dtype,
-            exact: Callable[[], Tensors | None], in_batch: Callable[[], tuple[Tensors, Tensors] | None] | None = None
-            ) -> tuple[str, float] | None:
-    """The first parameter tensor where ``got`` (the result's) is not ``want`` (the reference in the result's
-    precision) up to rounding, with its relative difference; None where every one passes. ``exact()``: the
-    reference again in float64 (None where it cannot be had), asked only on a suspicion below float64.
-    ``in_batch()``: for a reference of one sample alone, that sample's value from a forward of the whole batch, in
-    the result's precision and on the float64 copy (None where it cannot be had), asked only before a failure."""
-    rtol = tolerance(dtype, want[0].device if want else None)
-    n = len(want)
-    norms = _norms([*want, *torch._foreach_sub(got, want)], dtype)
-    total = math.sqrt(sum(w * w for w in norms[:n]))
-    suspects = [k for k in range(n) if _fails(norms[n + k], max(norms[k], 1e-3 * total), rtol)]
-    if not suspects:
-        return None
-    first = suspects[0]
-    relative = norms[n + first] / max(norms[first], 1e-3 * total, 1e-300)
-    if dtype == torch.float64:
-        return names[first], relative
-    again = exact()
-    if again is None:
-        loose = [k for k in suspects if _fails(norms[n + k], max(norms[k], 1e-3 * total), LOOSE * rtol)]
-        return None if not loose else (names[loose[0]], norms[n + loose[0]] / max(norms[loose[0]], 1e-300))
-    pick = [got[k].double() - again[k] for k in suspects] + [want[k].double() - again[k] for k in suspects]
-    pick += [again[k] for k in suspects]
-    m = len(suspects)
-    far = _norms(pick, torch.float64)  # per suspect: |got - exact|, then |want - exact|, then |exact|
-    total64 = math.sqrt(sum(a * a for a in _norms(again, torch.float64)))
-    failed = []  # (suspect k, |got - exact|, the row's size)
-    for j, k in enumerate(suspects):
-        size = max(far[2 * m + j], 1e-3 * total64)
-        allowed = max(rtol * size, AGAIN * far[m + j])  # rounding: as far off as the reference in its precision
-        if (far[j] > allowed and far[j] > 0) or not math.isfinite(far[j]):
-            failed.append((k, far[j], size))
-    if failed and in_batch is not None:
-        failed = _beyond_the_batch_rounding(failed, again, in_batch, rtol)
-    return None if not failed else (names[failed[0][0]], failed[0][1] / max(failed[0][2], 1e-300))
-
-
-def _beyond_the_batch_rounding(failed: list[tuple[int, float, float]], exact: Tensors,
-                               in_batch: Callable[[], tuple[Tensors, Tensors] | None], rtol: float
-                               ) -> list[tuple[int, float, float]]:
-    """The failures that the batch's own rounding does not explain. A batch and a sample alone run different kernels
-    (on CUDA, cuDNN's convolutions for 32 samples and for one), and in TF32 a deep network's gradient for a sample
-    inside its batch can be 10x as far from float64's as the same sample's alone (ResNet-18 on an H200: 7e-2 against
-    7e-4 for a layer3 convolution), the same in plain training. Where the float64 copy gives that sample the same
-    value in its batch as alone (no coupling: float64's rounding), a result is allowed AGAIN times the distance
-    between the batch's value in the result's precision and in float64."""
-    both = in_batch()
-    if both is None:
-        return failed
-    low, high = both
-    kept = []
-    for k, off, size in failed:
-        coupling, rounding = _norms([high[k] - exact[k], low[k].double() - high[k]], torch.float64)
-        if not (coupling <= tolerances.DOUBLE.check * size and off <= max(rtol * size, AGAIN * rounding)):
-            kept.append((k, off, size))
-    return kept
 
 
 def _raise(found: tuple[str, float] | None, where: str, strategy: str, what: str) -> None:
@@ -255,7 +171,8 @@ def _check_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     got = [rows[name][i] for name in trainable.names]
     copies = _Float64(trainable, inputs, targets, loss_fn)
     _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute),
-                   copies.in_batch(alone_grads(i, in_batch=True))),
+                   copies.in_batch(alone_grads(i, in_batch=True)), lambda: 1e-3 * float(torch.stack(
+                       [rows[name].flatten(1).norm(dim=1) for name in trainable.names]).norm(dim=0).max())),
            f"sample {i}'s gradient", strategy, _BATCHED_WHY)
 
 
@@ -368,7 +285,10 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     copies = _Float64(trainable, inputs, targets, loss_fn)
     in_batch = None if draws is not None else copies.in_batch(
         lambda t, x, y, f: norms_of_grads(alone_loss(i, in_batch=True)(t, x, y, f), t.params))
-    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(norms_of), in_batch),
+    def floor() -> float:
+        return 1e-3 * float(sum(squared[name] for name in trainable.names).clamp_min(0).max().sqrt())
+
+    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(norms_of), in_batch, floor),
            f"sample {i}'s gradient norm", strategy, _BATCHED_WHY)
 
 
@@ -392,7 +312,7 @@ def check_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: torch.T
     want = j1 @ j2.T if full else (j1 * j2).sum()
     diff = float((kernel[i, j].double() - want.double()).norm())
     scale = float(j1.double().norm() * j2.double().norm())
-    if _fails(diff, max(scale, 1e-300), tolerance(trainable.dtype, trainable.device)):
+    if fails(diff, max(scale, 1e-300), tolerance(trainable.dtype, trainable.device)):
         reason = (f"the per-call check found that the kernel entry K[{i}, {j}] differs from J_{i} J_{j}^T computed "
                   f"from the two samples alone (difference {diff:.2e} against a scale of {scale:.2e})")
         raise CheckFailedError(f"{reason}: the model's forward does not keep the samples apart in a way the probe "
