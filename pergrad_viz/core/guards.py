@@ -99,7 +99,8 @@ def nothing_takes_part(trainable: Trainable, what: str = "loss") -> ValueError:
         "pass on these inputs, so every per-sample gradient would be zero. Typical causes: a peft model after "
         "merge_adapter() (the adapters are merged into the frozen weights and no longer run: call "
         "model.unmerge_adapter() first), a forward that runs those layers under torch.no_grad() or detaches their "
-        "outputs, or the wrong parameters unfrozen (set requires_grad_(True) on those the forward uses)")
+        "outputs, a loss_fn that detaches its result or returns a constant, or the wrong parameters unfrozen (set "
+        "requires_grad_(True) on those the forward uses)")
 
 
 def _from_reentrant_checkpoint(error: BaseException) -> bool:

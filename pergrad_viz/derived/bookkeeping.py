@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from pergrad_viz.core.batch import Batch, cut
-from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
+from pergrad_viz.core.guards import check_reached, check_takes_part, refusing_reentrant_checkpoints
 from pergrad_viz.core.loss_reads import loss_of_output
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.numbers import SQUARES
@@ -302,6 +302,7 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     lowest = [wanted[j][2] for j in positions]
     nodes = [t.grad_fn for _, _, t in wanted]  # the graph's nodes only: the outputs themselves are let go
     total = loss_of_output(trainable, loss_fn, output, targets)
+    check_takes_part(trainable, total)  # a loss_fn that detaches its result
     del output, calls, wanted
     names, extra = unplanned(trainable)
     refuse_unplanned(names, torch.autograd.grad(total, lowest + extra, allow_unused=True)[len(lowest):])

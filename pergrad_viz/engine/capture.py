@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch, as_pytree, from_pytree
+from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.loss_reads import loss_of_output
 from pergrad_viz.core.losses import LossFn
@@ -285,11 +286,10 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
 
 def _handed_downstream(output: object, copy: Callable[[int], bool]) -> tuple[object, list[torch.Tensor]]:
     """What the layer hands downstream instead of ``output``, and the tensors whose gradients are its call's output
-    gradients: for each output tensor that requires grad, a new alias of it (``copy(k)`` for the k-th: the alias,
-    then a clone of it for downstream, so that in-place operations downstream cannot change it). The gradient at the
-    alias holds only what flows back from downstream, never a path inside the layer from one of its outputs to another
-    (an LSTMCell's ``h = o * tanh(c)``, a layer returning ``(z, tanh(z))``), which the layer's own backward counts
-    once more."""
+    gradients: for each output tensor that requires grad, a new alias of it (``copy(k)``: then a clone of it goes
+    downstream, which in-place operations cannot change). The gradient at the alias holds only what flows back from
+    downstream, never a path inside the layer from one output to another (an LSTMCell's ``h = o * tanh(c)``), which
+    the layer's own backward counts once more."""
     if isinstance(output, torch.Tensor):
         if not output.requires_grad:
             return (output.clone() if copy(0) else output), [output]
@@ -335,9 +335,10 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
 def backward_to_layers(trainable: Trainable, calls: list[Call], total: torch.Tensor) -> list[list]:
     """The gradients of the scalar ``total`` with respect to every captured layer output (1 backward pass, to the
     layer outputs only; :mod:`~pergrad_viz.engine.unplanned` checked): per call, per output, (1, *shape) or None."""
+    check_takes_part(trainable, total)  # a loss_fn that detaches its result
     tensors, where = _grad_targets(calls)
-    names, extra = unplanned(trainable) if total.requires_grad else ([], [])
-    if not tensors and not extra:
+    names, extra = unplanned(trainable)
+    if not tensors + extra:  # the loss reads a parameter only itself: the hooks' caller hands over
         return _regroup(calls, [], (), batched=False)
     grads = torch.autograd.grad(total, tensors + extra, allow_unused=True)
     refuse_unplanned(names, grads[len(tensors):])
@@ -394,7 +395,6 @@ def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], l
     except (RuntimeError, NotImplementedError):  # a backward without a batching rule: one output at a time
         rows = [torch.autograd.grad(outputs, asked, grad_outputs=one_hot[j], allow_unused=True,
                                     retain_graph=True) for j in range(y_count)]
-        grads = tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows])
-                      for k in range(len(asked)))
+        grads = tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows]) for k in range(len(asked)))
     refuse_unplanned(names, grads[len(tensors):])
     return calls, _regroup(calls, where, grads[:len(tensors)], batched=True), y_count

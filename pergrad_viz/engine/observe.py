@@ -60,6 +60,7 @@ class Record:
     """What every module saw in one probe run: {module name: [(input leaves, output leaves)]}."""
 
     calls: dict[str, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = field(default_factory=dict)
+    differentiates: bool = False  # the forward ran a backward that built a graph (autograd.grad, create_graph=True)
 
 
 class _ParameterUses(TorchFunctionMode):
@@ -159,7 +160,7 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
                 inputs(trainable.model)
             else:
                 start = _sequence_number()
-                with mode:
+                with mode, torch.autograd.graph.saved_tensors_hooks(_noting_backward(record), _unpacked):
                     output = inputs(trainable.model)
                 uses = mode.uses
                 stale = _stale_parameter(output, inputs, watch, start)
@@ -169,6 +170,22 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
         for h in handles:
             h.remove()
     return record, uses
+
+
+def _noting_backward(record: Record):
+    """A pack hook that marks ``record`` where a tensor is saved while a backward runs: a graph built by the
+    backward itself (``torch.autograd.grad(..., create_graph=True)`` inside the forward), whose uses of the
+    parameters no layer's forward holds."""
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if torch._C._current_graph_task_id() != -1:
+            record.differentiates = True
+        return t
+
+    return pack
+
+
+def _unpacked(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def first_difference(first: Record, second: Record) -> str | None:

@@ -217,6 +217,10 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
         probe.interaction = _in_float64(trainable, inputs, probe.interaction)
     # Handlers keep the samples apart (checked by why_not), or hand a shared output downstream as per-sample copies.
     handlers, hooks_problem, spread = _assign_spreading(trainable, inputs, probe)
+    if probe.pair.differentiates and hooks_problem is None:
+        hooks_problem = ("the forward differentiates inside itself (torch.autograd.grad with create_graph=True, as a "
+                         "force field or a physics-informed network does): the parameters' uses in that graph lie "
+                         "in no layer's forward, and the per-layer rules would miss them")
     if module_mod._global_forward_pre_hooks and hooks_problem is None:
         hooks_problem = ("a global forward pre-hook (register_module_forward_pre_hook) changes what every layer sees, "
                          "and a layer's replay on the per-layer fallback would apply it a second time")

@@ -48,9 +48,8 @@ def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Call
     except (RuntimeError, NotImplementedError) as e:
         if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
             raise  # out of memory is not a limit of torch.func: the user's to see (chunk_size= bounds it)
-        try:
-            with torch.no_grad():
-                one_sample({name: t.clone() for name, t in trainable.frozen_state().items()})
+        try:  # with grad on: a forward that differentiates inside itself (a force field) runs alone as in the loop
+            one_sample({name: t.detach().clone() for name, t in trainable.frozen_state().items()})
         except Exception as own:
             # the model or the loss fails without torch.func too: their own error, as the sample alone raised it (under
             # vmap it may read otherwise: a label-shape check behind an .item() shows as vmap's data-dependence error)

@@ -52,3 +52,18 @@ def test_derived_quantities_refuse_alike(case):
     loss = torch.nn.CrossEntropyLoss()
     assert_refuses(lambda: pv.per_sample_grad_norms(model, loss, x, y), model, "no trainable parameter takes part")
     assert_refuses(lambda: pv.empirical_ntk(model, x), model, "no trainable parameter takes part")
+
+
+@pytest.mark.parametrize("loss", ["detached", "constant"])
+@pytest.mark.parametrize("strategy", ALL)
+def test_a_loss_that_reaches_no_parameter_is_one_refusal(strategy, loss):
+    """A loss_fn that detaches its result or returns a constant: the same clear refusal from every strategy and
+    every quantity, never PyTorch's "element 0 of tensors does not require grad"."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    loss_fn = ((lambda o, t: torch.nn.functional.cross_entropy(o, t).detach()) if loss == "detached"
+               else (lambda o, t: torch.tensor(1.0)))
+    for call in (lambda: pv.per_sample_grads(model, loss_fn, x, y, strategy=strategy),
+                 lambda: pv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy),
+                 lambda: pv.clipped_grad_sum(model, loss_fn, x, y, 1.0, strategy=strategy)):
+        assert_refuses(call, model, "no trainable parameter takes part", "detaches its result")
