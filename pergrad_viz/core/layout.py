@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from pergrad_viz.errors import HandOverError
+
 
 def param_boundaries(model_or_named_shapes: Any, *, lead: int = 0) -> list[tuple[str, int, int]]:
     """``[(name, start, stop), ...]``: each trainable parameter's columns in a flat (..., P) result.
@@ -33,9 +35,16 @@ def param_boundaries(model_or_named_shapes: Any, *, lead: int = 0) -> list[tuple
     return out
 
 
-def flat_outputs(output: torch.Tensor) -> torch.Tensor:
-    """(B, *out) -> (B, Y) with Y = prod(out)."""
-    return output.reshape(output.shape[0], -1)
+def flat_outputs(output: torch.Tensor, batch: int) -> torch.Tensor:
+    """(B, *out) -> (B, Y) with Y = prod(out); :class:`~pergrad_viz.errors.HandOverError` where ``output`` (what
+    ``output=`` selected from a batched forward) does not hold the ``batch`` samples first (``o.sum()``: 0-dim)."""
+    if output.dim() == 0 or output.shape[0] != batch:
+        raise HandOverError(
+            f"the output to differentiate has shape {tuple(output.shape)} on a batch of {batch}: a strategy that runs "
+            "the batch at once needs the samples first, (B, ...), to split it (an output= that reduces over the "
+            "batch, such as o.sum(), gives no such tensor). Use strategy='auto' or 'loop', which apply output= to "
+            "each sample alone", reason=f"the output to differentiate has shape {tuple(output.shape)}")
+    return output.reshape(batch, -1)
 
 
 def flat_views(flat: torch.Tensor, shapes: Mapping[str, torch.Size], lead: tuple[int, ...]

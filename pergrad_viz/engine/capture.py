@@ -381,7 +381,7 @@ def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], l
     Returns (calls, grads, Y): per call, per output tensor, a (Y, *output.shape) gradient or None.
     """
     output, calls = capture(trainable, inputs)
-    outputs = flat_outputs(output if trainable.select is None else trainable.select(output))  # (B, Y)
+    outputs = flat_outputs(output if trainable.select is None else trainable.select(output), inputs.size)  # (B, Y)
     batch, y_count = outputs.shape
     tensors, where = _grad_targets(calls)
     names, extra = unplanned(trainable) if outputs.requires_grad else ([], [])

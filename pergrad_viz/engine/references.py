@@ -66,7 +66,7 @@ def replayed_weighted_grads(draws: Draws, trainable: Trainable, inputs: Batch, t
 def weighted_outputs(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None,
                      w: torch.Tensor) -> Tensors:
     """The gradient of ``sum_{i,y} W_iy f_iy`` from one plain batched forward and backward."""
-    outputs = flat_outputs(trainable.outputs(inputs))
+    outputs = flat_outputs(trainable.outputs(inputs), inputs.size)
     total = (outputs * w.to(outputs.dtype)).sum()
     return dense(grad_of(total, trainable.params), trainable.params)
 
@@ -90,7 +90,7 @@ def alone_combination(i: int, u: torch.Tensor, in_batch: bool = False
 
     def compute(trainable: Trainable, inputs: Batch, targets: object, loss_fn: LossFn | None) -> Tensors:
         if in_batch:
-            output = flat_outputs(trainable.outputs(inputs))[i]
+            output = flat_outputs(trainable.outputs(inputs), inputs.size)[i]
         else:
             output = trainable.outputs(inputs.sample(i)).reshape(-1)
         return dense(grad_of(output @ u.to(output.dtype), trainable.params), trainable.params)

@@ -39,7 +39,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """1 forward, B x Y backward passes; writes (B, Y, *param.shape) into ``out``."""
-    outputs = flat_outputs(trainable.outputs(inputs))  # (B, Y)
+    outputs = flat_outputs(trainable.outputs(inputs), inputs.size)  # (B, Y)
     check_takes_part(trainable, outputs, "model output")
     check_no_reentrant_checkpoint([outputs])
     batch, y_count = outputs.shape

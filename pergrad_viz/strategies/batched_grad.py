@@ -38,7 +38,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """Writes (B, Y, *param.shape) into ``out`` from B x Y one-hot grad outputs of shape (B, Y)."""
-    outputs = flat_outputs(trainable.outputs(inputs))  # (B, Y)
+    outputs = flat_outputs(trainable.outputs(inputs), inputs.size)  # (B, Y)
     check_takes_part(trainable, outputs, "model output")
     check_no_reentrant_checkpoint([outputs])
     batch, y_count = outputs.shape

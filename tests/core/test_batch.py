@@ -259,3 +259,20 @@ def test_a_scan_of_a_dataset_yielding_dicts_equals_the_loop(tmp_path):
                    out=tmp_path / "scan", progress=False)
     torch.testing.assert_close(torch.as_tensor(scan["grad_norm"]), want_norms, rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(torch.as_tensor(scan["loss"]), want_losses.detach(), rtol=1e-6, atol=1e-9)
+
+
+def test_an_output_reduced_over_the_batch_is_each_samples_under_auto():
+    """output=lambda o: o.sum() on a (B,) output: per sample (the definition: output= of sample i alone) a scalar;
+    of the batch, one number for all: the batched strategies refuse naming 'auto' / 'loop', and auto hands over."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 1), torch.nn.Flatten(0)).to(DT)
+    x = torch.randn(3, 6, dtype=DT)
+    want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(model(x[i:i + 1]).sum(),
+                                                                              list(model.parameters()))])
+                        for i in range(3)]).unsqueeze(1)  # (B, 1, P)
+    for strategy in ("auto", "loop", "torch_func"):
+        got = pv.per_sample_jacobian(model, x, strategy=strategy, flat=True, output=lambda o: o.sum())
+        torch.testing.assert_close(got, want)
+    for strategy in ("hooks", "autograd_stack", "batched_grad"):
+        with pytest.raises(pv.UnsupportedModelError, match=r"shape \(\) on a batch of 3.*'auto' or 'loop'"):
+            pv.per_sample_jacobian(model, x, strategy=strategy, output=lambda o: o.sum())
