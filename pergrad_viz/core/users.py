@@ -65,6 +65,11 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
                 "mode): that forward's backward freed its graph, and this call runs the model more than once (the "
                 "probe, the check, a sample at a time), so plain loss.backward() would fail the same way on its "
                 f"second step. {KEPT_TENSOR_FIX}")
+    square = [name for name, t in inputs.named_leaves() if t.dim() == 2 and t.shape[0] == t.shape[1] == inputs.size]
+    if square and any(w in text for w in ("must match", "size of tensor", "shape", "broadcast")):
+        return (f"'{square[0]}' has the batch size ({inputs.size}) first and is cut per sample like every such "
+                "tensor; if it is shared by all samples (a (T, T) mask with T equal to the batch size), keep it in the "
+                "model (a buffer, or made in its forward) or call with another batch size")
     dtype_words = ("expected scalar type", "must have the same dtype", "found Long", "found Int", "dtype")
     ints = [name for name, t in inputs.named_leaves() if not t.is_floating_point() and not t.is_complex()]
     if ints and any(w in text for w in dtype_words):
@@ -81,8 +86,9 @@ def users_error(error: BaseException, inputs: Batch, targets: object = None) -> 
         return error
     if any(str(n).startswith(_NOTE) for n in getattr(error, "__notes__", ())):
         return error
-    error.add_note(f"{_NOTE}the call's inputs: {describe_inputs(inputs)} (the model runs on them whole, or on one "
-                   "sample at a time: its first dimension then 1)")
+    error.add_note(f"{_NOTE}the call's inputs: {describe_inputs(inputs)} (the model runs on them whole, on one or "
+                   "two samples (the probe), or one sample at a time: every tensor whose first dimension is the batch "
+                   "size cut alike)")
     hint = _hint(error, inputs, targets)
     if hint is not None:
         error.add_note(_NOTE + hint)

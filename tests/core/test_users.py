@@ -123,3 +123,29 @@ def test_a_tensor_derived_in_this_forward_is_not_refused():
     got = pv.per_sample_grads(model, loss, x, y)["table"]
     want = torch.stack([torch.autograd.grad(loss(model(x[i:i + 1]), y[i:i + 1]), [model.table])[0] for i in range(6)])
     torch.testing.assert_close(got, want)
+
+
+class _SharedMask(nn.Module):
+    """A (T, T) attention mask shared by every sample, passed beside the (B, T, d) input."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.out = nn.Linear(6, 6), nn.Linear(6, 4)
+
+    def forward(self, h, mask):
+        weights = torch.softmax(self.q(h) @ h.transpose(1, 2) + mask, -1)
+        return self.out((weights @ h).mean(1))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "torch_func"])
+def test_a_shared_square_mask_as_long_as_the_batch_names_the_cut(strategy):
+    """T == B: the mask has the batch size first and is cut like the samples (the definition); a forward that then
+    fails keeps its own error, with a note that names the mask and what to do with a shared tensor."""
+    torch.manual_seed(0)
+    h, y = torch.randn(5, 5, 6), torch.randint(0, 4, (5,))
+    mask = torch.triu(torch.full((5, 5), -1e9), 1)
+    with pytest.raises(RuntimeError) as info:
+        pv.per_sample_grads(_SharedMask(), nn.CrossEntropyLoss(), (h, mask), y, strategy=strategy)
+    notes = _notes(info.value)
+    assert "'inputs[1]' has the batch size (5) first" in notes and "keep it in the model" in notes
+    assert "two samples (the probe)" in notes
