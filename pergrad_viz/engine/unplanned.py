@@ -29,8 +29,8 @@ def refuse_unplanned(names: list[str], grads) -> None:
     for name, g in zip(names, grads, strict=True):
         if g is not None:
             raise PlanMismatchError(
-                f"trainable parameter '{name}' takes part in this call, but no layer used it in the probe of this "
-                "model: the forward depends on the data or on a setting the plan cannot see (a global flag, an "
-                "object outside the model), so the per-layer rules cannot be trusted. Use strategy='torch_func' "
-                "(or 'auto', which switches to it)."
+                f"trainable parameter '{name}' takes part in this call, but the probe of this model saw no layer use "
+                "it: a use the probe cannot follow (inside torch.vmap or another transform in the forward), or a "
+                "forward switched since by what the plan cannot see (a global flag, an object outside the model), so "
+                "the per-layer rules cannot be trusted. Use strategy='torch_func' (or 'auto', which switches to it)."
             )
