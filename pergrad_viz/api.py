@@ -233,7 +233,7 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
             if k == len(chain) - 1:
                 raise
             if isinstance(e, CheckFailedError):
-                plan_for(trainable, inputs).demote(strategy, e.reason, REGISTRY[strategy].batched_forward)
+                plan_for(trainable, inputs).demote(strategy, e.reason, REGISTRY[strategy].batched_forward, e.coupled)
         except Exception as e:
             users_error(e, inputs, targets)  # the same error, a note added (core/users.py)
             raise

@@ -30,7 +30,13 @@ class HandOverError(UnsupportedModelError):
 
 class CheckFailedError(HandOverError):
     """The per-call check (:mod:`pergrad_viz.engine.certify`) found a strategy's result differing from the
-    definition by more than rounding: the plan that chose the strategy is demoted for this model."""
+    definition by more than rounding: the plan that chose the strategy is demoted for this model. ``coupled``: the
+    failure shows the samples interacting in a batched forward (every batched strategy is then refused), not only
+    this strategy wrong."""
+
+    def __init__(self, message: str, reason: str | None = None, coupled: bool = True):
+        super().__init__(message, reason)
+        self.coupled = coupled
 
 
 class PlanMismatchError(HandOverError):

@@ -32,7 +32,10 @@ whose gradient is 0 (its loss at its minimum: the batch and the sample alone rou
 against 1e-3 of the batch's largest row, as the directional check measures every row (``engine/verdict.py``).
 
 A failed check raises :class:`~pergrad_viz.errors.CheckFailedError` (``auto`` then hands over, and the plan
-remembers it). The check draws its random numbers from a generator of its own: the caller's state is untouched.
+remembers it: where a plain backward of the batch gives the checked sample its own value, or the strategy's rows do
+not combine to that backward's, the strategy alone is wrong and refused; else the samples interact, and every
+strategy that runs the batch at once is refused). The check draws its random numbers from a generator of its own:
+the caller's state is untouched.
 """
 
 from __future__ import annotations
@@ -85,20 +88,40 @@ def _randn(shape: tuple, like: torch.Tensor) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=like.dtype, device=like.device)
 
 
-def _raise(found: tuple[str, float] | None, where: str, strategy: str, what: str) -> None:
+def _raise(found: tuple[str, float] | None, where: str, strategy: str,
+           coupled: Callable[[], bool] | bool = False) -> None:
+    """Raise :class:`CheckFailedError` where ``found`` (the verdict). ``coupled``: whether the failure shows the
+    samples interacting in a batched forward (asked only on failure); else the strategy is wrong on its own (its
+    result is not the plain batched backward's, or that backward keeps the sample apart), and only it is demoted."""
     if found is None:
         return
     name, relative = found
+    coupled = coupled() if callable(coupled) else coupled
     reason = (f"the per-call check found that {where} from the {strategy} strategy differs from the definition "
               f"(parameter '{name}': relative difference {relative:.1e}, beyond rounding)")
+    what = _BATCHED_WHY if coupled else _OWN_WHY.format(strategy=strategy)
     raise CheckFailedError(
         f"{reason}: {what}. Use strategy='auto' (which then computes each sample alone) or 'torch_func' / 'loop'.",
-        reason=reason)
+        reason=reason, coupled=coupled)
+
+
+def _coupled(trainable: Trainable, want: Tensors, in_batch: Callable[[], tuple[Tensors, Tensors] | None] | None
+             ) -> Callable[[], bool]:
+    """Whether the sample's value from a plain backward of its whole batch (``in_batch``) is not ``want`` (the
+    sample alone): the samples interact; True where that cannot be had."""
+    def coupled() -> bool:
+        both = None if in_batch is None else in_batch()
+        return both is None or verdict(trainable.names, both[0], want, trainable.dtype, lambda: None) is not None
+
+    return coupled
 
 
 _BATCHED_WHY = ("this model's forward does not keep the samples apart in a way the probe of a few samples could see "
                 "(rows reordered inside forward, a batch statistic, code that depends on the batch size, a coupling "
                 "in a custom backward, or a model changed since its plan was made)")
+_OWN_WHY = ("the {strategy} strategy computes something else than a plain backward of the batch does here (an "
+           "operation whose batched backward under torch.func is wrong, such as PyTorch's vmap of cdist's, on a layer "
+           "taking the per-layer fallback; or a layer rule that does not fit this layer)")
 
 
 # --------------------------------------------------------------------------------------- float64 references
@@ -155,12 +178,12 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
         again = _Float64(trainable, inputs, targets, loss_fn).again(
             lambda t, x, y, f: replayed_weighted_grads(draws, t, x, y, f, w))
         _raise(verdict(trainable.names, got, want, trainable.dtype, again),
-               "a random combination of the rows (the same random draws)", strategy, _BATCHED_WHY)
+               "a random combination of the rows (the same random draws)", strategy)
         return  # a sample alone would draw other numbers: couplings are the probe's, with the draws held fixed
     want = weighted_grads(trainable, inputs, targets, loss_fn, w)
     again = _Float64(trainable, inputs, targets, loss_fn).again(lambda t, x, y, f: weighted_grads(t, x, y, f, w))
     _raise(verdict(trainable.names, got, want, trainable.dtype, again),
-           "a random combination of the rows", strategy, _BATCHED_WHY)
+           "a random combination of the rows", strategy)
     _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, draw(inputs.size))
 
 
@@ -170,10 +193,10 @@ def _check_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     want = compute(trainable, inputs, targets, loss_fn)
     got = [rows[name][i] for name in trainable.names]
     copies = _Float64(trainable, inputs, targets, loss_fn)
-    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute),
-                   copies.in_batch(alone_grads(i, in_batch=True)), lambda: 1e-3 * float(torch.stack(
-                       [rows[name].flatten(1).norm(dim=1) for name in trainable.names]).norm(dim=0).max())),
-           f"sample {i}'s gradient", strategy, _BATCHED_WHY)
+    in_batch = copies.in_batch(alone_grads(i, in_batch=True))
+    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch, lambda: 1e-3 * float(
+        torch.stack([rows[name].flatten(1).norm(dim=1) for name in trainable.names]).norm(dim=0).max())),
+           f"sample {i}'s gradient", strategy, _coupled(trainable, want, in_batch))
 
 
 def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch.Tensor], strategy: str,
@@ -188,7 +211,7 @@ def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch
     want = weighted_outputs(trainable, inputs, None, None, w)
     again = _Float64(trainable, inputs, None, None).again(lambda t, x, y, f: weighted_outputs(t, x, y, f, w))
     _raise(verdict(trainable.names, got, want, trainable.dtype, again),
-           "a random combination of the Jacobians' rows", strategy, _BATCHED_WHY)
+           "a random combination of the Jacobians' rows", strategy)
     _check_alone_jacobian(trainable, inputs, rows, strategy, draw(inputs.size))
 
 
@@ -200,9 +223,9 @@ def _check_alone_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str
     want = compute(trainable, inputs, None, None)
     got = [torch.tensordot(u, rows[name][i], dims=1) for name in trainable.names]
     copies = _Float64(trainable, inputs, None, None)
-    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute),
-                   copies.in_batch(alone_combination(i, u, in_batch=True))),
-           f"sample {i}'s Jacobian (a random combination of its rows)", strategy, _BATCHED_WHY)
+    in_batch = copies.in_batch(alone_combination(i, u, in_batch=True))
+    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch),
+           f"sample {i}'s Jacobian (a random combination of its rows)", strategy, _coupled(trainable, want, in_batch))
 
 
 def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
@@ -289,7 +312,7 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
         return 1e-3 * float(sum(squared[name] for name in trainable.names).clamp_min(0).max().sqrt())
 
     _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(norms_of), in_batch, floor),
-           f"sample {i}'s gradient norm", strategy, _BATCHED_WHY)
+           f"sample {i}'s gradient norm", strategy, _coupled(trainable, want, in_batch))
 
 
 def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:

@@ -83,12 +83,15 @@ class Plan:
             self._planned = frozenset(full for lp in self.layers.values() for full in lp.local.values())
         return self._planned
 
-    def demote(self, strategy: str, reason: str, batched: bool) -> None:
+    def demote(self, strategy: str, reason: str, batched: bool, coupled: bool = True) -> None:
         """The per-call check found ``strategy`` wrong here (``reason``, a phrase): ``auto`` skips it, an explicit
-        call is refused. ``batched`` (it ran the model on the whole batch): every batched strategy is refused."""
+        call is refused. ``batched`` (it ran the model on the whole batch) and ``coupled`` (the failure shows the
+        samples interacting there): every batched strategy is refused; else that strategy alone."""
         self.failed[strategy] = reason
-        if batched and self.interaction is None:
+        if batched and coupled and self.interaction is None:
             self.interaction = f"the samples interact: {reason}"
+        elif strategy == "hooks" and self.hooks_problem is None:
+            self.hooks_problem = reason
 
     def copy_captured_tensors(self, which: bool | frozenset = True) -> None:
         """A forward modified captured tensors in place (``ReLU(inplace=True)``, ``out += x``): capture copies them

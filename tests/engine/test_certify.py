@@ -99,6 +99,13 @@ def test_a_wrong_rule_is_caught_and_auto_gives_the_loop(monkeypatch):
     with pytest.raises(certify.CheckFailedError):
         pv.per_sample_jacobian(model, x, strategy="hooks")
     _close(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y), ref_grads(model, nn.CrossEntropyLoss(), x, y))
+    # hooks' own failure (its result is not the plain batched backward's): hooks alone is refused from now on, not
+    # every batched strategy as if the samples interacted
+    assert pv.resolve_strategy("auto", model, x) == "torch_func"
+    with pytest.raises(pv.UnsupportedModelError, match="per-call check"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks", verify=False)
+    _close(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="autograd_stack"),
+           ref_grads(model, nn.CrossEntropyLoss(), x, y))
     model = _mlp()  # a fresh plan: the check of the Jacobian hands over too
     _close(pv.per_sample_jacobian(model, x), ref_jacobian(model, x))
     model = _mlp()
