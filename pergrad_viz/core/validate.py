@@ -260,8 +260,8 @@ def check_out_memory(out: torch.Tensor, trainable: TrainableLike, flat: bool, in
                      targets: object = None) -> None:
     """Refuse an ``out=`` buffer that cannot hold distinct results, before anything runs: a tensor that records
     gradients, an inference tensor, one whose elements share memory (``torch.empty(P).expand(B, P)``: every row the
-    same memory), or one that overlaps the memory the call reads (the inputs, the targets, the model's parameters and
-    buffers: the results would overwrite them)."""
+    same memory), or one that overlaps the memory the call reads or leaves as it was (the inputs, the targets, the
+    model's parameters, buffers and ``.grad``: the results would overwrite them)."""
     if not flat:
         raise ValueError("out= is a flat buffer: pass flat=True with it (or drop out= to get a dict)")
     if not isinstance(out, torch.Tensor):
@@ -282,6 +282,7 @@ def check_out_memory(out: torch.Tensor, trainable: TrainableLike, flat: bool, in
             f"out= has strides {tuple(out.stride())}: its elements share memory (e.g. an expand()ed tensor, where "
             f"every row is the same memory), so its rows cannot hold distinct results. Allocate it with {fresh}")
     read = list(trainable.model.named_parameters()) + list(trainable.model.named_buffers())
+    read += [(f"{name}.grad", p.grad) for name, p in trainable.model.named_parameters() if p.grad is not None]
     if inputs is not None:
         read += inputs.named_leaves()
     if targets is not None:
@@ -289,8 +290,8 @@ def check_out_memory(out: torch.Tensor, trainable: TrainableLike, flat: bool, in
     hit = next((name for name, t in read if out.numel() and t.numel() and _share_memory(out, t)), None)
     if hit is not None:
         raise ValueError(
-            f"out= overlaps the memory of {hit}, which the call reads while it writes the results: the results would "
-            f"overwrite it. Pass a buffer of its own, e.g. {fresh}")
+            f"out= overlaps the memory of {hit}, which the call reads while it writes the results or leaves as it "
+            f"was: the results would overwrite it. Pass a buffer of its own, e.g. {fresh}")
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

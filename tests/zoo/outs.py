@@ -38,6 +38,14 @@ def _workspace(shape, x, model):
     return work[rows - x.shape[1]:].view(shape), work[:rows].view(x.shape)
 
 
+def _holding_a_grad(shape, x, model):
+    """A flat gradient arena: the first parameter's .grad is a view of the buffer the result is asked into."""
+    arena = torch.zeros(math.prod(shape) + 1, dtype=DT)
+    first = next(model.parameters())
+    first.grad = arena[:first.numel()].view(first.shape)
+    return arena[1:].view(shape), x
+
+
 def _inside_inference_mode(shape, x, model):
     with torch.inference_mode():
         return torch.empty(shape, dtype=DT), x
@@ -48,6 +56,7 @@ BAD = {  # name -> (maker, what the message names)
     "expanded-sample": (lambda shape, x, m: (torch.zeros(1, *shape[1:], dtype=DT).expand(shape), x),
                         "share memory"),
     "overlaps-inputs": (_workspace, "overlaps the memory of inputs"),
+    "overlaps-a-grad": (_holding_a_grad, "overlaps the memory of fc.weight.grad"),
     "leaf-requires-grad": (lambda shape, x, m: (torch.zeros(shape, dtype=DT, requires_grad=True), x),
                            "requires grad"),
     "graph-result": (lambda shape, x, m: (torch.zeros(shape, dtype=DT, requires_grad=True) * 1, x),
