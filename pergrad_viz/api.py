@@ -263,8 +263,7 @@ def _apart(trainable: Trainable, strategy: str) -> bool:
     whole batch, or this call's plan found the samples apart (then ``torch_func``, timed against ``hooks`` by
     ``auto``, is checked the same way, without forward mode's one-off cost)."""
     plan = trainable.call.plan
-    apart = plan is not None and plan.interaction is None and plan.verified
-    return REGISTRY[strategy].batched_forward or apart
+    return REGISTRY[strategy].batched_forward or (plan is not None and plan.interaction is None and plan.verified)
 
 
 def _rows(result: Result, trainable: Trainable, lead: int) -> dict[str, torch.Tensor]:
@@ -333,7 +332,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
 
     def check(result: Result, used: str) -> None:
         check_grads(trainable, loss_fn, inputs, targets, _rows(result, trainable, 1), used,
-                    batched=_apart(trainable, used))
+                    batched=_apart(trainable, used), own_forward=REGISTRY[used].batched_forward)
 
     return hand_over(requested, strategy, trainable, inputs,
                      lambda s: _run(trainable, s, run_chunk, batch, chunk, None, flat, out), check if verify else None,
@@ -389,7 +388,8 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
         chosen.jacobian(trainable, inputs if rows.stop - rows.start == batch else inputs.rows(rows), views)
 
     def check(result: Result, used: str) -> None:
-        check_jacobian(trainable, inputs, _rows(result, trainable, 2), used, batched=_apart(trainable, used))
+        check_jacobian(trainable, inputs, _rows(result, trainable, 2), used, batched=_apart(trainable, used),
+                       own_forward=REGISTRY[used].batched_forward)
 
     def run(s: str) -> Result:
         return _run(trainable, s, run_chunk, batch, chunk, y_count, flat, out)

@@ -163,9 +163,11 @@ class _Float64:
 
 
 def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
-                rows: Mapping[str, torch.Tensor], strategy: str, batched: bool = True) -> None:
+                rows: Mapping[str, torch.Tensor], strategy: str, batched: bool = True, own_forward: bool = True
+                ) -> None:
     """Raise :class:`CheckFailedError` unless ``rows`` {name: (B, *param.shape)} are the per-sample gradients
-    (see the module docstring; ``batched``: the strategy ran the model once on the whole batch)."""
+    (see the module docstring; ``batched``: a plain backward of the batch is a valid reference, the strategy ran
+    the model once on the whole batch or the plan found the samples apart; ``own_forward``: the former)."""
     if not batched:
         _check_directional(trainable, loss_fn, inputs, targets, rows, strategy)
         return
@@ -182,13 +184,31 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
         return  # a sample alone would draw other numbers: couplings are the probe's, with the draws held fixed
     want = weighted_grads(trainable, inputs, targets, loss_fn, w)
     again = _Float64(trainable, inputs, targets, loss_fn).again(lambda t, x, y, f: weighted_grads(t, x, y, f, w))
-    _raise(verdict(trainable.names, got, want, trainable.dtype, again),
-           "a random combination of the rows", strategy)
-    _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, draw(inputs.size))
+    found = verdict(trainable.names, got, want, trainable.dtype, again)
+    alone = lambda: _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, draw(inputs.size))  # noqa: E731
+    if found is not None and not own_forward and _batch_coupled(trainable, alone()):
+        return
+    _raise(found, "a random combination of the rows", strategy)
+    alone()
+
+
+def _batch_coupled(trainable: Trainable, coupled: Callable[[], bool]) -> bool:
+    """After a strategy that computes each sample alone failed the batched reference and passed a sample alone:
+    whether a plain backward of the batch gives that sample another value (``coupled``), so that the reference,
+    not the strategy, is wrong (a forward that depends on the batch size, which a probe of two samples misses); the
+    plan then refuses every strategy that runs the batch at once."""
+    if not coupled():
+        return False
+    plan = trainable.call.plan
+    if plan is not None and plan.interaction is None:
+        plan.interaction = ("the samples interact: the per-call check found a plain backward of the batch giving a "
+                            "sample another gradient than it has alone (a forward that depends on the batch size?)")
+    return True
 
 
 def _check_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
-                 rows: Mapping[str, torch.Tensor], strategy: str, i: int) -> None:
+                 rows: Mapping[str, torch.Tensor], strategy: str, i: int) -> Callable[[], bool]:
+    """Row i against sample i alone; where it passes, whether a plain backward of the batch couples the sample."""
     compute = alone_grads(i)
     want = compute(trainable, inputs, targets, loss_fn)
     got = [rows[name][i] for name in trainable.names]
@@ -197,10 +217,11 @@ def _check_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch, lambda: 1e-3 * float(
         torch.stack([rows[name].flatten(1).norm(dim=1) for name in trainable.names]).norm(dim=0).max())),
            f"sample {i}'s gradient", strategy, _coupled(trainable, want, in_batch))
+    return _coupled(trainable, want, in_batch)
 
 
 def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch.Tensor], strategy: str,
-                   batched: bool = True) -> None:
+                   batched: bool = True, own_forward: bool = True) -> None:
     """Raise :class:`CheckFailedError` unless ``rows`` {name: (B, Y, *param.shape)} are the per-sample Jacobians."""
     if not batched:
         _check_directional(trainable, None, inputs, None, rows, strategy)
@@ -210,13 +231,16 @@ def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch
     got = [torch.tensordot(w, rows[name], dims=2) for name in trainable.names]
     want = weighted_outputs(trainable, inputs, None, None, w)
     again = _Float64(trainable, inputs, None, None).again(lambda t, x, y, f: weighted_outputs(t, x, y, f, w))
-    _raise(verdict(trainable.names, got, want, trainable.dtype, again),
-           "a random combination of the Jacobians' rows", strategy)
-    _check_alone_jacobian(trainable, inputs, rows, strategy, draw(inputs.size))
+    found = verdict(trainable.names, got, want, trainable.dtype, again)
+    alone = lambda: _check_alone_jacobian(trainable, inputs, rows, strategy, draw(inputs.size))  # noqa: E731
+    if found is not None and not own_forward and _batch_coupled(trainable, alone()):
+        return
+    _raise(found, "a random combination of the Jacobians' rows", strategy)
+    alone()
 
 
 def _check_alone_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch.Tensor], strategy: str,
-                          i: int) -> None:
+                          i: int) -> Callable[[], bool]:
     first = rows[trainable.names[0]]
     u = _randn((first.shape[1],), first)
     compute = alone_combination(i, u)
@@ -226,6 +250,7 @@ def _check_alone_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str
     in_batch = copies.in_batch(alone_combination(i, u, in_batch=True))
     _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch),
            f"sample {i}'s Jacobian (a random combination of its rows)", strategy, _coupled(trainable, want, in_batch))
+    return _coupled(trainable, want, in_batch)
 
 
 def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
