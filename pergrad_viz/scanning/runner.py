@@ -143,7 +143,7 @@ def run(model: nn.Module, trainable: Trainable, loss_fn: LossFn, dataset: object
             x, y = _inputs_and_labels(item)
             x = tree_map(lambda t: _to(t, device, dtype), x)
             y = y.to(device, non_blocking=True) if isinstance(y, torch.Tensor) else torch.as_tensor(y, device=device)
-            if use_hooks is None:
+            if use_hooks is None or use_hooks and want & GRAD_QUANTITIES:  # a failed check may have refused hooks
                 use_hooks = not want & GRAD_QUANTITIES or _hooks_ok(trainable, x)
             res = batch_quantities(model, loss_fn, x, y, want, blocks, sketch, use_hooks)
             lo, hi = indices[0], indices[-1] + 1

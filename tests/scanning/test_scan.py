@@ -122,6 +122,31 @@ def test_a_loss_reading_a_parameter_is_scanned_with_its_gradient(tmp_path):
     torch.testing.assert_close(res["grad_norm"], flatten_ref(ref, 1).norm(dim=1), rtol=1e-5, atol=1e-6)
 
 
+class _ScaledWhenLarge(nn.Module):
+    """MLP(784, 20, 10) whose hidden layer doubles for batches of more than two: a coupling a probe of one and two
+    samples misses, which the first batch's check finds."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(784, 20), nn.Linear(20, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return self.fc2(h * 2 if x.shape[0] > 2 else h)
+
+
+def test_a_coupling_found_by_the_check_hands_the_rest_of_the_scan_over(tmp_path):
+    model, ds = _ScaledWhenLarge(), _data(24, flat=True)
+    x, y = ds.tensors
+    loss_fn = nn.CrossEntropyLoss()
+    res = pv.scan(model, loss_fn, ds, quantities=("loss", "grad_norm"), batch_size=8, out=tmp_path / "s",
+                  progress=False)
+    losses, ref = _reference(model, loss_fn, x, y)
+    torch.testing.assert_close(res["loss"], losses)
+    torch.testing.assert_close(res["grad_norm"], flatten_ref(ref, 1).norm(dim=1), rtol=1e-5, atol=1e-6)
+
+
 class _Tokens(nn.Module):
     """Embedding -> Linear on (B, T, d) -> Linear without bias, a frozen bias, GroupNorm: every kind of block."""
 
