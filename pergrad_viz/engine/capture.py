@@ -139,8 +139,8 @@ def check_supported(trainable: Trainable, inputs: Batch | None = None) -> None:
     a rule or the per-layer fallback)."""
     if inputs is not None and (problem := _problem(trainable, inputs)) is not None:
         raise UnsupportedModelError(
-            f"the hooks strategy cannot be used here: {problem}. Use strategy='torch_func' (or 'auto', which "
-            "picks it), which computes each sample alone."
+            f"the hooks strategy cannot be used here: {problem}. Use strategy='auto', which computes each sample "
+            "alone (strategy='torch_func', or the loop where torch.func cannot run the model)."
         )
 
 

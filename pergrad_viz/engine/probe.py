@@ -133,9 +133,10 @@ class _Probe:
                         return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample "
                                 f"and {tuple(leaf.shape)} for two: it loses a dimension for a batch of one (e.g. "
                                 ".squeeze() without a dimension; use .squeeze(-1) or .flatten(1))")
-                    return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample and "
-                            f"{tuple(leaf.shape)} for two: the samples are not along one dimension of it (e.g. "
-                            "(B*T, ...) rows after a reshape)")
+                    other = f", {tuple(single[1].shape)} for another" if single[1].shape != single[0].shape else ""
+                    return (f"{_describe(what, name, module)} has shape {tuple(single[0].shape)} for one sample{other} "
+                            f"and {tuple(leaf.shape)} for two: the samples are not along one dimension of it (e.g. "
+                            "(B*T, ...) rows after a reshape, or rows the data selects, such as x[mask])")
                 if dim is SHARED:
                     if not all(close(t, single[0]) for t in (leaf, single[1], swapped_leaves[k])):
                         self.interaction = self.interaction or (
@@ -171,6 +172,10 @@ def _why_not(probe: _Probe, modules: dict[str, nn.Module]):
             return spec
         if any(d is SHARED for s in spec for d in s.out_dims):
             m = modules[name]
+            if any(0 in rest for s in spec for rest in (*s.in_rest, *s.out_rest)):
+                return (f"layer '{name or 'model'}' ({type(m).__name__}) gets no rows of the batch here (an empty "
+                        "selection, such as x[mask] where no sample qualifies), so which sample its gradient belongs "
+                        "to cannot be seen")
             return (f"layer '{name or 'model'}' ({type(m).__name__}) gives an output with no batch dimension (the same "
                     "for every sample, e.g. a positional embedding of arange(T) broadcast over the batch), so its "
                     "gradient cannot be split by sample there")

@@ -365,3 +365,30 @@ def test_which_seeded_kernels_draw(op, values, draws):
     func = getattr(torch.ops.aten, op).default
     assert torch.Tag.nondeterministic_seeded in func.tags
     assert draws_random_numbers(func, (), values) is draws
+
+
+class _Routed(torch.nn.Module):
+    """Rows chosen by the data: samples whose first feature is positive through ``a``, the others through ``b``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        keep = x[:, 0] > 0
+        out = torch.zeros(x.shape[0], 3, dtype=x.dtype)
+        out[keep] = self.a(x[keep])
+        out[~keep] = self.b(x[~keep])
+        return out
+
+
+def test_rows_the_data_selects_are_named_as_such():
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    x[:, 0] = torch.tensor([1.0, -1, 1, 1, -1, 1])
+    with pytest.raises(pv.UnsupportedModelError, match=r"\(1, 4\) for one sample, \(0, 4\) for another.*x\[mask\]"):
+        pv.per_sample_grads(_Routed(), torch.nn.CrossEntropyLoss(), x, y, strategy="hooks")
+    x[:, 0] = 1.0  # no sample for b
+    with pytest.raises(pv.UnsupportedModelError, match=r"layer 'b' \(Linear\) gets no rows of the batch"):
+        pv.per_sample_grads(_Routed(), torch.nn.CrossEntropyLoss(), x, y, strategy="hooks")
+    got = pv.per_sample_grads(_Routed(), torch.nn.CrossEntropyLoss(), x, y)  # auto: each sample alone
+    assert got["b.weight"].abs().max() == 0 and got["a.weight"].abs().max() > 0
