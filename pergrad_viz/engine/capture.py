@@ -247,8 +247,8 @@ class _Recorder:
 
     def finish(self, spread: dict[str, Layer], made: dict[str, dict[str, torch.Tensor]]) -> list[Call]:
         """The calls, once every layer was called as often as in the probe; broadcast layers' copies last."""
-        for name, layer in self.layers.items():
-            if 0 < self.counts[name] < len(layer.plan.calls):
+        for name, layer in self.layers.items():  # never called too: a branch the data decides (the whole batch's)
+            if self.counts[name] < len(layer.plan.calls) and layer.kind is not LayerKind.BROADCAST:
                 raise mismatch(layer.module, name,
                                f"is called {self.counts[name]} time(s), not {len(layer.plan.calls)},")
         for name, layer in spread.items():

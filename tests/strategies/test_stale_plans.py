@@ -109,3 +109,38 @@ def test_explicit_hooks_refuses_a_layer_its_plan_never_saw():
         with pytest.raises(pv.PlanMismatchError, match=r"parameter 'c\.weight' takes part in this call"):
             call()
     assert all(p.grad is None for p in model.parameters()) and not model.a._forward_hooks
+
+
+class BatchBranch(nn.Module):
+    """A branch the whole batch decides: c runs only where every sample's first feature is above -10."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c, self.b = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if bool((x[:, 0] > -10).all()):
+            h = torch.tanh(self.c(h))
+        return self.b(h)
+
+
+def test_a_layer_the_plan_saw_that_the_batch_skips_is_the_loops():
+    """Planned on batches where every sample takes the branch; a batch with one sample that does not skips c for
+    all of them, while alone the others would take it: not zeros for c, the loop's numbers (check off)."""
+    torch.manual_seed(0)
+    model = BatchBranch().double()
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    pv.per_sample_grads(model, loss_fn, x, y)
+    pv.clipped_grad_sum(model, loss_fn, x, y, 0.5)
+    x[0, 0] = -20.0
+    want = ref_grads(model, loss_fn, x, y)
+    want_clipped, _ = _loop_clipped(model, loss_fn, x, y, 0.5)
+    got = pv.per_sample_grads(model, loss_fn, x, y, verify=False)
+    clipped = pv.clipped_grad_sum(model, loss_fn, x, y, 0.5, verify=False)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(clipped[name], want_clipped[name], rtol=1e-9, atol=1e-12)
+    with pytest.raises(pv.PlanMismatchError, match=r"layer 'c' \(Linear\) is called 0 time\(s\), not 1"):
+        pv.per_sample_grads(model, loss_fn, x, y, strategy="hooks", verify=False)
