@@ -68,3 +68,9 @@ large, not infinite) squares to inf in float32, and its sample would drop out of
 def wide_square(t: torch.Tensor) -> torch.Tensor:
     """``t ** 2`` in :data:`SQUARES` (a norm, or a sum of products, of any floating dtype)."""
     return t.to(SQUARES).square()
+
+
+def number_of(value: object) -> float | complex | None:
+    """A Python number from a number-like scalar (a numpy scalar, a 0-dim tensor), None for anything else (a bool
+    too)."""
+    return _scalar(value)

@@ -9,23 +9,40 @@ RDP, or PRV), never written here: ``pip install 'pergrad-viz[dp]'``.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator
 
 import torch
+from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.extras import missing_extra
+from pergrad_viz.core.numbers import number_of
 
 ACCOUNTANTS = ("rdp", "prv")
+
+
+def _real(value: object) -> object:
+    """A numpy or 0-dim tensor number as a Python float (an int stays an int); anything else as it is (refused by
+    the checks below, naming it)."""
+    if isinstance(value, bool) or isinstance(value, int | float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    number = number_of(value)
+    if isinstance(number, float) and float(number).is_integer() and "int" in str(getattr(value, "dtype", "")):
+        return int(number)
+    return value if number is None or isinstance(number, complex) else number
 
 
 class PoissonBatches:
     """A batch sampler: ``steps`` batches of indices into a dataset of ``n`` examples, each example in each batch
     independently with probability ``sample_rate`` (Poisson sampling), drawn from ``generator`` alone.
 
-    Use it as ``DataLoader(dataset, batch_sampler=PoissonBatches(len(dataset), q, generator=g))`` or iterate it for
-    index tensors. A batch's size varies (its expected size is q * n: pass that to :func:`pergrad_viz.dp_step` as
-    ``expected_batch_size``); a batch may be empty (probability (1 - q)^n): take the step anyway with
-    :func:`pergrad_viz.noise_step`, so that the steps released are the ones the accountant counts.
+    Use it as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=sampler.collate(dataset))`` (:meth:`collate`:
+    an empty batch as 0 rows, which PyTorch's own collate cannot make) or iterate it for index lists. A batch's
+    size varies (its expected size is q * n: pass that to :func:`pergrad_viz.dp_step` as ``expected_batch_size``);
+    a batch may be empty (probability (1 - q)^n): take the step anyway (``dp_step`` on 0 rows is
+    :func:`pergrad_viz.noise_step`), so that the steps released are the ones the accountant counts.
 
     Args:
         n: examples in the dataset, a positive int.
@@ -36,6 +53,7 @@ class PoissonBatches:
 
     def __init__(self, n: int, sample_rate: float, *, steps: int | None = None,
                  generator: torch.Generator | None = None):
+        n, sample_rate, steps = _real(n), _real(sample_rate), _real(steps)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int (the dataset's size), got {n!r}")
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, int | float) or not 0 < sample_rate <= 1:
@@ -55,6 +73,21 @@ class PoissonBatches:
 
     def __len__(self) -> int:
         return self.steps
+
+    def collate(self, dataset, collate_fn=None):
+        """A ``collate_fn`` for ``DataLoader(dataset, batch_sampler=self, collate_fn=...)``: ``collate_fn`` (default:
+        PyTorch's ``default_collate``), and for an empty batch, which that cannot collate, the dataset's first
+        example collated with 0 rows, so that :func:`pergrad_viz.dp_step` takes the noise step there."""
+        from torch.utils.data import default_collate
+
+        inner = default_collate if collate_fn is None else collate_fn
+
+        def collate(batch: list):
+            if batch:
+                return inner(batch)
+            return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, inner([dataset[0]]))
+
+        return collate
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
@@ -86,6 +119,7 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
             accountant: str = "rdp") -> float:
     """The epsilon of ``steps`` DP-SGD steps with Poisson sampling at rate q and noise std
     ``noise_multiplier * max_norm``, at this ``delta``, by Opacus' accountant (``"rdp"`` or ``"prv"``)."""
+    noise_multiplier, sample_rate, steps, delta = map(_real, (noise_multiplier, sample_rate, steps, delta))
     _check(sample_rate, steps, delta, accountant)
     if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, int | float) \
             or not math.isfinite(noise_multiplier) or noise_multiplier <= 0:
@@ -101,6 +135,7 @@ def noise_multiplier_for(target_epsilon: float, sample_rate: float, steps: int, 
                          accountant: str = "rdp") -> float:
     """The smallest noise multiplier (to Opacus' tolerance, 0.01 in epsilon) whose ``steps`` steps at rate q stay
     within ``target_epsilon`` at ``delta``."""
+    target_epsilon, sample_rate, steps, delta = map(_real, (target_epsilon, sample_rate, steps, delta))
     _check(sample_rate, steps, delta, accountant)
     if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, int | float) \
             or not math.isfinite(target_epsilon) or target_epsilon <= 0:

@@ -42,6 +42,50 @@ def test_poisson_batches_in_a_dataloader():
     assert len(batches) == 5 and all(torch.equal(x[:, 0].long(), y) for x, y in batches)
 
 
+def test_a_dataloader_loop_takes_the_noise_step_on_an_empty_batch():
+    """n q small: many batches are empty, which PyTorch's default_collate cannot collate; the sampler's collate
+    gives 0 rows, and dp_step on them is the noise step (the steps the accountant counts all taken)."""
+    torch.manual_seed(0)
+    model, loss_fn = nn.Linear(4, 3).double(), nn.CrossEntropyLoss(reduction="sum")
+    data = torch.utils.data.TensorDataset(torch.randn(20, 4, dtype=torch.float64), torch.randint(0, 3, (20,)))
+    sampler = pv.PoissonBatches(len(data), 0.05, steps=30, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(IndexError):  # what the loop meets without it (PyTorch's collate of [])
+        list(torch.utils.data.DataLoader(data, batch_sampler=sampler))
+    noise, again = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    empty = 0
+    for x, y in torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=sampler.collate(data)):
+        assert x.shape[1:] == (4,) and x.dtype == torch.float64 and len(x) == len(y)
+        pv.dp_step(model, loss_fn, x, y, 1.0, noise_multiplier=1.0, generator=noise, expected_batch_size=2)
+        if len(y) == 0:
+            empty += 1
+            want = pv.noise_step(copy_of(model), 1.0, noise_multiplier=1.0, generator=again, expected_batch_size=2)
+            assert torch.equal(model.weight.grad, want["weight"])
+        else:
+            pv.clipped_grad_sum(model, loss_fn, x, y, 1.0, noise_multiplier=1.0, generator=again)  # keeps in step
+    assert empty > 5
+
+
+def copy_of(model: nn.Module) -> nn.Module:
+    import copy
+
+    twin = copy.deepcopy(model)
+    for p in twin.parameters():
+        p.grad = None
+    return twin
+
+
+def test_numpy_and_tensor_numbers_are_numbers():
+    import numpy as np
+
+    assert pv.epsilon(np.float64(1.1), np.float64(0.1), np.int64(20), np.float64(1e-5)) == pv.epsilon(
+        1.1, 0.1, 20, 1e-5)
+    assert pv.noise_multiplier_for(torch.tensor(3.0), 0.1, torch.tensor(20), 1e-5) == pv.noise_multiplier_for(
+        3.0, 0.1, 20, 1e-5)
+    assert len(pv.PoissonBatches(np.int64(100), np.float32(0.25), generator=torch.Generator())) == 4
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        pv.epsilon(1.0, 0.1, np.float64(2.5), 1e-5)
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"n": 0}, "n must be a positive int"),
     ({"sample_rate": 0.0}, "sample_rate must be"),
