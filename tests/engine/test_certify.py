@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, ref_jacobian, snapshot
 from torch import nn
-from zoo.forwards import SWAP_ROWS
+from zoo.forwards import SWAP_ROWS, BranchOnBatchSize
 
 import pergrad_viz as pv
 from pergrad_viz.engine import certify
@@ -365,26 +365,13 @@ def test_two_parameters_given_the_same_gradient_tensor_are_both_compared_right()
     _close(got, ref_grads(model, nn.CrossEntropyLoss(), x, y))
 
 
-class _ScaledWhenLarge(nn.Module):
-    """Doubles its hidden layer when the batch has more than two samples: a probe of one and two samples sees no
-    coupling, a plain backward of a larger batch gives every sample another gradient than it has alone."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        return self.b(h * 2 if x.shape[0] > 2 else h)
-
-
 @pytest.mark.parametrize("quantity", ["grads", "jacobian"])
 def test_a_right_result_of_each_sample_alone_is_kept_when_the_batch_is_the_coupled_one(quantity):
     """torch_func computes each sample alone, the definition: its batched reference (a plain backward of the
     batch) is wrong here, not it. The sample alone decides; the plan then refuses the batched strategies."""
     torch.manual_seed(0)
-    model = _ScaledWhenLarge().double()
-    x, y = torch.randn(6, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
+    model = BranchOnBatchSize().double()  # h * 2 for batches of more than two
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
     loss = nn.CrossEntropyLoss()
     if quantity == "grads":
         _close(pv.per_sample_grads(model, loss, x, y, strategy="torch_func"), ref_grads(model, loss, x, y))

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import flatten_ref, ref_grads
 from torch import nn
+from zoo.forwards import BranchOnBatchSize
 
 import pergrad_viz as pv
 from pergrad_viz.bench.scans import format_table, throughput, torchrun_command
@@ -122,23 +123,13 @@ def test_a_loss_reading_a_parameter_is_scanned_with_its_gradient(tmp_path):
     torch.testing.assert_close(res["grad_norm"], flatten_ref(ref, 1).norm(dim=1), rtol=1e-5, atol=1e-6)
 
 
-class _ScaledWhenLarge(nn.Module):
-    """MLP(784, 20, 10) whose hidden layer doubles for batches of more than two: a coupling a probe of one and two
-    samples misses, which the first batch's check finds."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.fc2 = nn.Linear(784, 20), nn.Linear(20, 10)
-
-    def forward(self, x):
-        h = torch.relu(self.fc1(x))
-        return self.fc2(h * 2 if x.shape[0] > 2 else h)
-
-
 def test_a_coupling_found_by_the_check_hands_the_rest_of_the_scan_over(tmp_path):
-    model, ds = _ScaledWhenLarge(), _data(24, flat=True)
-    x, y = ds.tensors
+    """A forward that doubles its hidden layer for batches of more than two: a coupling a probe of one and two
+    samples misses, which the first batch's check finds; the later batches go on without hooks."""
+    torch.manual_seed(0)
+    model = BranchOnBatchSize()
+    x, y = torch.randn(24, 4), torch.randint(0, 3, (24,))
+    ds = torch.utils.data.TensorDataset(x, y)
     loss_fn = nn.CrossEntropyLoss()
     res = pv.scan(model, loss_fn, ds, quantities=("loss", "grad_norm"), batch_size=8, out=tmp_path / "s",
                   progress=False)
