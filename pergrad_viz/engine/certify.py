@@ -77,7 +77,6 @@ __all__ = ["CheckFailedError", "check_grads", "check_jacobian", "check_norms", "
 _DRAW = random.Random(int.from_bytes(os.urandom(8), "little"))  # private: the caller's random state is not touched
 
 
-
 def draw(batch: int) -> int:
     """A sample index in [0, batch), uniformly, from the check's own generator."""
     return _DRAW.randrange(batch)
@@ -199,10 +198,10 @@ def _batch_coupled(trainable: Trainable, coupled: Callable[[], bool]) -> bool:
     plan then refuses every strategy that runs the batch at once."""
     if not coupled():
         return False
-    plan = trainable.call.plan
-    if plan is not None and plan.interaction is None:
-        plan.interaction = ("the samples interact: the per-call check found a plain backward of the batch giving a "
-                            "sample another gradient than it has alone (a forward that depends on the batch size?)")
+    if trainable.call.plan is not None:
+        trainable.call.plan.interacting("the per-call check found a plain backward of the batch giving a sample "
+                                        "another gradient than it has alone (a forward that depends on the batch "
+                                        "size?)")
     return True
 
 
@@ -214,10 +213,11 @@ def _check_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     got = [rows[name][i] for name in trainable.names]
     copies = _Float64(trainable, inputs, targets, loss_fn)
     in_batch = copies.in_batch(alone_grads(i, in_batch=True))
+    coupled = _coupled(trainable, want, in_batch)
     _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch, lambda: 1e-3 * float(
         torch.stack([rows[name].flatten(1).norm(dim=1) for name in trainable.names]).norm(dim=0).max())),
-           f"sample {i}'s gradient", strategy, _coupled(trainable, want, in_batch))
-    return _coupled(trainable, want, in_batch)
+           f"sample {i}'s gradient", strategy, coupled)
+    return coupled
 
 
 def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch.Tensor], strategy: str,
@@ -248,9 +248,10 @@ def _check_alone_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str
     got = [torch.tensordot(u, rows[name][i], dims=1) for name in trainable.names]
     copies = _Float64(trainable, inputs, None, None)
     in_batch = copies.in_batch(alone_combination(i, u, in_batch=True))
+    coupled = _coupled(trainable, want, in_batch)
     _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch),
-           f"sample {i}'s Jacobian (a random combination of its rows)", strategy, _coupled(trainable, want, in_batch))
-    return _coupled(trainable, want, in_batch)
+           f"sample {i}'s Jacobian (a random combination of its rows)", strategy, coupled)
+    return coupled
 
 
 def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,

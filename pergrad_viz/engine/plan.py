@@ -88,10 +88,16 @@ class Plan:
         call is refused. ``batched`` (it ran the model on the whole batch) and ``coupled`` (the failure shows the
         samples interacting there): every batched strategy is refused; else that strategy alone."""
         self.failed[strategy] = reason
-        if batched and coupled and self.interaction is None:
-            self.interaction = f"the samples interact: {reason}"
+        if batched and coupled:
+            self.interacting(reason)
         elif strategy == "hooks" and self.hooks_problem is None:
             self.hooks_problem = reason
+
+    def interacting(self, reason: str) -> None:
+        """The samples were found interacting (``reason``, a phrase) after the probe: every batched strategy is
+        refused from now on (a first finding is kept)."""
+        if self.interaction is None:
+            self.interaction = f"the samples interact: {reason}"
 
     def copy_captured_tensors(self, which: bool | frozenset = True) -> None:
         """A forward modified captured tensors in place (``ReLU(inplace=True)``, ``out += x``): capture copies them
