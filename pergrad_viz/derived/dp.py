@@ -14,7 +14,7 @@ time and clipped (exact, slower).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from pergrad_viz.core.numbers import real_number
 from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
 from pergrad_viz.derived.clipping import Groups
+from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed
 from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
 
@@ -149,52 +150,71 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
     if not isinstance(return_norms, bool):
         raise TypeError(f"return_norms must be True or False, got {return_norms!r}")
+    sums, norms, _ = _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer,
+                              strategy, chunk_size, verify, model_kwargs, distributed, randomness)
+    return (sums, norms()) if return_norms else sums
+
+
+def _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer, strategy, chunk_size,
+             verify, model_kwargs, distributed, randomness
+             ) -> tuple[dict[str, torch.Tensor], Callable[[], torch.Tensor], int]:
+    """:func:`clipped_grad_sum`'s (sums, a call that gives the (B,) norms, the number of samples of every process
+    together). Under ``distributed`` a process with no samples (Poisson sampling's empty batch) adds zeros (rank 0:
+    the noise)."""
     check_distributed(distributed)
     targets = tree_map(normal_tensor, targets)
-    trainable, resolved, batch, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
-                                                    model_kwargs, randomness=randomness)
-    if generator is not None and generator.device.type != trainable.device.type:
-        raise ValueError(f"generator is on {generator.device} but the parameters are on {trainable.device}; create it "
-                         f"with torch.Generator(device={str(trainable.device)!r}).manual_seed(seed)")
-    groups = clipping_groups(trainable.names, max_norm, per_layer)
-    std = noise_multiplier * sensitivity(groups)
-    if distributed and torch.distributed.get_rank() != 0:
-        std = 0.0  # the noise is drawn once, on rank 0
-    shapes = [(n, p.shape, p.dtype, p.device) for n, p in zip(trainable.names, trainable.params, strict=True)]
+    if distributed and _empty(inputs):  # nothing to clip here; the other processes' sums come in the all-reduce
+        trainable = Trainable.of(model)
+    else:
+        trainable, resolved, batch, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
+                                                        model_kwargs, randomness=randomness)
+    groups, std, drawn, shapes = _noise_of(trainable, max_norm, noise_multiplier, generator, per_layer, distributed)
     state = None if generator is None else generator.get_state()
 
     def start() -> LazySums:  # the noise, drawn into the sums the clipped gradients are added to
         if generator is not None:
             generator.set_state(state)  # a hand-over to another route draws the same noise again
-        return LazySums(shapes, std, generator)
+        return LazySums(shapes, drawn, generator)
 
-    sums, squared = _sums(trainable, resolved, strategy, loss_fn, batch, targets, chunk, chunk_size, verify, groups,
-                          start)
+    if distributed and _empty(inputs):
+        sums, count = start(), 0
+
+        def norms() -> torch.Tensor:
+            return torch.zeros(0, dtype=trainable.dtype, device=trainable.device)
+    else:
+        sums, squared = _sums(trainable, resolved, strategy, loss_fn, batch, targets, chunk, chunk_size, verify,
+                              groups, start)
+        count = batch.size
+
+        def norms() -> torch.Tensor:
+            return torch.stack(list(squared.values())).sum(0).sqrt().to(trainable.dtype)  # float64 squares
     sums = sums.complete()
     if distributed:
-        all_reduce_sums(sums)
-    if return_norms:
-        return sums, torch.stack(list(squared.values())).sum(0).sqrt().to(trainable.dtype)  # float64 squares
-    return sums
+        count = _all_reduce(sums, count, shapes, groups, std, trainable.device)
+    return sums, norms, count
 
 
-def check_distributed(distributed: object) -> None:
-    """Refuse ``distributed=True`` outside an initialised ``torch.distributed`` process group."""
-    if not isinstance(distributed, bool):
-        raise TypeError(f"distributed must be True or False, got {distributed!r}")
-    if distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise ValueError("distributed=True needs torch.distributed initialised: run under torchrun and call "
-                         "torch.distributed.init_process_group('gloo') (or 'nccl') first")
+def _noise_of(trainable: Trainable, max_norm: float | None, noise_multiplier: float, generator: torch.Generator | None,
+              per_layer: PerLayer, distributed: bool) -> tuple[Groups, float, float, list[tuple]]:
+    """(clipping groups, the noise std, the std this process draws (under ``distributed`` rank 0 alone draws),
+    [(name, shape, dtype, device)] of the trainable parameters); a generator on another device refused."""
+    if generator is not None and generator.device.type != trainable.device.type:
+        raise ValueError(f"generator is on {generator.device} but the parameters are on {trainable.device}; create it "
+                         f"with torch.Generator(device={str(trainable.device)!r}).manual_seed(seed)")
+    groups = clipping_groups(trainable.names, max_norm, per_layer)
+    std = noise_multiplier * sensitivity(groups)
+    drawn = 0.0 if distributed and torch.distributed.get_rank() != 0 else std
+    shapes = [(n, p.shape, p.dtype, p.device) for n, p in zip(trainable.names, trainable.params, strict=True)]
+    return groups, std, drawn, shapes
 
 
-def all_reduce_sums(sums: dict[str, torch.Tensor]) -> None:
-    """Sum every process's ``sums`` in place, in one all-reduce of one flat buffer."""
-    if not sums:
-        return
-    flat = torch.cat([t.reshape(-1) for t in sums.values()])
-    torch.distributed.all_reduce(flat)
-    for t, part in zip(sums.values(), flat.split([t.numel() for t in sums.values()]), strict=True):
-        t.copy_(part.view(t.shape))
+def _all_reduce(sums: dict[str, torch.Tensor], count: int, shapes: list[tuple], groups: Groups, std: float,
+                device: torch.device) -> int:
+    """Every process's ``sums`` added in place; returns the samples of every process together (the processes'
+    models and clipping checked to be the same first, ``processes.agreed_count``)."""
+    count = agreed_count(count, shapes, (tuple(groups), std), device)
+    all_reduce_sums(sums)
+    return count
 
 
 def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, batch, targets: object, chunk: int,
@@ -218,6 +238,7 @@ def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, b
                          may_race=False)  # book-keeping never builds (B, P); torch_func would
 
 
+@computing_gradients
 def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, max_norm: float | None, *,
             noise_multiplier: float, generator: torch.Generator | None, expected_batch_size: int | None = None,
             **options) -> dict[str, torch.Tensor]:
@@ -242,26 +263,37 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
                                             or not isinstance(expected_batch_size, int) or expected_batch_size < 1):
         raise ValueError(f"expected_batch_size must be a positive int (e.g. round(sample_rate * len(dataset))) or "
                          f"None, got {expected_batch_size!r}")
-    if _empty(inputs) and not options.get("distributed"):  # Poisson sampling's empty batch: noise alone
+    distributed = options.get("distributed", False)
+    if _empty(inputs) and not distributed:  # Poisson sampling's empty batch: noise alone
         if expected_batch_size is None:
-            raise ValueError("empty batch (B = 0, as Poisson sampling draws with probability (1 - q)^n): its DP "
-                             "step is noise alone, over the expected batch size; pass expected_batch_size= (e.g. "
-                             "round(sample_rate * len(dataset))), or call pv.noise_step for it")
+            raise ValueError(_EMPTY)
         return noise_step(model, max_norm, noise_multiplier=noise_multiplier, generator=generator,
-                          expected_batch_size=expected_batch_size)
-    sums, norms = clipped_grad_sum(model, loss_fn, inputs, targets, max_norm, noise_multiplier=noise_multiplier,
-                                   generator=generator, return_norms=True, **options)
+                          expected_batch_size=expected_batch_size, per_layer=options.get("per_layer", False))
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise TypeError(f"dp_step() got unexpected keyword argument(s) {sorted(unknown)}; it takes "
+                        f"{sorted(_OPTIONS)} as clipped_grad_sum does")
+    max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator,
+                                                               options.pop("per_layer", False))
+    sums, _, count = _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer,
+                              options.get("strategy", "auto"), options.get("chunk_size"), options.get("verify", True),
+                              options.get("model_kwargs"), distributed, options.get("randomness", "error"))
     divisor = expected_batch_size
     if divisor is None:  # this batch's size (under distributed=True: over every process)
-        count = torch.tensor(float(norms.shape[0]), dtype=torch.float64, device=norms.device)
-        if options.get("distributed"):
-            torch.distributed.all_reduce(count)
-        divisor = int(count.item())
+        if count == 0:  # every process's batch empty (the same count on every process: each raises)
+            raise ValueError(_EMPTY.replace("empty batch", "empty batches on every process"))
+        divisor = count
     params = dict(model.named_parameters())
     for name, total in sums.items():
         total.div_(divisor)
         params[name].grad = total
     return sums
+
+
+_OPTIONS = frozenset({"per_layer", "strategy", "chunk_size", "verify", "model_kwargs", "distributed", "randomness"})
+_EMPTY = ("empty batch (B = 0, as Poisson sampling draws with probability (1 - q)^n): its DP step is noise alone, over "
+          "the expected batch size; pass expected_batch_size= (e.g. round(sample_rate * len(dataset))), or call "
+          "pv.noise_step for it")
 
 
 def _empty(inputs: object) -> bool:
@@ -271,16 +303,24 @@ def _empty(inputs: object) -> bool:
     return first is not None and first.dim() > 0 and first.shape[0] == 0
 
 
-def noise_step(model: nn.Module, max_norm: float, *, noise_multiplier: float, generator: torch.Generator,
-               expected_batch_size: int) -> dict[str, torch.Tensor]:
+def noise_step(model: nn.Module, max_norm: float | None, *, noise_multiplier: float, generator: torch.Generator | None,
+               expected_batch_size: int, per_layer: PerLayer = False, distributed: bool = False
+               ) -> dict[str, torch.Tensor]:
     """The DP step of an empty batch (Poisson sampling draws one with probability (1 - q)^n): ``.grad`` = noise of
-    std ``noise_multiplier * max_norm`` / ``expected_batch_size``, drawn from ``generator`` as :func:`dp_step` draws
-    it, so that every step the accountant counts is taken. Returns the tensors now in ``.grad``."""
-    max_norm, noise_multiplier, _ = check_dp_arguments(max_norm, noise_multiplier, generator, False)
+    std ``noise_multiplier`` times the sensitivity (``max_norm``; with ``per_layer`` as :func:`clipped_grad_sum`)
+    / ``expected_batch_size``, drawn from ``generator`` as :func:`dp_step` draws it, so that every step the
+    accountant counts is taken (``distributed=True``: drawn on rank 0 alone and shared by an all-reduce, as
+    :func:`dp_step` draws it). Returns the tensors now in ``.grad``."""
+    max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
     if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1:
         raise ValueError(f"expected_batch_size must be a positive int, got {expected_batch_size!r}")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    sums = initial_sums([(n, p.shape, p.dtype, p.device) for n, p in named], noise_multiplier * max_norm, generator)
-    for n, p in named:
-        p.grad = sums[n].div_(expected_batch_size)
+    check_distributed(distributed)
+    trainable = Trainable.of(model)
+    groups, std, drawn, shapes = _noise_of(trainable, max_norm, noise_multiplier, generator, per_layer, distributed)
+    sums = initial_sums(shapes, drawn, generator)
+    if distributed:
+        _all_reduce(sums, 0, shapes, groups, std, trainable.device)
+    params = dict(model.named_parameters())
+    for name, total in sums.items():
+        params[name].grad = total.div_(expected_batch_size)
     return sums

@@ -1,5 +1,8 @@
-"""Run by tests/derived/test_dp_distributed.py under torchrun: each rank takes its own samples of one fixed batch,
-pv.dp_step(distributed=True), rank 0 saves .grad to the file named on the command line."""
+"""Run by tests/derived/test_dp_distributed.py under torchrun: each rank takes its own samples of one fixed batch
+(an even split, then all on one rank and none on the other, as Poisson sampling may draw, then none on either) and
+calls pv.dp_step(distributed=True); then calls that must fail on every rank alike (different models, empty batches
+with no expected batch size). Rank 0 saves {case: .grad or the error's message} to the file named on the command
+line."""
 
 import sys
 
@@ -17,17 +20,52 @@ def problem():
     return model, nn.CrossEntropyLoss(), x, y
 
 
+SPLITS = {"even": (5, 5), "rank 1 empty": (10, 0), "rank 0 empty": (0, 10)}
+PER_LAYER = {"0": 0.2, "2": 0.4}
+
+
+def step(rank, mine, **options):
+    model, loss_fn, x, y = problem()
+    pv.dp_step(model, loss_fn, x[mine], y[mine], options.pop("max_norm", 0.3), noise_multiplier=1.5,
+               generator=torch.Generator().manual_seed(7 + rank), distributed=True, **options)  # only rank 0 draws
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def failure(call):
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 if __name__ == "__main__":
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model, loss_fn, x, y = problem()
-    mine = slice(rank * 10 // world, (rank + 1) * 10 // world)  # rank 0: samples 0-4, rank 1: 5-9
-    pv.dp_step(model, loss_fn, x[mine], y[mine], 0.3, noise_multiplier=1.5,
-               generator=torch.Generator().manual_seed(7 + rank), distributed=True)  # only rank 0 draws
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    results = {}
+    for case, sizes in SPLITS.items():
+        first = sum(sizes[:rank])
+        results[case] = step(rank, slice(first, first + sizes[rank]))
+    results["per_layer, rank 1 empty"] = step(rank, slice(0, 10 if rank == 0 else 0), max_norm=None,
+                                              per_layer=PER_LAYER)
+    results["both empty"] = step(rank, slice(0, 0), expected_batch_size=4)
+    model = problem()[0]
+    pv.noise_step(model, 0.3, noise_multiplier=1.5, generator=torch.Generator().manual_seed(7 + rank),
+                  expected_batch_size=4, distributed=True)
+    results["noise_step"] = {n: p.grad for n, p in model.named_parameters()}
+    results["both empty, no expected size"] = failure(lambda: step(rank, slice(0, 0)))
+    wider = nn.Sequential(nn.Linear(6, 5 + rank), nn.Tanh(), nn.Linear(5 + rank, 3)).double()
+    x, y = problem()[2:]
+    results["different models"] = failure(lambda: pv.clipped_grad_sum(wider, nn.CrossEntropyLoss(), x[:5], y[:5],
+                                                                      0.3, distributed=True))
+    results["different bounds"] = failure(lambda: step(rank, slice(5 * rank, 5 * rank + 5), max_norm=0.3 + rank))
+    results["even, again"] = step(rank, slice(5 * rank, 5 * rank + 5))  # the processes still in step
     gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, grads)
+    torch.distributed.all_gather_object(gathered, results)
     if rank == 0:
-        assert all(torch.equal(g[n], grads[n]) for g in gathered for n in grads), "ranks disagree"
-        torch.save(grads, sys.argv[1])
+        for case, mine in results.items():
+            other = gathered[1][case]
+            same = other == mine if isinstance(mine, str) else all(torch.equal(other[n], mine[n]) for n in mine)
+            assert same, f"ranks disagree: {case}"
+        torch.save(results, sys.argv[1])
     torch.distributed.destroy_process_group()

@@ -1,17 +1,19 @@
 """pv.dp_step(distributed=True) under torchrun (2 processes, gloo, 127.0.0.1): the same step as one process given
 the whole batch with the same seed (each rank clips its own samples, the sums are all-reduced, rank 0 draws the
-noise once)."""
+noise once), whichever rank holds the samples, none at all included; processes passing different models or bounds,
+or empty batches with no expected batch size, fail alike on every rank and stay in step."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from dp_two_ranks import problem
+from dp_two_ranks import PER_LAYER, SPLITS, problem
 
 import pergrad_viz as pv
 from pergrad_viz.bench.scans import free_port
@@ -19,24 +21,69 @@ from pergrad_viz.bench.scans import free_port
 HERE = Path(__file__).resolve().parent
 
 
-def test_two_processes_give_the_step_of_one(tmp_path):
-    out = tmp_path / "grads.pt"
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """{case: .grad or error message} of the 2-process run (dp_two_ranks.py)."""
+    out = tmp_path_factory.mktemp("ranks") / "grads.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(HERE.parent.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "dp_two_ranks.py"), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    two = torch.load(out)
+    return torch.load(out)
+
+
+def one_process(**options) -> dict[str, torch.Tensor]:
     model, loss_fn, x, y = problem()
-    pv.dp_step(model, loss_fn, x, y, 0.3, noise_multiplier=1.5, generator=torch.Generator().manual_seed(7))
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(two[n], p.grad, rtol=1e-12, atol=1e-14)
+    pv.dp_step(model, loss_fn, x, y, options.pop("max_norm", 0.3), noise_multiplier=1.5,
+               generator=torch.Generator().manual_seed(7), **options)
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("case", [*SPLITS, "even, again"])
+def test_two_processes_give_the_step_of_one_wherever_the_samples_are(two, case):
+    assert_same(two[case], one_process())
+
+
+def test_the_noise_is_in_it(two):
+    model, loss_fn, x, y = problem()
     noiseless = pv.clipped_grad_sum(model, loss_fn, x, y, 0.3)
-    assert all(not torch.allclose(two[n] * 10, noiseless[n]) for n in noiseless)  # the noise is in it
+    assert all(not torch.allclose(two["even"][n] * 10, noiseless[n]) for n in noiseless)
+
+
+def test_per_layer_bounds_with_an_empty_process(two):
+    assert_same(two["per_layer, rank 1 empty"], one_process(max_norm=None, per_layer=PER_LAYER))
+
+
+def test_empty_batches_on_every_process_take_the_noise_step_of_one(two):
+    model = problem()[0]
+    want = pv.noise_step(model, 0.3, noise_multiplier=1.5, generator=torch.Generator().manual_seed(7),
+                         expected_batch_size=4)
+    assert_same(two["both empty"], want)
+    assert_same(two["noise_step"], want)
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("both empty, no expected size", "empty batches on every process.*expected_batch_size="),
+    ("different models", "processes passed different models or clipping"),
+    ("different bounds", "processes passed different models or clipping"),
+])
+def test_disagreeing_processes_fail_alike_on_every_rank(two, case, message):
+    assert isinstance(two[case], str)
+    assert re.search(message, two[case]), two[case]
 
 
 def test_distributed_needs_a_process_group():
     model, loss_fn, x, y = problem()
     with pytest.raises(ValueError, match="init_process_group"):
         pv.clipped_grad_sum(model, loss_fn, x, y, 1.0, distributed=True)
+    with pytest.raises(ValueError, match="init_process_group"):
+        pv.noise_step(model, 1.0, noise_multiplier=1.0, generator=torch.Generator(), expected_batch_size=2,
+                      distributed=True)

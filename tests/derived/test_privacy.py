@@ -163,6 +163,32 @@ def test_dp_step_on_an_empty_batch_is_the_noise_step(inputs):
                    generator=torch.Generator().manual_seed(4))
 
 
+def test_an_empty_batch_with_bounds_per_layer_draws_their_noise():
+    """per_layer={prefix: bound} (max_norm=None): the empty batch's noise has the groups' sensitivity
+    sqrt(sum_k C_k^2), in dp_step and noise_step alike."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)).double()
+    bounds = {"0": 0.3, "1": 0.4}  # sensitivity 0.5
+    pv.dp_step(model, nn.CrossEntropyLoss(), torch.zeros(0, 3, dtype=torch.float64), torch.zeros(0, dtype=torch.long),
+               None, noise_multiplier=2.0, generator=torch.Generator().manual_seed(4), expected_batch_size=10,
+               per_layer=bounds)
+    sums = sums_mod.initial_sums([(n, p.shape, p.dtype, p.device) for n, p in model.named_parameters()], 1.0,
+                                 torch.Generator().manual_seed(4))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, sums[n] / 10)
+    again = pv.noise_step(model, None, noise_multiplier=2.0, generator=torch.Generator().manual_seed(4),
+                          expected_batch_size=10, per_layer=bounds)
+    for n in sums:
+        torch.testing.assert_close(again[n], sums[n] / 10)
+
+
+def test_dp_step_names_an_unknown_option():
+    model = nn.Linear(3, 2).double()
+    with pytest.raises(TypeError, match="unexpected keyword.*'chunks'"):
+        pv.dp_step(model, nn.CrossEntropyLoss(), torch.zeros(2, 3, dtype=torch.float64),
+                   torch.zeros(2, dtype=torch.long),
+                   0.5, noise_multiplier=0.0, generator=None, chunks=2)
+
+
 class _DictInput(nn.Module):
     def __init__(self, inner):
         super().__init__()

@@ -1,0 +1,50 @@
+"""The clipped sum over several processes (``torch.distributed``: torchrun, gloo on CPU, NCCL on CUDA): each process
+clips its own samples (possibly none: Poisson sampling draws empty batches), one small all-reduce counts the samples
+and checks that every process passed the same model and the same clipping, one all-reduce adds the sums.
+
+Every process takes the same collectives in the same order whatever its batch, so that none waits on another."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+
+def check_distributed(distributed: object) -> None:
+    """Refuse ``distributed=True`` outside an initialised ``torch.distributed`` process group."""
+    if not isinstance(distributed, bool):
+        raise TypeError(f"distributed must be True or False, got {distributed!r}")
+    if distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError("distributed=True needs torch.distributed initialised: run under torchrun and call "
+                         "torch.distributed.init_process_group('gloo') (or 'nccl') first")
+
+
+def agreed_count(batch: int, shapes: list[tuple], clipping: tuple, device: torch.device) -> int:
+    """The number of samples of every process together, from one all-reduce of 3 float64 numbers (B, f, f^2, where
+    f fingerprints this process's trainable parameters ``shapes`` [(name, shape, dtype, device)] and ``clipping``):
+    ValueError on every process where the processes passed different models or clipping (their sums would be
+    added as if they were one model's)."""
+    described = repr([(n, tuple(s), str(d)) for n, s, d, _ in shapes] + [clipping]).encode()
+    mark = zlib.crc32(described) % (1 << 20) + 1  # the same in every process (Python's hash() of a str is not)
+    numbers = torch.tensor([batch, mark, mark * mark], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(numbers)
+    count, marks, squares = (int(v) for v in numbers.tolist())  # exact: each under 2^53
+    world = torch.distributed.get_world_size()
+    if marks * marks != world * squares:  # equal only where every process's mark is the same (Cauchy-Schwarz)
+        raise ValueError(
+            "distributed=True: the processes passed different models or clipping (trainable parameters' names, "
+            "shapes and dtypes, max_norm, per_layer, noise_multiplier); every process must pass the same, each "
+            "with its own samples"
+        )
+    return count
+
+
+def all_reduce_sums(sums: dict[str, torch.Tensor]) -> None:
+    """Sum every process's ``sums`` in place, in one all-reduce of one flat buffer."""
+    if not sums:
+        return
+    flat = torch.cat([t.reshape(-1) for t in sums.values()])
+    torch.distributed.all_reduce(flat)
+    for t, part in zip(sums.values(), flat.split([t.numel() for t in sums.values()]), strict=True):
+        t.copy_(part.view(t.shape))
