@@ -34,7 +34,7 @@ from pergrad_viz.core.loss_reads import loss_of_output
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.numbers import SQUARES
 from pergrad_viz.core.trainable import Trainable, restoring_modes
-from pergrad_viz.derived.clipping import Groups, clip_factors
+from pergrad_viz.derived.clipping import Groups, check_finite, clip_factors
 from pergrad_viz.derived.norms import (
     TiedPart,
     dense_part,
@@ -352,13 +352,16 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
             whole = rows.stop - rows.start == batch
             if whole:  # one chunk: the book's norms as they are, in float64 (one stack, not a conversion each)
                 present = [n for n in trainable.names if n in book.squared]
-                wide = dict(zip(present, torch.stack([book.squared[n] for n in present]).to(SQUARES).unbind(0)
-                                if present else (), strict=True))
+                stacked = torch.stack([book.squared[n] for n in present]).to(SQUARES) if present else None
+                if stacked is not None:
+                    check_finite(stacked)
+                wide = dict(zip(present, stacked.unbind(0) if present else (), strict=True))
                 squared = {n: wide[n] if n in wide else zeros() for n in trainable.names}
             else:
                 squared = squared or {n: zeros() for n in trainable.names}
                 for name, sq in book.squared.items():
                     squared[name][rows] = sq
+                check_finite(torch.stack([s[rows] for s in squared.values()]), rows.start)
             factors = clip_factors(squared if whole else {n: s[rows] for n, s in squared.items()}, groups,
                                    trainable.dtype)
             sums = start() if sums is None else sums
@@ -383,6 +386,7 @@ def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_f
                                            verify):
         for name, g in grads.items():
             squared[name][rows] = row_squared_norms(g)
+        check_finite(torch.stack([s[rows] for s in squared.values()]), rows.start)
         factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups, trainable.dtype)
         with torch.no_grad():
             for name, g in grads.items():

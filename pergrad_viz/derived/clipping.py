@@ -6,6 +6,7 @@ Shapes: B samples, P trainable scalars. Gradients come either flat, (B, P), or a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -20,6 +21,23 @@ EPS = 1e-6  # added to the norm in the scale factor, as Opacus does
 
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
 Groups = Sequence[tuple[float, tuple[str, ...]]]
+
+def check_finite(squared: torch.Tensor, first: int = 0) -> None:
+    """ValueError naming the samples whose gradient is not finite, from their squared norms ``squared`` (B,) or (K,
+    B) (float64: a finite float32 gradient's square is finite; ``first``: the batch row of column 0). One such sample
+    would make the whole clipped sum NaN (its clip factor is 0 or NaN, and 0 * inf is NaN), and the loop's sum of
+    the definition is NaN too: refused, naming the rows, before anything is summed. One host read of one sum."""
+    if math.isfinite(squared.sum().item()):
+        return
+    bad = ~torch.isfinite(squared if squared.dim() == 1 else squared.sum(0))
+    rows = [first + i for i in bad.nonzero().flatten().tolist()]
+    raise ValueError(
+        f"sample(s) {rows[:8]}{' ...' if len(rows) > 8 else ''} of this batch have a gradient that is not finite (inf "
+        "or NaN: an input or target holding inf / NaN, or a loss that overflows), so their clip factor is undefined "
+        "and the clipped sum would be NaN in every entry. Drop those samples (e.g. keep the rows where "
+        "torch.isfinite(x).flatten(1).all(1)), or find what overflows with pv.per_sample_grad_norms"
+    )
+
 
 def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """{name: (B,) c} in ``dtype`` with c = min(1, C_k / (||g_i||_k + 1e-6)), the norm over the parameters of name's

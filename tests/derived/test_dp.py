@@ -416,3 +416,32 @@ def test_doubly_tied_and_shared_layers():
     x = torch.tensor([[1, 2, 1], [3, 3, 0], [5, 4, 2], [0, 1, 5]])
     y = torch.tensor([0, 3, 5, 1])
     check(model, nn.CrossEntropyLoss(), x, y, median_bound(model, nn.CrossEntropyLoss(), x, y), strategy="hooks")
+
+
+@pytest.mark.parametrize("strategy, chunk_size", [("hooks", None), ("hooks", 2), ("torch_func", None),
+                                                  ("loop", None), ("auto", None)])
+def test_a_sample_with_a_non_finite_gradient_is_named_not_summed(strategy, chunk_size):
+    """One sample with an inf input makes its gradient inf / NaN, and 0 * inf would make every entry of the sum NaN
+    (the loop's sum of the definition is NaN too): refused, naming the batch row, before .grad is touched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 2, (5,))
+    x[3, 1] = math.inf
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"sample\(s\) \[3\] of this batch have a gradient that is not finite"):
+        pv.clipped_grad_sum(model, nn.CrossEntropyLoss(), x, y, 1.0, strategy=strategy, chunk_size=chunk_size)
+    with pytest.raises(ValueError, match=r"sample\(s\) \[3\]"):
+        pv.dp_step(model, nn.CrossEntropyLoss(), x, y, 1.0, noise_multiplier=0.0, generator=None, strategy=strategy)
+    assert_state_unchanged(model, before)
+    x[3, 1] = 0.0  # the same batch made finite: the definition
+    want, _ = loop_clipped_sum(model, nn.CrossEntropyLoss(), x, y, [(1.0, [n for n, _ in model.named_parameters()])])
+    assert_sums_close(pv.clipped_grad_sum(model, nn.CrossEntropyLoss(), x, y, 1.0, strategy=strategy,
+                                          chunk_size=chunk_size), want)
+
+
+def test_a_nan_target_is_named_too():
+    model = nn.Linear(3, 2).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    y[0, 1] = math.nan
+    with pytest.raises(ValueError, match=r"sample\(s\) \[0\]"):
+        pv.clipped_grad_sum(model, nn.MSELoss(reduction="sum"), x, y, 1.0)
