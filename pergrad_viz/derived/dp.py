@@ -27,7 +27,7 @@ from pergrad_viz.core.numbers import real_number
 from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
 from pergrad_viz.derived.clipping import Groups
-from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed
+from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed, failed_together
 from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
 
@@ -162,6 +162,25 @@ def _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, genera
     together). Under ``distributed`` a process with no samples (Poisson sampling's empty batch) adds zeros (rank 0:
     the noise)."""
     check_distributed(distributed)
+    if not distributed:
+        return _local(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer, strategy,
+                      chunk_size, verify, model_kwargs, False, randomness)
+    try:  # any error of this process's own part: the others are told in the counting all-reduce, and raise too
+        sums, norms, count, (groups, std, shapes) = _local(model, loss_fn, inputs, targets, max_norm,
+                                                           noise_multiplier, generator, per_layer, strategy,
+                                                           chunk_size, verify, model_kwargs, True, randomness)
+    except Exception:
+        failed_together()
+        raise
+    count = agreed_count(count, shapes, (tuple(groups), std))
+    all_reduce_sums(sums)
+    return sums, norms, count
+
+
+def _local(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer, strategy, chunk_size,
+           verify, model_kwargs, distributed, randomness) -> tuple:
+    """This process's part of :func:`_clipped`: (sums, norms, B) and, under ``distributed``, (groups, noise std,
+    shapes) for the processes' check."""
     targets = tree_map(normal_tensor, targets)
     if distributed and _empty(inputs):  # nothing to clip here; the other processes' sums come in the all-reduce
         trainable = Trainable.of(model)
@@ -189,9 +208,7 @@ def _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, genera
         def norms() -> torch.Tensor:
             return torch.stack(list(squared.values())).sum(0).sqrt().to(trainable.dtype)  # float64 squares
     sums = sums.complete()
-    if distributed:
-        count = _all_reduce(sums, count, shapes, groups, std, trainable.device)
-    return sums, norms, count
+    return (sums, norms, count, (groups, std, shapes)) if distributed else (sums, norms, count)
 
 
 def _noise_of(trainable: Trainable, max_norm: float | None, noise_multiplier: float, generator: torch.Generator | None,
@@ -206,15 +223,6 @@ def _noise_of(trainable: Trainable, max_norm: float | None, noise_multiplier: fl
     drawn = 0.0 if distributed and torch.distributed.get_rank() != 0 else std
     shapes = [(n, p.shape, p.dtype, p.device) for n, p in zip(trainable.names, trainable.params, strict=True)]
     return groups, std, drawn, shapes
-
-
-def _all_reduce(sums: dict[str, torch.Tensor], count: int, shapes: list[tuple], groups: Groups, std: float,
-                device: torch.device) -> int:
-    """Every process's ``sums`` added in place; returns the samples of every process together (the processes'
-    models and clipping checked to be the same first, ``processes.agreed_count``)."""
-    count = agreed_count(count, shapes, (tuple(groups), std), device)
-    all_reduce_sums(sums)
-    return count
 
 
 def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, batch, targets: object, chunk: int,
@@ -319,7 +327,8 @@ def noise_step(model: nn.Module, max_norm: float | None, *, noise_multiplier: fl
     groups, std, drawn, shapes = _noise_of(trainable, max_norm, noise_multiplier, generator, per_layer, distributed)
     sums = initial_sums(shapes, drawn, generator)
     if distributed:
-        _all_reduce(sums, 0, shapes, groups, std, trainable.device)
+        agreed_count(0, shapes, (tuple(groups), std))
+        all_reduce_sums(sums)
     params = dict(model.named_parameters())
     for name, total in sums.items():
         params[name].grad = total.div_(expected_batch_size)

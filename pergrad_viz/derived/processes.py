@@ -20,16 +20,20 @@ def check_distributed(distributed: object) -> None:
                          "torch.distributed.init_process_group('gloo') (or 'nccl') first")
 
 
-def agreed_count(batch: int, shapes: list[tuple], clipping: tuple, device: torch.device) -> int:
-    """The number of samples of every process together, from one all-reduce of 3 float64 numbers (B, f, f^2, where
-    f fingerprints this process's trainable parameters ``shapes`` [(name, shape, dtype, device)] and ``clipping``):
-    ValueError on every process where the processes passed different models or clipping (their sums would be
-    added as if they were one model's)."""
+def agreed_count(batch: int, shapes: list[tuple], clipping: tuple) -> int:
+    """The number of samples of every process together, from one all-reduce of 4 float64 numbers (B, f, f^2, where
+    f fingerprints this process's trainable parameters ``shapes`` [(name, shape, dtype, device)] and ``clipping``,
+    and a failure count of 0): ValueError on every process where the processes passed different models or
+    clipping (their sums would be added as if they were one model's); :class:`RuntimeError` where another
+    process failed (:func:`failed_together`)."""
     described = repr([(n, tuple(s), str(d)) for n, s, d, _ in shapes] + [clipping]).encode()
     mark = zlib.crc32(described) % (1 << 20) + 1  # the same in every process (Python's hash() of a str is not)
-    numbers = torch.tensor([batch, mark, mark * mark], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(numbers)
-    count, marks, squares = (int(v) for v in numbers.tolist())  # exact: each under 2^53
+    count, marks, squares, failures = _all_reduced([batch, mark, mark * mark, 0])
+    if failures:
+        raise RuntimeError(
+            f"distributed=True: {failures} other process(es) raised an error in this step (see their output); this "
+            "process raises too, so that none waits on the others"
+        )
     world = torch.distributed.get_world_size()
     if marks * marks != world * squares:  # equal only where every process's mark is the same (Cauchy-Schwarz)
         raise ValueError(
@@ -38,6 +42,22 @@ def agreed_count(batch: int, shapes: list[tuple], clipping: tuple, device: torch
             "with its own samples"
         )
     return count
+
+
+def failed_together() -> None:
+    """A process whose own part of the step raised joins :func:`agreed_count`'s all-reduce, marked as failed, so
+    that the others raise too instead of waiting on it (the caller then raises its own error)."""
+    _all_reduced([0, 0, 0, 1])
+
+
+def _all_reduced(numbers: list[int]) -> list[int]:
+    """The sums over every process of a few integers (one all-reduce of float64: exact below 2^53), on the CPU or,
+    under NCCL, this process's GPU."""
+    nccl = "nccl" in str(torch.distributed.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    t = torch.tensor(numbers, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return [int(v) for v in t.tolist()]
 
 
 def all_reduce_sums(sums: dict[str, torch.Tensor]) -> None:

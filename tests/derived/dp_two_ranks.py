@@ -34,8 +34,8 @@ def step(rank, mine, **options):
 def failure(call):
     try:
         call()
-    except ValueError as e:
-        return str(e)
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
     return "no error"
 
 
@@ -59,12 +59,22 @@ if __name__ == "__main__":
     results["different models"] = failure(lambda: pv.clipped_grad_sum(wider, nn.CrossEntropyLoss(), x[:5], y[:5],
                                                                       0.3, distributed=True))
     results["different bounds"] = failure(lambda: step(rank, slice(5 * rank, 5 * rank + 5), max_norm=0.3 + rank))
+    def one_rank_fails():
+        model, loss_fn, x, y = problem()
+        x[7, 0] = float("nan")  # in rank 1's samples: its own error; rank 0 is told, not left waiting
+        return pv.clipped_grad_sum(model, loss_fn, x[5 * rank:5 * rank + 5], y[5 * rank:5 * rank + 5], 0.3,
+                                   distributed=True)
+
+    results["one process fails"] = failure(one_rank_fails)
     results["even, again"] = step(rank, slice(5 * rank, 5 * rank + 5))  # the processes still in step
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, results)
     if rank == 0:
         for case, mine in results.items():
             other = gathered[1][case]
+            if case == "one process fails":
+                results[case] = [mine, other]
+                continue
             same = other == mine if isinstance(mine, str) else all(torch.equal(other[n], mine[n]) for n in mine)
             assert same, f"ranks disagree: {case}"
         torch.save(results, sys.argv[1])

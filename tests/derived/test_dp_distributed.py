@@ -80,6 +80,14 @@ def test_disagreeing_processes_fail_alike_on_every_rank(two, case, message):
     assert re.search(message, two[case]), two[case]
 
 
+def test_an_error_in_one_process_reaches_every_process(two):
+    """Rank 1's batch holds a NaN sample: rank 1 raises its own error, rank 0 is told in the counting all-reduce
+    and raises too, instead of waiting on rank 1 (and both take the next step together)."""
+    rank0, rank1 = two["one process fails"]
+    assert rank1.startswith("ValueError: sample(s) [2] of this batch have a gradient that is not finite"), rank1
+    assert rank0.startswith("RuntimeError: distributed=True: 1 other process(es) raised an error"), rank0
+
+
 def test_distributed_needs_a_process_group():
     model, loss_fn, x, y = problem()
     with pytest.raises(ValueError, match="init_process_group"):
