@@ -13,6 +13,7 @@ from torch.nn.modules import module as module_mod
 
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.volatile import skipped
 
 _PLAIN = (bool, int, float, str, type(None))
 _EXACTLY_PLAIN = frozenset(_PLAIN)  # a value of exactly one of these types is plain: no isinstance needed
@@ -97,10 +98,12 @@ def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
     per call by :meth:`Trainable.of`) its name, identity, shape, dtype and ``requires_grad``; and the call's
     ``randomness=``."""
     settings: dict[int, tuple] = {}
+    skip = skipped(trainable.model)
     return (
         inputs.signature(),
         tuple((n, id(m), type(m), type(m).forward, m.__dict__.get("forward"),
-               len(m._forward_hooks) + len(m._forward_pre_hooks), _plain_attributes(m, settings))
+               len(m._forward_hooks) + len(m._forward_pre_hooks),
+               _plain_attributes(m, settings) if n not in skip else _without(_plain_attributes(m, settings), skip[n]))
               for n, m in trainable.modules),
         tuple(settings.items()),
         len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks),
@@ -108,3 +111,7 @@ def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
               for n, p in trainable.named_parameters or trainable.model.named_parameters()),
         trainable.call.draws is not None,  # randomness='different': a plan probed with the draws held fixed
     )
+
+
+def _without(attributes: tuple, names: frozenset[str]) -> tuple:
+    return tuple(item for item in attributes if item[0] not in names)
