@@ -47,7 +47,8 @@ from pergrad_viz.core.memory import default_budget, result_bytes
 from pergrad_viz.core.numbers import SQUARES
 from pergrad_viz.core.randomness import randomness_of
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
-from pergrad_viz.engine.capture import Layer, loss_gradients
+from pergrad_viz.engine.backward import loss_gradients
+from pergrad_viz.engine.capture import Layer
 from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.plan import LayerKind

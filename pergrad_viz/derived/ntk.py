@@ -34,7 +34,8 @@ from pergrad_viz.core.memory import check_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.core.validate import batch_of
 from pergrad_viz.derived.norms import ghost_rule, stack_calls
-from pergrad_viz.engine.capture import Layer, output_gradients
+from pergrad_viz.engine.backward import output_gradients
+from pergrad_viz.engine.capture import Layer
 from pergrad_viz.engine.certify import check_ntk
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.rules import ghost_rule_for

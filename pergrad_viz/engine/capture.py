@@ -1,11 +1,7 @@
 """Forward hooks capture each layer's inputs and outputs; one backward pass gives the gradients with
-respect to the layer outputs; per layer, a closed-form rule (``pergrad_viz.rules``) or, for a layer without
-one, the per-layer fallback (``torch.func`` on that layer alone) turns both into per-sample parameter
-gradients.
-
-For per-sample gradients the backward pass is a single ordinary one (of the summed per-sample losses).
-For output Jacobians it is batched over the Y one-hot output vectors only (``is_grads_batched``), never
-over B x Y: each vector selects output j of *every* sample at once, since samples do not interact.
+respect to the layer outputs (:mod:`pergrad_viz.engine.backward`); per layer, a closed-form rule
+(``pergrad_viz.rules``) or, for a layer without one, the per-layer fallback (``torch.func`` on that layer alone)
+turns both into per-sample parameter gradients.
 
 What the rules may assume is measured, not assumed (``pergrad_viz.engine.probe``): samples that do not interact,
 where each layer's tensors hold the samples, and which layer's forward contains every use of each
@@ -27,17 +23,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch, as_pytree, from_pytree
-from pergrad_viz.core.guards import check_takes_part
-from pergrad_viz.core.layout import flat_outputs
-from pergrad_viz.core.loss_reads import loss_of_output
-from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.call_shapes import check_call, mismatch
 from pergrad_viz.engine.observe import outputs_close, tensors_of
 from pergrad_viz.engine.plan import CallSpec, LayerKind, LayerPlan, Plan
 from pergrad_viz.engine.probe import plan_for
-from pergrad_viz.engine.unplanned import refuse_unplanned, unplanned
 from pergrad_viz.errors import UnsupportedModelError
 from pergrad_viz.rules import Captured, capture_for, rule_for
 
@@ -330,71 +321,3 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
             draws.again(state)  # the next forward draws what the first did
         output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
     return output, calls
-
-
-def backward_to_layers(trainable: Trainable, calls: list[Call], total: torch.Tensor) -> list[list]:
-    """The gradients of the scalar ``total`` with respect to every captured layer output (1 backward pass, to the
-    layer outputs only; :mod:`~pergrad_viz.engine.unplanned` checked): per call, per output, (1, *shape) or None."""
-    check_takes_part(trainable, total)  # a loss_fn that detaches its result
-    tensors, where = _grad_targets(calls)
-    names, extra = unplanned(trainable)
-    if not tensors + extra:  # the loss reads a parameter only itself: the hooks' caller hands over
-        return _regroup(calls, [], (), batched=False)
-    grads = torch.autograd.grad(total, tensors + extra, allow_unused=True)
-    refuse_unplanned(names, grads[len(tensors):])
-    return _regroup(calls, where, grads[:len(tensors)], batched=False)
-
-
-def _grad_targets(calls: list[Call]) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
-    """The output tensors (then the captured internals) that carry gradients, and (call index, index) for each."""
-    tensors, where = [], []
-    for i, call in enumerate(calls):
-        for k, t in enumerate(call.outputs + call.internals):
-            if t.requires_grad:
-                tensors.append(t)
-                where.append((i, k))
-    return tensors, where
-
-
-def _regroup(calls: list[Call], where: list[tuple[int, int]], grads: tuple, batched: bool) -> list[list]:
-    """Per call, per output leaf (then per captured internal): (N, *leaf.shape) gradients (or None)."""
-    per_call: list[list] = [[None] * (len(c.outputs) + len(c.internals)) for c in calls]
-    for (i, k), g in zip(where, grads, strict=True):
-        if g is not None:
-            per_call[i][k] = g if batched else g.unsqueeze(0)
-    return per_call
-
-
-def loss_gradients(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object
-                   ) -> tuple[list[Call], list[list]]:
-    """1 forward with hooks, 1 backward of the summed per-sample losses to the layer outputs only. Returns (calls,
-    grads): per call, per output tensor, a (1, *output.shape) gradient or None."""
-    output, calls = capture(trainable, inputs)
-    if not any(t.requires_grad for c in calls for t in c.outputs):  # no layer with trainable parameters reached
-        return calls, _regroup(calls, [], (), batched=False)
-    return calls, backward_to_layers(trainable, calls, loss_of_output(trainable, loss_fn, output, targets))
-
-
-def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], list[list], int]:
-    """1 forward with hooks, 1 backward batched over the Y one-hot output vectors to the layer outputs.
-
-    Returns (calls, grads, Y): per call, per output tensor, a (Y, *output.shape) gradient or None.
-    """
-    output, calls = capture(trainable, inputs)
-    outputs = flat_outputs(output if trainable.select is None else trainable.select(output), inputs.size)  # (B, Y)
-    batch, y_count = outputs.shape
-    tensors, where = _grad_targets(calls)
-    names, extra = unplanned(trainable) if outputs.requires_grad else ([], [])
-    if not tensors and not extra:
-        return calls, _regroup(calls, [], (), batched=True), y_count
-    one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
-    asked = tensors + extra
-    try:
-        grads = torch.autograd.grad(outputs, asked, grad_outputs=one_hot, is_grads_batched=True,
-                                    allow_unused=True, retain_graph=True)
-    except (RuntimeError, NotImplementedError):  # a backward without a batching rule: one output at a time
-        rows = [torch.autograd.grad(outputs, asked, grad_outputs=one_hot[j], allow_unused=True,
-                                    retain_graph=True) for j in range(y_count)]
-        grads = tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows]) for k in range(len(asked)))
-    refuse_unplanned(names, grads[len(tensors):])
-    return calls, _regroup(calls, where, grads[:len(tensors)], batched=True), y_count

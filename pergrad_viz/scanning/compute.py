@@ -36,7 +36,8 @@ from pergrad_viz.derived.norms import (
     row_squared_norms,
     stack_calls,
 )
-from pergrad_viz.engine.capture import backward_to_layers, capture
+from pergrad_viz.engine.backward import backward_to_layers
+from pergrad_viz.engine.capture import capture
 from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import dense_grads, group_calls, tied_names
 from pergrad_viz.engine.probe import plan_for

@@ -14,7 +14,8 @@ from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.guards import check_reached
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.engine.capture import describe, loss_gradients, output_gradients
+from pergrad_viz.engine.backward import loss_gradients, output_gradients
+from pergrad_viz.engine.capture import describe
 from pergrad_viz.engine.grouping import apply_rules
 
 __all__ = ["describe", "grads", "jacobian", "working_bytes"]  # describe: how each layer is handled (the explorer's)
