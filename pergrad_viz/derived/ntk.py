@@ -37,8 +37,10 @@ from pergrad_viz.derived.norms import ghost_rule, stack_calls
 from pergrad_viz.engine.backward import output_gradients
 from pergrad_viz.engine.capture import Layer
 from pergrad_viz.engine.certify import check_ntk
+from pergrad_viz.engine.cotangents import has_fallback_layers, refuse_wrong_nesting
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.rules import ghost_rule_for
+from pergrad_viz.strategies import hooks
 
 MODES: tuple[str, ...] = ("full", "trace")
 
@@ -130,6 +132,11 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
 
     def run(used: str) -> torch.Tensor:
         if used == "hooks":
+            if has_fallback_layers(trainable, x1):  # the fallback's Jacobians: a nested vmap (engine.cotangents)
+                shapes = {n: torch.empty((0, y_count, *p.shape), dtype=p.dtype, device=p.device)
+                          for n, p in zip(trainable.names, trainable.params, strict=True)}
+                with restoring_modes(trainable):
+                    refuse_wrong_nesting(trainable, x1, "hooks", hooks.jacobian_untried, shapes)
             return _ghost_ntk(trainable, x1, x2, full, chunk)
         return _jacobian_ntk(model, x1, x2, full, chunk_size, verify, used)
 

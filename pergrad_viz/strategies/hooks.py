@@ -16,9 +16,10 @@ from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.backward import loss_gradients, output_gradients
 from pergrad_viz.engine.capture import describe
+from pergrad_viz.engine.cotangents import has_fallback_layers, refuse_wrong_nesting
 from pergrad_viz.engine.grouping import apply_rules
 
-__all__ = ["describe", "grads", "jacobian", "working_bytes"]  # describe: how each layer is handled (the explorer's)
+__all__ = ["describe", "grads", "jacobian", "jacobian_untried", "working_bytes"]  # describe: the explorer's
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -37,6 +38,13 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """1 forward, 1 backward batched over the Y outputs, then the rules; writes (B, Y, *param.shape)."""
+    if has_fallback_layers(trainable, inputs):  # a vmap over the samples of a backward batched over the outputs
+        refuse_wrong_nesting(trainable, inputs, "hooks", jacobian_untried, out)
+    jacobian_untried(trainable, inputs, out)
+
+
+def jacobian_untried(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
+    """:func:`jacobian` without its trial of the per-layer fallback's nested ``vmap`` (engine.cotangents)."""
     calls, g, _ = output_gradients(trainable, inputs)
     check_reached(trainable, calls, "model output")
     apply_rules(trainable, calls, g, {n: t.transpose(0, 1) for n, t in out.items()})

@@ -23,6 +23,7 @@ from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.cotangents import refuse_wrong_nesting
 from pergrad_viz.errors import VmapError
 from pergrad_viz.strategies.outputs import refuse_random_forward
 
@@ -155,6 +156,11 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """Writes (B, Y, *param.shape) into ``out`` with ``vmap(jacrev(outputs of one sample))``."""
     refuse_random_forward(trainable, inputs)
+    refuse_wrong_nesting(trainable, inputs, "torch_func", _jacobian, out)
+    _jacobian(trainable, inputs, out)
+
+
+def _jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     frozen = trainable.frozen_state()
     select = trainable.select or (lambda o: o)
 

@@ -1,0 +1,89 @@
+"""Whether ``vmap`` over the samples of a backward batched over output vectors (``vmap(jacrev)``: ``torch_func``'s
+Jacobian, and the per-layer fallback's inside ``hooks``' Jacobian) gives this model's numbers. A batching rule can be
+wrong where both are batched: PyTorch 2.14's of ``torch.cdist``'s backward gives other Jacobians for two samples
+vmapped together than for each alone (each level alone is right: ``vmap(grad)``, ``jacrev`` of one sample), and
+with ``verify=False`` nothing else would catch it. Measured once per plan key and ``output=``: the strategy's own
+Jacobian of samples 0 and 1 together against each alone (three small runs); where they differ, the strategy hands
+over (``auto``: the next one; the loop is the definition)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.tolerances import tolerance
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.plan import LayerKind
+from pergrad_viz.engine.plan_key import plan_key
+from pergrad_viz.engine.probe import plan_for
+from pergrad_viz.errors import HandOverError
+
+JacobianFn = Callable[[Trainable, Batch, dict[str, torch.Tensor]], None]  # writes (B, Y, *shape) into out
+
+_FOUND: weakref.WeakKeyDictionary[nn.Module, dict[tuple, str | None]] = weakref.WeakKeyDictionary()
+
+
+def has_fallback_layers(trainable: Trainable, inputs: Batch) -> bool:
+    """Whether some layer of the plan takes the per-layer fallback (``torch.func`` on that layer: its Jacobian is a
+    ``vmap`` over the samples of a ``vjp`` batched over output vectors)."""
+    return any(lp.kind is LayerKind.FALLBACK for lp in plan_for(trainable, inputs).layers.values())
+
+
+def refuse_wrong_nesting(trainable: Trainable, inputs: Batch, strategy: str, jacobian: JacobianFn,
+                         out: dict[str, torch.Tensor]) -> None:
+    """HandOverError where ``jacobian`` (``strategy``'s, unguarded) gives samples 0 and 1 together other Jacobians
+    than each alone; ``out``: the call's result {name: (B, Y, *shape)}, whose shapes the trial takes."""
+    if inputs.size < 2:
+        return
+    key = (trainable.call.key or plan_key(trainable, inputs), _selection(trainable.select), strategy)
+    found = _FOUND.setdefault(trainable.model, {})
+    if key not in found:
+        if len(found) >= 16:  # input signatures and output= selections change: kept small
+            found.clear()
+        found[key] = _measured(trainable, inputs, jacobian, out)
+    why = found[key]
+    if why is not None:
+        raise HandOverError(f"{why}: the {strategy} strategy cannot give this model's Jacobian. Use strategy='auto' "
+                            "or 'loop'", reason=why)
+
+
+def _measured(trainable: Trainable, inputs: Batch, jacobian: JacobianFn, out: dict[str, torch.Tensor]) -> str | None:
+    def empty(n: int) -> dict[str, torch.Tensor]:
+        return {name: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device) for name, t in out.items()}
+
+    together = empty(2)
+    jacobian(trainable, inputs.rows(slice(0, 2)), together)
+    for i in range(2):
+        alone = empty(1)
+        jacobian(trainable, inputs.rows(slice(i, i + 1)), alone)
+        for name, t in alone.items():
+            want, got = t[0], together[name][i]
+            rtol = tolerance(want.dtype, want.device).check
+            if not _close(got, want, rtol):
+                return (f"vmap over the samples of a backward batched over output vectors gives two samples other "
+                        f"Jacobians than each alone here (parameter {name!r}: a wrong batching rule in PyTorch, such "
+                        "as torch.cdist's backward's)")
+    return None
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> bool:
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)):
+        return False
+    got, want = got[finite].double(), want[finite].double()
+    return float(torch.linalg.vector_norm(got - want)) <= rtol * max(float(torch.linalg.vector_norm(want)), 1e-300)
+
+
+def _selection(select: object) -> object:
+    """What identifies an ``output=`` function across calls (a new lambda each call has the same code and the same
+    objects in its closure)."""
+    if select is None:
+        return None
+    code = getattr(select, "__code__", None)
+    if code is None:
+        return id(select)
+    return code, tuple(id(cell.cell_contents) for cell in (select.__closure__ or ()))

@@ -1,0 +1,65 @@
+"""PyTorch 2.14 batches torch.cdist's backward wrongly where a vmap over the samples holds a backward batched over
+output vectors (vmap of jacrev): torch_func's Jacobian, and the per-layer fallback's inside hooks'. Each level alone is
+right. pergrad_viz.engine.cotangents tries the strategy's own Jacobian on two samples together and alone, once per
+plan: the wrong strategies hand over, so that every Jacobian and NTK equals the loop here (each sample and output
+alone, in this file) even with verify=False; where the nesting is right, nothing changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_dict_close, ref_jacobian
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz.errors import HandOverError
+
+
+class Prototypes(nn.Module):
+    """Distances to learnt prototypes (a prototype network / RBF head): ``c`` is used in the root's own forward,
+    which takes the per-layer fallback."""
+
+    def __init__(self, prototypes: int = 2):
+        super().__init__()
+        self.embed = nn.Linear(4, 3)
+        self.c = nn.Parameter(torch.randn(prototypes, 3))
+
+    def forward(self, x):
+        h = self.embed(x)[:, None]  # (B, 1, 3)
+        return torch.cdist(h, self.c[None].expand(x.shape[0], -1, -1))[:, 0]  # (B, prototypes)
+
+
+def _problem():
+    torch.manual_seed(0)
+    return Prototypes().double(), torch.randn(5, 4, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_auto_jacobian_through_cdist_equals_the_loop(verify):
+    model, x = _problem()
+    for _ in range(2):  # the trial's finding is kept: the second call too
+        assert_dict_close(pv.per_sample_jacobian(model, x, verify=verify), ref_jacobian(model, x),
+                          rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["hooks", "torch_func"])
+def test_the_nesting_strategies_refuse_naming_the_fix(strategy):
+    model, x = _problem()
+    with pytest.raises(HandOverError, match=r"torch\.cdist.*strategy='auto' or 'loop'"):
+        pv.per_sample_jacobian(model, x, strategy=strategy, verify=False)
+
+
+def test_ntk_through_cdist_equals_the_loop():
+    model, x = _problem()
+    jac = ref_jacobian(model, x)
+    flat = torch.cat([j.reshape(5, 2, -1) for j in jac.values()], dim=2)
+    want = torch.einsum("iyp,jzp->ijyz", flat, flat)
+    torch.testing.assert_close(pv.empirical_ntk(model, x, verify=False), want, rtol=1e-9, atol=1e-12)
+
+
+def test_where_the_nesting_is_right_torch_func_still_runs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    got = pv.per_sample_jacobian(model, x, strategy="torch_func", verify=False)
+    assert_dict_close(got, ref_jacobian(model, x), rtol=1e-9, atol=1e-12)
