@@ -305,7 +305,7 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     check_takes_part(trainable, total)  # a loss_fn that detaches its result
     del output, calls, wanted
     names, extra = unplanned(trainable)
-    refuse_unplanned(names, torch.autograd.grad(total, lowest + extra, allow_unused=True)[len(lowest):])
+    refuse_unplanned(trainable, names, torch.autograd.grad(total, lowest + extra, allow_unused=True)[len(lowest):])
     root = total.grad_fn
     del total, lowest
     missed = [nodes[j] for j, got in enumerate(arrived) if not got]

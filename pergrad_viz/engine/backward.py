@@ -26,7 +26,7 @@ def backward_to_layers(trainable: Trainable, calls: list[Call], total: torch.Ten
     if not tensors + extra:  # the loss reads a parameter only itself: the hooks' caller hands over
         return _regroup(calls, [], (), batched=False)
     grads = torch.autograd.grad(total, tensors + extra, allow_unused=True)
-    refuse_unplanned(names, grads[len(tensors):])
+    refuse_unplanned(trainable, names, grads[len(tensors):])
     return _regroup(calls, where, grads[:len(tensors)], batched=False)
 
 
@@ -81,5 +81,5 @@ def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], l
         rows = [torch.autograd.grad(outputs, asked, grad_outputs=one_hot[j], allow_unused=True,
                                     retain_graph=True) for j in range(y_count)]
         grads = tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows]) for k in range(len(asked)))
-    refuse_unplanned(names, grads[len(tensors):])
+    refuse_unplanned(trainable, names, grads[len(tensors):])
     return calls, _regroup(calls, where, grads[:len(tensors)], batched=True), y_count

@@ -29,7 +29,8 @@ from pergrad_viz.engine.call_shapes import check_call, mismatch
 from pergrad_viz.engine.observe import outputs_close, tensors_of
 from pergrad_viz.engine.plan import CallSpec, LayerKind, LayerPlan, Plan
 from pergrad_viz.engine.probe import plan_for
-from pergrad_viz.errors import UnsupportedModelError
+from pergrad_viz.engine.volatile import forget
+from pergrad_viz.errors import PlanMismatchError, UnsupportedModelError
 from pergrad_viz.rules import Captured, capture_for, rule_for
 
 
@@ -311,7 +312,11 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
         layers = trainable.call.layers = _layers(trainable, plan)
     draws = trainable.call.draws  # randomness='different': the state its draws start from, for the check
     state = None if draws is None else draws.mark(inputs.size)
-    output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
+    try:
+        output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
+    except PlanMismatchError:  # another structure: a number left out of the plan's key counts again (volatile)
+        forget(trainable.model)
+        raise
     for every in (False, True):  # ReLU(inplace=True), `out += x`: copy what was changed, else every tensor
         changed = frozenset((*c.key, k) for c in calls for k in c.changed()) if plan.copy_captures is not True else ()
         if not changed:

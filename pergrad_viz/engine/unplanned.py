@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.volatile import forget
 from pergrad_viz.errors import PlanMismatchError
 
 
@@ -24,10 +25,12 @@ def unplanned(trainable: Trainable) -> tuple[list[str], list[torch.Tensor]]:
     return names, params
 
 
-def refuse_unplanned(names: list[str], grads) -> None:
-    """:class:`~pergrad_viz.errors.PlanMismatchError` where a parameter of ``names`` got a gradient."""
+def refuse_unplanned(trainable: Trainable, names: list[str], grads) -> None:
+    """:class:`~pergrad_viz.errors.PlanMismatchError` where a parameter of ``names`` got a gradient (the numbers left
+    out of the model's plan key then count again, :func:`~pergrad_viz.engine.volatile.forget`)."""
     for name, g in zip(names, grads, strict=True):
         if g is not None:
+            forget(trainable.model)
             raise PlanMismatchError(
                 f"trainable parameter '{name}' takes part in this call, but the probe of this model saw no layer use "
                 "it: a use the probe cannot follow (inside torch.vmap or another transform in the forward), or a "

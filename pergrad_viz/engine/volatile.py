@@ -5,7 +5,8 @@ probe found the very same plan twice for it, the attribute is left out of this m
 
 What a later value of it could still change is caught as any data-dependent behaviour is: a layer called another
 number of times or on other shapes, a parameter used outside the planned layers (per call, ``PlanMismatchError``:
-``auto`` hands over), samples made to interact (the per-call check)."""
+``auto`` hands over, and the numbers left out count again, :func:`forget`, so that the next call probes anew),
+samples made to interact (the per-call check)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ def skipped(model: nn.Module) -> dict[str, frozenset[str]]:
 
 
 _NONE: dict[str, frozenset[str]] = {}
+
+
+def forget(model: nn.Module) -> None:
+    """A call found the plan not fitting (another structure): every number left out of ``model``'s key counts again,
+    so that the next call, whose key then differs, probes the model anew (a number that now changes the plan is
+    not left out again)."""
+    _SKIPPED.pop(model, None)
+    _SEEN.pop(model, None)
 
 
 def note_probe(model: nn.Module, old: tuple[tuple, Plan], key: tuple, plan: Plan) -> bool:

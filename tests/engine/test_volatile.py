@@ -11,7 +11,7 @@ from helpers import assert_dict_close, ref_grads
 from torch import nn
 
 import pergrad_viz as pv
-from pergrad_viz.engine import probe
+from pergrad_viz.engine import probe, volatile
 
 
 class Counting(nn.Module):
@@ -78,8 +78,13 @@ def test_a_call_counter_stops_the_probes(probes, strategy):
 
 
 def test_a_step_number_set_by_the_loop_is_left_out_and_its_later_structure_still_right(probes):
-    _calls(Stepped().double(), 10, step=lambda k: k)  # from k = 6 the extra layer: auto hands over, right rows
-    assert len(probes) == 3
+    """Steps 0-2 probe (then ``step`` is left out); step 6 brings the extra layer: the plan does not fit, auto
+    hands over (the loop's rows) and ``step`` counts again; steps 7-9 probe the new structure, then it is left out
+    again."""
+    model = Stepped().double()
+    _calls(model, 12, step=lambda k: k)
+    assert len(probes) == 6
+    assert volatile.skipped(model) == {"": frozenset({"step"})}
 
 
 @pytest.mark.parametrize("setting", [{"repeats": lambda k: k % 3}, {"flip": lambda k: k % 2 == 0}],
