@@ -87,7 +87,8 @@ def assign(trainable: Trainable, uses: Mapping[str, list[Use]], why_not: Callabl
         stacks = [s for s, _func in used]
         innermost = {s[-1] if s else None for s in stacks}
         own = owners.get(id(p), [])
-        if None not in innermost and all(u in own and why_not(u) is None for u in innermost):
+        nested = any(u in s[:-1] for s in stacks for u in innermost)  # a holder's use inside another's forward
+        if None not in innermost and not nested and all(u in own and why_not(u) is None for u in innermost):
             chosen = sorted(innermost, key=list(modules).index)  # the owners themselves (tied: several)
         else:
             prefix = common_prefix(stacks)

@@ -199,7 +199,9 @@ def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> La
             len(s.in_dims) >= 1 and rule_takes_batch_dim(module, s.in_dims[0], len(s.in_rest[0]) + 1)
             and all(d is SHARED for d in s.in_dims[1:]) and s.out_dims == (s.in_dims[0],) for s in specs):
         return LayerKind.RULE
-    if call_rule_for(module) is not None:
+    # a call rule reads the layer's weights as tensors: one computed by a parametrization (its own parameters
+    # trainable: W + A @ B) leaves the parametrization's parameters to the fallback
+    if call_rule_for(module) is not None and not any("parametrizations" in ln.split(".") for ln in local):
         batch_dim = 0 if getattr(module, "batch_first", False) else 1  # (B, T, in) or (T, B, in)
         if all(s.in_dims[:1] == (batch_dim,) and s.out_dims[:1] == (batch_dim,) and len(s.in_rest[0]) == 2
                for s in specs):

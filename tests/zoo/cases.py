@@ -382,6 +382,78 @@ class RowsNet(nn.Module):
         return self.head(h.mean(1))
 
 
+class TwoNames(nn.Module):
+    """A parameter registered twice, on the parent under a second name (first in ``named_parameters()``) and as its
+    child Linear's weight, used in both forwards: the child's use lies inside the parent's forward, so the parent
+    handles it (the per-layer fallback), never the child's rule as well (which counted that use twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+        self.register_parameter("alias", self.lin.weight)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(x)) @ self.alias.t())
+
+
+class LayerScaleTiedToBias(nn.Module):
+    """A block's own scale parameter that is also its child Linear's bias (a holder's use inside another holder's
+    forward, the other way round)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.scale = self.inner.bias
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inner(x)) * self.scale)
+
+
+class LowRankUpdate(nn.Module):
+    """A parametrization with parameters of its own (LoRA written with ``register_parametrization``): W + A @ B."""
+
+    def __init__(self, shape: torch.Size, rank: int = 2):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(shape[0], rank) * 0.3)
+        self.b = nn.Parameter(torch.randn(rank, shape[1]) * 0.3)
+
+    def forward(self, weight):
+        return weight + self.a @ self.b
+
+
+def _low_rank(module: nn.Module, name: str, freeze: bool = True) -> nn.Module:
+    torch.nn.utils.parametrize.register_parametrization(module, name, LowRankUpdate(getattr(module, name).shape))
+    getattr(module.parametrizations, name).original.requires_grad_(not freeze)
+    return module
+
+
+class ParametrizedAttention(nn.Module):
+    """MultiheadAttention whose weights a trainable parametrization computes: its call rule reads the weights as
+    tensors, so the parametrization's parameters take the per-layer fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        _low_rank(self.attn.out_proj, "weight")
+        _low_rank(self.attn, "in_proj_weight")
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x)[0].mean(1))
+
+
+class ParametrizedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = _low_rank(nn.LSTM(6, 5, batch_first=True), "weight_hh_l0", freeze=False)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
 def _mlp(out: int) -> Callable[[], nn.Module]:
     return lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, out))
 
@@ -449,6 +521,14 @@ CASES: list[Case] = [
     Case("custom-scale-parameter",
          build(lambda: nn.Sequential(nn.Linear(4, 5), ScaleByWeight(5), nn.Tanh(), nn.Linear(5, 3))),
          image_inputs("custom-scale-parameter", (4,))),
+    # one parameter held by a parent and its child, used by both: handled by the parent alone
+    Case("parameter-registered-twice", build(TwoNames), image_inputs("parameter-registered-twice", (4,))),
+    Case("layer-scale-tied-to-bias", build(LayerScaleTiedToBias), image_inputs("layer-scale-tied-to-bias", (4,))),
+    # weights computed by a parametrization with trainable parameters of its own, on layers with call rules
+    Case("attention-low-rank-parametrization", build(ParametrizedAttention),
+         image_inputs("attention-low-rank-parametrization", (4, 6))),
+    Case("lstm-low-rank-parametrization", build(ParametrizedLSTM),
+         image_inputs("lstm-low-rank-parametrization", (4, 6))),
     Case("cls-token-and-position-parameters", build(ClsTokenNet),
          image_inputs("cls-token-and-position-parameters", (4, 4))),
     # a layer that sees (1, T): its (1, T, D) output goes downstream as per-sample copies (engine.broadcast)
