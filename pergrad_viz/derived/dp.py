@@ -39,7 +39,7 @@ def check_dp_arguments(max_norm: object, noise_multiplier: object, generator: ob
     """(max_norm, noise_multiplier, per_layer) as numbers (any real scalar: a float, ``np.float32(0.5)``, a 0-dim
     tensor); ValueError / TypeError naming the fix for a bad bound, noise multiplier, generator or ``per_layer``."""
     if per_layer is not True and per_layer is not False and not isinstance(per_layer, Mapping):
-        raise TypeError(f"per_layer must be True, False or a dict {{name prefix: bound}}, got {per_layer!r:.80}")
+        raise TypeError(f"per_layer must be True, False or a dict {{module prefix: bound}}, got {per_layer!r:.80}")
     if isinstance(per_layer, Mapping):
         if max_norm is not None:
             raise ValueError("with per_layer={prefix: bound, ...} the bounds are the dict's: pass max_norm=None")
@@ -48,7 +48,7 @@ def check_dp_arguments(max_norm: object, noise_multiplier: object, generator: ob
         bounds = {}
         for key, bound in per_layer.items():
             if not isinstance(key, str):
-                raise ValueError(f"per_layer's keys must be name prefixes (str), got {key!r}")
+                raise ValueError(f"per_layer's keys must be module prefixes (str, e.g. 'encoder.layer.0'), got {key!r}")
             bounds[key] = real_number(f"per_layer[{key!r}]", bound, positive=True,
                                       hint=" (the largest L2 norm that group of a sample's gradient may keep)")
         per_layer = bounds
@@ -71,7 +71,8 @@ def check_dp_arguments(max_norm: object, noise_multiplier: object, generator: ob
 def clipping_groups(names: tuple[str, ...], max_norm: float | None, per_layer: PerLayer) -> Groups:
     """[(bound, names)]: one group of every parameter (``per_layer=False``); one per parameter with bound
     max_norm / sqrt(K) (``True``: K parameters, so that the whole gradient stays within max_norm); or by the dict's
-    name prefixes, each parameter in the group of its longest prefix (``""`` matches every name)."""
+    module prefixes (a parameter's name or a module path of it, matched at dots), each parameter in the group of its
+    longest prefix (``""`` matches every name)."""
     if per_layer is False:
         return [(float(max_norm), names)]
     if per_layer is True:
@@ -126,8 +127,9 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
         generator: a ``torch.Generator`` on the parameters' device; required when ``noise_multiplier > 0`` (the noise
             is drawn from it alone, parameter by parameter in ``named_parameters()`` order).
         per_layer: False (one bound over all parameters), True (each parameter clipped alone to C / sqrt(K), K
-            trainable parameters), or ``{name prefix: bound}`` (each parameter clipped with the group of its longest
-            matching prefix, ``""`` matching all; then ``max_norm=None``).
+            trainable parameters), or ``{module prefix: bound}`` (each parameter clipped with the group of its longest
+            matching prefix, a parameter's name or a module path of it matched at dots: ``"enc"`` covers
+            ``enc.0.weight``, not ``encoder.weight``; ``""`` matching all; then ``max_norm=None``).
         return_norms: also return the (B,) norms of the per-sample gradients before clipping.
         randomness: ``"error"`` (the default: a forward that draws random numbers is refused) or ``"different"``:
             dropout and drop-path left on, as DP fine-tuning runs, each sample's gradient that of its loss under its
