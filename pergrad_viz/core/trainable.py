@@ -34,7 +34,6 @@ class CallState:
     layers: dict | None = None
     rows: tuple | None = None
     draws: object = None  # core.randomness.Draws under randomness='different', else None (refused)
-    kept: frozenset = frozenset()  # ids of parameters the hooked forward could not give its layers as leaves
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.call_shapes import check_call, mismatch
 from pergrad_viz.engine.observe import outputs_close, tensors_of
-from pergrad_viz.engine.own_parameters import OwnParameters
 from pergrad_viz.engine.plan import CallSpec, LayerKind, LayerPlan, Plan
 from pergrad_viz.engine.probe import plan_for
 from pergrad_viz.engine.volatile import forget
@@ -189,7 +188,6 @@ class _Recorder:
         self.names = {id(layer.module): name for name, layer in layers.items()}
         self.pending: dict[int, list[Captured | None]] = {}  # per capturing layer, what its forward kept
         self.before_hooks: dict[int, list[tuple]] = {}  # per layer with pre-hooks: its arguments before them
-        self.own: OwnParameters | None = None
 
     def copies(self, key: tuple) -> bool:
         return self.copy is True or (self.copy is not False and key in self.copy)
@@ -200,8 +198,6 @@ class _Recorder:
         return t.detach().clone() if copy else t.detach()
 
     def hook(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
-        if self.own is not None:
-            self.own.leave()  # the layer's real parameters back (engine.own_parameters)
         name = self.names[id(module)]
         layer = self.layers[name]
         if id(module) in self.before_hooks:  # the call's arguments as given, before the layer's own pre-hooks
@@ -265,10 +261,7 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
     spread = {name: layer for name, layer in layers.items() if layer.kind is LayerKind.BROADCAST}
     made = {name: broadcast.copies({ln: layer.module.get_parameter(ln) for ln in layer.local}, batch)
             for name, layer in spread.items()}
-    hooked = [layer for layer in layers.values() if layer.kind is not LayerKind.BROADCAST]
-    pairs = [(layer.module, layer.plan) for layer in hooked]
-    own = record.own = OwnParameters(pairs)  # each layer's forward sees its parameters as leaves
-    handles = own.install() + record.install(hooked)
+    handles = record.install([layer for layer in layers.values() if layer.kind is not LayerKind.BROADCAST])
     try:
         for layer, capture in patched:
             record.pending[id(layer.module)] = []
@@ -280,8 +273,6 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
             layer.module.__dict__.pop("forward", None)
         for h in handles:
             h.remove()
-        own.restore()
-    trainable.call.kept = frozenset(own.kept)
     return output, record.finish(spread, made)
 
 

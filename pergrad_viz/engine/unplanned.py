@@ -12,16 +12,14 @@ from pergrad_viz.errors import PlanMismatchError
 
 
 def unplanned(trainable: Trainable) -> tuple[list[str], list[torch.Tensor]]:
-    """(names, tensors) of the trainable parameters whose gradient the backward asks for, to refuse any that gets one:
-    every one the hooked forward gave its layers as leaves (:mod:`~pergrad_viz.engine.own_parameters`), so that a
-    real parameter reached means a use outside the layer that handles it (a branch the data decides), and those no
-    layer of the plan handles (a forward switched by what the plan's key does not read: a global flag, a setting in
-    an object outside the model). None is computed where none reaches them: no cost."""
-    kept = trainable.call.kept
+    """(names, tensors) of the trainable parameters no layer of this call's plan handles: the probe saw no forward
+    use them. A backward asks for their gradients too (none is computed where none reaches them: no cost), so that
+    one used now, by a forward switched by what the plan's key does not read (a global flag, a setting in an
+    object outside the model), is seen instead of given zeros."""
     planned = trainable.call.plan.planned
     names, params = [], []
     for name, p in zip(trainable.names, trainable.params, strict=True):
-        if id(p) not in kept or name not in planned:
+        if name not in planned:
             names.append(name)
             params.append(p)
     return names, params
@@ -31,14 +29,6 @@ def refuse_unplanned(trainable: Trainable, names: list[str], grads) -> None:
     """:class:`~pergrad_viz.errors.PlanMismatchError` where a parameter of ``names`` got a gradient (the numbers left
     out of the model's plan key then count again, :func:`~pergrad_viz.engine.volatile.forget`)."""
     for name, g in zip(names, grads, strict=True):
-        if g is not None and name in trainable.call.plan.planned:
-            forget(trainable.model)
-            raise PlanMismatchError(
-                f"trainable parameter '{name}' is used outside the layer that handles it in this call (a branch the "
-                "data decides, such as F.linear(h, self.lin.weight) on an outlier batch), unlike in the probe of "
-                "this model: the per-layer rules would miss that part of its gradient. Use strategy='torch_func' (or "
-                "'auto', which switches to it)."
-            )
         if g is not None:
             forget(trainable.model)
             raise PlanMismatchError(
