@@ -11,6 +11,7 @@ float64 in some PyTorch versions; data-dependent shapes such as an RNN on a ``Pa
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -24,7 +25,9 @@ from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.cotangents import refuse_wrong_nesting
-from pergrad_viz.errors import VmapError
+from pergrad_viz.engine.observe import tensors_of
+from pergrad_viz.engine.plan_key import plan_key
+from pergrad_viz.errors import HandOverError, VmapError
 from pergrad_viz.strategies.outputs import refuse_random_forward
 
 
@@ -127,10 +130,45 @@ def _functional_root(model: nn.Module) -> tuple[nn.Module, str]:
     return model, prefix
 
 
+_REACHED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str | None]] = weakref.WeakKeyDictionary()
+
+
+def _refuse_unreplaced(trainable: Trainable, inputs: Batch) -> None:
+    """HandOverError where ``functional_call`` cannot replace a parameter the forward uses (a Python reference the
+    module keeps, ``self._c = [self.weight]``): torch.func would give that parameter zeros. Found once per plan key on
+    one sample: the parameters a plain forward's output reaches against those the replaced values reach."""
+    key = trainable.call.key if trainable.call.key is not None else plan_key(trainable, inputs)
+    found = _REACHED.get(trainable.model)
+    if found is None or found[0] != key:
+        found = _REACHED[trainable.model] = (key, _unreplaced(trainable, inputs.rows(slice(0, 1))))
+    if found[1] is not None:
+        raise HandOverError(f"parameter {found[1]!r} is reached through a reference torch.func's functional_call "
+                            "cannot replace (a tensor the module keeps, e.g. self._c = [self.weight]): torch_func "
+                            "would give it zeros. Use strategy='auto' or 'loop'",
+                            reason=f"functional_call cannot replace parameter {found[1]!r}")
+
+
+def _unreplaced(trainable: Trainable, one: Batch) -> str | None:
+    def reached(output: object, tensors: list[torch.Tensor]) -> list[bool]:
+        leaves = [t for t in tensors_of(output) if t.requires_grad and t.is_floating_point()]
+        if not leaves:
+            return [False] * len(tensors)
+        total = sum(t.sum() for t in leaves)
+        return [g is not None for g in torch.autograd.grad(total, tensors, allow_unused=True)]
+
+    with torch.enable_grad():
+        plain = reached(one(trainable.model), list(trainable.params))
+        values = {n: p.detach().requires_grad_() for n, p in zip(trainable.names, trainable.params, strict=True)}
+        root, named = _functional_values(trainable, {**values, **trainable.frozen_state()})
+        replaced = reached(functional_call(root, named, one.args, one.kwargs), list(values.values()))
+    return next((n for n, a, b in zip(trainable.names, plain, replaced, strict=True) if a and not b), None)
+
+
 def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
           out: dict[str, torch.Tensor]) -> None:
     """Writes (B, *param.shape) into ``out`` with ``vmap(grad(loss of one sample))``."""
     refuse_random_forward(trainable, inputs)
+    _refuse_unreplaced(trainable, inputs)
     frozen = trainable.frozen_state()
 
     def loss_of_one(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object, state: dict = frozen
@@ -156,6 +194,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """Writes (B, Y, *param.shape) into ``out`` with ``vmap(jacrev(outputs of one sample))``."""
     refuse_random_forward(trainable, inputs)
+    _refuse_unreplaced(trainable, inputs)
     refuse_wrong_nesting(trainable, inputs, "torch_func", _jacobian, out)
     _jacobian(trainable, inputs, out)
 
