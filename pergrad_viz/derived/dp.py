@@ -164,27 +164,27 @@ def _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, genera
     together). Under ``distributed`` a process with no samples (Poisson sampling's empty batch) adds zeros (rank 0:
     the noise)."""
     check_distributed(distributed)
-    if not distributed:
-        return _local(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer, strategy,
-                      chunk_size, verify, model_kwargs, False, randomness)
-    try:  # any error of this process's own part: the others are told in the counting all-reduce, and raise too
+    try:
         sums, norms, count, (groups, std, shapes) = _local(model, loss_fn, inputs, targets, max_norm,
                                                            noise_multiplier, generator, per_layer, strategy,
-                                                           chunk_size, verify, model_kwargs, True, randomness)
+                                                           chunk_size, verify, model_kwargs, distributed, randomness)
     except Exception:
-        failed_together()
+        if distributed:  # the others are told in the counting all-reduce, and raise too instead of waiting
+            failed_together()
         raise
-    count = agreed_count(count, shapes, (tuple(groups), std))
-    all_reduce_sums(sums)
+    if distributed:
+        count = agreed_count(count, shapes, (tuple(groups), std))
+        all_reduce_sums(sums)
     return sums, norms, count
 
 
 def _local(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer, strategy, chunk_size,
            verify, model_kwargs, distributed, randomness) -> tuple:
-    """This process's part of :func:`_clipped`: (sums, norms, B) and, under ``distributed``, (groups, noise std,
-    shapes) for the processes' check."""
+    """This process's part of :func:`_clipped`: (sums, norms, B, (groups, noise std, shapes): what the processes
+    check alike)."""
     targets = tree_map(normal_tensor, targets)
-    if distributed and _empty(inputs):  # nothing to clip here; the other processes' sums come in the all-reduce
+    nothing = distributed and _empty(inputs)  # nothing to clip here; the other processes' sums come in the all-reduce
+    if nothing:
         trainable = Trainable.of(model)
     else:
         trainable, resolved, batch, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
@@ -197,7 +197,7 @@ def _local(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generato
             generator.set_state(state)  # a hand-over to another route draws the same noise again
         return LazySums(shapes, drawn, generator)
 
-    if distributed and _empty(inputs):
+    if nothing:
         sums, count = start(), 0
 
         def norms() -> torch.Tensor:
@@ -209,8 +209,7 @@ def _local(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generato
 
         def norms() -> torch.Tensor:
             return torch.stack(list(squared.values())).sum(0).sqrt().to(trainable.dtype)  # float64 squares
-    sums = sums.complete()
-    return (sums, norms, count, (groups, std, shapes)) if distributed else (sums, norms, count)
+    return sums.complete(), norms, count, (groups, std, shapes)
 
 
 def _noise_of(trainable: Trainable, max_norm: float | None, noise_multiplier: float, generator: torch.Generator | None,
