@@ -18,7 +18,7 @@ from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.tolerances import tolerance
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.plan import LayerKind
-from pergrad_viz.engine.plan_key import plan_key
+from pergrad_viz.engine.plan_key import call_key
 from pergrad_viz.engine.probe import plan_for
 from pergrad_viz.errors import HandOverError
 
@@ -39,7 +39,7 @@ def refuse_wrong_nesting(trainable: Trainable, inputs: Batch, strategy: str, jac
     than each alone; ``out``: the call's result {name: (B, Y, *shape)}, whose shapes the trial takes."""
     if inputs.size < 2:
         return
-    key = (trainable.call.key or plan_key(trainable, inputs), _selection(trainable.select), strategy)
+    key = (call_key(trainable, inputs), _selection(trainable.select), strategy)
     found = _FOUND.setdefault(trainable.model, {})
     if key not in found:
         if len(found) >= 16:  # input signatures and output= selections change: kept small

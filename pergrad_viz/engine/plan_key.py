@@ -115,3 +115,11 @@ def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
 
 def _without(attributes: tuple, names: frozenset[str]) -> tuple:
     return tuple(item for item in attributes if item[0] not in names)
+
+
+def call_key(trainable: Trainable, inputs: Batch) -> tuple:
+    """:func:`plan_key` of this call, read once and kept in ``trainable.call.key`` (the probe's ``plan_for`` keeps the
+    one it read)."""
+    if trainable.call.key is None:
+        trainable.call.key = plan_key(trainable, inputs)
+    return trainable.call.key

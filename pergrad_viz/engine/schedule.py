@@ -33,7 +33,7 @@ from torch import nn
 
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.engine.plan_key import plan_key
+from pergrad_viz.engine.plan_key import call_key
 
 FIRST = 2  # calls of a new plan that are always checked
 SHARE = 0.10  # of the time spent computing, at most, spent on checks after them
@@ -134,9 +134,7 @@ class Race:
 
 
 def _kept(trainable: Trainable, inputs: Batch) -> dict:
-    key = trainable.call.key  # read by the probe's plan_for in this call, if it ran
-    if key is None:
-        key = trainable.call.key = plan_key(trainable, inputs)
+    key = call_key(trainable, inputs)  # read by the probe's plan_for in this call, if it ran
     kept = _SCHEDULES.get(trainable.model)
     if kept is None or kept[0] != key:
         kept = (key, {})

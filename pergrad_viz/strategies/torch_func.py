@@ -26,7 +26,7 @@ from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.cotangents import refuse_wrong_nesting
 from pergrad_viz.engine.observe import tensors_of
-from pergrad_viz.engine.plan_key import plan_key
+from pergrad_viz.engine.plan_key import call_key
 from pergrad_viz.errors import HandOverError, VmapError
 from pergrad_viz.strategies.outputs import refuse_random_forward
 
@@ -137,7 +137,7 @@ def _refuse_unreplaced(trainable: Trainable, inputs: Batch) -> None:
     """HandOverError where ``functional_call`` cannot replace a parameter the forward uses (a Python reference the
     module keeps, ``self._c = [self.weight]``): torch.func would give that parameter zeros. Found once per plan key on
     one sample: the parameters a plain forward's output reaches against those the replaced values reach."""
-    key = trainable.call.key if trainable.call.key is not None else plan_key(trainable, inputs)
+    key = call_key(trainable, inputs)
     found = _REACHED.get(trainable.model)
     if found is None or found[0] != key:
         found = _REACHED[trainable.model] = (key, _unreplaced(trainable, inputs.rows(slice(0, 1))))
