@@ -208,3 +208,17 @@ def per_sample_call(quantity: str, model: nn.Module, x, y, strategy: str, flat: 
     if quantity == "grads":
         return pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy, flat=flat)
     return pv.per_sample_jacobian(model, x, strategy=strategy, flat=flat)
+
+
+def counting_calls(monkeypatch, owner: object, name: str, real=None) -> list:
+    """Replace ``owner.name`` (through ``monkeypatch``) by a wrapper that calls ``real`` (default: the attribute as it
+    was) and notes each call; returns the list the calls are noted in."""
+    calls: list = []
+    real = getattr(owner, name) if real is None else real
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counting)
+    return calls

@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import counting_calls
 from torch import nn
 
 from pergrad_viz.core import losses, validate
@@ -232,14 +233,8 @@ def test_causal_lm_loss_per_sample_losses_and_gradients_equal_the_token_loop():
                          ids=["itself", "partial sum", "partial mean"])
 def test_the_packages_sequence_losses_take_no_vmap_and_equal_the_token_loop(make, monkeypatch):
     logits, labels = lm_case()
-    calls = []
-    real = torch.func.vmap
-
-    def counting(*args, **kwargs):  # raising would not do: per_sample_losses falls back to a loop on any error
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch.func, "vmap", counting)
+    # counted, not refused: per_sample_losses falls back to a loop on any error
+    calls = counting_calls(monkeypatch, torch.func, "vmap")
     torch.testing.assert_close(per_sample_losses(make(), logits, labels), token_loop_lm(logits, labels), rtol=1e-12,
                                atol=1e-14)
     assert not calls, "vmap called for one of the package's own losses"
@@ -247,16 +242,9 @@ def test_the_packages_sequence_losses_take_no_vmap_and_equal_the_token_loop(make
 
 def test_a_wrapped_sequence_loss_goes_through_vmap_and_agrees():
     logits, labels = lm_case()
-    calls = []
-    real = torch.func.vmap
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
     wrapped = lambda o, t: losses.causal_lm_loss(o, t, reduction="sum")  # noqa: E731 - a user's own callable
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.func, "vmap", counting)
+        calls = counting_calls(mp, torch.func, "vmap")
         got = per_sample_losses(wrapped, logits, labels)
     assert calls
     torch.testing.assert_close(got, token_loop_lm(logits, labels), rtol=1e-12, atol=1e-14)

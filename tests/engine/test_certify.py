@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, ref_jacobian, snapshot
+from helpers import assert_no_hooks, assert_state_unchanged, counting_calls, ref_grads, ref_jacobian, snapshot
 from torch import nn
 from zoo.forwards import SWAP_ROWS, BranchOnBatchSize
 
@@ -116,14 +116,7 @@ def test_a_wrong_rule_is_caught_and_auto_gives_the_loop(monkeypatch):
 
 
 def test_verify_false_skips_the_check(monkeypatch):
-    calls = []
-    real = certify.check_grads
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(pv.api, "check_grads", counting)
+    calls = counting_calls(monkeypatch, pv.api, "check_grads", certify.check_grads)
     model = _mlp()
     x, y = _data()
     a = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, verify=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_dict_close, ref_grads
+from helpers import assert_dict_close, counting_calls, ref_grads
 from torch import nn
 
 import pergrad_viz as pv
@@ -47,15 +47,7 @@ class Stepped(Counting):
 
 @pytest.fixture
 def probes(monkeypatch):
-    made = []
-    real = probe._make_plan
-
-    def counting(*args, **kwargs):
-        made.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(probe, "_make_plan", counting)
-    return made
+    return counting_calls(monkeypatch, probe, "_make_plan")
 
 
 def _calls(model: nn.Module, n: int, strategy: str = "auto", **setting) -> None:
