@@ -352,10 +352,11 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
             whole = rows.stop - rows.start == batch
             if whole:  # one chunk: the book's norms as they are, in float64 (one stack, not a conversion each)
                 present = [n for n in trainable.names if n in book.squared]
-                stacked = torch.stack([book.squared[n] for n in present]).to(SQUARES) if present else None
-                if stacked is not None:
+                wide = {}
+                if present:
+                    stacked = torch.stack([book.squared[n] for n in present]).to(SQUARES)
                     check_finite(stacked)
-                wide = dict(zip(present, stacked.unbind(0) if present else (), strict=True))
+                    wide = dict(zip(present, stacked.unbind(0), strict=True))
                 squared = {n: wide[n] if n in wide else zeros() for n in trainable.names}
             else:
                 squared = squared or {n: zeros() for n in trainable.names}
