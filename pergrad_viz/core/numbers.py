@@ -70,6 +70,17 @@ def wide_square(t: torch.Tensor) -> torch.Tensor:
     return t.to(SQUARES).square()
 
 
+def row_dots(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """The dot products of matching rows, left (M, N) . right (M, N) -> (M,). On CPUs a product and its sum
+    (``linalg.vecdot``): bmm's (M, 1, N) x (M, N, 1) there took 6-25x as long from N = 512 on (2 cores, torch 2.14:
+    138 against 23 us for a GPT-2's (32, 32 * 32) Grams, 4.2 against 0.24 ms for a ViT's (16, 197 * 197));
+    elsewhere that bmm, one kernel."""
+    if left.device.type == "cpu":
+        return torch.linalg.vecdot(left, right)
+    rows = left.shape[0]
+    return torch.bmm(left.view(rows, 1, -1), right.view(rows, -1, 1)).view(rows)
+
+
 def number_of(value: object) -> float | complex | None:
     """A Python number from a number-like scalar (a numpy scalar, a 0-dim tensor), None for anything else (a bool
     too)."""

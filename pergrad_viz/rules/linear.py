@@ -10,7 +10,7 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
-from pergrad_viz.core.numbers import wide_square
+from pergrad_viz.core.numbers import row_dots, wide_square
 from pergrad_viz.rules.doubts import deferring, note_grams, tops_fit
 from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum
 from pergrad_viz.rules.scaling import scaled_unless_fit, wide_row_norms
@@ -149,9 +149,8 @@ class LinearGhost:
             if noting:
                 note_grams(*grams, tokens * tokens, a.shape[-1], g.shape[-1])
             if noting or grams_fit(*grams, a.shape[-1], g.shape[-1]):  # summed in their dtype (in float64: 6x slower)
-                batch = grams[0].shape[0]  # sum_{t,s} aa gg: one batched dot product (a kernel fewer on a GPU)
-                result["weight"] = torch.bmm(grams[0].view(batch, 1, -1), grams[1].view(batch, -1, 1)).view(
-                    batch).clamp_min(0)
+                batch = grams[0].shape[0]  # sum_{t,s} aa gg: one dot product per sample
+                result["weight"] = row_dots(grams[0].view(batch, -1), grams[1].view(batch, -1)).clamp_min(0)
                 if "bias" in local:  # ||sum_t g_t||^2 = sum_{t,s} g_t . g_s
                     result["bias"] = grams[1].sum((1, 2)).clamp_min(0)
                 return result

@@ -85,3 +85,13 @@ def test_a_count_must_be_an_integer(value):
     x = torch.randn(3, 4, dtype=torch.float64)
     assert_refuses(lambda: pv.per_sample_grads(model, nn.MSELoss(), x, x[:, :2], chunk_size=value), model,
                    "chunk_size must be a positive int")
+
+
+@pytest.mark.parametrize("width", [1, 7, 1024])
+def test_row_dots_are_each_rows_dot_product(width):
+    from pergrad_viz.core.numbers import row_dots
+
+    left, right = torch.randn(5, width, dtype=torch.float64), torch.randn(5, width, dtype=torch.float64)
+    want = torch.stack([sum(left[i, k] * right[i, k] for k in range(width)) for i in range(5)])
+    torch.testing.assert_close(row_dots(left, right), want)
+    assert row_dots(left.to("meta"), right.to("meta")).shape == (5,)  # the other devices' bmm
