@@ -51,7 +51,7 @@ from pergrad_viz.engine.capture import Call, Layer, capture, shape_only
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.lowest import StaleLowest, asked, reached
 from pergrad_viz.engine.plan import LayerKind
-from pergrad_viz.engine.unplanned import refuse_unplanned, unplanned
+from pergrad_viz.engine.unplanned import refuse_outside_uses, refuse_unplanned, unplanned
 from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for
 from pergrad_viz.rules.doubts import Doubts, doubts_for
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
@@ -303,6 +303,7 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     nodes = [t.grad_fn for _, _, t in wanted]  # the graph's nodes only: the outputs themselves are let go
     total = loss_of_output(trainable, loss_fn, output, targets)
     check_takes_part(trainable, total)  # a loss_fn that detaches its result
+    refuse_outside_uses(trainable, calls, [total.grad_fn])
     del output, calls, wanted
     names, extra = unplanned(trainable)
     refuse_unplanned(trainable, names, torch.autograd.grad(total, lowest + extra, allow_unused=True)[len(lowest):])

@@ -14,13 +14,14 @@ from pergrad_viz.core.loss_reads import loss_of_output
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.capture import Call, capture
-from pergrad_viz.engine.unplanned import refuse_unplanned, unplanned
+from pergrad_viz.engine.unplanned import refuse_outside_uses, refuse_unplanned, unplanned
 
 
 def backward_to_layers(trainable: Trainable, calls: list[Call], total: torch.Tensor) -> list[list]:
     """The gradients of the scalar ``total`` with respect to every captured layer output (1 backward pass, to the
     layer outputs only; :mod:`~pergrad_viz.engine.unplanned` checked): per call, per output, (1, *shape) or None."""
     check_takes_part(trainable, total)  # a loss_fn that detaches its result
+    refuse_outside_uses(trainable, calls, [total.grad_fn])
     tensors, where = _grad_targets(calls)
     names, extra = unplanned(trainable)
     if not tensors + extra:  # the loss reads a parameter only itself: the hooks' caller hands over
@@ -69,6 +70,7 @@ def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], l
     outputs = flat_outputs(output if trainable.select is None else trainable.select(output), inputs.size)  # (B, Y)
     batch, y_count = outputs.shape
     tensors, where = _grad_targets(calls)
+    refuse_outside_uses(trainable, calls, [outputs.grad_fn])
     names, extra = unplanned(trainable) if outputs.requires_grad else ([], [])
     if not tensors and not extra:
         return calls, _regroup(calls, [], (), batched=True), y_count

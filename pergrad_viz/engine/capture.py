@@ -66,6 +66,7 @@ class Call:
     versions: tuple[int, ...] = ()
     captured: Captured | None = None  # what the layer's capturing forward kept (see pergrad_viz.rules)
     key: tuple = ()  # (layer name, call index): with a tensor's position, what Plan.copy_captures names
+    input_nodes: tuple = ()  # the graph nodes of its tensor arguments as called (grad_fns; None for a leaf)
 
     @property
     def internals(self) -> list[torch.Tensor]:
@@ -219,7 +220,8 @@ class _Recorder:
             saved = tree_map(lambda t: self.detach(t, whole), (args, kwargs))
             saved_ins = tensors_of(saved)
         captured = self.pending[id(module)].pop() if id(module) in self.pending else None
-        call = Call(layer, saved, saved_ins, outputs, spec, captured=captured, key=key)
+        call = Call(layer, saved, saved_ins, outputs, spec, captured=captured, key=key,
+                    input_nodes=tuple(t.grad_fn for t in ins))
         call.versions = tuple(t._version for t in call.tensors())
         self.calls.append(call)
         return handed

@@ -1,0 +1,93 @@
+"""A forward that uses a layer's weight outside the layer on some batches only (a branch the data or a flag
+switches on after the probe and many calls took the other): every call is walked between the layers
+(pergrad_viz.engine.unplanned.refuse_outside_uses), so the first such batch is refused by ``hooks`` and handed over
+by ``auto``, checked or not, instead of given rows that miss that use; each result equals the loop's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_dict_close, ref_grads, ref_jacobian
+from torch import nn
+
+import pergrad_viz as pv
+
+SWITCH = {"on": False}
+
+
+class Branching(nn.Module):
+    """``a``'s weight used again outside ``a`` where an input is an outlier (``by="data"``) or a flag outside the
+    model is set (``by="flag"``)."""
+
+    def __init__(self, by: str):
+        super().__init__()
+        self.a, self.b, self.by = nn.Linear(4, 4), nn.Linear(4, 3), by
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if (x.abs() > 3).any() if self.by == "data" else SWITCH["on"]:
+            h = h + x @ self.a.weight.T
+        return self.b(h)
+
+
+def _batches(by: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    plain = torch.randn(6, 4, generator=g, dtype=torch.float64).clamp(-2.5, 2.5)
+    outlier = plain.clone()
+    if by == "data":
+        outlier[2, 1] = 4.0
+    return plain, outlier
+
+
+def _warm(model, loss_fn, x, y, by):
+    SWITCH["on"] = False
+    for _ in range(4):
+        pv.per_sample_grads(model, loss_fn, x, y, verify=False)
+        pv.clipped_grad_sum(model, loss_fn, x, y, 1.0, verify=False)
+    SWITCH["on"] = by == "flag"
+
+
+@pytest.mark.parametrize("by", ["data", "flag"])
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_later_use_outside_the_layer_gives_the_loops_rows(by, verify):
+    torch.manual_seed(0)
+    model, loss_fn = Branching(by).double(), nn.CrossEntropyLoss(reduction="sum")
+    plain, outlier = _batches(by)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    _warm(model, loss_fn, plain, y, by)
+    try:
+        want = ref_grads(model, loss_fn, outlier, y)
+        got = pv.per_sample_grads(model, loss_fn, outlier, y, verify=verify)
+        assert_dict_close(got, want, rtol=1e-10, atol=1e-12)
+        norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+        factors = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+        clipped = {n: (g * factors.view(-1, *(1,) * (g.dim() - 1))).sum(0) for n, g in want.items()}
+        summed = pv.clipped_grad_sum(model, loss_fn, outlier, y, 1.0, verify=verify)
+        assert_dict_close(summed, clipped, rtol=1e-10, atol=1e-12)
+    finally:
+        SWITCH["on"] = False
+
+
+@pytest.mark.parametrize("call", ["grads", "clipped", "jacobian"])
+def test_hooks_refuses_a_later_use_outside_the_layer(call):
+    torch.manual_seed(0)
+    model, loss_fn = Branching("data").double(), nn.CrossEntropyLoss(reduction="sum")
+    plain, outlier = _batches("data")
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    _warm(model, loss_fn, plain, y, "data")
+    run = {"grads": lambda x: pv.per_sample_grads(model, loss_fn, x, y, strategy="hooks", verify=False),
+           "clipped": lambda x: pv.clipped_grad_sum(model, loss_fn, x, y, 1.0, strategy="hooks", verify=False),
+           "jacobian": lambda x: pv.per_sample_jacobian(model, x, strategy="hooks", verify=False)}[call]
+    run(plain)  # the branch not taken: the plan fits
+    with pytest.raises(pv.PlanMismatchError, match="outside the forward of the layer that holds it"):
+        run(outlier)
+
+
+def test_the_jacobian_of_a_later_use_outside_the_layer_is_the_loops():
+    torch.manual_seed(0)
+    model = Branching("data").double()
+    plain, outlier = _batches("data")
+    for _ in range(3):
+        pv.per_sample_jacobian(model, plain, verify=False)
+    assert_dict_close(pv.per_sample_jacobian(model, outlier, verify=False), ref_jacobian(model, outlier),
+                      rtol=1e-10, atol=1e-12)
