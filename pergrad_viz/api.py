@@ -34,7 +34,7 @@ from pergrad_viz.core.validate import (
 from pergrad_viz.engine.capture import check_supported
 from pergrad_viz.engine.certify import check_grads, check_jacobian
 from pergrad_viz.engine.probe import plan_for
-from pergrad_viz.engine.schedule import Race, race_for, schedule_for
+from pergrad_viz.engine.schedule import Race, race_for, schedule_for, seen_graphs, unseen_graphs
 from pergrad_viz.errors import (
     CheckFailedError,
     HandOverError,
@@ -250,18 +250,18 @@ def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[
     if race is not None:
         race.ran(strategy, seconds)
     if check is not None and strategy != "loop":  # the loop is the definition
-        schedule = schedule_for(trainable, inputs, quantity, strategy)
-        if schedule.due():
+        schedule, unseen = schedule_for(trainable, inputs, quantity, strategy), unseen_graphs(trainable)
+        if schedule.due() or unseen:
             with restoring_modes(trainable), schedule.checking():
                 check(result, strategy)
+            seen_graphs(trainable, unseen)
         schedule.computed(seconds, inputs.size)
     return result
 
 
 def _apart(trainable: Trainable, strategy: str) -> bool:
     """Whether a plain batched backward is a valid reference for the check: ``strategy`` ran the model once on the
-    whole batch, or this call's plan found the samples apart (then ``torch_func``, timed against ``hooks`` by
-    ``auto``, is checked the same way, without forward mode's one-off cost)."""
+    whole batch, or the plan found the samples apart (``torch_func`` then checked so too, without forward mode)."""
     plan = trainable.call.plan
     return REGISTRY[strategy].batched_forward or (plan is not None and plan.interaction is None and plan.verified)
 

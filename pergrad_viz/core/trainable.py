@@ -34,6 +34,7 @@ class CallState:
     layers: dict | None = None
     rows: tuple | None = None
     draws: object = None  # core.randomness.Draws under randomness='different', else None (refused)
+    graphs: set = field(default_factory=set)  # the graphs between the layers this call's backwards took
 
 
 @dataclass(frozen=True)

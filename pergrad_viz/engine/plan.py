@@ -74,6 +74,7 @@ class Plan:
     copy_captures: bool | frozenset = False  # once a forward modified captured tensors in place: those, or all
     failed: dict[str, str] = field(default_factory=dict)  # strategy -> why the per-call check found it wrong here
     lowest: dict = field(default_factory=dict)  # a hooked forward's calls -> the outputs its backward asks for
+    graphs: set = field(default_factory=set)  # the graphs between the layers a passed check saw
     _planned: frozenset[str] | None = None
 
     @property

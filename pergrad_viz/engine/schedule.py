@@ -11,6 +11,9 @@ strategy:
 * after them a call is checked when the time spent on checks, with this one's expected cost (the last one's),
   stays within :data:`SHARE` of the time spent computing. Over many calls the checks cost at most that share, on
   any device: it is a share of measured time, not a count.
+* and a ``hooks`` call whose graph between the layers (``engine.unplanned``) no passed check saw yet, up to
+  :data:`GRAPHS` of them per plan: a forward that a flag or the data switches to another path between the layers
+  after the first calls (a coupling of the samples, ``h * x.sum(0)``) is checked on the first batch that takes it.
 
 The same account keeps ``auto``'s choice between two sound strategies (:class:`Race`): where the probe lets
 ``hooks`` run, ``torch_func`` is timed too on a few early calls, and ``auto`` runs the faster from then on, so it is
@@ -36,6 +39,7 @@ from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.plan_key import call_key
 
 FIRST = 2  # calls of a new plan that are always checked
+GRAPHS = 32  # graphs between the layers per plan whose first call is always checked
 SHARE = 0.10  # of the time spent computing, at most, spent on checks after them
 RECENT = 16  # calls whose median time per sample is a typical call's (for what a check makes the next one pay)
 MARGIN = 0.8  # auto takes torch_func over hooks where its best time is under this share of hooks' best
@@ -158,3 +162,17 @@ def race_for(trainable: Trainable, inputs: Batch, quantity: str) -> Race:
 def forget(model: nn.Module) -> None:
     """Drop ``model``'s schedules: its next calls are checked as a new plan's are."""
     _SCHEDULES.pop(model, None)
+
+
+def unseen_graphs(trainable: Trainable) -> set:
+    """The graphs between the layers this call took that no passed check of its plan saw (while it has seen fewer
+    than :data:`GRAPHS`): the call is checked, and :func:`seen_graphs` notes them once the check passed."""
+    plan = trainable.call.plan
+    if plan is None or len(plan.graphs) >= GRAPHS:
+        return set()
+    return trainable.call.graphs - plan.graphs
+
+
+def seen_graphs(trainable: Trainable, graphs: set) -> None:
+    if graphs:
+        trainable.call.plan.graphs |= graphs

@@ -53,17 +53,17 @@ def refuse_outside_uses(trainable: Trainable, calls: list[Call], roots: list) ->
     and left at its arguments (its inside, where its own parameters are, never walked). Such a use (``h +
     x @ layer.weight.T`` on the batches that take a branch, after the probe and the earlier calls took the other)
     puts a part in the parameter's gradient that the layer's rule, which sees only its outputs' gradients, would
-    miss on every row. Each node between the layers is visited once (no tensor is read)."""
+    miss on every row. Each node between the layers is visited once (no tensor is read); the kinds of node met, in
+    order, are the call's graph between the layers (``trainable.call.graphs``: one not seen before makes the call's
+    check due, :func:`~pergrad_viz.engine.schedule.unseen_graphs`: a coupling of the samples switched on since)."""
     planned = trainable.call.plan.planned
     params = {id(p): name for name, p in zip(trainable.names, trainable.params, strict=True) if name in planned}
-    if not params:
-        return
-    entries: NodeMap[tuple] = NodeMap()  # a call's output node -> its arguments' nodes
+    entries: NodeMap[tuple] = NodeMap()  # a call's output node -> (its key, its arguments' nodes)
     for call in calls:
         for t in (*call.outputs, *call.internals):
             if t.grad_fn is not None:
-                entries[t.grad_fn] = call.input_nodes
-    seen = Nodes()
+                entries[t.grad_fn] = (call.key, call.input_nodes)
+    seen, kinds = Nodes(), []
     stack = [r for r in roots if r is not None]
     while stack:
         node = stack.pop()
@@ -71,8 +71,11 @@ def refuse_outside_uses(trainable: Trainable, calls: list[Call], roots: list) ->
             continue
         seen.add(node)
         if node in entries:
-            stack.extend(entries[node])
+            key, below = entries[node]
+            kinds.append(key)
+            stack.extend(below)
             continue
+        kinds.append(type(node))
         below = node.next_functions
         if below:
             stack.extend(child for child, _ in below)
@@ -86,3 +89,4 @@ def refuse_outside_uses(trainable: Trainable, calls: list[Call], roots: list) ->
                 "batches only), so its per-layer rule would miss that part of every sample's gradient. Use "
                 "strategy='torch_func' (or 'auto', which switches to it)."
             )
+    trainable.call.graphs.add(hash(tuple(kinds)))

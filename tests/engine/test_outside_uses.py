@@ -1,16 +1,18 @@
-"""A forward that uses a layer's weight outside the layer on some batches only (a branch the data or a flag
-switches on after the probe and many calls took the other): every call is walked between the layers
-(pergrad_viz.engine.unplanned.refuse_outside_uses), so the first such batch is refused by ``hooks`` and handed over
-by ``auto``, checked or not, instead of given rows that miss that use; each result equals the loop's."""
+"""A forward that a flag or the data switches to another path between the layers after the probe and many calls
+took the first one. Every call's graph between the layers is walked (pergrad_viz.engine.unplanned): a layer's weight
+used outside the layer is refused by ``hooks`` and handed over by ``auto``, checked or not; a path no passed check
+saw makes the call's check due (pergrad_viz.engine.schedule), so that samples coupled on it are caught on that
+call. Each result equals the loop's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_dict_close, ref_grads, ref_jacobian
+from helpers import assert_dict_close, counting_calls, ref_grads, ref_jacobian
 from torch import nn
 
 import pergrad_viz as pv
+from pergrad_viz.engine import certify, schedule
 
 SWITCH = {"on": False}
 
@@ -91,3 +93,62 @@ def test_the_jacobian_of_a_later_use_outside_the_layer_is_the_loops():
         pv.per_sample_jacobian(model, plain, verify=False)
     assert_dict_close(pv.per_sample_jacobian(model, outlier, verify=False), ref_jacobian(model, outlier),
                       rtol=1e-10, atol=1e-12)
+
+
+class Coupling(nn.Module):
+    """From ``SWITCH["on"]``: each sample's hidden state scaled by ``scale(x)`` (``"batch"``: the batch's sum,
+    coupling the samples; ``"own"``: twice, each sample alone)."""
+
+    def __init__(self, scale: str):
+        super().__init__()
+        self.a, self.b, self.scale = nn.Linear(4, 4), nn.Linear(4, 3), scale
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if SWITCH["on"]:
+            h = h * (x.sum(0, keepdim=True).tanh() if self.scale == "batch" else 2.0)
+        return self.b(h)
+
+
+def _many_calls(model, loss_fn, x, y):
+    SWITCH["on"] = False
+    for _ in range(30):  # past the first checks: the schedule checks within its share of the time only
+        pv.per_sample_grads(model, loss_fn, x, y)
+        pv.clipped_grad_sum(model, loss_fn, x, y, 1.0)
+    SWITCH["on"] = True
+
+
+def test_samples_coupled_on_a_later_path_are_caught_on_its_first_call(monkeypatch):
+    monkeypatch.setattr(schedule, "SHARE", 0.0)  # after the first calls, no check for time's sake
+    torch.manual_seed(0)
+    model, loss_fn = Coupling("batch").double(), nn.CrossEntropyLoss(reduction="sum")
+    x, y = _batches("data")[0], torch.tensor([0, 1, 2, 0, 1, 2])
+    _many_calls(model, loss_fn, x, y)
+    try:
+        want = ref_grads(model, loss_fn, x, y)
+        norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+        factors = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+        clipped = {n: (g * factors.view(-1, *(1,) * (g.dim() - 1))).sum(0) for n, g in want.items()}
+        assert_dict_close(pv.clipped_grad_sum(model, loss_fn, x, y, 1.0), clipped, rtol=1e-10, atol=1e-12)
+        assert_dict_close(pv.per_sample_grads(model, loss_fn, x, y), want, rtol=1e-10, atol=1e-12)
+        with pytest.raises(pv.UnsupportedModelError, match="the samples interact"):  # found on the first call
+            pv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
+    finally:
+        SWITCH["on"] = False
+
+
+def test_a_later_path_is_checked_once(monkeypatch):
+    monkeypatch.setattr(schedule, "SHARE", 0.0)
+    torch.manual_seed(0)
+    model, loss_fn = Coupling("own").double(), nn.CrossEntropyLoss(reduction="sum")
+    x, y = _batches("data")[0], torch.tensor([0, 1, 2, 0, 1, 2])
+    _many_calls(model, loss_fn, x, y)
+    checks = counting_calls(monkeypatch, certify, "check_grads")
+    monkeypatch.setattr(pv.api, "check_grads", certify.check_grads)
+    try:
+        got = [pv.per_sample_grads(model, loss_fn, x, y) for _ in range(3)]
+        assert len(checks) == 1  # its first call
+        for g in got:
+            assert_dict_close(g, ref_grads(model, loss_fn, x, y), rtol=1e-10, atol=1e-12)
+    finally:
+        SWITCH["on"] = False
