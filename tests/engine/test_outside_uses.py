@@ -41,6 +41,13 @@ def _batches(by: str) -> tuple[torch.Tensor, torch.Tensor]:
     return plain, outlier
 
 
+def _clipped_sum(grads: dict[str, torch.Tensor], bound: float = 1.0) -> dict[str, torch.Tensor]:
+    """The loop's per-sample gradients clipped to ``bound`` and summed, as DP-SGD defines it."""
+    norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    factors = (bound / (norms + 1e-6)).clamp(max=1.0)
+    return {n: (g * factors.view(-1, *(1,) * (g.dim() - 1))).sum(0) for n, g in grads.items()}
+
+
 def _warm(model, loss_fn, x, y, by):
     SWITCH["on"] = False
     for _ in range(4):
@@ -61,9 +68,7 @@ def test_a_later_use_outside_the_layer_gives_the_loops_rows(by, verify):
         want = ref_grads(model, loss_fn, outlier, y)
         got = pv.per_sample_grads(model, loss_fn, outlier, y, verify=verify)
         assert_dict_close(got, want, rtol=1e-10, atol=1e-12)
-        norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
-        factors = (1.0 / (norms + 1e-6)).clamp(max=1.0)
-        clipped = {n: (g * factors.view(-1, *(1,) * (g.dim() - 1))).sum(0) for n, g in want.items()}
+        clipped = _clipped_sum(want)
         summed = pv.clipped_grad_sum(model, loss_fn, outlier, y, 1.0, verify=verify)
         assert_dict_close(summed, clipped, rtol=1e-10, atol=1e-12)
     finally:
@@ -126,9 +131,7 @@ def test_samples_coupled_on_a_later_path_are_caught_on_its_first_call(monkeypatc
     _many_calls(model, loss_fn, x, y)
     try:
         want = ref_grads(model, loss_fn, x, y)
-        norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
-        factors = (1.0 / (norms + 1e-6)).clamp(max=1.0)
-        clipped = {n: (g * factors.view(-1, *(1,) * (g.dim() - 1))).sum(0) for n, g in want.items()}
+        clipped = _clipped_sum(want)
         assert_dict_close(pv.clipped_grad_sum(model, loss_fn, x, y, 1.0), clipped, rtol=1e-10, atol=1e-12)
         assert_dict_close(pv.per_sample_grads(model, loss_fn, x, y), want, rtol=1e-10, atol=1e-12)
         with pytest.raises(pv.UnsupportedModelError, match="the samples interact"):  # found on the first call
