@@ -189,6 +189,7 @@ class _Recorder:
         self.names = {id(layer.module): name for name, layer in layers.items()}
         self.pending: dict[int, list[Captured | None]] = {}  # per capturing layer, what its forward kept
         self.before_hooks: dict[int, list[tuple]] = {}  # per layer with pre-hooks: its arguments before them
+        self.nodes: dict[int, list[tuple]] = {}  # per layer, its arguments' graph nodes as the call began
 
     def copies(self, key: tuple) -> bool:
         return self.copy is True or (self.copy is not False and key in self.copy)
@@ -221,7 +222,7 @@ class _Recorder:
             saved_ins = tensors_of(saved)
         captured = self.pending[id(module)].pop() if id(module) in self.pending else None
         call = Call(layer, saved, saved_ins, outputs, spec, captured=captured, key=key,
-                    input_nodes=tuple(t.grad_fn for t in ins))
+                    input_nodes=_unchanged_arguments(module, name, *self.nodes[id(module)].pop()))
         call.versions = tuple(t._version for t in call.tensors())
         self.calls.append(call)
         return handed
@@ -229,9 +230,19 @@ class _Recorder:
     def remember_arguments(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.before_hooks[id(module)].append((args, kwargs))
 
+    def note_nodes(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The call's tensor arguments, their versions and graph nodes before its forward (and its own pre-hooks)
+        ran: where the graph between the layers goes on (``engine.unplanned``)."""
+        tensors = tensors_of(args) if not kwargs else tensors_of((args, kwargs))
+        self.nodes[id(module)].append((tensors, [t._version for t in tensors], tuple(t.grad_fn for t in tensors)))
+
     def install(self, hooked: list[Layer]) -> list:
-        """Forward hooks on ``hooked`` (and pre-hooks where a layer has pre-hooks of its own); their handles."""
+        """Forward hooks on ``hooked``, and pre-hooks noting the arguments' graph nodes (and their arguments where a
+        layer has pre-hooks of its own); their handles."""
         handles = [layer.module.register_forward_hook(self.hook, with_kwargs=True) for layer in hooked]
+        for layer in hooked:
+            self.nodes[id(layer.module)] = []
+            handles.append(layer.module.register_forward_pre_hook(self.note_nodes, with_kwargs=True, prepend=True))
         for layer in hooked:
             if layer.module._forward_pre_hooks:  # the per-layer fallback replays the call, pre-hooks included
                 self.before_hooks[id(layer.module)] = []
@@ -250,6 +261,24 @@ class _Recorder:
             spec = CallSpec((), (), (0,) * len(copied), tuple(tuple(e.shape[1:]) for e in copied))
             self.calls.append(Call(layer, ((), {}), [], copied, spec, versions=tuple(e._version for e in copied)))
         return self.calls
+
+
+def _unchanged_arguments(module: nn.Module, name: str, tensors: list[torch.Tensor], versions: list[int],
+                         nodes: tuple) -> tuple:
+    """``nodes``, the graph nodes of a call's arguments as it began; :class:`PlanMismatchError` where the layer's
+    forward changed one of them in place (``x.add_(self.bias)``): what was captured is not what it computed from."""
+    for t, version in zip(tensors, versions, strict=True):
+        if t._version != version:
+            reason = (f"layer '{name}' ({type(module).__name__}) changes a tensor it was called with in place "
+                      "(`x.add_(self.bias)`, `x += ...` in its forward), so what the hooks strategy captures of the "
+                      "call is not what the layer computed from (compute on a copy there: `x = x + ...`)")
+            raise _ArgumentChangedInPlace(f"{reason}. Use strategy='torch_func' (or 'auto', which switches to it).",
+                                          reason)
+    return nodes
+
+
+class _ArgumentChangedInPlace(PlanMismatchError):
+    """A layer changed a tensor it was called with in place: the hooks strategy is refused for the plan."""
 
 
 def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool | frozenset
@@ -316,8 +345,10 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
     state = None if draws is None else draws.mark(inputs.size)
     try:
         output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
-    except PlanMismatchError:  # another structure: a number left out of the plan's key counts again (volatile)
+    except PlanMismatchError as e:  # another structure: a number left out of the plan's key counts again (volatile)
         forget(trainable.model)
+        if isinstance(e, _ArgumentChangedInPlace):  # so for every call of this plan
+            plan.demote("hooks", e.reason, batched=False)
         raise
     for every in (False, True):  # ReLU(inplace=True), `out += x`: copy what was changed, else every tensor
         changed = frozenset((*c.key, k) for c in calls for k in c.changed()) if plan.copy_captures is not True else ()
