@@ -138,7 +138,7 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
                 with restoring_modes(trainable):
                     refuse_wrong_nesting(trainable, x1, "hooks", hooks.jacobian_untried, shapes)
             return _ghost_ntk(trainable, x1, x2, full, chunk)
-        return _jacobian_ntk(model, x1, x2, full, chunk_size, verify, used)
+        return _jacobian_ntk(model, x1, x2, full, chunk_size, verify, used, output)
 
     def check(kernel: torch.Tensor, used: str) -> None:
         if used == "hooks":  # the per-sample Jacobians of the others were checked as they were computed
@@ -155,16 +155,17 @@ def _describe(x: Batch) -> str:
     return ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in x.named_leaves())
 
 
-def _jacobian_ntk(model: nn.Module, x1: Batch, x2: Batch | None, full: bool,
-                  chunk_size: int | None, verify: bool, strategy: str = "auto") -> torch.Tensor:
+def _jacobian_ntk(model: nn.Module, x1: Batch, x2: Batch | None, full: bool, chunk_size: int | None, verify: bool,
+                  strategy: str = "auto", output: Callable[[object], torch.Tensor] | None = None) -> torch.Tensor:
     """The fallback: materialise (N, Y, P) Jacobians with :func:`pergrad_viz.per_sample_jacobian` and contract.
 
     With ``strategy`` as the hand-over (``api.hand_over``) goes: ``torch_func``, which works where a layer sees its
     input as (N*T, ...) rows, then the loop.
     """
-    j1 = api.per_sample_jacobian(model, x1, strategy=strategy, flat=True, chunk_size=chunk_size, verify=verify)
+    j1 = api.per_sample_jacobian(model, x1, strategy=strategy, flat=True, chunk_size=chunk_size, verify=verify,
+                                 output=output)
     j2 = j1 if x2 is None else api.per_sample_jacobian(model, x2, strategy=strategy, flat=True,
-                                                       chunk_size=chunk_size, verify=verify)
+                                                       chunk_size=chunk_size, verify=verify, output=output)
     _check_outputs(j1.shape[1], j2.shape[1])
     kernel = torch.einsum("iyp,jzp->ijyz" if full else "iyp,jyp->ij", j1, j2)
     return _symmetrise(kernel, full) if x2 is None else kernel

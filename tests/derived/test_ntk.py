@@ -256,9 +256,18 @@ class _DictOutput(nn.Module):
         return {"logits": self.b(h), "hidden": h}
 
 
+class _DictOutputReusingAWeight(_DictOutput):
+    """The same, ``a``'s weight used again outside ``a``: ``auto`` computes each sample alone, not by hooks."""
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)) + nn.functional.linear(x, self.a.weight)
+        return {"logits": self.b(h), "hidden": h}
+
+
 @pytest.mark.parametrize("mode", ["full", "trace"])
-def test_ntk_of_a_model_returning_a_dict_takes_output(mode):
-    model = _DictOutput().double()
+@pytest.mark.parametrize("net", [_DictOutput, _DictOutputReusingAWeight])
+def test_ntk_of_a_model_returning_a_dict_takes_output(mode, net):
+    model = net().double()
     x1, x2 = torch.randn(4, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
     params = list(model.parameters())
 
