@@ -103,7 +103,15 @@ def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch
         terms = unreduced(output, targets)
         terms = terms.reshape(terms.shape[0], -1)
         return terms.sum(1) if loss_fn.reduction == "sum" else terms.mean(1)
-    batch = next(t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)).shape[0]
+    given = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
+    if given:
+        batch = given[0].shape[0]
+    else:  # no targets (a loss of the output alone): the samples are the output's first dimension
+        first = next((t for t in tree_flatten(as_pytree(output))[0] if isinstance(t, torch.Tensor) and t.dim()), None)
+        if first is None:
+            raise ValueError("targets=None, and the model's output holds no tensor with the samples first (B, ...): "
+                             "pass targets (B, ...), or return the per-sample outputs the loss reads")
+        batch = first.shape[0]
     own = sequence_loss(loss_fn)
     if own is not None and isinstance(targets, torch.Tensor):  # one mean per sample by construction: no vmap
         return _check_scalars(own(output, targets, reduction="none"), batch)
@@ -111,7 +119,7 @@ def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch
     dims = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else None, output)
     try:
         losses = torch.func.vmap(lambda o, t: loss_fn(from_pytree(_sample(o, None)), _sample(t, None)),
-                                 in_dims=(dims, 0))(output, targets)
+                                 in_dims=(dims, 0 if given else None))(output, targets)
     except Exception:  # loss functions that vmap cannot batch (data-dependent control flow, .item(), ...)
         losses = None  # one sample at a time, below: outside this block, so that the loss's own error is raised alone
     if losses is None:

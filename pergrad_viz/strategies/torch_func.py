@@ -185,7 +185,8 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 
     params = _trainable(trainable)
     leaves = inputs.leaves()
-    result = _vmapped(trainable, lambda: vmap(grad(checked), in_dims=(None, 0, 0))(params, leaves, targets),
+    by_sample = None if targets is None else 0  # targets=None: a loss of the output alone
+    result = _vmapped(trainable, lambda: vmap(grad(checked), in_dims=(None, 0, by_sample))(params, leaves, targets),
                       lambda state: loss_of_one(params, _first(leaves), _first(targets), state))
     for name in trainable.names:
         out[name].copy_(result[name])

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from helpers import counting_calls
 from torch import nn
 
+import pergrad_viz as pv
 from pergrad_viz.core import losses, validate
 from pergrad_viz.core.losses import per_sample_losses
 
@@ -282,3 +283,29 @@ def test_lm_and_classification_losses_are_exported():
 
     assert pv.causal_lm_loss is losses.causal_lm_loss
     assert pv.sequence_classification_loss is losses.sequence_classification_loss
+
+
+@pytest.mark.parametrize("strategy", ["auto", *pv.STRATEGIES])
+def test_a_loss_without_targets_reads_the_samples_from_the_output(strategy):
+    """targets=None: B is the output's first dimension (a loss of the output alone, e.g. an energy)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x = torch.randn(7, 5, dtype=torch.float64)
+
+    def energy(out, targets):
+        return out.pow(2).sum() + out[:, 0].exp().sum()
+
+    params = list(model.parameters())
+    want = [torch.cat([g.flatten() for g in torch.autograd.grad(energy(model(x[i:i + 1]), None), params)])
+            for i in range(len(x))]
+    got = pv.per_sample_grads(model, energy, x, None, strategy=strategy, flat=True)
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-10, atol=1e-12)
+    norms = torch.stack(want).norm(dim=1)
+    clipped = (torch.stack(want) * (0.5 / (norms + 1e-6)).clamp(max=1.0)[:, None]).sum(0)
+    summed = pv.clipped_grad_sum(model, energy, x, None, 0.5, strategy=strategy)
+    torch.testing.assert_close(torch.cat([t.flatten() for t in summed.values()]), clipped, rtol=1e-10, atol=1e-12)
+
+
+def test_a_loss_without_targets_of_an_output_without_samples_is_refused():
+    with pytest.raises(ValueError, match="targets=None, and the model's output holds no tensor"):
+        per_sample_losses(lambda out, t: out, torch.tensor(1.0, requires_grad=True), None)
