@@ -93,6 +93,9 @@ class Batch:
                 raise ValueError(f"empty batch: the first input tensor is a scalar {tuple(first.shape)}; pass at least "
                                  "one sample (B >= 1) with the samples first")
             size = first.shape[0]
+        if size == 0 and first.dim() and first.shape[0]:  # B read from the targets
+            raise ValueError(f"batch sizes differ: targets hold no sample but inputs has shape {tuple(first.shape)}; "
+                             "pass one target per input sample")
         if size == 0:
             raise ValueError(f"empty batch: inputs has shape {tuple(first.shape)}; pass at least one sample (B >= 1)")
         return cls(args, kwargs, size)

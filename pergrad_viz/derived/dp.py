@@ -18,18 +18,21 @@ from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from pergrad_viz import api
 from pergrad_viz.core.batch import Inputs, first_tensor, normal_tensor
 from pergrad_viz.core.losses import LossFn
-from pergrad_viz.core.numbers import real_number
+from pergrad_viz.core.numbers import real_number, whole_number
+from pergrad_viz.core.randomness import check_randomness
 from pergrad_viz.core.trainable import Trainable, computing_gradients
+from pergrad_viz.core.validate import check_strategy_name
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
 from pergrad_viz.derived.clipping import Groups
 from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed, failed_together
 from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
+from pergrad_viz.strategies import STRATEGIES
 
 PerLayer = bool | Mapping[str, float]
 
@@ -150,8 +153,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             :func:`pergrad_viz.per_sample_grads` for the batch, strategy and model (all before any work).
     """
     max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
-    if not isinstance(return_norms, bool):
-        raise TypeError(f"return_norms must be True or False, got {return_norms!r}")
+    _check_flags(verify, return_norms)
     sums, norms, _ = _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer,
                               strategy, chunk_size, verify, model_kwargs, distributed, randomness)
     return (sums, norms()) if return_norms else sums
@@ -268,20 +270,23 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
     Returns:
         ``{name: Tensor (*param.shape)}``, the tensors now in ``.grad``.
     """
-    if expected_batch_size is not None and (isinstance(expected_batch_size, bool)
-                                            or not isinstance(expected_batch_size, int) or expected_batch_size < 1):
-        raise ValueError(f"expected_batch_size must be a positive int (e.g. round(sample_rate * len(dataset))) or "
-                         f"None, got {expected_batch_size!r}")
-    distributed = options.get("distributed", False)
-    if _empty(inputs) and not distributed:  # Poisson sampling's empty batch: noise alone
-        if expected_batch_size is None:
-            raise ValueError(_EMPTY)
-        return noise_step(model, max_norm, noise_multiplier=noise_multiplier, generator=generator,
-                          expected_batch_size=expected_batch_size, per_layer=options.get("per_layer", False))
+    if expected_batch_size is not None:
+        expected_batch_size = whole_number("expected_batch_size", expected_batch_size,
+                                           hint=" (e.g. round(sample_rate * len(dataset))) or None")
     unknown = set(options) - _OPTIONS
     if unknown:
         raise TypeError(f"dp_step() got unexpected keyword argument(s) {sorted(unknown)}; it takes "
                         f"{sorted(_OPTIONS)} as clipped_grad_sum does")
+    check_strategy_name(options.get("strategy", "auto"), STRATEGIES)
+    check_randomness(options.get("randomness", "error"))
+    _check_flags(options.get("verify", True))
+    distributed = options.get("distributed", False)
+    if _empty(inputs) and not distributed:  # Poisson sampling's empty batch: noise alone
+        if expected_batch_size is None:
+            raise ValueError(_EMPTY)
+        _check_empty_targets(targets)
+        return noise_step(model, max_norm, noise_multiplier=noise_multiplier, generator=generator,
+                          expected_batch_size=expected_batch_size, per_layer=options.get("per_layer", False))
     max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator,
                                                                options.pop("per_layer", False))
     sums, _, count = _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer,
@@ -305,6 +310,20 @@ _EMPTY = ("empty batch (B = 0, as Poisson sampling draws with probability (1 - q
           "pv.noise_step for it")
 
 
+def _check_flags(verify: object, return_norms: object = False) -> None:
+    for name, value in (("verify", verify), ("return_norms", return_norms)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_empty_targets(targets: object) -> None:
+    """ValueError where an empty batch's targets hold samples (inputs and targets cut from different batches)."""
+    held = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0]]
+    if held:
+        raise ValueError(f"batch sizes differ: the inputs hold no sample but targets hold {held[0].shape[0]}; pass "
+                         "the targets of the same samples (an empty batch: no targets either)")
+
+
 def _empty(inputs: object) -> bool:
     """Whether the first tensor of ``inputs`` (which holds B first, as :class:`~pergrad_viz.core.batch.Batch`
     reads it) has no samples."""
@@ -321,8 +340,8 @@ def noise_step(model: nn.Module, max_norm: float | None, *, noise_multiplier: fl
     accountant counts is taken (``distributed=True``: drawn on rank 0 alone and shared by an all-reduce, as
     :func:`dp_step` draws it). Returns the tensors now in ``.grad``."""
     max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
-    if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1:
-        raise ValueError(f"expected_batch_size must be a positive int, got {expected_batch_size!r}")
+    expected_batch_size = whole_number("expected_batch_size", expected_batch_size,
+                                       hint=" (e.g. round(sample_rate * len(dataset)))")
     check_distributed(distributed)
     trainable = Trainable.of(model)
     groups, std, drawn, shapes = _noise_of(trainable, max_norm, noise_multiplier, generator, per_layer, distributed)

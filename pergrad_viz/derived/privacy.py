@@ -141,5 +141,14 @@ def noise_multiplier_for(target_epsilon: float, sample_rate: float, steps: int, 
             or not math.isfinite(target_epsilon) or target_epsilon <= 0:
         raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
     _, get_noise_multiplier = _accountants()
-    return float(get_noise_multiplier(target_epsilon=float(target_epsilon), target_delta=float(delta),
-                                      sample_rate=float(sample_rate), steps=steps, accountant=accountant))
+    try:
+        return float(get_noise_multiplier(target_epsilon=float(target_epsilon), target_delta=float(delta),
+                                          sample_rate=float(sample_rate), steps=steps, accountant=accountant))
+    except ValueError as e:
+        if "too low" not in str(e):
+            raise
+        raise ValueError(
+            f"no noise multiplier Opacus' {accountant} accountant can find keeps {steps} steps at sample rate "
+            f"{sample_rate} within epsilon {target_epsilon} at delta {delta} (it searches multipliers up to a bound: "
+            f"{e}); take a larger target_epsilon, fewer steps or a smaller sample rate (sample_rate=batch/dataset)"
+        ) from e

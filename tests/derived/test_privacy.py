@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -126,6 +127,7 @@ def test_noise_multiplier_for_a_target_epsilon():
     (lambda: pv.epsilon(1.0, 0.01, 0, 1e-5), "steps must be a positive int"),
     (lambda: pv.epsilon(1.0, 0.01, 10, 1e-5, accountant="gdp"), "accountant must be one of"),
     (lambda: pv.noise_multiplier_for(-1.0, 0.01, 10, 1e-5), "target_epsilon must be"),
+    (lambda: pv.noise_multiplier_for(1e-6, 0.01, 100, 1e-5), "take a larger target_epsilon, fewer steps"),
 ])
 def test_accountant_refuses_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
@@ -196,3 +198,44 @@ class _DictInput(nn.Module):
 
     def forward(self, x):
         return self.inner(x)
+
+
+@pytest.mark.parametrize(("options", "error", "match"), [
+    ({"strateg": "hooks"}, TypeError, "unexpected keyword argument"),
+    ({"strategy": "nope"}, ValueError, "unknown strategy 'nope'"),
+    ({"randomness": "x"}, ValueError, "randomness must be"),
+    ({"verify": "yes"}, TypeError, "verify must be True or False"),
+    ({"targets": torch.zeros(7, dtype=torch.long)}, ValueError, "the inputs hold no sample but targets hold 7"),
+])
+def test_an_empty_batch_checks_the_step_as_a_full_one(options, error, match):
+    """Poisson sampling's empty batch takes the noise step, after the same argument checks as any other batch."""
+    model = nn.Linear(3, 2).double()
+    targets = options.pop("targets", torch.zeros(0, dtype=torch.long))
+    with pytest.raises(error, match=match):
+        pv.dp_step(model, nn.CrossEntropyLoss(), torch.zeros(0, 3, dtype=torch.float64), targets, 0.5,
+                   noise_multiplier=2.0, generator=torch.Generator().manual_seed(4), expected_batch_size=10, **options)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("count", [np.int64(10), torch.tensor(10)], ids=["numpy", "tensor"])
+def test_expected_batch_size_is_any_whole_number(count):
+    model = nn.Linear(3, 2).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    steps = {}
+    for key, size in (("int", 10), ("other", count)):
+        steps[key] = {n: g.clone() for n, g in pv.dp_step(model, nn.CrossEntropyLoss(), x, y, 0.5, noise_multiplier=1.0,
+                                                           generator=torch.Generator().manual_seed(4),
+                                                           expected_batch_size=size).items()}
+        pv.noise_step(model, 0.5, noise_multiplier=1.0, generator=torch.Generator().manual_seed(4),
+                      expected_batch_size=size)
+        steps[key + " noise"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for key in ("", " noise"):
+        for n in steps["int" + key]:
+            torch.testing.assert_close(steps["other" + key][n], steps["int" + key][n])
+
+
+def test_empty_targets_of_a_full_batch_are_named():
+    model = nn.Linear(3, 2).double()
+    with pytest.raises(ValueError, match=r"batch sizes differ: targets hold no sample but inputs has shape \(7, 3\)"):
+        pv.dp_step(model, nn.CrossEntropyLoss(), torch.randn(7, 3, dtype=torch.float64),
+                   torch.zeros(0, dtype=torch.long), 0.5, noise_multiplier=0.0, generator=None)
