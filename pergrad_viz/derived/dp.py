@@ -94,8 +94,8 @@ def clipping_groups(names: tuple[str, ...], max_norm: float | None, per_layer: P
     if unmatched:  # a typo would leave its layer in a group with another bound, unnoticed
         raise ValueError(
             f"per_layer key(s) {unmatched} match no trainable parameter (a key is a parameter's name or a module "
-            f"prefix of it, e.g. {names[0].rsplit('.', 1)[0]!r}); trainable parameters: {list(names)[:6]}"
-            f"{' ...' if len(names) > 6 else ''}"
+            f"prefix of it, e.g. {names[0].rsplit('.', 1)[0]!r}; a weight tied to another has one name, its first in "
+            f"named_parameters()); trainable parameters: {list(names)[:6]}{' ...' if len(names) > 6 else ''}"
         )
     return [(float(per_layer[k]), tuple(ns)) for k, ns in members.items() if ns]
 
