@@ -9,7 +9,6 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from pergrad_viz.core.memory import empty_result
 from pergrad_viz.rules import writes_fresh
 
 
@@ -19,10 +18,7 @@ class LazySums(dict):
     parameter draws the earlier ones first, so the draws are the same whatever order the layers ask in), or zeros
     for ``std=0``. The layers' shares come bottom layer first, as a backward has let their activations go, so the
     sums are not all held beside every layer's captures (as plain training's ``.grad`` is made during its
-    backward); without noise, :meth:`destination` hands a tensor out unwritten to a writer that fills it. A large
-    one on a CPU is a result of its own (:func:`~pergrad_viz.core.memory.empty_result`): the memory of the last
-    step's dropped ``.grad`` of that size, written without page faults (ResNet-18's 512-channel 3 x 3 layers: zeroed
-    in 0.3 ms, 6 ms where fresh memory faults its pages in)."""
+    backward); without noise, :meth:`destination` hands a tensor out unwritten to a writer that fills it."""
 
     def __init__(self, shapes, std: float, generator: torch.Generator | None):
         super().__init__()
@@ -35,12 +31,13 @@ class LazySums(dict):
             raise KeyError(name)
         if self._std == 0:
             shape, dtype, device = self._shapes[name]
-            t = self[name] = empty_result(shape, dtype, device).zero_()
+            t = self[name] = torch.zeros(shape, dtype=dtype, device=device)
             return t
         while self._todo:
             made = self._todo.popleft()
             shape, dtype, device = self._shapes[made]
-            self[made] = empty_result(shape, dtype, device).normal_(0.0, self._std, generator=self._generator)
+            self[made] = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, self._std,
+                                                                                 generator=self._generator)
             if made == name:
                 break
         return self[name]
@@ -51,7 +48,7 @@ class LazySums(dict):
         read (``addmm_(..., beta=0)``, ``copy_``); every other time it holds values, to be added to."""
         if self._std == 0 and name not in self and name in self._shapes:
             shape, dtype, device = self._shapes[name]
-            t = self[name] = empty_result(shape, dtype, device)
+            t = self[name] = torch.empty(shape, dtype=dtype, device=device)
             return t, True
         return self[name], False
 
