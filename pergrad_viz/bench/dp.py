@@ -283,6 +283,8 @@ def _rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, rounds: int, 
                 notes["opacus ghost clipping"] = f"diff without {len(renamed)} renamed parameters"
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this model is a row with a note
             notes["opacus ghost clipping"] = f"failed: {type(e).__name__}: {str(e)[:60]}"
+    else:
+        notes["opacus ghost clipping"] = "not installed: pip install opacus (the peers extra)"
     want = pv.dp_sgd_gradient(pv.per_sample_grads(model, loss_fn, x, y, strategy="loop"), MAX_NORM, 0.0)
     diffs = {m: _max_diff(fn(), want) for m, fn in noiseless.items()}
     plain()

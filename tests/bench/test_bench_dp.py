@@ -72,3 +72,11 @@ def test_dp_rows_on_a_users_model_leaves_its_grad_and_agrees_with_the_loop():
     assert rows[0]["method"] == "forward+backward" and rows[0]["vs_plain"] == 1.0
     for name in ("pv clipped_grad_sum", "materialised + clip"):
         assert by[name]["max_diff"] < 1e-6 and by[name]["median_s"] > 0
+
+
+def test_a_missing_opacus_is_a_row_with_a_note(monkeypatch):
+    monkeypatch.setattr(bench_dp.peers, "available", lambda name: False)
+    rows = bench_dp.dp_table("mlp", batch=4, rounds=1)
+    by = {r["method"]: r for r in rows}
+    assert by["opacus ghost clipping"]["median_s"] is None
+    assert "not installed: pip install opacus" in by["opacus ghost clipping"]["note"]
