@@ -182,8 +182,9 @@ def _capturing_forward(layer: Layer, capture, pending: list[Captured | None]):
 class _Recorder:
     """One hooked forward pass's record: every call of a hooked layer, checked against the plan as it happens."""
 
-    def __init__(self, layers: dict[str, Layer], batch: int, copy: bool | frozenset):
+    def __init__(self, layers: dict[str, Layer], batch: int, copy: bool | frozenset, noting: bool = True):
         self.layers, self.batch, self.copy = layers, batch, copy  # copied: every captured tensor, or those named
+        self.noting = noting  # the arguments noted as each call begins (a plan's first pass), else read after it
         self.calls: list[Call] = []
         self.counts: Counter[str] = Counter()
         self.names = {id(layer.module): name for name, layer in layers.items()}
@@ -221,8 +222,9 @@ class _Recorder:
             saved = tree_map(lambda t: self.detach(t, whole), (args, kwargs))
             saved_ins = tensors_of(saved)
         captured = self.pending[id(module)].pop() if id(module) in self.pending else None
-        call = Call(layer, saved, saved_ins, outputs, spec, captured=captured, key=key,
-                    input_nodes=_unchanged_arguments(module, name, *self.nodes[id(module)].pop()))
+        nodes = (_unchanged_arguments(module, name, *self.nodes[id(module)].pop()) if self.noting
+                 else tuple(t.grad_fn for t in ins))
+        call = Call(layer, saved, saved_ins, outputs, spec, captured=captured, key=key, input_nodes=nodes)
         call.versions = tuple(t._version for t in call.tensors())
         self.calls.append(call)
         return handed
@@ -237,10 +239,10 @@ class _Recorder:
         self.nodes[id(module)].append((tensors, [t._version for t in tensors], tuple(t.grad_fn for t in tensors)))
 
     def install(self, hooked: list[Layer]) -> list:
-        """Forward hooks on ``hooked``, and pre-hooks noting the arguments' graph nodes (and their arguments where a
-        layer has pre-hooks of its own); their handles."""
+        """Forward hooks on ``hooked``, pre-hooks noting the arguments as each call begins (``noting``), and their
+        arguments where a layer has pre-hooks of its own; their handles."""
         handles = [layer.module.register_forward_hook(self.hook, with_kwargs=True) for layer in hooked]
-        for layer in hooked:
+        for layer in hooked if self.noting else ():
             self.nodes[id(layer.module)] = []
             handles.append(layer.module.register_forward_pre_hook(self.note_nodes, with_kwargs=True, prepend=True))
         for layer in hooked:
@@ -281,10 +283,10 @@ class _ArgumentChangedInPlace(PlanMismatchError):
     """A layer changed a tensor it was called with in place: the hooks strategy is refused for the plan."""
 
 
-def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool | frozenset
-             ) -> tuple[torch.Tensor, list[Call]]:
+def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool | frozenset,
+             noting: bool = True) -> tuple[torch.Tensor, list[Call]]:
     batch = inputs.size
-    record = _Recorder(layers, batch, copy)
+    record = _Recorder(layers, batch, copy, noting)
     # Layers whose call rule runs a forward of its own: an instance attribute for the duration of this pass.
     captures = {name: capture_for(layer.module) for name, layer in layers.items() if layer.kind is LayerKind.CALL}
     patched = [(layers[name], capture) for name, capture in captures.items() if capture is not None]
@@ -343,8 +345,9 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
         layers = trainable.call.layers = _layers(trainable, plan)
     draws = trainable.call.draws  # randomness='different': the state its draws start from, for the check
     state = None if draws is None else draws.mark(inputs.size)
+    noting = not plan.arguments_kept  # the plan's first pass notes each call's arguments as it begins
     try:
-        output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
+        output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures, noting=noting)
     except PlanMismatchError as e:  # another structure: a number left out of the plan's key counts again (volatile)
         forget(trainable.model)
         if isinstance(e, _ArgumentChangedInPlace):  # so for every call of this plan
@@ -357,5 +360,6 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
         plan.copy_captured_tensors(True if every else changed | (plan.copy_captures or frozenset()))  # from now on
         if state is not None:
             draws.again(state)  # the next forward draws what the first did
-        output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures)
+        output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures, noting=noting)
+    plan.arguments_kept = True  # no layer changed a tensor it was called with: later passes read them after calls
     return output, calls

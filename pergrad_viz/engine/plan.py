@@ -75,6 +75,7 @@ class Plan:
     failed: dict[str, str] = field(default_factory=dict)  # strategy -> why the per-call check found it wrong here
     lowest: dict = field(default_factory=dict)  # a hooked forward's calls -> the outputs its backward asks for
     graphs: set = field(default_factory=set)  # the graphs between the layers a passed check saw
+    arguments_kept: bool = False  # a hooked pass found no layer changing a tensor it was called with
     _planned: frozenset[str] | None = None
 
     @property
