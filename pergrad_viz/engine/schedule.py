@@ -174,5 +174,6 @@ def unseen_graphs(trainable: Trainable) -> set:
 
 
 def seen_graphs(trainable: Trainable, graphs: set) -> None:
+    """Note ``graphs`` (from :func:`unseen_graphs`) as seen by a passed check of the call's plan."""
     if graphs:
         trainable.call.plan.graphs |= graphs
