@@ -244,6 +244,7 @@ def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[
              check: Callable[[R, str], None] | None, quantity: str, race: Race | None = None) -> R:
     if trainable.call.draws is not None:  # from the call's first random state (core.randomness.Draws)
         trainable.call.draws.begin()
+    trainable.call.checked = check is not None and strategy != "loop"
     start = time.perf_counter()
     result = run(strategy)
     seconds = time.perf_counter() - start
@@ -347,8 +348,7 @@ def output_size(trainable: Trainable, inputs: Batch) -> int:
     if not isinstance(output, torch.Tensor):
         raise TypeError(
             f"per_sample_jacobian and empirical_ntk differentiate one output tensor, but this model returns a "
-            f"{type(output).__name__}: "
-            "say which tensor with output=, e.g. output=lambda out: out.logits (or out[0])"
+            f"{type(output).__name__}: say which tensor with output=, e.g. output=lambda out: out.logits (or out[0])"
         )
     if not output.is_floating_point():
         raise TypeError(

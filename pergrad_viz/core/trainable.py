@@ -35,6 +35,7 @@ class CallState:
     rows: tuple | None = None
     draws: object = None  # core.randomness.Draws under randomness='different', else None (refused)
     graphs: set = field(default_factory=set)  # the graphs between the layers this call's backwards took
+    checked: bool = False  # the per-call check may run on this call (verify=True): api._checked sets it
 
 
 @dataclass(frozen=True)

@@ -182,8 +182,9 @@ def _capturing_forward(layer: Layer, capture, pending: list[Captured | None]):
 class _Recorder:
     """One hooked forward pass's record: every call of a hooked layer, checked against the plan as it happens."""
 
-    def __init__(self, layers: dict[str, Layer], batch: int, copy: bool | frozenset, noting: bool = True):
-        self.layers, self.batch, self.copy = layers, batch, copy  # copied: every captured tensor, or those named
+    def __init__(self, trainable: Trainable, layers: dict[str, Layer], batch: int, copy: bool | frozenset,
+                 noting: bool = True):
+        self.trainable, self.layers, self.batch, self.copy = trainable, layers, batch, copy  # copy: what is copied
         self.noting = noting  # the arguments noted as each call begins (a plan's first pass), else read after it
         self.calls: list[Call] = []
         self.counts: Counter[str] = Counter()
@@ -222,7 +223,7 @@ class _Recorder:
             saved = tree_map(lambda t: self.detach(t, whole), (args, kwargs))
             saved_ins = tensors_of(saved)
         captured = self.pending[id(module)].pop() if id(module) in self.pending else None
-        nodes = (_unchanged_arguments(module, name, *self.nodes[id(module)].pop()) if self.noting
+        nodes = (_unchanged_arguments(module, name, *self.nodes[id(module)].pop(), self.trainable) if self.noting
                  else tuple(t.grad_fn for t in ins))
         call = Call(layer, saved, saved_ins, outputs, spec, captured=captured, key=key, input_nodes=nodes)
         call.versions = tuple(t._version for t in call.tensors())
@@ -266,27 +267,33 @@ class _Recorder:
 
 
 def _unchanged_arguments(module: nn.Module, name: str, tensors: list[torch.Tensor], versions: list[int],
-                         nodes: tuple) -> tuple:
-    """``nodes``, the graph nodes of a call's arguments as it began; :class:`PlanMismatchError` where the layer's
-    forward changed one of them in place (``x.add_(self.bias)``): what was captured is not what it computed from."""
+                         nodes: tuple, trainable: Trainable) -> tuple:
+    """``nodes``, the graph nodes of a call's arguments as it began. Where the layer's forward changed one of them in
+    place, what was captured (after the call) is what it computed from only where the change came before the use
+    (``x = relu_(x)`` at its top), not after it (``return x.add_(self.bias)``): the per-call check decides on this
+    call where it runs; unchecked (``verify=False``), :class:`PlanMismatchError`."""
     for t, version in zip(tensors, versions, strict=True):
-        if t._version != version:
-            reason = (f"layer '{name}' ({type(module).__name__}) changes a tensor it was called with in place "
-                      "(`x.add_(self.bias)`, `x += ...` in its forward), so what the hooks strategy captures of the "
-                      "call is not what the layer computed from (compute on a copy there: `x = x + ...`)")
+        if t._version == version or ("changed in place", name) in trainable.call.graphs:
+            continue
+        reason = (f"layer '{name}' ({type(module).__name__}) changes a tensor it was called with in place "
+                  "(`x.add_(self.bias)`, `x += ...` in its forward), and unchecked, the hooks strategy cannot tell "
+                  "whether what it captured of the call is what the layer computed from (compute on a copy there: "
+                  "`x = x + ...`, or keep the per-call check on: verify=True)")
+        if not trainable.call.checked:
             raise _ArgumentChangedInPlace(f"{reason}. Use strategy='torch_func' (or 'auto', which switches to it).",
                                           reason)
+        trainable.call.graphs.add(("changed in place", name))  # not seen by a passed check: this call is checked
     return nodes
 
 
 class _ArgumentChangedInPlace(PlanMismatchError):
-    """A layer changed a tensor it was called with in place: the hooks strategy is refused for the plan."""
+    """A layer changed a tensor it was called with in place, on an unchecked call: the hooks strategy is refused."""
 
 
 def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool | frozenset,
              noting: bool = True) -> tuple[torch.Tensor, list[Call]]:
     batch = inputs.size
-    record = _Recorder(layers, batch, copy, noting)
+    record = _Recorder(trainable, layers, batch, copy, noting)
     # Layers whose call rule runs a forward of its own: an instance attribute for the duration of this pass.
     captures = {name: capture_for(layer.module) for name, layer in layers.items() if layer.kind is LayerKind.CALL}
     patched = [(layers[name], capture) for name, capture in captures.items() if capture is not None]
@@ -346,12 +353,15 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
     draws = trainable.call.draws  # randomness='different': the state its draws start from, for the check
     state = None if draws is None else draws.mark(inputs.size)
     noting = not plan.arguments_kept  # the plan's first pass notes each call's arguments as it begins
+    if noting and plan.changed_in_place is not None and not trainable.call.checked:  # refused before the forward
+        raise _ArgumentChangedInPlace(f"{plan.changed_in_place}. Use strategy='torch_func' (or 'auto', which switches "
+                                      "to it).", plan.changed_in_place)
     try:
         output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures, noting=noting)
     except PlanMismatchError as e:  # another structure: a number left out of the plan's key counts again (volatile)
         forget(trainable.model)
-        if isinstance(e, _ArgumentChangedInPlace):  # so for every call of this plan
-            plan.demote("hooks", e.reason, batched=False)
+        if isinstance(e, _ArgumentChangedInPlace):  # so for every unchecked call of this plan, until a check passes
+            plan.changed_in_place = e.reason
         raise
     for every in (False, True):  # ReLU(inplace=True), `out += x`: copy what was changed, else every tensor
         changed = frozenset((*c.key, k) for c in calls for k in c.changed()) if plan.copy_captures is not True else ()

@@ -76,6 +76,7 @@ class Plan:
     lowest: dict = field(default_factory=dict)  # a hooked forward's calls -> the outputs its backward asks for
     graphs: set = field(default_factory=set)  # the graphs between the layers a passed check saw
     arguments_kept: bool = False  # a hooked pass found no layer changing a tensor it was called with
+    changed_in_place: str | None = None  # why an unchecked hooked pass was refused (a layer changed its argument)
     _planned: frozenset[str] | None = None
 
     @property
