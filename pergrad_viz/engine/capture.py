@@ -273,7 +273,7 @@ def _unchanged_arguments(module: nn.Module, name: str, tensors: list[torch.Tenso
     (``x = relu_(x)`` at its top), not after it (``return x.add_(self.bias)``): the per-call check decides on this
     call where it runs; unchecked (``verify=False``), :class:`PlanMismatchError`."""
     for t, version in zip(tensors, versions, strict=True):
-        if t._version == version or ("changed in place", name) in trainable.call.graphs:
+        if t._version == version or (_CHANGED, name) in trainable.call.graphs | trainable.call.plan.graphs:
             continue
         reason = (f"layer '{name}' ({type(module).__name__}) changes a tensor it was called with in place "
                   "(`x.add_(self.bias)`, `x += ...` in its forward), and unchecked, the hooks strategy cannot tell "
@@ -282,8 +282,11 @@ def _unchanged_arguments(module: nn.Module, name: str, tensors: list[torch.Tenso
         if not trainable.call.checked:
             raise _ArgumentChangedInPlace(f"{reason}. Use strategy='torch_func' (or 'auto', which switches to it).",
                                           reason)
-        trainable.call.graphs.add(("changed in place", name))  # not seen by a passed check: this call is checked
+        trainable.call.graphs.add((_CHANGED, name))  # not seen by a passed check: this call is checked
     return nodes
+
+
+_CHANGED = "changed in place"  # with the layer's name: what a pass where it changed an argument adds to call.graphs
 
 
 class _ArgumentChangedInPlace(PlanMismatchError):
@@ -353,7 +356,8 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
     draws = trainable.call.draws  # randomness='different': the state its draws start from, for the check
     state = None if draws is None else draws.mark(inputs.size)
     noting = not plan.arguments_kept  # the plan's first pass notes each call's arguments as it begins
-    if noting and plan.changed_in_place is not None and not trainable.call.checked:  # refused before the forward
+    if noting and plan.changed_in_place is not None and not trainable.call.checked and not any(
+            type(g) is tuple and g[0] == _CHANGED for g in plan.graphs):  # refused before the forward
         raise _ArgumentChangedInPlace(f"{plan.changed_in_place}. Use strategy='torch_func' (or 'auto', which switches "
                                       "to it).", plan.changed_in_place)
     try:
@@ -371,5 +375,6 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
         if state is not None:
             draws.again(state)  # the next forward draws what the first did
         output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures, noting=noting)
-    plan.arguments_kept = True  # no layer changed a tensor it was called with: later passes read them after calls
+    if noting and not any(type(g) is tuple and g[0] == _CHANGED for g in trainable.call.graphs):
+        plan.arguments_kept = True  # no layer changed a tensor it was called with: later passes read them after calls
     return output, calls
