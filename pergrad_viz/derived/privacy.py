@@ -85,7 +85,8 @@ class PoissonBatches:
         def collate(batch: list):
             if batch:
                 return inner(batch)
-            return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, inner([dataset[0]]))
+            return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor | list | tuple) else t, inner([dataset[0]]),
+                            is_leaf=_per_example)
 
         return collate
 
@@ -93,6 +94,13 @@ class PoissonBatches:
         for _ in range(self.steps):
             mask = torch.rand(self.n, generator=self.generator) < self.sample_rate
             yield mask.nonzero().flatten().tolist()
+
+
+def _per_example(value: object) -> bool:
+    """A collated field of one example that is no tensor (``default_collate`` keeps strings as a list, a list of
+    strings as tuples, each as long as the batch)."""
+    return isinstance(value, list | tuple) and len(value) == 1 and not isinstance(
+        value[0], list | tuple | dict | torch.Tensor)
 
 
 def _accountants():

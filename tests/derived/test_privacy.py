@@ -66,6 +66,14 @@ def test_a_dataloader_loop_takes_the_noise_step_on_an_empty_batch():
     assert empty > 5
 
 
+def test_an_empty_batch_of_dict_examples_has_no_row_in_any_field():
+    data = [{"x": torch.randn(3), "name": f"s{i}", "label": i % 2, "tags": ["a", "b"]} for i in range(20)]
+    sampler = pv.PoissonBatches(len(data), 1e-6, steps=2, generator=torch.Generator().manual_seed(0))
+    for batch in torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=sampler.collate(data)):
+        assert batch["x"].shape == (0, 3) and batch["label"].shape == (0,) and batch["name"] == []
+        assert [len(t) for t in batch["tags"]] == [0, 0]
+
+
 def copy_of(model: nn.Module) -> nn.Module:
     import copy
 
