@@ -244,13 +244,13 @@ def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[
              check: Callable[[R, str], None] | None, quantity: str, race: Race | None = None) -> R:
     if trainable.call.draws is not None:  # from the call's first random state (core.randomness.Draws)
         trainable.call.draws.begin()
-    trainable.call.checked = check is not None and strategy != "loop"
+    trainable.call.checked = check is not None and strategy != "loop"  # the loop is the definition; capture reads it
     start = time.perf_counter()
     result = run(strategy)
     seconds = time.perf_counter() - start
     if race is not None:
         race.ran(strategy, seconds)
-    if check is not None and strategy != "loop":  # the loop is the definition
+    if trainable.call.checked:
         schedule, unseen = schedule_for(trainable, inputs, quantity, strategy), unseen_graphs(trainable)
         if schedule.due() or unseen:
             with restoring_modes(trainable), schedule.checking():

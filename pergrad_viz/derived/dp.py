@@ -277,13 +277,14 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
     if unknown:
         raise TypeError(f"dp_step() got unexpected keyword argument(s) {sorted(unknown)}; it takes "
                         f"{sorted(_OPTIONS)} as clipped_grad_sum does")
-    check_strategy_name(options.get("strategy", "auto"), STRATEGIES)
-    check_randomness(options.get("randomness", "error"))
     _check_flags(options.get("verify", True))
     distributed = options.get("distributed", False)
     if _empty(inputs) and not distributed:  # Poisson sampling's empty batch: noise alone
         if expected_batch_size is None:
             raise ValueError(_EMPTY)
+        # its options checked as a full batch's are (api.prepare)
+        check_strategy_name(options.get("strategy", "auto"), STRATEGIES)
+        check_randomness(options.get("randomness", "error"))
         _check_empty_targets(targets)
         return noise_step(model, max_norm, noise_multiplier=noise_multiplier, generator=generator,
                           expected_batch_size=expected_batch_size, per_layer=options.get("per_layer", False))

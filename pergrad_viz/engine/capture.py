@@ -280,8 +280,7 @@ def _unchanged_arguments(module: nn.Module, name: str, tensors: list[torch.Tenso
                   "whether what it captured of the call is what the layer computed from (compute on a copy there: "
                   "`x = x + ...`, or keep the per-call check on: verify=True)")
         if not trainable.call.checked:
-            raise _ArgumentChangedInPlace(f"{reason}. Use strategy='torch_func' (or 'auto', which switches to it).",
-                                          reason)
+            raise _ArgumentChangedInPlace(reason)
         trainable.call.graphs.add((_CHANGED, name))  # not seen by a passed check: this call is checked
     return nodes
 
@@ -289,8 +288,16 @@ def _unchanged_arguments(module: nn.Module, name: str, tensors: list[torch.Tenso
 _CHANGED = "changed in place"  # with the layer's name: what a pass where it changed an argument adds to call.graphs
 
 
+def _changed(graphs: set) -> bool:
+    """Whether ``graphs`` (a call's or a plan's) hold a layer's change of its argument (:data:`_CHANGED`)."""
+    return any(type(g) is tuple and g[0] == _CHANGED for g in graphs)
+
+
 class _ArgumentChangedInPlace(PlanMismatchError):
     """A layer changed a tensor it was called with in place, on an unchecked call: the hooks strategy is refused."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"{reason}. Use strategy='torch_func' (or 'auto', which switches to it).", reason)
 
 
 def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool | frozenset,
@@ -356,10 +363,8 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
     draws = trainable.call.draws  # randomness='different': the state its draws start from, for the check
     state = None if draws is None else draws.mark(inputs.size)
     noting = not plan.arguments_kept  # the plan's first pass notes each call's arguments as it begins
-    if noting and plan.changed_in_place is not None and not trainable.call.checked and not any(
-            type(g) is tuple and g[0] == _CHANGED for g in plan.graphs):  # refused before the forward
-        raise _ArgumentChangedInPlace(f"{plan.changed_in_place}. Use strategy='torch_func' (or 'auto', which switches "
-                                      "to it).", plan.changed_in_place)
+    if noting and plan.changed_in_place is not None and not trainable.call.checked and not _changed(plan.graphs):
+        raise _ArgumentChangedInPlace(plan.changed_in_place)  # refused before the forward
     try:
         output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures, noting=noting)
     except PlanMismatchError as e:  # another structure: a number left out of the plan's key counts again (volatile)
@@ -375,6 +380,6 @@ def capture(trainable: Trainable, inputs: Batch) -> tuple[torch.Tensor, list[Cal
         if state is not None:
             draws.again(state)  # the next forward draws what the first did
         output, calls = _forward(trainable, inputs, layers, copy=plan.copy_captures, noting=noting)
-    if noting and not any(type(g) is tuple and g[0] == _CHANGED for g in trainable.call.graphs):
+    if noting and not _changed(trainable.call.graphs):
         plan.arguments_kept = True  # no layer changed a tensor it was called with: later passes read them after calls
     return output, calls
