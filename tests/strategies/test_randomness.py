@@ -41,6 +41,25 @@ class DropoutTransformer(nn.Module):
         return self.head(self.layer(self.embed(x)).mean(1))
 
 
+class AttentionThenDropout(nn.Module):
+    """nn.MultiheadAttention without dropout of its own, a Dropout on its output: the layer's own output is (L, B, E)
+    in memory (batch_first: a (B, L, E) view of it), so the dropout's mask meets the samples in that order."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Linear(4, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.embed(x) if self.batch_first else self.embed(x).transpose(0, 1)
+        a, _ = self.attention(h, h, h, need_weights=False)
+        h = self.drop(a + h)
+        return self.head((h if self.batch_first else h.transpose(0, 1)).mean(1))
+
+
 class BertLogits(nn.Module):
     """A tiny Hugging Face BERT classifier in training mode, its dropout 0.1 on (attention and hidden), as HF trains."""
 
@@ -76,6 +95,13 @@ def _transformer():
     return DropoutTransformer().to(DT).train()
 
 
+def _attention(batch_first):
+    def make():
+        torch.manual_seed(0)
+        return AttentionThenDropout(batch_first).to(DT).train()
+    return make
+
+
 def _floats(*shape):
     def make(batch):
         g = torch.Generator().manual_seed(5)
@@ -84,6 +110,8 @@ def _floats(*shape):
 
 
 CASES = [("dropout-mlp", _mlp, _floats(4), ""), ("dropout-transformer", _transformer, _floats(5, 4), ""),
+         ("attention-batch-first-dropout", _attention(True), _floats(5, 4), ""),
+         ("attention-sequence-first-dropout", _attention(False), _floats(5, 4), ""),
          ("hf-bert-dropout", _bert, _ids, "transformers"), *RANDOM_CASES]
 IDS = [c[0] for c in CASES]
 # nn.MultiheadAttention's call rule runs an attention of its own, which draws other masks than the layer's: the check
