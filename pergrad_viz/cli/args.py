@@ -36,3 +36,43 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def positive_int(text: str) -> int:
+    """``"32"`` -> 32; zero, a negative number or anything else is an ``argparse`` error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        _refuse(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """``"0.5"`` -> 0.5; zero, a negative number, inf or nan is an ``argparse`` error."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        _refuse(f"expected a positive number, got {text!r}")
+    return value
+
+
+def device(text: str) -> str:
+    """A device torch knows (``cpu``, ``cuda``, ``cuda:1``) that this machine has; else an ``argparse`` error."""
+    import torch
+
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:
+        _refuse(f"expected a device such as cpu or cuda, got {text!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        _refuse(f"{text!r}: this machine has no CUDA device torch can use (torch.cuda.is_available() is False); use "
+                "--device cpu")
+    return text
+
+
+def _refuse(message: str):
+    raise argparse.ArgumentTypeError(message)

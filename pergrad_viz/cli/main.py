@@ -19,7 +19,7 @@ import torch
 from pergrad_viz import __version__, bench
 from pergrad_viz.bench import peers
 from pergrad_viz.bench import problems as bench_models
-from pergrad_viz.cli.args import HelpFormatter, positive_ints
+from pergrad_viz.cli.args import HelpFormatter, device, positive_int, positive_ints, positive_number
 from pergrad_viz.core import extras
 from pergrad_viz.errors import MissingExtraError
 from pergrad_viz.strategies import STRATEGIES
@@ -129,17 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--norms", action="store_true",
                    help="also time per_sample_grad_norms against materialising (B, P) and taking .norm "
                         "(gradients only; default: off)")
-    b.add_argument("--slow-limit", type=int, default=20480, metavar="N",
+    b.add_argument("--slow-limit", type=positive_int, default=20480, metavar="N",
                    help="skip loop, autograd_stack and batched_grad where one call would push more than N samples "
                         "through backward passes (default: 20480)")
-    b.add_argument("--min-run-time", type=float, default=0.5, metavar="SECONDS",
+    b.add_argument("--min-run-time", type=positive_number, default=0.5, metavar="SECONDS",
                    help="seconds of timing per method and setting (default: 0.5)")
-    b.add_argument("--threads", type=int, default=None, metavar="N",
+    b.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="torch.set_num_threads(N) first (default: torch's own setting)")
     b.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="dtype of the model and inputs (default: float32)")
-    b.add_argument("--device", default="cpu", help="cpu or cuda; on cuda every clock reading is preceded by "
-                                                "torch.cuda.synchronize() (default: cpu)")
+    b.add_argument("--device", type=device, default="cpu",
+                   help="cpu or cuda; on cuda every clock reading is preceded by torch.cuda.synchronize() (default: "
+                        "cpu)")
     b.add_argument("--csv", metavar="FILE", help="also write the records as CSV (default: no file)")
     b.add_argument("--plot", metavar="FILE.png",
                    help="also save a log-log plot of time against batch size, MLP sweep only (default: no plot)")
@@ -190,6 +191,10 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"error: {problem}", file=sys.stderr)
             return 2
     if args.dp:
+        if args.quantity != "grads":
+            print("error: --dp measures the DP-SGD gradient (per-sample gradients): use --quantity grads",
+                  file=sys.stderr)
+            return 2
         from pergrad_viz.bench import dp as bench_dp
 
         models = (args.model,) if args.model is not None else bench_dp.DP_MODELS

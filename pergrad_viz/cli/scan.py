@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from pergrad_viz.cli.args import HelpFormatter, positive_ints
+from pergrad_viz.cli.args import HelpFormatter, device, positive_int, positive_ints
 from pergrad_viz.scanning.api import QUANTITIES
 from pergrad_viz.tutorial.networks import load_model
 
@@ -71,13 +71,15 @@ def _common(p: argparse.ArgumentParser, limit: int | None, threads: int | None) 
                         "the bundled sample with a note; fashion-mnist-sample: "
                         "always the bundled 1,000 + 1,000 images (default: fashion-mnist)")
     p.add_argument("--split", choices=("train", "test"), default="train", help="which split (default: train)")
-    p.add_argument("--limit", type=int, default=limit, metavar="N",
+    p.add_argument("--limit", type=positive_int, default=limit, metavar="N",
                    help="the first N examples only (default: " + ("all" if limit is None else f"{limit}") + ")")
     p.add_argument("--model", choices=MODELS, default="cnn",
                    help="mlp: MLP(784, --hidden, 10); cnn: pergrad_viz.tutorial.networks.SmallCNN (default: cnn)")
-    p.add_argument("--hidden", type=int, default=20, metavar="H", help="hidden width of --model mlp (default: 20)")
-    p.add_argument("--batch-size", type=int, default=256, metavar="B", help="examples per batch (default: 256)")
-    p.add_argument("--threads", type=int, default=threads, metavar="N",
+    p.add_argument("--hidden", type=positive_int, default=20, metavar="H",
+                   help="hidden width of --model mlp (default: 20)")
+    p.add_argument("--batch-size", type=positive_int, default=256, metavar="B",
+                   help="examples per batch (default: 256)")
+    p.add_argument("--threads", type=positive_int, default=threads, metavar="N",
                    help="torch.set_num_threads(N) in each process (default: "
                         + ("torch's own setting" if threads is None else f"{threads}") + ")")
 
@@ -94,15 +96,16 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="torch.manual_seed for the model without --checkpoint (default: 0)")
     s.add_argument("--quantities", type=_quantities, default=_quantities(DEFAULT_QUANTITIES), metavar="Q1,Q2,...",
                    help=f"comma-separated from {', '.join(QUANTITIES)} (default: {DEFAULT_QUANTITIES})")
-    s.add_argument("--proj-dim", type=int, default=None, metavar="K",
+    s.add_argument("--proj-dim", type=positive_int, default=None, metavar="K",
                    help="also a sketch of each example's gradient, K numbers (adds 'projection'; default: none)")
     s.add_argument("--seed", type=int, default=0, help="seed of the projection (default: 0)")
-    s.add_argument("--chunk-size", type=int, default=None, metavar="N",
+    s.add_argument("--chunk-size", type=positive_int, default=None, metavar="N",
                    help="examples per resumable chunk, a multiple of --batch-size (default: 16 batches)")
     s.add_argument("--out", required=True, metavar="DIR", help="the scan's directory, created or continued "
                                                                "(required)")
-    s.add_argument("--device", default=None, help="cpu or cuda; under torchrun each process takes cuda:LOCAL_RANK "
-                                                  "(default: cuda if available, else cpu)")
+    s.add_argument("--device", type=device, default=None,
+                   help="cpu or cuda; under torchrun each process takes cuda:LOCAL_RANK (default: cuda if available, "
+                        "else cpu)")
     s.add_argument("--num-workers", type=int, default=0, metavar="N",
                    help="DataLoader worker processes per process (default: 0, load in the process)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar (default: a bar on stderr)")
@@ -112,11 +115,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                                           "processes", description=SCAN_BENCH_DESCRIPTION,
                        formatter_class=HelpFormatter)
     _common(b, limit=4096, threads=1)
-    b.add_argument("--proj-dim", type=int, default=256, metavar="K",
+    b.add_argument("--proj-dim", type=positive_int, default=256, metavar="K",
                    help="width of the gradient sketch in the projection row (default: 256)")
     b.add_argument("--processes", type=positive_ints, default=[1, 2], metavar="W1,W2,...",
                    help="numbers of processes to scan with, under torchrun (1 = in this process; default: 1,2)")
-    b.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians (default: 3)")
+    b.add_argument("--rounds", type=positive_int, default=3,
+                   help="interleaved rounds; the table shows medians (default: 3)")
     b.add_argument("--full-data", action="store_true",
                    help="also time one whole-dataset scan (all quantities, proj 256) with the largest --processes "
                         "(default: off)")
@@ -159,8 +163,8 @@ def run_scan(args: argparse.Namespace) -> int:
                           batch_size=args.batch_size, proj_dim=args.proj_dim, out=args.out, seed=args.seed,
                           chunk_size=args.chunk_size, num_workers=args.num_workers, progress=not args.no_progress)
         except (ValueError, TypeError, OSError) as exc:  # refusals (their messages name the fix)
-            if rank == 0:
-                print(f"error: {exc}", file=sys.stderr)
+            if rank == 0:  # the Python argument's name as the option's
+                print(f"error: {str(exc).replace('pass proj_dim=K', 'pass --proj-dim K')}", file=sys.stderr)
             return 2
         if rank == 0:
             run = result.manifest["runs"][-1]

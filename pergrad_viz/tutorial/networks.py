@@ -156,5 +156,8 @@ def load_model(name: str, checkpoint: str | None, hidden: int = 20, seed: int = 
         try:
             model.load_state_dict(state)
         except (RuntimeError, TypeError) as exc:
-            raise SystemExit(f"error: {checkpoint} does not fit --model {name}: {exc}") from None
+            width = state.get("fc1.weight") if isinstance(state, dict) else None
+            hint = (f" (its hidden width is {width.shape[0]}: pass --hidden {width.shape[0]})"
+                    if name == "mlp" and isinstance(width, torch.Tensor) and width.dim() == 2 else "")
+            raise SystemExit(f"error: {checkpoint} does not fit --model {name}{hint}: {exc}") from None
     return model.eval()
