@@ -85,3 +85,8 @@ def __getattr__(name: str):
         moved.warn_moved(old, moved.MOVED[old])
         return importlib.import_module(moved.MOVED[old])
     raise AttributeError(f"module 'pergrad_viz' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public API and the lazily imported subpackages (not the modules this file imports to build them)."""
+    return sorted({*__all__, *_LAZY, "__version__"})

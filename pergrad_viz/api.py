@@ -25,6 +25,7 @@ from pergrad_viz.core.users import users_error
 from pergrad_viz.core.validate import (
     batch_of,
     check_chunk,
+    check_flags,
     check_loss,
     check_modes,
     check_out,
@@ -84,16 +85,14 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
     """The strategy a call on ``model`` with ``inputs`` (B, ...; or a tuple / dict of tensors, see
     :mod:`pergrad_viz.core.batch`) will use.
 
-    ``auto`` is ``hooks`` (closed-form layer rules, and the per-layer fallback for layers without one) unless a
-    probe of the model on two samples (cached per model and input signature, see ``pergrad_viz.engine.probe``) finds
-    that the samples interact, that a layer with trainable parameters does not keep the samples apart (e.g. a
-    positional embedding broadcast over the batch), or that a parameter is used outside the forward of the
-    layer that holds it: then ``torch_func``, which computes each sample alone. Without ``inputs`` nothing is
-    probed and ``auto`` answers ``hooks``.
+    ``auto`` is ``hooks`` (closed-form layer rules, and the per-layer fallback for layers without one) unless a probe
+    of the model on two samples (cached per model and input signature, ``pergrad_viz.engine.probe``) finds that the
+    samples interact, that a layer with trainable parameters does not keep them apart (a positional embedding
+    broadcast over the batch), or a parameter used outside its layer's forward: then ``torch_func``, which computes
+    each sample alone. Without ``inputs`` nothing is probed and ``auto`` answers ``hooks``.
 
     Raises ValueError for an unknown name; :class:`UnsupportedModelError` when ``hooks``, ``autograd_stack`` or
-    ``batched_grad`` (one batched forward pass) would not give the per-sample definition for these inputs.
-    """
+    ``batched_grad`` (one batched forward pass) would not give the per-sample definition for these inputs."""
     check_strategy_name(strategy, STRATEGIES)
     trainable = model if isinstance(model, Trainable) else Trainable.of(model)
     if inputs is not None:
@@ -172,9 +171,10 @@ def _check_memory(trainable: Trainable, strategy: str, batch: int, chunk: int, o
 
 def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
             loss_fn: object = None, model_kwargs: Mapping | None = None, out: torch.Tensor | None = None,
-            flat: bool = True, randomness: str = "error") -> tuple[Trainable, str, Batch, int]:
+            flat: bool = True, randomness: str = "error", verify: bool = True) -> tuple[Trainable, str, Batch, int]:
     """A call checked (``pergrad_viz.core.validate``) and planned: ``(trainable, resolved strategy, batch (B, ...),
     samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``)."""
+    check_flags(flat=flat, verify=verify)
     if loss_fn is not None:
         check_loss(loss_fn)
     check_strategy_name(strategy, STRATEGIES)  # before anything is checked or run
@@ -320,7 +320,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     requested = strategy
     targets = normal_tensor(targets) if isinstance(targets, torch.Tensor) else tree_map(normal_tensor, targets)
     trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs,
-                                                  out, flat, randomness)
+                                                  out, flat, randomness, verify)
     batch = inputs.size
     if out is not None:
         check_out(out, (batch, trainable.num_params), trainable, flat)
@@ -374,7 +374,7 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
     """
     requested = strategy
     trainable, strategy, inputs, chunk = prepare(model, inputs, None, strategy, chunk_size,
-                                                  model_kwargs=model_kwargs, out=out, flat=flat)
+                                                  model_kwargs=model_kwargs, out=out, flat=flat, verify=verify)
     if output is not None:
         trainable = trainable.selecting(output)
     batch = inputs.size

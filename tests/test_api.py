@@ -463,3 +463,17 @@ def test_trainable_parameters_of_two_dtypes_give_the_loop_or_a_refusal_naming_it
     for strategy in ("hooks", "torch_func"):
         with pytest.raises(pv.UnsupportedModelError, match="several dtypes.*strategy='auto' or 'loop'"):
             pv.per_sample_grads(model, loss, x, y, strategy=strategy)
+
+
+@pytest.mark.parametrize(("call", "name"), [
+    (lambda m, x, y: pv.per_sample_grads(m, nn.MSELoss(), x, y, flat="yes"), "flat"),
+    (lambda m, x, y: pv.per_sample_grads(m, nn.MSELoss(), x, y, verify="no"), "verify"),
+    (lambda m, x, y: pv.per_sample_jacobian(m, x, verify=None), "verify"),
+    (lambda m, x, y: pv.per_sample_grad_norms(m, nn.MSELoss(), x, y, verify=1), "verify"),
+    (lambda m, x, y: pv.empirical_ntk(m, x, verify="no"), "verify"),
+])
+def test_a_flag_that_is_not_a_bool_is_refused(call, name):
+    """``"no"`` is truthy: a flag is True or False, else a TypeError naming it (found by a newcomer's probe)."""
+    model, x, y = nn.Linear(3, 2), torch.randn(4, 3), torch.randn(4, 2)
+    with pytest.raises(TypeError, match=f"{name} must be True or False"):
+        call(model, x, y)

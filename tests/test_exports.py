@@ -46,3 +46,11 @@ def test_the_exported_exceptions_keep_their_bases():
     assert issubclass(pv.MissingExtraError, ImportError)
     for name in ("HandOverError", "CheckFailedError", "PlanMismatchError", "VmapError"):
         assert issubclass(getattr(pv, name), pv.UnsupportedModelError)
+
+
+def test_dir_lists_the_public_api_not_the_modules_it_imports():
+    import pergrad_viz as pv
+
+    names = dir(pv)
+    assert set(pv.__all__) <= set(names) and {"widgets", "viz", "__version__"} <= set(names)
+    assert "importlib" not in names and "moved" not in names

@@ -228,6 +228,14 @@ def batch_of(trainable: TrainableLike, inputs: Inputs, targets: object = None, m
     return batch
 
 
+def check_flags(**flags: object) -> None:
+    """TypeError naming the first of ``flags`` (``verify=True``, ``flat=...``) that is not a bool (``"yes"`` is
+    truthy, ``"no"`` too)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def check_chunk(chunk_size: int | None, batch: int) -> int:
     """The samples per chunk: ``chunk_size`` (a positive int) capped at B, or B for None."""
     if chunk_size is None:

@@ -26,7 +26,7 @@ from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.numbers import real_number, whole_number
 from pergrad_viz.core.randomness import check_randomness
 from pergrad_viz.core.trainable import Trainable, computing_gradients
-from pergrad_viz.core.validate import check_strategy_name
+from pergrad_viz.core.validate import check_flags, check_strategy_name
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
 from pergrad_viz.derived.clipping import Groups
 from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed, failed_together
@@ -153,7 +153,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             :func:`pergrad_viz.per_sample_grads` for the batch, strategy and model (all before any work).
     """
     max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
-    _check_flags(verify, return_norms)
+    check_flags(verify=verify, return_norms=return_norms)
     sums, norms, _ = _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer,
                               strategy, chunk_size, verify, model_kwargs, distributed, randomness)
     return (sums, norms()) if return_norms else sums
@@ -251,7 +251,7 @@ def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, b
 
 @computing_gradients
 def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, max_norm: float | None, *,
-            noise_multiplier: float, generator: torch.Generator | None, expected_batch_size: int | None = None,
+            noise_multiplier: float, generator: torch.Generator | None = None, expected_batch_size: int | None = None,
             **options) -> dict[str, torch.Tensor]:
     """Write the DP-SGD gradient into each trainable parameter's ``.grad``, for any ``torch.optim`` optimiser.
 
@@ -263,6 +263,8 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
     :func:`noise_step`'s (``expected_batch_size`` needed), so that every step the accountant counts is taken.
 
     Args:
+        generator: the noise's ``torch.Generator``, required when ``noise_multiplier > 0`` (as
+            :func:`clipped_grad_sum`).
         expected_batch_size: a positive int, or None (this batch's size).
         options: ``per_layer``, ``strategy``, ``chunk_size``, ``verify``, ``model_kwargs``, ``distributed``,
             ``randomness`` (``"different"`` for dropout on) as :func:`clipped_grad_sum`.
@@ -277,7 +279,7 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
     if unknown:
         raise TypeError(f"dp_step() got unexpected keyword argument(s) {sorted(unknown)}; it takes "
                         f"{sorted(_OPTIONS)} as clipped_grad_sum does")
-    _check_flags(options.get("verify", True))
+    check_flags(verify=options.get("verify", True))
     distributed = options.get("distributed", False)
     if _empty(inputs) and not distributed:  # Poisson sampling's empty batch: noise alone
         if expected_batch_size is None:
@@ -311,12 +313,6 @@ _EMPTY = ("empty batch (B = 0, as Poisson sampling draws with probability (1 - q
           "pv.noise_step for it")
 
 
-def _check_flags(verify: object, return_norms: object = False) -> None:
-    for name, value in (("verify", verify), ("return_norms", return_norms)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-
-
 def _check_empty_targets(targets: object) -> None:
     """ValueError where an empty batch's targets hold samples (inputs and targets cut from different batches)."""
     held = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0]]
@@ -332,14 +328,18 @@ def _empty(inputs: object) -> bool:
     return first is not None and first.dim() > 0 and first.shape[0] == 0
 
 
-def noise_step(model: nn.Module, max_norm: float | None, *, noise_multiplier: float, generator: torch.Generator | None,
-               expected_batch_size: int, per_layer: PerLayer = False, distributed: bool = False
-               ) -> dict[str, torch.Tensor]:
+def noise_step(model: nn.Module, max_norm: float | None, *, noise_multiplier: float,
+               generator: torch.Generator | None = None, expected_batch_size: int, per_layer: PerLayer = False,
+               distributed: bool = False) -> dict[str, torch.Tensor]:
     """The DP step of an empty batch (Poisson sampling draws one with probability (1 - q)^n): ``.grad`` = noise of
     std ``noise_multiplier`` times the sensitivity (``max_norm``; with ``per_layer`` as :func:`clipped_grad_sum`)
     / ``expected_batch_size``, drawn from ``generator`` as :func:`dp_step` draws it, so that every step the
     accountant counts is taken (``distributed=True``: drawn on rank 0 alone and shared by an all-reduce, as
-    :func:`dp_step` draws it). Returns the tensors now in ``.grad``."""
+    :func:`dp_step` draws it). ``generator`` is required when ``noise_multiplier > 0``.
+
+    Returns:
+        ``{name: Tensor (*param.shape)}``, the tensors now in ``.grad``.
+    """
     max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
     expected_batch_size = whole_number("expected_batch_size", expected_batch_size,
                                        hint=" (e.g. round(sample_rate * len(dataset)))")

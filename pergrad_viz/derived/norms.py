@@ -102,7 +102,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
         raise TypeError(f"per_parameter must be True or False, got {per_parameter!r}")
     targets = tree_map(normal_tensor, targets)
     trainable, resolved, inputs, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
-                                                      model_kwargs, randomness=randomness)
+                                                      model_kwargs, randomness=randomness, verify=verify)
 
     def run(used: str) -> dict[str, torch.Tensor]:
         if used == "hooks":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -125,8 +126,8 @@ def _check(sample_rate: float, steps: int, delta: float, accountant: str) -> Non
 
 def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, *,
             accountant: str = "rdp") -> float:
-    """The epsilon of ``steps`` DP-SGD steps with Poisson sampling at rate q and noise std
-    ``noise_multiplier * max_norm``, at this ``delta``, by Opacus' accountant (``"rdp"`` or ``"prv"``)."""
+    """The epsilon of ``steps`` DP-SGD steps with Poisson sampling at rate q and noise std ``noise_multiplier``
+    times the clipping bound, at this ``delta``, by Opacus' accountant (``"rdp"`` or ``"prv"``)."""
     noise_multiplier, sample_rate, steps, delta = map(_real, (noise_multiplier, sample_rate, steps, delta))
     _check(sample_rate, steps, delta, accountant)
     if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, int | float) \
@@ -150,8 +151,10 @@ def noise_multiplier_for(target_epsilon: float, sample_rate: float, steps: int, 
         raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
     _, get_noise_multiplier = _accountants()
     try:
-        return float(get_noise_multiplier(target_epsilon=float(target_epsilon), target_delta=float(delta),
-                                          sample_rate=float(sample_rate), steps=steps, accountant=accountant))
+        with warnings.catch_warnings():  # Opacus' RDP note on a multiplier it tried on the way, not on the answer
+            warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+            found = float(get_noise_multiplier(target_epsilon=float(target_epsilon), target_delta=float(delta),
+                                               sample_rate=float(sample_rate), steps=steps, accountant=accountant))
     except ValueError as e:
         if "too low" not in str(e):
             raise
@@ -160,3 +163,5 @@ def noise_multiplier_for(target_epsilon: float, sample_rate: float, steps: int, 
             f"{sample_rate} within epsilon {target_epsilon} at delta {delta} (it searches multipliers up to a bound: "
             f"{e}); take a larger target_epsilon, fewer steps or a smaller sample rate (sample_rate=batch/dataset)"
         ) from e
+    epsilon(found, sample_rate, steps, delta, accountant=accountant)  # the note again where it concerns the answer
+    return found
