@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
 from pergrad_viz.core.batch import as_pytree
+from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.graph import walk
 from pergrad_viz.core.losses import LossFn, sequence_loss, summed_per_sample_loss
 from pergrad_viz.core.trainable import Trainable
@@ -73,7 +73,7 @@ def functional_loss(model: nn.Module, values: Mapping[str, torch.Tensor], args: 
     """``loss_fn(model(*args, **kwargs), targets)`` with the model's tensors named in ``values`` replaced by them
     (``torch.func.functional_call``) for the model's forward *and* the loss: a loss that reads a parameter reads
     the replaced one, whose gradient then counts."""
-    return functional_call(_ModelAndLoss(model, loss_fn), {f"model.{n}": t for n, t in values.items()},
+    return functional_call_once(_ModelAndLoss(model, loss_fn), {f"model.{n}": t for n, t in values.items()},
                            (args, kwargs, targets))
 
 

@@ -48,11 +48,12 @@ import warnings
 from collections.abc import Callable, Mapping
 
 import torch
-from torch.func import functional_call, jvp, vmap
+from torch.func import jvp, vmap
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.float64 import float64_copy, to_float64
+from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
@@ -303,7 +304,7 @@ def _jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targe
 
         def value(p: dict[str, torch.Tensor]) -> torch.Tensor:
             if loss_fn is None:
-                output = functional_call(trainable.model, {**p, **frozen}, sample.args, sample.kwargs)
+                output = functional_call_once(trainable.model, {**p, **frozen}, sample.args, sample.kwargs)
                 return select(output).reshape(-1)
             return scalar_loss(functional_loss(trainable.model, {**p, **frozen}, sample.args, sample.kwargs, loss_fn,
                                                tree_map(lambda t: t.unsqueeze(0), y)))

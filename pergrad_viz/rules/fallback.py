@@ -27,10 +27,11 @@ import weakref
 
 import torch
 from torch import nn
-from torch.func import functional_call, vjp, vmap
+from torch.func import vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pergrad_viz.core.batch import as_pytree
+from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.tolerances import tolerance
 from pergrad_viz.errors import HandOverError
 
@@ -61,7 +62,7 @@ def per_sample_vjp(module: nn.Module, inputs: tuple[tuple, dict], in_dims: tuple
         for k, x in zip(slots, xs, strict=True):
             args[k] = x
         a, kw = tree_unflatten(args, spec)
-        outputs = [t for t in tree_flatten(as_pytree(functional_call(module, p, tuple(a), kw)))[0]
+        outputs = [t for t in tree_flatten(as_pytree(functional_call_once(module, p, tuple(a), kw)))[0]
                    if isinstance(t, torch.Tensor)]
         return tuple(outputs[k] for k in differentiable)
 

@@ -16,10 +16,11 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, jacrev, vmap
+from torch.func import grad, jacrev, vmap
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
@@ -107,7 +108,7 @@ def _call_one(trainable: Trainable, inputs: Batch, params: dict, state: dict, xs
     """The model on one sample: ``xs`` are that sample's batched tensors without their batch dimension."""
     one = inputs.with_leaves([x.unsqueeze(0) for x in xs])
     root, values = _functional_values(trainable, {**params, **state})
-    return functional_call(root, values, one.args, one.kwargs)
+    return functional_call_once(root, values, one.args, one.kwargs)
 
 
 def _functional_values(trainable: Trainable, values: dict) -> tuple[nn.Module, dict]:
@@ -160,7 +161,7 @@ def _unreplaced(trainable: Trainable, one: Batch) -> str | None:
         plain = reached(one(trainable.model), list(trainable.params))
         values = {n: p.detach().requires_grad_() for n, p in zip(trainable.names, trainable.params, strict=True)}
         root, named = _functional_values(trainable, {**values, **trainable.frozen_state()})
-        replaced = reached(functional_call(root, named, one.args, one.kwargs), list(values.values()))
+        replaced = reached(functional_call_once(root, named, one.args, one.kwargs), list(values.values()))
     return next((n for n, a, b in zip(trainable.names, plain, replaced, strict=True) if a and not b), None)
 
 
