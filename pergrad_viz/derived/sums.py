@@ -54,9 +54,11 @@ class LazySums(dict):
 
     def add_weighted(self, name: str, g: torch.Tensor, c: torch.Tensor) -> None:
         """self[name] (*shape) += sum_i c_i g_i of a (B, *shape) per-sample gradient and c (B,), one ``addmm_`` into
-        it (written, not added, where :meth:`destination` hands it out unwritten)."""
+        it (written, not added, where :meth:`destination` hands it out unwritten), in the sum's dtype (a model of
+        several dtypes: the per-sample gradients come in one)."""
         dest, fresh = self.destination(name)
-        dest.view(1, -1).addmm_(c.to(g.dtype).unsqueeze(0), g.reshape(g.shape[0], -1), beta=0 if fresh else 1)
+        dest.view(1, -1).addmm_(c.to(dest.dtype).unsqueeze(0), g.reshape(g.shape[0], -1).to(dest.dtype),
+                                beta=0 if fresh else 1)
 
     def add_share(self, rule: Callable, module, seen, weights: dict[str, torch.Tensor],
                   names: Mapping[str, str]) -> None:

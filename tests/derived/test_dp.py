@@ -445,3 +445,34 @@ def test_a_nan_target_is_named_too():
     y[0, 1] = math.nan
     with pytest.raises(ValueError, match=r"sample\(s\) \[0\]"):
         pv.clipped_grad_sum(model, nn.MSELoss(reduction="sum"), x, y, 1.0)
+
+
+class _TwoDtypes(nn.Module):
+    """A float32 layer, then a float64 one (the loop runs it; the per-sample gradients come in one dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(5, 8)
+        self.c = nn.Linear(8, 3).double()
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.a(x)).double())
+
+
+def test_a_model_of_two_dtypes_gets_its_sums_in_each_parameters_dtype():
+    """Found by a probe: the sums were added in the parameters' dtypes from per-sample gradients in another, a raw
+    dtype error from addmm_."""
+    model = _TwoDtypes()
+    x, y = torch.randn(6, 5, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1, 2])
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    rows = []
+    for i in range(6):
+        rows.append(torch.autograd.grad(loss(model(x[i:i + 1]), y[i:i + 1]), list(model.parameters())))
+    norms = torch.stack([sum(g.double().square().sum() for g in r) for r in rows]).sqrt()
+    factors = (0.3 / (norms + 1e-6)).clamp(max=1.0)
+    got = pv.clipped_grad_sum(model, loss, x, y, 0.3)
+    for k, (name, p) in enumerate(model.named_parameters()):
+        want = sum(factors[i] * rows[i][k].double() for i in range(6))
+        assert got[name].dtype == p.dtype
+        torch.testing.assert_close(got[name].double(), want, rtol=1e-5, atol=1e-6, msg=name)
