@@ -15,12 +15,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
-from pergrad_viz.core.guards import check_autocast, check_one_dtype
+from pergrad_viz.core.guards import check_autocast, check_one_dtype, special_model_strategy
 from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
 from pergrad_viz.core.randomness import Draws, check_randomness, randomness_of, refuse_torch_func
-from pergrad_viz.core.trainable import Trainable, computing_gradients, hooked_parameter, restoring_modes
+from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.core.users import users_error
 from pergrad_viz.core.validate import (
     batch_of,
@@ -49,38 +49,6 @@ Result = dict[str, torch.Tensor] | torch.Tensor
 R = TypeVar("R")
 
 
-def _special_model(trainable: Trainable, strategy: str) -> str | None:
-    """The strategy for a model with a gradient hook on a parameter, a compiled or a TorchScript layer (None: none of
-    these); raises :class:`UnsupportedModelError` where ``strategy`` cannot run it."""
-    hooked = hooked_parameter(trainable)
-    if hooked is not None:
-        if strategy == "auto":
-            return "loop"
-        if strategy != "loop":
-            raise UnsupportedModelError(
-                f"parameter '{hooked}' has a gradient hook (register_hook), which the per-sample definition (the loop "
-                f"of torch.autograd.grad) applies but the {strategy} strategy cannot. Use strategy='loop' (or 'auto', "
-                "which picks it), or remove the hook."
-            )
-    compiled = next((n for n, m in trainable.modules if type(m).__name__ == "OptimizedModule"), None)
-    if compiled is not None and strategy in ("hooks", "autograd_stack", "batched_grad"):
-        raise UnsupportedModelError(
-            f"layer '{compiled or 'model'}' is compiled (torch.compile): the {strategy} strategy cannot see inside it. "
-            f"Pass the module it wraps (model._orig_mod: the same parameters) to use {strategy}, or use "
-            "strategy='auto' (which picks torch_func here), 'torch_func' or 'loop'.")
-    if compiled is not None and strategy == "auto":
-        return "torch_func"
-    scripted = next((n for n, m in trainable.modules if isinstance(m, torch.jit.ScriptModule)), None)
-    if scripted is not None and strategy != "loop":
-        if strategy == "auto":
-            return "loop"
-        raise UnsupportedModelError(
-            f"layer '{scripted or 'model'}' is a TorchScript module (torch.jit.script / trace): its calls cannot be "
-            f"hooked nor run under torch.func, which the {strategy} strategy needs. Use strategy='loop' (or 'auto', "
-            "which picks it), or pass the module as it was before scripting.")
-    return None
-
-
 def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs | Batch | None = None) -> str:
     """The strategy a call on ``model`` with ``inputs`` (B, ...; or a tuple / dict of tensors, see
     :mod:`pergrad_viz.core.batch`) will use.
@@ -98,7 +66,7 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
     if inputs is not None:
         inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs).map(normal_tensor)
         check_modes(trainable, randomness_of(trainable))  # before the probe runs the model
-    special = _special_model(trainable, strategy)
+    special = special_model_strategy(trainable, strategy)
     if special is not None:
         return special
     refuse_torch_func(trainable, strategy)

@@ -21,6 +21,8 @@ class Trainable(Protocol):
     ``core.validate``, so this module does not import it)."""
 
     names: tuple[str, ...]
+    params: tuple[torch.nn.Parameter, ...]
+    modules: tuple[tuple[str, torch.nn.Module], ...]
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -176,3 +178,41 @@ def check_one_dtype(strategy: str, trainable: Trainable) -> bool:
             f"(its layer rules and torch.func compute in one dtype). Use strategy='auto' or 'loop' (each sample "
             f"alone, as the forward casts), or cast the model to one dtype (model.float() or model.double())")
     return True
+
+
+def special_model_strategy(trainable: Trainable, strategy: str) -> str | None:
+    """The strategy for a model with a gradient hook on a parameter, a compiled or a TorchScript layer (None: none of
+    these); raises :class:`UnsupportedModelError` where ``strategy`` cannot run it."""
+    hooked = hooked_parameter(trainable)
+    if hooked is not None:
+        if strategy == "auto":
+            return "loop"
+        if strategy != "loop":
+            raise UnsupportedModelError(
+                f"parameter '{hooked}' has a gradient hook (register_hook), which the per-sample definition (the loop "
+                f"of torch.autograd.grad) applies but the {strategy} strategy cannot. Use strategy='loop' (or 'auto', "
+                "which picks it), or remove the hook."
+            )
+    compiled = next((n for n, m in trainable.modules if type(m).__name__ == "OptimizedModule"), None)
+    if compiled is not None and strategy in ("hooks", "autograd_stack", "batched_grad"):
+        raise UnsupportedModelError(
+            f"layer '{compiled or 'model'}' is compiled (torch.compile): the {strategy} strategy cannot see inside it. "
+            f"Pass the module it wraps (model._orig_mod: the same parameters) to use {strategy}, or use "
+            "strategy='auto' (which picks torch_func here), 'torch_func' or 'loop'.")
+    if compiled is not None and strategy == "auto":
+        return "torch_func"
+    scripted = next((n for n, m in trainable.modules if isinstance(m, torch.jit.ScriptModule)), None)
+    if scripted is not None and strategy != "loop":
+        if strategy == "auto":
+            return "loop"
+        raise UnsupportedModelError(
+            f"layer '{scripted or 'model'}' is a TorchScript module (torch.jit.script / trace): its calls cannot be "
+            f"hooked nor run under torch.func, which the {strategy} strategy needs. Use strategy='loop' (or 'auto', "
+            "which picks it), or pass the module as it was before scripting.")
+    return None
+
+
+def hooked_parameter(trainable: Trainable) -> str | None:
+    """The name of a trainable parameter with a gradient hook (``p.register_hook``), if any: ``torch.autograd.grad``
+    (the loop) applies such hooks; the batched strategies compute the plain gradient and cannot."""
+    return next((n for n, p in zip(trainable.names, trainable.params, strict=True) if p._backward_hooks), None)

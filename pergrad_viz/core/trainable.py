@@ -125,12 +125,6 @@ def _named_parameters(model: nn.Module, modules: tuple[tuple[str, nn.Module], ..
 _NAMED_PARAMETERS, _NAMED_MODULES = nn.Module.named_parameters, nn.Module.named_modules
 
 
-def hooked_parameter(trainable: Trainable) -> str | None:
-    """The name of a trainable parameter with a gradient hook (``p.register_hook``), if any: ``torch.autograd.grad``
-    (the loop) applies such hooks; the batched strategies compute the plain gradient and cannot."""
-    return next((n for n, p in zip(trainable.names, trainable.params, strict=True) if p._backward_hooks), None)
-
-
 def _same_objects(now: dict, saved: dict) -> bool:
     """Whether the dict ``now`` holds the very objects ``saved`` held, under the same keys."""
     if not saved:
