@@ -70,6 +70,14 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
     if special is not None:
         return special
     refuse_torch_func(trainable, strategy)
+    lower = None if inputs is None or strategy == "loop" else plan_for(trainable, inputs).lower_precision
+    if lower is not None and strategy == "auto":
+        return "loop"  # each sample alone, as the forward's own autocast runs it
+    if lower is not None:
+        raise UnsupportedModelError(
+            f"{lower} while the parameters are {trainable.dtype} (torch.autocast inside the forward): the {strategy} "
+            "strategy's batched computation rounds there otherwise than each sample alone. Use strategy='auto' or "
+            "'loop' (each sample alone, as the forward runs it)")
     if strategy == "auto":
         try:
             check_supported(trainable, inputs)

@@ -77,6 +77,7 @@ class Plan:
     graphs: set = field(default_factory=set)  # the graphs between the layers a passed check saw
     arguments_kept: bool = False  # a hooked pass found no layer changing a tensor it was called with
     changed_in_place: str | None = None  # why an unchecked hooked pass was refused (a layer changed its argument)
+    lower_precision: str | None = None  # a layer computing below the parameters' precision (autocast in the forward)
     _planned: frozenset[str] | None = None
 
     @property

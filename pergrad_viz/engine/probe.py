@@ -251,7 +251,21 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
         where = "no batch dimension" if d is SHARED else f"the samples along dimension {d}"
         probe.interaction = (f"the model's output has a tensor with {where}, not 0: a batched output cannot be "
                              "split into per-sample losses or outputs by its first dimension")
-    return Plan(layers, probe.interaction, hooks_problem, probe.verified)
+    return Plan(layers, probe.interaction, hooks_problem, probe.verified,
+                lower_precision=_lower_precision(trainable, probe.pair))
+
+
+def _lower_precision(trainable: Trainable, record) -> str | None:
+    """Where a module's output is in a floating dtype of less precision than the parameters' (``torch.autocast``
+    inside the forward): a phrase naming the first, else None. A batched forward rounds there otherwise than each
+    sample alone, by more than the parameters' dtype's tolerance."""
+    eps = torch.finfo(trainable.dtype).eps
+    for name, calls in record.calls.items():
+        for _, outputs in calls:
+            low = next((t.dtype for t in outputs if t.is_floating_point() and torch.finfo(t.dtype).eps > eps), None)
+            if low is not None:
+                return f"{_describe('the output', name, trainable.model.get_submodule(name))} is {low}"
+    return None
 
 
 def _in_float64(trainable: Trainable, inputs: Batch, found: str) -> str | None:

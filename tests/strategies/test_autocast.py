@@ -11,6 +11,7 @@ from helpers import assert_refuses, flatten_ref
 from zoo.autocast import AUTOCAST, CASES, inputs
 
 import pergrad_viz as pv
+from pergrad_viz.errors import UnsupportedModelError
 
 ALL = (*pv.STRATEGIES, "auto")
 B = 4
@@ -99,11 +100,15 @@ def test_a_forward_under_its_own_autocast_gives_the_loop_and_its_clipped_sum(nam
     x, y = inputs(B)
     loss = torch.nn.CrossEntropyLoss()
     want = _autocast_loop(model, x, y, None, "grads")  # the autocast is the forward's own
-    tol = {"rtol": 1.6e-2, "atol": 1e-5}
-    torch.testing.assert_close(pv.per_sample_grads(model, loss, x, y, flat=True), want, **tol)
+    # the loop's own numbers (the probe finds a layer's output in the lower precision; a batched strategy rounded
+    # otherwise, 4.5e-3 relative on a probe's model: found by a probe of training code)
+    torch.testing.assert_close(pv.per_sample_grads(model, loss, x, y, flat=True), want, rtol=1e-6, atol=1e-7)
     norms = want.double().norm(dim=1)
     clipped = (want.double() * (0.5 / (norms + 1e-6)).clamp(max=1.0)[:, None]).sum(0)
     got = pv.clipped_grad_sum(model, loss, x, y, 0.5)
     assert all(t.dtype == torch.float32 for t in got.values())
     flat = torch.cat([got[n].reshape(-1) for n, p in model.named_parameters() if p.requires_grad])
-    torch.testing.assert_close(flat.double(), clipped, rtol=1.6e-2, atol=1.6e-2 * float(clipped.abs().max()))  # bf16
+    torch.testing.assert_close(flat.double(), clipped, rtol=1e-5, atol=1e-6 * float(clipped.abs().max()))
+    for strategy in ("hooks", "torch_func", "autograd_stack"):
+        with pytest.raises(UnsupportedModelError, match="torch.autocast inside the forward.*'loop'"):
+            pv.per_sample_grads(model, loss, x, y, strategy=strategy)
