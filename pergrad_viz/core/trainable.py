@@ -139,18 +139,21 @@ def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
     Inside: gradients are recorded even under the caller's ``torch.no_grad()`` or ``torch.inference_mode()`` (the
     per-sample definition does not depend on them). On exit, even on error: every module's training flag, every
     module's parameter and buffer objects (``torch.func`` can leave plain tensors where a module reachable under two
-    names had Parameters) and every buffer's values are as they were. A forward pass that wrote a buffer (running
-    statistics, ``spectral_norm``'s power iteration) is undone and, if nothing else failed, refused with
-    :class:`UndefinedPerSampleError`: computing per-sample gradients must not change the model.
+    names had Parameters), every buffer's values and every attribute object (a state the forward keeps, ``self.h =
+    h.detach()``, as the model had it: the probe's runs on one or two samples leave their own) are as they were. A
+    forward pass that wrote a buffer (running statistics, ``spectral_norm``'s power iteration) is undone and, if
+    nothing else failed, refused with :class:`UndefinedPerSampleError`: computing per-sample gradients must not change
+    the model.
 
     Strategies never call ``backward()`` (so ``.grad`` is untouched) and remove their own hooks.
     """
     named = model.modules if isinstance(model, Trainable) else tuple(model.named_modules())
     flags = [m.training for _, m in named]
     script = torch.jit.ScriptModule  # TorchScript keeps its own
-    kept = [(n, m, dict(m._parameters), dict(m._buffers)) for n, m in named if not isinstance(m, script)]
+    kept = [(n, m, dict(m._parameters), dict(m._buffers), None if _stateless(type(m)) else dict(m.__dict__))
+            for n, m in named if not isinstance(m, script)]
     found = {}  # id -> (name, tensor, version)
-    for name, _m, _params, bufs in kept:
+    for name, _m, _params, bufs, _attributes in kept:
         for bname, b in bufs.items():
             if b is not None and id(b) not in found and not b.is_inference():
                 found[id(b)] = (f"{name}.{bname}" if name else bname, b, b._version)
@@ -166,7 +169,11 @@ def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
             if m.training != flag:
                 m.training = flag
         replaced = []
-        for name, m, params, bufs in kept:
+        for name, m, params, bufs, attributes in kept:
+            if attributes is not None and not _same_objects(m.__dict__, attributes):  # self.h = h.detach()
+                for added in m.__dict__.keys() - attributes.keys():
+                    del m.__dict__[added]
+                m.__dict__.update(attributes)
             if not _same_objects(m._parameters, params):
                 m._parameters.clear()
                 m._parameters.update(params)
@@ -186,6 +193,12 @@ def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
             "sample would see another model. The buffer was restored. Call model.eval() first, or compute with a copy "
             "of the model whose buffers you do not need to keep."
         )
+
+
+@functools.cache
+def _stateless(kind: type) -> bool:
+    """Whether a module type is PyTorch's own (``torch.nn.Linear``, ...), whose forward keeps no attribute."""
+    return kind.__module__.startswith("torch.")
 
 
 def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -165,7 +165,7 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
                 uses = mode.uses
                 stale = _stale_parameter(output, inputs, watch, start)
                 if stale is not None:
-                    raise _stale_error(stale)
+                    raise stale_error(stale)
     finally:
         for h in handles:
             h.remove()
@@ -230,10 +230,13 @@ def _stale_parameter(output: object, inputs: Batch, watch: dict[int, str], start
     return None
 
 
-def _stale_error(name: str) -> UndefinedPerSampleError:
+def stale_error(name: str | None) -> UndefinedPerSampleError:
+    """The refusal of a forward that reaches trainable parameter ``name`` (None: one not known) through a tensor kept
+    from an earlier pass."""
+    which = "a trainable parameter" if name is None else f"the trainable parameter '{name}'"
     return UndefinedPerSampleError(
-        f"the forward reaches the trainable parameter '{name}' through a tensor computed from it before this forward "
-        "pass and kept (a cache across calls, such as the attention_bias_cache of timm's LeViT and EfficientViT in "
-        "eval mode, or a tensor derived from the parameter once, at construction): its gradient would come from that "
-        "earlier pass's graph (freed after its backward, or left out by torch.func, which gives zeros). "
-        + KEPT_TENSOR_FIX)
+        f"the forward reaches {which} through a tensor computed from it before this forward pass and kept (a cache "
+        "across calls, such as the attention_bias_cache of timm's LeViT and EfficientViT in eval mode, a "
+        "parametrization under torch.nn.utils.parametrize.cached(), or a tensor derived from the parameter once, at "
+        "construction): its gradient would come from that earlier pass's graph (freed after its backward, or left "
+        "out by torch.func, which gives zeros). " + KEPT_TENSOR_FIX)

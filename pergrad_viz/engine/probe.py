@@ -218,7 +218,9 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
             f"{_describe('the forward', probe.random, module)} gives different outputs for the same sample in two "
             "runs: it draws random numbers (dropout written as F.dropout(..., training=True), stochastic depth, "
             "noise), so per-sample gradients would be random and not comparable. Call model.eval() (or turn it off) "
-            "first, or pass randomness='different' for each sample's gradient under its own random numbers.")
+            "first, or pass randomness='different' for each sample's gradient under its own random numbers. (Or it "
+            "keeps a state from one call to the next, self.h = h.detach(): each sample's gradient would depend on "
+            "the samples before it; pass that state as an input instead.)")
     for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
         probe.spec(name)
     if probe.interaction is not None and below_float64(trainable.dtype):

@@ -12,6 +12,7 @@ from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.core.guards import check_no_reentrant_checkpoint, nothing_takes_part
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.observe import stale_error
 from pergrad_viz.strategies.outputs import non_finite_rows, refuse_random_forward, write
 
 
@@ -29,13 +30,24 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     for i in range(inputs.size):
         loss = scalar_loss(loss_fn(inputs.sample(i)(trainable.model), cut(targets, slice(i, i + 1), inputs.size)))
         took_part |= loss.requires_grad  # a sample no trainable parameter reaches: zeros (allow_unused)
-        g = torch.autograd.grad(loss, trainable.params, allow_unused=True) if loss.requires_grad else unused
+        g = _grad(loss, trainable.params) if loss.requires_grad else unused
         if loss.requires_grad and not walked and any(t is None for t in g):
             check_no_reentrant_checkpoint([loss])  # unused, or recomputed only by .backward(): zeros here
             walked = True
         write(out, trainable.names, g, i)
     if not took_part:
         raise nothing_takes_part(trainable)
+
+
+def _grad(output: torch.Tensor, params: tuple[torch.Tensor, ...], retain_graph: bool = False) -> tuple:
+    """``torch.autograd.grad`` of one sample's ``output``; a graph an earlier sample's backward freed (a tensor kept
+    across forward passes: ``parametrize.cached()``) refused as the batched strategies refuse it."""
+    try:
+        return torch.autograd.grad(output, params, retain_graph=retain_graph, allow_unused=True)
+    except RuntimeError as e:
+        if "backward through the graph a second time" in str(e):
+            raise stale_error(None) from e
+        raise
 
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
@@ -48,8 +60,7 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
         y_count = output.numel()
         took_part |= output.requires_grad
         for j in range(y_count):
-            g = torch.autograd.grad(output[j], trainable.params, retain_graph=j < y_count - 1, allow_unused=True
-                                    ) if output.requires_grad else unused
+            g = _grad(output[j], trainable.params, retain_graph=j < y_count - 1) if output.requires_grad else unused
             if output.requires_grad and not walked and any(t is None for t in g):
                 check_no_reentrant_checkpoint([output])
                 walked = True

@@ -62,3 +62,88 @@ def test_a_subclass_of_a_refused_type_is_refused_and_a_flag_change_is_seen():
     model[1].train()
     with pytest.raises(pv.UndefinedPerSampleError, match="training mode"):
         check_modes(model)
+
+
+class _KeepsState(nn.Module):
+    """Keeps its last hidden state in a plain attribute (truncated back-propagation through time)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head, self.h = nn.Linear(5, 5), nn.Linear(5, 3), None
+
+    def forward(self, x):
+        carried = 0 if self.h is None or self.h.shape[0] != x.shape[0] else self.h
+        h = torch.tanh(self.inner(x) + carried)
+        self.h = h.detach()
+        return self.head(h)
+
+
+class _Caches(nn.Module):
+    """Writes an attribute every call that its outputs do not depend on (a cache, a counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.seen = nn.Linear(5, 3), None
+
+    def forward(self, x):
+        self.seen = x.shape
+        return self.inner(x)
+
+
+def test_an_attribute_the_forward_writes_is_left_as_the_model_had_it():
+    """Found by a probe: the probe's runs on one or two samples left their state in the model (a (2, 5) h where
+    the model had (8, 5)), and the refusal spoke of random numbers alone."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    model = _KeepsState()
+    with torch.no_grad():
+        model(x)
+    kept = model.h
+    with pytest.raises(pv.UndefinedPerSampleError, match="keeps a state from one call to the next"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    assert model.h is kept
+    caching = _Caches()
+    grads = pv.per_sample_grads(caching, nn.CrossEntropyLoss(), x, y)
+    assert caching.seen is None and "seen" in vars(caching)
+    caching.zero_grad()
+    nn.CrossEntropyLoss()(caching(x[2:3]), y[2:3]).backward()
+    torch.testing.assert_close(grads["inner.weight"][2], caching.inner.weight.grad)
+
+
+def test_a_parametrization_cached_across_samples_is_refused_by_every_strategy():
+    """Under ``parametrize.cached()`` the weight is computed once; the loop's second sample met the graph the first
+    one's backward freed (PyTorch's raw "backward through the graph a second time"; found by a probe)."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    parametrizations.weight_norm(model[0])
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+    for strategy in ("auto", "loop", "torch_func", "hooks"):
+        with parametrize.cached(), pytest.raises(pv.UndefinedPerSampleError, match="parametrize.cached"):
+            pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+        with parametrize.cached(), pytest.raises(pv.UndefinedPerSampleError, match="parametrize.cached"):
+            pv.per_sample_jacobian(model, x, strategy=strategy)  # the loop gave zeros here
+    with parametrize.cached(), pytest.raises(pv.UndefinedPerSampleError, match="parametrize.cached"):
+        pv.clipped_grad_sum(model, nn.CrossEntropyLoss(reduction="sum"), x, y, 1.0)
+    assert pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)["0.parametrizations.weight.original0"].any()
+
+
+class _KeptProduct(nn.Module):
+    """A tensor derived from a parameter once, at construction, and used by every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(5, 3)
+        self.scaled = self.inner.weight * 2
+
+    def forward(self, x):
+        return x @ self.scaled.T + self.inner.bias
+
+
+def test_a_tensor_kept_from_an_earlier_graph_is_refused_by_the_loop_too():
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    for strategy in ("loop", "auto"):
+        with pytest.raises(pv.UndefinedPerSampleError, match="computed from it before this forward pass"):
+            pv.per_sample_grads(_KeptProduct(), nn.CrossEntropyLoss(), x, y, strategy=strategy)
