@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import traceback
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from pergrad_viz.core.graph import walk
 from pergrad_viz.errors import HandOverError, UndefinedPerSampleError, UnsupportedModelError
@@ -86,6 +88,41 @@ def reentrant_checkpoint_in(tensors: Sequence[torch.Tensor]) -> bool:
     return any(node.name() == "CheckpointFunctionBackward" for node in walk(roots))
 
 
+def in_reentrant_checkpoint() -> bool:
+    """Whether the code running now is inside a reentrant checkpoint's forward (``use_reentrant=True``: its layers run
+    under no_grad and are recomputed only by ``.backward()``; where no input of the checkpoint requires grad it leaves
+    no trace in the graph, and PyTorch gives those layers no gradient at all). A walk up the stack, where gradients
+    are off only."""
+    if torch.is_grad_enabled():
+        return False
+    from torch.utils.checkpoint import CheckpointFunction
+
+    code = CheckpointFunction.forward.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def noting_reentrant_layers() -> Iterator[list[nn.Module]]:
+    """Inside: the modules that run inside a reentrant checkpoint's forward (:func:`in_reentrant_checkpoint`) are
+    listed in the list yielded (a global forward pre-hook, removed on exit)."""
+    found: list[nn.Module] = []
+
+    def note(module: nn.Module, args: tuple) -> None:
+        if in_reentrant_checkpoint():
+            found.append(module)
+
+    handle = nn.modules.module.register_module_forward_pre_hook(note)
+    try:
+        yield found
+    finally:
+        handle.remove()
+
+
 def check_no_reentrant_checkpoint(tensors: Sequence[torch.Tensor]) -> None:
     """Raise :class:`UnsupportedModelError` naming ``use_reentrant=False`` where :func:`reentrant_checkpoint_in`."""
     if reentrant_checkpoint_in(tensors):
@@ -131,8 +168,7 @@ def refusing_reentrant_checkpoints() -> Iterator[None]:
         if isinstance(e, UnsupportedModelError) and str(e) == REENTRANT_CHECKPOINT:
             raise  # found in the graph (check_no_reentrant_checkpoint): already this refusal
         if not isinstance(e, UndefinedPerSampleError) and _from_reentrant_checkpoint(e):
-            # torch.func's own error type is kept (auto hands it over to the loop, which then says it, or computes
-            # what PyTorch computes where no checkpointed input records gradients)
+            # torch.func's own error type is kept (auto hands it over to the loop, which then says it)
             kind = type(e) if isinstance(e, UnsupportedModelError) else UnsupportedModelError
             raise kind(REENTRANT_CHECKPOINT) from e
         raise

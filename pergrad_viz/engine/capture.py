@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch, as_pytree, from_pytree
+from pergrad_viz.core.guards import REENTRANT_CHECKPOINT, in_reentrant_checkpoint
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.call_shapes import check_call, mismatch
@@ -202,6 +203,8 @@ class _Recorder:
         return t.detach().clone() if copy else t.detach()
 
     def hook(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
+        if not torch.is_grad_enabled() and in_reentrant_checkpoint():  # no trace in the graph on a no-grad input
+            raise UnsupportedModelError(REENTRANT_CHECKPOINT)
         name = self.names[id(module)]
         layer = self.layers[name]
         if id(module) in self.before_hooks:  # the call's arguments as given, before the layer's own pre-hooks

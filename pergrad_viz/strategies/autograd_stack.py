@@ -15,7 +15,7 @@ from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies import loop
-from pergrad_viz.strategies.outputs import mark_draws, write
+from pergrad_viz.strategies.outputs import mark_draws, refuse_reentrant_forward, write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -33,6 +33,8 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     batch = losses.shape[0]
     for i in range(batch):
         g = torch.autograd.grad(losses[i], trainable.params, retain_graph=i < batch - 1, allow_unused=True)
+        if i == 0 and any(t is None for t in g):  # unused, or run inside a reentrant checkpoint on a no-grad input
+            refuse_reentrant_forward(trainable, inputs.sample(0))
         write(out, trainable.names, g, i)
     loop.recompute_non_finite_rows(trainable, loss_fn, inputs, targets, out)
 
@@ -47,6 +49,8 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
         for j in range(y_count):
             last = i == batch - 1 and j == y_count - 1
             g = torch.autograd.grad(outputs[i, j], trainable.params, retain_graph=not last, allow_unused=True)
+            if i == j == 0 and any(t is None for t in g):
+                refuse_reentrant_forward(trainable, inputs.sample(0))
             write(out, trainable.names, g, (i, j))
     loop.recompute_non_finite_rows(trainable, None, inputs, None, out)
 

@@ -15,7 +15,7 @@ from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies import loop
-from pergrad_viz.strategies.outputs import mark_draws, write
+from pergrad_viz.strategies.outputs import mark_draws, refuse_reentrant_forward, write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -32,6 +32,8 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     check_no_reentrant_checkpoint([losses])  # its layers would get no gradient from autograd.grad
     one_hot = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)
     g = _batched_backward(losses, trainable.params, one_hot)
+    if any(t is None for t in g):  # unused, or run inside a reentrant checkpoint on a no-grad input
+        refuse_reentrant_forward(trainable, inputs.sample(0))
     write(out, trainable.names, g, slice(None))
     loop.recompute_non_finite_rows(trainable, loss_fn, inputs, targets, out)
 
@@ -45,6 +47,8 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
     one_hot = torch.eye(batch * y_count, dtype=outputs.dtype, device=outputs.device)
     g = _batched_backward(outputs, trainable.params, one_hot.view(-1, batch, y_count))
     g = [None if t is None else t.view(batch, y_count, *t.shape[1:]) for t in g]
+    if any(t is None for t in g):
+        refuse_reentrant_forward(trainable, inputs.sample(0))
     write(out, trainable.names, g, slice(None))
     loop.recompute_non_finite_rows(trainable, None, inputs, None, out)
 

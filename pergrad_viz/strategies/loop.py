@@ -13,7 +13,7 @@ from pergrad_viz.core.guards import check_no_reentrant_checkpoint, nothing_takes
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.observe import stale_error
-from pergrad_viz.strategies.outputs import non_finite_rows, refuse_random_forward, write
+from pergrad_viz.strategies.outputs import non_finite_rows, refuse_random_forward, refuse_reentrant_forward, write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -33,6 +33,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
         g = _grad(loss, trainable.params) if loss.requires_grad else unused
         if loss.requires_grad and not walked and any(t is None for t in g):
             check_no_reentrant_checkpoint([loss])  # unused, or recomputed only by .backward(): zeros here
+            refuse_reentrant_forward(trainable, inputs.sample(i))
             walked = True
         write(out, trainable.names, g, i)
     if not took_part:
@@ -63,6 +64,7 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
             g = _grad(output[j], trainable.params, retain_graph=j < y_count - 1) if output.requires_grad else unused
             if output.requires_grad and not walked and any(t is None for t in g):
                 check_no_reentrant_checkpoint([output])
+                refuse_reentrant_forward(trainable, inputs.sample(i))
                 walked = True
             write(out, trainable.names, g, (i, j))
     if not took_part and inputs.size:

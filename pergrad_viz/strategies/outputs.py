@@ -7,9 +7,10 @@ from collections.abc import Sequence
 import torch
 
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.guards import REENTRANT_CHECKPOINT, noting_reentrant_layers
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.engine.observe import observe
-from pergrad_viz.errors import UndefinedPerSampleError
+from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
 
 
 def write(out: dict[str, torch.Tensor], names: Sequence[str], grads: Sequence[torch.Tensor | None],
@@ -62,3 +63,15 @@ def refuse_random_forward(trainable: Trainable, inputs: Batch) -> None:
             "noise), so per-sample gradients would be random and not comparable, whatever the strategy. Call "
             "model.eval() (or turn the randomness off, e.g. drop_path_rate=0) before computing per-sample gradients, "
             "or pass randomness='different' for each sample's gradient under its own random numbers.")
+
+
+def refuse_reentrant_forward(trainable: Trainable, sample: Batch) -> None:
+    """Where a parameter got no gradient: :class:`UnsupportedModelError` if a layer holding trainable parameters runs
+    inside a reentrant checkpoint on inputs that require no grad (no trace of it in the graph: PyTorch gives its
+    layers nothing, as the loop did, zeros), found by one more forward of the sample."""
+    device = trainable.device
+    with restoring_modes(trainable), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            noting_reentrant_layers() as found:
+        sample(trainable.model)
+    if any(p.requires_grad for m in found for p in m.parameters()):
+        raise UnsupportedModelError(REENTRANT_CHECKPOINT)

@@ -147,3 +147,34 @@ def test_a_tensor_kept_from_an_earlier_graph_is_refused_by_the_loop_too():
     for strategy in ("loop", "auto"):
         with pytest.raises(pv.UndefinedPerSampleError, match="computed from it before this forward pass"):
             pv.per_sample_grads(_KeptProduct(), nn.CrossEntropyLoss(), x, y, strategy=strategy)
+
+
+class _CheckpointsFirstLayer(nn.Module):
+    """``checkpoint(..., use_reentrant=True)`` on the images, which require no grad: no trace of it in the graph, and
+    PyTorch gives the checkpointed layer no gradient (it warns "None of the inputs have requires_grad=True")."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.b(checkpoint(lambda h: torch.relu(self.a(h)), x, use_reentrant=True))
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "loop", "torch_func", "autograd_stack", "batched_grad"])
+def test_a_reentrant_checkpoint_on_inputs_without_grad_is_refused(strategy):
+    """Found by a newcomer's probe: auto, hooks and the loop gave the checkpointed layer zeros; the docs promise the
+    refusal naming use_reentrant=False."""
+    torch.manual_seed(0)
+    model, x, y = _CheckpointsFirstLayer(), torch.randn(4, 6), torch.randint(0, 3, (4,))
+    with pytest.raises(pv.UnsupportedModelError, match="use_reentrant=False"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    if strategy != "torch_func":
+        with pytest.raises(pv.UnsupportedModelError, match="use_reentrant=False"):
+            pv.per_sample_jacobian(model, x, strategy=strategy)
+    if strategy in ("auto", "loop", "hooks"):
+        with pytest.raises(pv.UnsupportedModelError, match="use_reentrant=False"):
+            pv.clipped_grad_sum(model, nn.CrossEntropyLoss(reduction="sum"), x, y, 1.0, strategy=strategy)
