@@ -65,6 +65,12 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
                 "mode): that forward's backward freed its graph, and this call runs the model more than once (the "
                 "probe, the check, a sample at a time), so plain loss.backward() would fail the same way on its "
                 f"second step. {KEPT_TENSOR_FIX}")
+    if "positional argument" in text and len(inputs.args) > 1 and not inputs.kwargs:
+        return (f"inputs is a sequence of {len(inputs.args)} tensors, so the model was called as model(*inputs); a "
+                "DataLoader batch [x, y] is passed as inputs=x, targets=y (pv.per_sample_grads(model, loss_fn, x, y))")
+    if "expected target dtype to be Long" in text or ("target" in text and "Float" in text and "Long" in text):
+        return ("cross-entropy takes class indices as integers: pass targets.long() (or class probabilities of shape "
+                "(B, classes))")
     square = [name for name, t in inputs.named_leaves() if t.dim() == 2 and t.shape[0] == t.shape[1] == inputs.size]
     if square and any(w in text for w in ("must match", "size of tensor", "shape", "broadcast")):
         return (f"'{square[0]}' has the batch size ({inputs.size}) first and is cut per sample like every such "

@@ -7,6 +7,7 @@ that mixes the samples would also change its buffers).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -183,7 +184,9 @@ def check_loss(loss_fn: object) -> None:
 def check_strategy_name(strategy: str, valid: Sequence[str]) -> None:
     """Refuse a strategy name that is neither ``"auto"`` nor one of ``valid`` (:data:`pergrad_viz.STRATEGIES`)."""
     if strategy != "auto" and strategy not in valid:
-        raise ValueError(f"unknown strategy {strategy!r}; valid names: 'auto', " + ", ".join(map(repr, valid)))
+        close = difflib.get_close_matches(str(strategy), ["auto", *valid], n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown strategy {strategy!r}{guess}; valid names: 'auto', " + ", ".join(map(repr, valid)))
 
 
 def batch_of(trainable: TrainableLike, inputs: Inputs, targets: object = None, model_kwargs: Mapping | None = None

@@ -149,3 +149,22 @@ def test_a_shared_square_mask_as_long_as_the_batch_names_the_cut(strategy):
     notes = _notes(info.value)
     assert "'inputs[1]' has the batch size (5) first" in notes and "keep it in the model" in notes
     assert "two samples (the probe)" in notes
+
+
+def _notes(call) -> str:
+    try:
+        call()
+    except Exception as e:  # the user's own error, its notes added
+        return str(e) + " | " + " | ".join(getattr(e, "__notes__", ()))
+    raise AssertionError("no error")
+
+
+def test_newcomers_mistakes_get_a_note_naming_the_fix():
+    """Found by a newcomer's probe: a DataLoader batch [x, y] as inputs, float class indices; a strategy's typo."""
+    torch.manual_seed(0)
+    model, loss = MLP(784, 20, 10), nn.CrossEntropyLoss()
+    x, y = torch.randn(8, 784), torch.randint(0, 10, (8,))
+    assert "inputs=x, targets=y" in _notes(lambda: pv.per_sample_grads(model, loss, [x, y], y))
+    assert "targets.long()" in _notes(lambda: pv.per_sample_grads(model, loss, x, y.float()))
+    with pytest.raises(ValueError, match="did you mean 'hooks'"):
+        pv.per_sample_grads(model, loss, x, y, strategy="hook")
