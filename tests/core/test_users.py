@@ -151,7 +151,7 @@ def test_a_shared_square_mask_as_long_as_the_batch_names_the_cut(strategy):
     assert "two samples (the probe)" in notes
 
 
-def _notes(call) -> str:
+def _message_and_notes(call) -> str:
     try:
         call()
     except Exception as e:  # the user's own error, its notes added
@@ -164,7 +164,7 @@ def test_newcomers_mistakes_get_a_note_naming_the_fix():
     torch.manual_seed(0)
     model, loss = MLP(784, 20, 10), nn.CrossEntropyLoss()
     x, y = torch.randn(8, 784), torch.randint(0, 10, (8,))
-    assert "inputs=x, targets=y" in _notes(lambda: pv.per_sample_grads(model, loss, [x, y], y))
-    assert "targets.long()" in _notes(lambda: pv.per_sample_grads(model, loss, x, y.float()))
+    assert "inputs=x, targets=y" in _message_and_notes(lambda: pv.per_sample_grads(model, loss, [x, y], y))
+    assert "targets.long()" in _message_and_notes(lambda: pv.per_sample_grads(model, loss, x, y.float()))
     with pytest.raises(ValueError, match="did you mean 'hooks'"):
         pv.per_sample_grads(model, loss, x, y, strategy="hook")
