@@ -112,8 +112,9 @@ def tied_names(calls: Sequence[Call]) -> set[str]:
 
 def _empty_like_params(layer: Layer, n: int, batch: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
     module = layer.module
-    return {ln: torch.empty(n, batch, *module.get_parameter(ln).shape, dtype=like.dtype, device=like.device)
-            for ln in layer.local}
+    own = module._parameters  # a module's own parameters without get_parameter's path walk (a child's: with it)
+    return {ln: torch.empty(n, batch, *(own[ln] if ln in own else module.get_parameter(ln)).shape, dtype=like.dtype,
+                            device=like.device) for ln in layer.local}
 
 
 def dense_grads(layer: Layer, seen: Seen) -> dict[str, torch.Tensor]:
