@@ -61,6 +61,7 @@ class Record:
 
     calls: dict[str, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = field(default_factory=dict)
     differentiates: bool = False  # the forward ran a backward that built a graph (autograd.grad, create_graph=True)
+    autocast: set[str] = field(default_factory=set)  # the modules whose calls ended under torch.autocast
 
 
 class _ParameterUses(TorchFunctionMode):
@@ -144,6 +145,8 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
         if mode is not None:
             mode.paused = False
         record.calls.setdefault(name, []).append((ins, outs))
+        if outs and torch.is_autocast_enabled(outs[0].device.type):  # inside the forward (around it: the loop's)
+            record.autocast.add(name)
 
     handles = []
     for _, module in trainable.modules:

@@ -258,11 +258,14 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
 
 
 def _lower_precision(trainable: Trainable, record) -> str | None:
-    """Where a module's output is in a floating dtype of less precision than the parameters' (``torch.autocast``
-    inside the forward): a phrase naming the first, else None. A batched forward rounds there otherwise than each
-    sample alone, by more than the parameters' dtype's tolerance."""
+    """Where a module called under ``torch.autocast`` (inside the forward) gives an output in a floating dtype of less
+    precision than the parameters': a phrase naming the first, else None. A batched forward rounds there otherwise
+    than each sample alone, by more than the parameters' dtype's tolerance. (A float32 mask in a float64 model, a
+    frozen bfloat16 part without autocast: computed as the model says, not refused.)"""
     eps = torch.finfo(trainable.dtype).eps
     for name, calls in record.calls.items():
+        if name not in record.autocast:
+            continue
         for _, outputs in calls:
             low = next((t.dtype for t in outputs if t.is_floating_point() and torch.finfo(t.dtype).eps > eps), None)
             if low is not None:

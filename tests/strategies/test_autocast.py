@@ -112,3 +112,36 @@ def test_a_forward_under_its_own_autocast_gives_the_loop_and_its_clipped_sum(nam
     for strategy in ("hooks", "torch_func", "autograd_stack"):
         with pytest.raises(UnsupportedModelError, match="torch.autocast inside the forward.*'loop'"):
             pv.per_sample_grads(model, loss, x, y, strategy=strategy)
+
+
+class _FloatMask(torch.nn.Module):
+    """A float64 model with a module whose output is float32 (a 0/1 mask), no autocast anywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = torch.nn.Linear(6, 5).double(), torch.nn.Linear(5, 3).double()
+        self.mask = _Mask()
+
+    def forward(self, x):
+        h = self.inner(x)
+        return self.head(h * self.mask(h))
+
+
+class _Mask(torch.nn.Module):
+    def forward(self, h):
+        return (h > 0).float()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "torch_func"])
+def test_a_lower_precision_output_without_autocast_keeps_the_batched_strategies(strategy):
+    """A regression probe found the autocast rule catching this (auto the loop, hooks and torch_func refused); the
+    mask's float32 is exact, and only a module called under autocast counts."""
+    torch.manual_seed(0)
+    model = _FloatMask()
+    x, y = torch.randn(6, 6, dtype=torch.float64), torch.randint(0, 3, (6,))
+    if strategy == "auto":
+        assert pv.resolve_strategy("auto", model, x) == "hooks"
+    got = pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    want = pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, strategy="loop")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
