@@ -29,7 +29,7 @@ from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.core.validate import check_flags, check_strategy_name
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
 from pergrad_viz.derived.clipping import Groups
-from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed, failed_together
+from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed, failing_together
 from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.strategies import STRATEGIES
@@ -152,32 +152,43 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             generator, a generator on another device, a ``per_layer`` dict missing a parameter; as
             :func:`pergrad_viz.per_sample_grads` for the batch, strategy and model (all before any work).
     """
-    max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
-    check_flags(verify=verify, return_norms=return_norms)
+    check_distributed(distributed)
+    with failing_together(distributed):  # the others told, not left to pair their next call with this one's
+        max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
+        check_flags(verify=verify, return_norms=return_norms)
     sums, norms, _ = _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer,
                               strategy, chunk_size, verify, model_kwargs, distributed, randomness)
     return (sums, norms()) if return_norms else sums
 
 
 def _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer, strategy, chunk_size,
-             verify, model_kwargs, distributed, randomness
+             verify, model_kwargs, distributed, randomness, agreed: tuple = ()
              ) -> tuple[dict[str, torch.Tensor], Callable[[], torch.Tensor], int]:
     """:func:`clipped_grad_sum`'s (sums, a call that gives the (B,) norms, the number of samples of every process
     together). Under ``distributed`` a process with no samples (Poisson sampling's empty batch) adds zeros (rank 0:
     the noise)."""
     check_distributed(distributed)
-    try:
+    state = None if generator is None else generator.get_state()
+    with failing_together(distributed):
         sums, norms, count, (groups, std, shapes) = _local(model, loss_fn, inputs, targets, max_norm,
                                                            noise_multiplier, generator, per_layer, strategy,
                                                            chunk_size, verify, model_kwargs, distributed, randomness)
-    except Exception:
-        if distributed:  # the others are told in the counting all-reduce, and raise too instead of waiting
-            failed_together()
-        raise
     if distributed:
-        count = agreed_count(count, shapes, (tuple(groups), std))
+        count = _agreed(count, shapes, (tuple(groups), std, *agreed), generator, state)
         all_reduce_sums(sums)
     return sums, norms, count
+
+
+def _agreed(count: int, shapes: list[tuple], clipping: tuple, generator: torch.Generator | None,
+            state: torch.Tensor | None) -> int:
+    """:func:`agreed_count`; where the step failed somewhere, rank 0's generator put back where the step found it
+    (its noise is drawn before: the step again draws the same noise, as one process's failed step draws none)."""
+    try:
+        return agreed_count(count, shapes, clipping)
+    except Exception:
+        if generator is not None:
+            generator.set_state(state)
+        raise
 
 
 def _local(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer, strategy, chunk_size,
@@ -186,7 +197,10 @@ def _local(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generato
     check alike)."""
     targets = tree_map(normal_tensor, targets)
     nothing = distributed and _empty(inputs)  # nothing to clip here; the other processes' sums come in the all-reduce
-    if nothing:
+    if nothing:  # its options checked as a full batch's are (api.prepare)
+        check_strategy_name(strategy, STRATEGIES)
+        check_randomness(randomness)
+        _check_empty_targets(targets)
         trainable = Trainable.of(model)
     else:
         trainable, resolved, batch, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
@@ -272,29 +286,32 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
     Returns:
         ``{name: Tensor (*param.shape)}``, the tensors now in ``.grad``.
     """
-    if expected_batch_size is not None:
-        expected_batch_size = whole_number("expected_batch_size", expected_batch_size,
-                                           hint=" (e.g. round(sample_rate * len(dataset))) or None")
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise TypeError(f"dp_step() got unexpected keyword argument(s) {sorted(unknown)}; it takes "
-                        f"{sorted(_OPTIONS)} as clipped_grad_sum does")
-    check_flags(verify=options.get("verify", True))
     distributed = options.get("distributed", False)
-    if _empty(inputs) and not distributed:  # Poisson sampling's empty batch: noise alone
-        if expected_batch_size is None:
-            raise ValueError(_EMPTY)
-        # its options checked as a full batch's are (api.prepare)
-        check_strategy_name(options.get("strategy", "auto"), STRATEGIES)
-        check_randomness(options.get("randomness", "error"))
-        _check_empty_targets(targets)
-        return noise_step(model, max_norm, noise_multiplier=noise_multiplier, generator=generator,
-                          expected_batch_size=expected_batch_size, per_layer=options.get("per_layer", False))
-    max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator,
-                                                               options.pop("per_layer", False))
+    check_distributed(distributed)
+    with failing_together(distributed):  # the others told, not left to pair their next call with this one's
+        if expected_batch_size is not None:
+            expected_batch_size = whole_number("expected_batch_size", expected_batch_size,
+                                               hint=" (e.g. round(sample_rate * len(dataset))) or None")
+        unknown = set(options) - _OPTIONS
+        if unknown:
+            raise TypeError(f"dp_step() got unexpected keyword argument(s) {sorted(unknown)}; it takes "
+                            f"{sorted(_OPTIONS)} as clipped_grad_sum does")
+        check_flags(verify=options.get("verify", True))
+        if _empty(inputs) and not distributed:  # Poisson sampling's empty batch: noise alone
+            if expected_batch_size is None:
+                raise ValueError(_EMPTY)
+            # its options checked as a full batch's are (api.prepare)
+            check_strategy_name(options.get("strategy", "auto"), STRATEGIES)
+            check_randomness(options.get("randomness", "error"))
+            _check_empty_targets(targets)
+            return noise_step(model, max_norm, noise_multiplier=noise_multiplier, generator=generator,
+                              expected_batch_size=expected_batch_size, per_layer=options.get("per_layer", False))
+        max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator,
+                                                                   options.pop("per_layer", False))
     sums, _, count = _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer,
                               options.get("strategy", "auto"), options.get("chunk_size"), options.get("verify", True),
-                              options.get("model_kwargs"), distributed, options.get("randomness", "error"))
+                              options.get("model_kwargs"), distributed, options.get("randomness", "error"),
+                              (expected_batch_size,))  # every process divides by the same
     divisor = expected_batch_size
     if divisor is None:  # this batch's size (under distributed=True: over every process)
         if count == 0:  # every process's batch empty (the same count on every process: each raises)
@@ -340,15 +357,18 @@ def noise_step(model: nn.Module, max_norm: float | None, *, noise_multiplier: fl
     Returns:
         ``{name: Tensor (*param.shape)}``, the tensors now in ``.grad``.
     """
-    max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
-    expected_batch_size = whole_number("expected_batch_size", expected_batch_size,
-                                       hint=" (e.g. round(sample_rate * len(dataset)))")
     check_distributed(distributed)
-    trainable = Trainable.of(model)
-    groups, std, drawn, shapes = _noise_of(trainable, max_norm, noise_multiplier, generator, per_layer, distributed)
+    with failing_together(distributed):
+        max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
+        expected_batch_size = whole_number("expected_batch_size", expected_batch_size,
+                                           hint=" (e.g. round(sample_rate * len(dataset)))")
+        trainable = Trainable.of(model)
+        groups, std, drawn, shapes = _noise_of(trainable, max_norm, noise_multiplier, generator, per_layer,
+                                               distributed)
+    state = None if generator is None else generator.get_state()
     sums = initial_sums(shapes, drawn, generator)
     if distributed:
-        agreed_count(0, shapes, (tuple(groups), std))
+        _agreed(0, shapes, (tuple(groups), std, expected_batch_size), generator, state)
         all_reduce_sums(sums)
     params = dict(model.named_parameters())
     for name, total in sums.items():

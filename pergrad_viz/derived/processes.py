@@ -6,7 +6,9 @@ Every process takes the same collectives in the same order whatever its batch, s
 
 from __future__ import annotations
 
+import contextlib
 import zlib
+from collections.abc import Iterator
 
 import torch
 
@@ -38,10 +40,24 @@ def agreed_count(batch: int, shapes: list[tuple], clipping: tuple) -> int:
     if marks * marks != world * squares:  # equal only where every process's mark is the same (Cauchy-Schwarz)
         raise ValueError(
             "distributed=True: the processes passed different models or clipping (trainable parameters' names, "
-            "shapes and dtypes, max_norm, per_layer, noise_multiplier); every process must pass the same, each "
-            "with its own samples"
+            "shapes and dtypes, max_norm, per_layer, noise_multiplier, dp_step's expected_batch_size); every process "
+            "must pass the same, each with its own samples (the weights are not compared: start every process from "
+            "the same ones)"
         )
     return count
+
+
+@contextlib.contextmanager
+def failing_together(distributed: bool) -> Iterator[None]:
+    """Under ``distributed`` (checked by :func:`check_distributed`), an error raised inside (an argument check, this
+    process's part of the step) joins :func:`agreed_count`'s all-reduce marked as failed before it is raised, so that
+    the other processes raise too instead of pairing their next call with this one's."""
+    try:
+        yield
+    except Exception:
+        if distributed:
+            failed_together()
+        raise
 
 
 def failed_together() -> None:

@@ -21,13 +21,15 @@ def problem():
 
 
 SPLITS = {"even": (5, 5), "rank 1 empty": (10, 0), "rank 0 empty": (0, 10)}
+PAIRED = {"one process fails", "rank 0's noise kept", "rank 1 argument error"}  # each rank's own outcome
 PER_LAYER = {"0": 0.2, "2": 0.4}
 
 
 def step(rank, mine, **options):
     model, loss_fn, x, y = problem()
+    generator = None if options.pop("generator_none", False) else torch.Generator().manual_seed(7 + rank)
     pv.dp_step(model, loss_fn, x[mine], y[mine], options.pop("max_norm", 0.3), noise_multiplier=1.5,
-               generator=torch.Generator().manual_seed(7 + rank), distributed=True, **options)  # only rank 0 draws
+               generator=generator, distributed=True, **options)  # only rank 0 draws
     return {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -66,13 +68,22 @@ if __name__ == "__main__":
                                    distributed=True)
 
     results["one process fails"] = failure(one_rank_fails)
+    noise = torch.Generator().manual_seed(7)
+    before = noise.get_state()
+    failure(lambda: pv.dp_step(*problem()[:2], problem()[2][:0] if rank else problem()[2][:5],
+                               problem()[3][:5], 0.3, noise_multiplier=1.5, generator=noise, distributed=True))
+    results["rank 0's noise kept"] = torch.equal(noise.get_state(), before)  # rank 1's batch: 0 inputs, 5 targets
+    # an argument refused on one process alone (rank 1 passes no generator): told in the counting all-reduce
+    results["rank 1 argument error"] = failure(lambda: step(rank, slice(5 * rank, 5 * rank + 5), generator_none=rank))
+    results["different expected sizes"] = failure(lambda: step(rank, slice(5 * rank, 5 * rank + 5),
+                                                              expected_batch_size=5 + 5 * rank))
     results["even, again"] = step(rank, slice(5 * rank, 5 * rank + 5))  # the processes still in step
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, results)
     if rank == 0:
         for case, mine in results.items():
             other = gathered[1][case]
-            if case == "one process fails":
+            if case in PAIRED:
                 results[case] = [mine, other]
                 continue
             same = other == mine if isinstance(mine, str) else all(torch.equal(other[n], mine[n]) for n in mine)

@@ -74,6 +74,7 @@ def test_empty_batches_on_every_process_take_the_noise_step_of_one(two):
     ("both empty, no expected size", "empty batches on every process.*expected_batch_size="),
     ("different models", "processes passed different models or clipping"),
     ("different bounds", "processes passed different models or clipping"),
+    ("different expected sizes", "processes passed different models or clipping.*expected_batch_size"),
 ])
 def test_disagreeing_processes_fail_alike_on_every_rank(two, case, message):
     assert isinstance(two[case], str)
@@ -86,6 +87,20 @@ def test_an_error_in_one_process_reaches_every_process(two):
     rank0, rank1 = two["one process fails"]
     assert rank1.startswith("ValueError: sample(s) [2] of this batch have a gradient that is not finite"), rank1
     assert rank0.startswith("RuntimeError: distributed=True: 1 other process(es) raised an error"), rank0
+
+
+def test_an_argument_refused_on_one_process_reaches_every_process(two):
+    """Found by a probe: rank 1's missing generator was refused before the counting all-reduce, so rank 0's call
+    paired with rank 1's next one (a wrong step, then a hang); now the refusal is told there, as a model's error."""
+    rank0, rank1 = two["rank 1 argument error"]
+    assert rank1.startswith("ValueError: noise_multiplier > 0 needs generator="), rank1
+    assert rank0.startswith("RuntimeError: distributed=True: 1 other process(es) raised an error"), rank0
+
+
+def test_a_failed_step_leaves_rank_0s_noise_generator_where_it_was(two):
+    """Rank 1's empty inputs with 5 targets are refused; rank 0 had drawn its noise: put back, so the step again
+    draws the noise one process draws."""
+    assert two["rank 0's noise kept"] == [True, True]
 
 
 def test_distributed_needs_a_process_group():
