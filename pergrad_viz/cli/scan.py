@@ -163,8 +163,8 @@ def run_scan(args: argparse.Namespace) -> int:
                           batch_size=args.batch_size, proj_dim=args.proj_dim, out=args.out, seed=args.seed,
                           chunk_size=args.chunk_size, num_workers=args.num_workers, progress=not args.no_progress)
         except (ValueError, TypeError, OSError) as exc:  # refusals (their messages name the fix)
-            if rank == 0:  # the Python argument's name as the option's
-                print(f"error: {str(exc).replace('pass proj_dim=K', 'pass --proj-dim K')}", file=sys.stderr)
+            where = f" (rank {rank})" if world > 1 else ""  # each process's own: another's may be the cause
+            print(f"error{where}: {str(exc).replace('pass proj_dim=K', 'pass --proj-dim K')}", file=sys.stderr)
             return 2
         if rank == 0:
             run = result.manifest["runs"][-1]

@@ -234,7 +234,7 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
                              chunk_size=chunk_size, projection=sketch.describe() if sketch is not None else None)
 
     # Rank 0 prepares the directory; every rank learns the outcome (an error is raised everywhere).
-    core = {k: new[k] for k in store.MUST_MATCH}
+    core = {**{k: new[k] for k in store.MUST_MATCH}, "batch_size": batch_size}  # the rows bit for bit as one process's
     manifest, done = runner.prepare_on_rank_zero(rank, world, core, lambda: _prepare(out, new))
     if rank != 0:
         manifest = store.read_manifest(out)

@@ -77,8 +77,10 @@ def prepare_on_rank_zero(rank: int, world: int, core: dict, prepare: Callable[[]
         try:
             bad = [r for r, c in enumerate(peers) if c != core]
             if bad:
-                raise ValueError(f"process(es) {bad} see a different model, dataset or settings than rank 0: give "
-                                 "every process the same model weights, dataset and arguments")
+                fields = sorted(k for k in {*core, *peers[bad[0]]} if core.get(k) != peers[bad[0]].get(k))
+                raise ValueError(f"process(es) {bad} see a different model, dataset or settings than rank 0 (they "
+                                 f"differ in {', '.join(fields)}): give every process the same model weights, dataset "
+                                 "and arguments")
             manifest, done = prepare()
             status = (None, sorted(done))
         except Exception as exc:

@@ -633,3 +633,28 @@ def test_a_model_whose_samples_interact_is_scanned_example_by_example(tmp_path, 
         want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
             loss_fn(model(x[i:i + 1]), y[i:i + 1]), params)]).norm() for i in range(4)])
         torch.testing.assert_close(torch.as_tensor(res["grad_norm"]), want)
+
+
+def test_processes_with_different_batch_sizes_are_refused_naming_it(tmp_path, monkeypatch):
+    """Found by a probe of the multi-process scan: batches of 8 and 4 on two processes were accepted, their rows not
+    bit for bit one process's, the manifest naming rank 0's size alone."""
+    model, ds = _model(MLP), _data(8, flat=True)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def noted(obj, world):  # what each process would send, by its batch size
+        seen[len(seen)] = obj
+        raise Stop
+
+    monkeypatch.setattr(runner, "world", lambda: (0, 2))
+    monkeypatch.setattr(runner, "gather", noted)
+    for batch in (8, 4):
+        with pytest.raises(Stop):
+            pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "scan", batch_size=batch, chunk_size=8,
+                    progress=False)
+    monkeypatch.setattr(runner, "gather", lambda obj, world: [seen[0], seen[1]])
+    monkeypatch.setattr(runner, "broadcast", lambda obj, world: obj)
+    with pytest.raises(ValueError, match="differ in batch_size"):
+        pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "scan", batch_size=8, chunk_size=8, progress=False)
