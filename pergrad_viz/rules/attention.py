@@ -170,10 +170,10 @@ def capture_attention(module: nn.MultiheadAttention, args: tuple, kwargs: dict
         weights = probs.mean(1) if average else probs
     else:
         heads_out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal)
-    # computed sequence first, as the layer's own forward is: its output (L, B, E) in memory, (B, L, E) a view of it
-    # where batch_first, so that what follows it (a dropout's mask) meets the same layout
-    merged = heads_out.permute(2, 0, 1, 3).reshape(length, batch, embed).transpose(0, 1)  # (B, L, E)
-    out = F.linear(merged.transpose(0, 1), module.out_proj.weight, module.out_proj.bias)  # (L, B, E)
+    merged = heads_out.transpose(1, 2).reshape(batch, length, embed)  # (B, L, E), the rows the rules read
+    # handed downstream in the layer's own layout, (L, B, E) in memory ((B, L, E) a view of it where batch_first), so
+    # that what follows (a dropout's mask) meets the samples in the same order; the (B, L, E) product let go at once
+    out = F.linear(merged, module.out_proj.weight, module.out_proj.bias).transpose(0, 1).contiguous()
     if module.batch_first:
         out = out.transpose(0, 1)
     return (out, weights), Captured(internals, _State(merged.detach(), packed, source))
