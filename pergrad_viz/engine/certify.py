@@ -307,13 +307,13 @@ def _jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targe
                 output = functional_call_once(trainable.model, {**p, **frozen}, sample.args, sample.kwargs)
                 return select(output).reshape(-1)
             return scalar_loss(functional_loss(trainable.model, {**p, **frozen}, sample.args, sample.kwargs, loss_fn,
-                                               tree_map(lambda t: t.unsqueeze(0), y)))
+                                               None if y is None else tree_map(lambda t: t.unsqueeze(0), y)))
 
         return jvp(value, (params,), (tangents,))[1]
 
     with warnings.catch_warnings():  # forward mode's first use loads PyTorch's jvp decompositions, which warn
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*deprecated", category=FutureWarning)
-        if loss_fn is None:
+        if loss_fn is None or targets is None:  # a Jacobian's outputs; a loss of the output alone (targets=None)
             return vmap(lambda xs: one(xs, None))(inputs.leaves())
         return vmap(one)(inputs.leaves(), targets)
 

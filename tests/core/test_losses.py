@@ -309,3 +309,27 @@ def test_a_loss_without_targets_reads_the_samples_from_the_output(strategy):
 def test_a_loss_without_targets_of_an_output_without_samples_is_refused():
     with pytest.raises(ValueError, match="targets=None, and the model's output holds no tensor"):
         per_sample_losses(lambda out, t: out, torch.tensor(1.0, requires_grad=True), None)
+
+
+class _ReturnsItsLoss(nn.Module):
+    """A model that computes its own batch-mean loss from (x, y), as Hugging Face models do with labels=."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(5, 3)
+
+    def forward(self, x, y):
+        out = self.inner(x)
+        return {"logits": out, "loss": nn.functional.cross_entropy(out, y)}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "torch_func", "loop"])
+def test_a_model_returning_its_own_loss_with_targets_none(strategy):
+    """Found by a probe: the check's forward-mode pass vmapped over targets=None (a raw vmap ValueError)."""
+    torch.manual_seed(0)
+    model, x, y = _ReturnsItsLoss().double(), torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+    got = pv.per_sample_grads(model, lambda out, t: out["loss"], (x, y), None, strategy=strategy)
+    for i in range(6):
+        want = torch.autograd.grad(model(x[i:i + 1], y[i:i + 1])["loss"], list(model.parameters()))
+        for (name, _), w in zip(model.named_parameters(), want, strict=True):
+            torch.testing.assert_close(got[name][i], w, rtol=1e-10, atol=1e-12)
