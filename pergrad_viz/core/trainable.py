@@ -190,7 +190,9 @@ def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
         raise UndefinedPerSampleError(
             f"the forward pass writes the buffer '{written[0]}' (e.g. running statistics in training mode, or "
             "spectral_norm's power iteration), so computing per-sample gradients would change your model and each "
-            "sample would see another model. The buffer was restored. Call model.eval() first, or compute with a copy "
+            "sample would see another model. The buffer was restored. Call model.eval() first (a FakeQuantize or "
+            "observer of quantisation-aware training updates its statistics in eval mode too: "
+            "model.apply(torch.ao.quantization.disable_observer)), or compute with a copy "
             "of the model whose buffers you do not need to keep."
         )
 

@@ -272,7 +272,8 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
     ``.grad = clipped_grad_sum(...) / expected_batch_size`` (Opacus' convention: with Poisson sampling, divide by
     the expected batch size q * N, not by this batch's size, which is itself private); ``expected_batch_size=None``
     divides by this batch's B (with ``distributed=True``, the B of every process together). ``.grad`` is replaced,
-    as after ``optimizer.zero_grad()`` and ``loss.backward()``: nothing is accumulated. With :func:`noise_step`, the
+    as after ``optimizer.zero_grad()`` and ``loss.backward()``: nothing is accumulated (a ``.grad`` tensor a parameter
+    holds, a view of a flat gradient buffer, is written, as backward writes it). With :func:`noise_step`, the
     only calls of the package that write ``.grad``. An empty batch (B = 0, which Poisson sampling draws) is
     :func:`noise_step`'s (``expected_batch_size`` needed), so that every step the accountant counts is taken.
 
@@ -317,11 +318,9 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
         if count == 0:  # every process's batch empty (the same count on every process: each raises)
             raise ValueError(_EMPTY.replace("empty batch", "empty batches on every process"))
         divisor = count
-    params = dict(model.named_parameters())
-    for name, total in sums.items():
+    for total in sums.values():
         total.div_(divisor)
-        params[name].grad = total
-    return sums
+    return _into_grads(model, sums)
 
 
 _OPTIONS = frozenset({"per_layer", "strategy", "chunk_size", "verify", "model_kwargs", "distributed", "randomness"})
@@ -370,7 +369,20 @@ def noise_step(model: nn.Module, max_norm: float | None, *, noise_multiplier: fl
     if distributed:
         _agreed(0, shapes, (tuple(groups), std, expected_batch_size), generator, state)
         all_reduce_sums(sums)
+    for total in sums.values():
+        total.div_(expected_batch_size)
+    return _into_grads(model, sums)
+
+
+def _into_grads(model: nn.Module, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each parameter's ``.grad`` replaced by its sum: written into the ``.grad`` tensor a parameter holds (a view of
+    a flat gradient buffer, DDP's bucket views), as a backward after ``zero_grad(set_to_none=False)`` writes it, else
+    the sum itself; returns the tensors now in ``.grad``."""
     params = dict(model.named_parameters())
     for name, total in sums.items():
-        params[name].grad = total.div_(expected_batch_size)
+        grad = params[name].grad
+        if grad is not None and grad.shape == total.shape and grad.dtype == total.dtype and grad.device == total.device:
+            sums[name] = grad.copy_(total)
+        else:
+            params[name].grad = total
     return sums

@@ -476,3 +476,21 @@ def test_a_model_of_two_dtypes_gets_its_sums_in_each_parameters_dtype():
         want = sum(factors[i] * rows[i][k].double() for i in range(6))
         assert got[name].dtype == p.dtype
         torch.testing.assert_close(got[name].double(), want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_dp_step_writes_into_the_grad_tensors_a_flat_buffer_holds():
+    """Found by a probe: dp_step replaced .grad by new tensors, so a flat gradient buffer whose views the parameters
+    held (flat-buffer optimisers, DDP's gradient_as_bucket_view) never saw the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    params = list(model.parameters())
+    arena = torch.full((sum(p.numel() for p in params),), 7.0, dtype=torch.float64)  # stale values: replaced
+    views = list(arena.split([p.numel() for p in params]))
+    for p, v in zip(params, views, strict=True):
+        p.grad = v.view_as(p)
+    held = [p.grad for p in params]
+    want = pv.clipped_grad_sum(model, nn.CrossEntropyLoss(reduction="sum"), x, y, 0.3)
+    pv.dp_step(model, nn.CrossEntropyLoss(reduction="sum"), x, y, 0.3, noise_multiplier=0.0, expected_batch_size=8)
+    assert all(p.grad is h for p, h in zip(params, held, strict=True))
+    torch.testing.assert_close(arena, torch.cat([want[n].flatten() for n, _ in model.named_parameters()]) / 8)
