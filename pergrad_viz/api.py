@@ -326,10 +326,15 @@ def output_size(trainable: Trainable, inputs: Batch) -> int:
             f"per_sample_jacobian and empirical_ntk differentiate one output tensor, but this model returns a "
             f"{type(output).__name__}: say which tensor with output=, e.g. output=lambda out: out.logits (or out[0])"
         )
+    if output.is_complex():
+        raise TypeError(
+            f"per_sample_jacobian differentiates real floating outputs, but this model returns {output.dtype}: pass "
+            "output=lambda out: torch.view_as_real(out) (its real and imaginary parts as outputs)")
     if not output.is_floating_point():
         raise TypeError(
-            f"per_sample_jacobian differentiates real floating outputs, but this model returns {output.dtype}: for a "
-            "complex output pass output=lambda out: torch.view_as_real(out) (its real and imaginary parts as outputs)")
+            f"per_sample_jacobian differentiates real floating outputs, but this model returns {output.dtype}, which "
+            "has no gradient (an argmax, a count): differentiate a floating tensor before it, e.g. "
+            "output=lambda out: out.logits, or return the scores")
     return output.numel()
 
 

@@ -127,6 +127,9 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
                  result=result_bytes(n1 * n2, 1, trainable.dtype, y_count * y_count if full else 1),
                  working=0, max_bytes=max_bytes, allocate_result=True, device=trainable.device, batch=n1,
                  chunk=chunk)
+    if y_count == 0:  # no output element: an empty kernel (a sum over no outputs: zeros, for the trace)
+        shape = (n1, n2, 0, 0) if full else (n1, n2)
+        return torch.zeros(shape, dtype=trainable.dtype, device=trainable.device)
     if strategy == "hooks" and x2 is not None and api.resolve_strategy("auto", trainable, x2) != "hooks":
         strategy = "torch_func"
 

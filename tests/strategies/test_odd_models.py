@@ -86,3 +86,27 @@ def test_a_lazy_module_not_initialised_names_the_fix(strategy):
         model(x[:1])
     got = pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, strategy=strategy, flat=True)
     torch.testing.assert_close(got, flatten_ref(ref_grads(model, torch.nn.CrossEntropyLoss(), x, y), 1))
+
+
+@pytest.mark.parametrize("mode", ["full", "trace"])
+def test_empty_outputs_give_an_empty_kernel(mode):
+    """Found by a probe: the NTK of a (B, 0) output raised a raw IndexError from autograd's batched grad."""
+    model, (x, _) = empty_model(), _xy()
+    kernel = pv.empirical_ntk(model, x, x[:2], mode=mode)
+    assert kernel.shape == ((3, 2, 0, 0) if mode == "full" else (3, 2)) and not kernel.any()
+
+
+class _Argmax(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x).argmax(1)
+
+
+def test_an_integer_output_names_a_floating_tensor_to_differentiate():
+    model, (x, _) = _Argmax(), _xy()
+    with pytest.raises(TypeError, match="has no gradient.*output=") as info:
+        pv.per_sample_jacobian(model, x)
+    assert "view_as_real" not in str(info.value)
