@@ -133,7 +133,7 @@ def _same_objects(now: dict, saved: dict) -> bool:
 
 
 @contextlib.contextmanager
-def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
+def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False) -> Iterator[None]:
     """Leave ``model`` as it was found, and compute gradients whatever the caller's grad mode.
 
     Inside: gradients are recorded even under the caller's ``torch.no_grad()`` or ``torch.inference_mode()`` (the
@@ -143,7 +143,8 @@ def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
     h.detach()``, as the model had it: the probe's runs on one or two samples leave their own) are as they were. A
     forward pass that wrote a buffer (running statistics, ``spectral_norm``'s power iteration) is undone and, if
     nothing else failed, refused with :class:`UndefinedPerSampleError`: computing per-sample gradients must not change
-    the model.
+    the model. A parameter written in place (a running statistic kept as a frozen Parameter) is refused alike, and
+    undone where ``keep_parameters`` kept a copy (the first runs of a model: the probe, a loop's look at sample 0).
 
     Strategies never call ``backward()`` (so ``.grad`` is untouched) and remove their own hooks.
     """
@@ -159,6 +160,13 @@ def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
                 found[id(b)] = (f"{name}.{bname}" if name else bname, b, b._version)
     copies = _copies([b for _, b, _ in found.values()])
     buffers = {key: (*entry, copy) for (key, entry), copy in zip(found.items(), copies, strict=True)}
+    owned = {}  # id -> (name, parameter, version): written in place by the forward, it is refused (and undone)
+    for name, _m, params, _bufs, _attributes in kept:
+        for pname, p in params.items():
+            if p is not None and id(p) not in owned and not p.is_inference():
+                owned[id(p)] = (f"{name}.{pname}" if name else pname, p, p._version)
+    with torch.no_grad():
+        kept_values = _copies([p for _, p, _ in owned.values()]) if keep_parameters else [None] * len(owned)
     failed = True
     try:
         with torch.inference_mode(False), torch.enable_grad():
@@ -186,6 +194,21 @@ def restoring_modes(model: nn.Module | Trainable) -> Iterator[None]:
             if b._version != version:
                 with torch.no_grad():
                     b.copy_(copy)
+        changed = [(name, p, value) for (name, p, version), value in zip(owned.values(), kept_values, strict=True)
+                   if p._version != version]
+        for _name, p, value in changed:
+            if value is not None:
+                with torch.no_grad():
+                    p.copy_(value)
+    if changed and not failed:
+        name, _, value = changed[0]
+        raise UndefinedPerSampleError(
+            f"the forward pass writes the parameter '{name}' in place (a running statistic kept as a frozen "
+            "nn.Parameter, a weight constraint applied inside forward), so computing per-sample gradients would change "
+            f"your model and each sample would see another model{'' if value is None else '. It was restored'}. Keep "
+            "such state in a buffer (register_buffer: then model.eval() stops its updates) or apply the constraint "
+            "outside the forward."
+        )
     if written and not failed:
         raise UndefinedPerSampleError(
             f"the forward pass writes the buffer '{written[0]}' (e.g. running statistics in training mode, or "

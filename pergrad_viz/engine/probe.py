@@ -210,7 +210,7 @@ def _kind(module: nn.Module, local: dict[str, str], specs: list[CallSpec]) -> La
 
 
 def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
-    with restoring_modes(trainable):  # the probe runs the model: its modes are left as they were, even on error
+    with restoring_modes(trainable, keep_parameters=True):  # the probe runs the model: all left as it was
         probe = _Probe(trainable, inputs)
     if probe.random is not None and trainable.call.draws is None:  # randomness='different': held fixed here
         module = dict(trainable.modules)[probe.random]
@@ -342,7 +342,8 @@ def _assign_spreading(trainable: Trainable, inputs: Batch, probe: _Probe
 def _apart(trainable: Trainable) -> Iterator[None]:
     """Runs of the model for the plan: its modes restored after them, the caller's random state untouched."""
     device = trainable.device
-    with restoring_modes(trainable), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with restoring_modes(trainable, keep_parameters=True), \
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         yield
 
 

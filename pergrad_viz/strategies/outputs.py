@@ -52,7 +52,7 @@ def refuse_random_forward(trainable: Trainable, inputs: Batch) -> None:
     if any(isinstance(m, torch.jit.ScriptModule) for _, m in trainable.modules):
         return  # TorchScript takes no hooks to watch it with (and runs in the loop only)
     device = trainable.device
-    with restoring_modes(trainable), torch.no_grad(), \
+    with restoring_modes(trainable, keep_parameters=True), torch.no_grad(), \
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         _, drew = observe(trainable, inputs.sample(0), None, random_ops=True)
     if drew is not None:

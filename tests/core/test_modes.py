@@ -178,3 +178,33 @@ def test_a_reentrant_checkpoint_on_inputs_without_grad_is_refused(strategy):
     if strategy in ("auto", "loop", "hooks"):
         with pytest.raises(pv.UnsupportedModelError, match="use_reentrant=False"):
             pv.clipped_grad_sum(model, nn.CrossEntropyLoss(reduction="sum"), x, y, 1.0, strategy=strategy)
+
+
+class _RunningMeanParameter(nn.Module):
+    """A running statistic kept as a frozen nn.Parameter, updated in place by the forward in training mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = nn.Linear(5, 4), nn.Linear(4, 3)
+        self.mean = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def forward(self, x):
+        h = self.inner(x)
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * h.mean(0))
+        return self.head(h - self.mean)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop", "torch_func", "hooks"])
+def test_a_parameter_the_forward_writes_is_refused_and_restored(strategy):
+    """Found by a probe: a buffer written so was refused and restored, a frozen Parameter was left changed by the
+    probe's and the loop's runs (and refused as drawing random numbers)."""
+    torch.manual_seed(0)
+    model, x, y = _RunningMeanParameter(), torch.randn(6, 5), torch.randint(0, 3, (6,))
+    kept = model.mean.detach().clone()
+    with pytest.raises(pv.UndefinedPerSampleError, match="writes the parameter 'mean' in place"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    assert torch.equal(model.mean, kept)
+    model.eval()
+    pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)  # nothing written in eval mode
