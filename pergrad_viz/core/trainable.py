@@ -160,13 +160,12 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
                 found[id(b)] = (f"{name}.{bname}" if name else bname, b, b._version)
     copies = _copies([b for _, b, _ in found.values()])
     buffers = {key: (*entry, copy) for (key, entry), copy in zip(found.items(), copies, strict=True)}
-    owned = {}  # id -> (name, parameter, version): written in place by the forward, it is refused (and undone)
-    for name, _m, params, _bufs, _attributes in kept:
-        for pname, p in params.items():
-            if p is not None and id(p) not in owned and not p.is_inference():
-                owned[id(p)] = (f"{name}.{pname}" if name else pname, p, p._version)
+    # (name, parameter, version): one written in place by the forward is refused (and undone); every parameter once
+    every = model.named_parameters if isinstance(model, Trainable) and model.named_parameters else \
+        tuple(model.model.named_parameters() if isinstance(model, Trainable) else model.named_parameters())
+    owned = [(name, p, p._version) for name, p in every if not p.is_inference()]
     with torch.no_grad():
-        kept_values = _copies([p for _, p, _ in owned.values()]) if keep_parameters else [None] * len(owned)
+        kept_values = _copies([p for _, p, _ in owned]) if keep_parameters else [None] * len(owned)
     failed = True
     try:
         with torch.inference_mode(False), torch.enable_grad():
@@ -194,7 +193,7 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
             if b._version != version:
                 with torch.no_grad():
                     b.copy_(copy)
-        changed = [(name, p, value) for (name, p, version), value in zip(owned.values(), kept_values, strict=True)
+        changed = [(name, p, value) for (name, p, version), value in zip(owned, kept_values, strict=True)
                    if p._version != version]
         for _name, p, value in changed:
             if value is not None:
