@@ -222,3 +222,16 @@ def counting_calls(monkeypatch, owner: object, name: str, real=None) -> list:
 
     monkeypatch.setattr(owner, name, counting)
     return calls
+
+
+class TwoDtypes(nn.Module):
+    """A float32 layer, then a float64 one, the forward casting between them: (B, 6) -> (B, 3)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(6, 5)
+        self.fc2 = nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)).double())

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_no_hooks, assert_state_unchanged, ref_grads, ref_jacobian, snapshot
+from helpers import TwoDtypes, assert_no_hooks, assert_state_unchanged, ref_grads, ref_jacobian, snapshot
 from torch import nn
 
 import pergrad_viz as pv
@@ -436,21 +436,8 @@ def test_targets_on_another_device_are_refused_before_allocating():
         pv.per_sample_grads(model, nn.MSELoss(), torch.randn(2, 4), torch.empty(2, 3, device="meta"))
 
 
-class _TwoDtypes(nn.Module):
-    """A float32 layer, then a float64 one, the forward casting between them."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = nn.Linear(6, 5)
-        self.fc2 = nn.Linear(5, 3).double()
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)).double())
-
-
 def test_trainable_parameters_of_two_dtypes_give_the_loop_or_a_refusal_naming_it():
-    model, x, y = _TwoDtypes(), torch.randn(5, 6), torch.tensor([0, 1, 2, 0, 1])
+    model, x, y = TwoDtypes(), torch.randn(5, 6), torch.tensor([0, 1, 2, 0, 1])
     loss = nn.CrossEntropyLoss()
     params = [p for p in model.parameters()]
     want = [torch.autograd.grad(loss(model(x[i:i + 1]), y[i:i + 1]), params) for i in range(5)]

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import assert_state_unchanged, snapshot
+from helpers import TwoDtypes, assert_state_unchanged, snapshot
 from torch import nn
 from zoo.cases import CASES
 from zoo.nets import CASES as NET_CASES
@@ -447,24 +447,11 @@ def test_a_nan_target_is_named_too():
         pv.clipped_grad_sum(model, nn.MSELoss(reduction="sum"), x, y, 1.0)
 
 
-class _TwoDtypes(nn.Module):
-    """A float32 layer, then a float64 one (the loop runs it; the per-sample gradients come in one dtype)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(5, 8)
-        self.c = nn.Linear(8, 3).double()
-
-    def forward(self, x):
-        return self.c(torch.tanh(self.a(x)).double())
-
-
 def test_a_model_of_two_dtypes_gets_its_sums_in_each_parameters_dtype():
     """Found by a probe: the sums were added in the parameters' dtypes from per-sample gradients in another, a raw
     dtype error from addmm_."""
-    model = _TwoDtypes()
-    x, y = torch.randn(6, 5, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1, 2])
+    model = TwoDtypes()
+    x, y = torch.randn(6, 6, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1, 2])
     loss = nn.CrossEntropyLoss(reduction="sum")
     rows = []
     for i in range(6):
