@@ -144,7 +144,8 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
     forward pass that wrote a buffer (running statistics, ``spectral_norm``'s power iteration) is undone and, if
     nothing else failed, refused with :class:`UndefinedPerSampleError`: computing per-sample gradients must not change
     the model. A parameter written in place (a running statistic kept as a frozen Parameter) is refused alike, and
-    undone where ``keep_parameters`` kept a copy (the first runs of a model: the probe, a loop's look at sample 0).
+    undone where ``keep_parameters`` kept a copy (the first runs of a model: the probe, a loop's look at sample 0;
+    of a large model only its small parameters, :data:`KEPT_PARAMETER_BYTES`).
 
     Strategies never call ``backward()`` (so ``.grad`` is untouched) and remove their own hooks.
     """
@@ -164,8 +165,13 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
     every = model.named_parameters if isinstance(model, Trainable) and model.named_parameters else \
         tuple(model.model.named_parameters() if isinstance(model, Trainable) else model.named_parameters())
     owned = [(name, p, p._version) for name, p in every if not p.is_inference()]
-    with torch.no_grad():
-        kept_values = _copies([p for _, p, _ in owned]) if keep_parameters else [None] * len(owned)
+    kept_values: list = [None] * len(owned)
+    if keep_parameters:  # all of a small model's; of a large one the small tensors (running statistics, norms' scales)
+        small = sum(p.nbytes for _, p, _ in owned) <= KEPT_PARAMETER_BYTES
+        picked = [k for k, (_, p, _) in enumerate(owned) if small or p.numel() <= KEPT_PARAMETER_ELEMENTS]
+        with torch.no_grad():
+            for k, value in zip(picked, _copies([owned[k][1] for k in picked]), strict=True):
+                kept_values[k] = value
     failed = True
     try:
         with torch.inference_mode(False), torch.enable_grad():
@@ -217,6 +223,12 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
             "model.apply(torch.ao.quantization.disable_observer)), or compute with a copy "
             "of the model whose buffers you do not need to keep."
         )
+
+
+# The copy ``restoring_modes(keep_parameters=True)`` keeps: every parameter of a model of at most this many bytes,
+# else the parameters of at most this many elements (a large model's weights are not doubled in memory).
+KEPT_PARAMETER_BYTES = 64 << 20
+KEPT_PARAMETER_ELEMENTS = 1 << 16
 
 
 @functools.cache

@@ -208,3 +208,17 @@ def test_a_parameter_the_forward_writes_is_refused_and_restored(strategy):
     assert torch.equal(model.mean, kept)
     model.eval()
     pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)  # nothing written in eval mode
+
+
+def test_a_large_models_small_parameters_are_kept_and_restored(monkeypatch):
+    """Above KEPT_PARAMETER_BYTES the first runs copy only the small parameters (not a large model's weights again):
+    a running statistic is among them."""
+    from pergrad_viz.core import trainable
+
+    monkeypatch.setattr(trainable, "KEPT_PARAMETER_BYTES", 0)
+    torch.manual_seed(0)
+    model, x, y = _RunningMeanParameter(), torch.randn(6, 5), torch.randint(0, 3, (6,))
+    kept = model.mean.detach().clone()
+    with pytest.raises(pv.UndefinedPerSampleError, match="It was restored"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    assert torch.equal(model.mean, kept)
