@@ -464,3 +464,32 @@ def test_a_flag_that_is_not_a_bool_is_refused(call, name):
     model, x, y = nn.Linear(3, 2), torch.randn(4, 3), torch.randn(4, 2)
     with pytest.raises(TypeError, match=f"{name} must be True or False"):
         call(model, x, y)
+
+
+def test_calls_on_one_model_from_two_threads_run_one_at_a_time():
+    """Found by a probe: two threads calling on one model saw each other's forward in their hooks (plan mismatches,
+    'no trainable parameter takes part'); the calls on one model now take turns, each right."""
+    import threading
+
+    torch.manual_seed(0)
+    model, loss = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double(), nn.CrossEntropyLoss()
+    batches = [(torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))) for _ in range(2)]
+    wants = [ref_grads(model, loss, x, y) for x, y in batches]
+    failures = []
+
+    def work(k):
+        x, y = batches[k]
+        for _ in range(8):
+            try:
+                got = pv.per_sample_grads(model, loss, x, y)
+                for name, w in wants[k].items():
+                    torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-12)
+            except Exception as e:  # noqa: BLE001 (collected, asserted below)
+                failures.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures, failures[:2]

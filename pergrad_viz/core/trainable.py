@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 import functools
 import operator
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -264,12 +266,14 @@ def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def computing_gradients(fn: Callable) -> Callable:
     """Decorator for a public entry point: its body runs with gradients recorded and outside inference mode, whatever
-    the caller's mode, so that what it allocates (results, norms) are normal tensors it may write into."""
+    the caller's mode, so that what it allocates (results, norms) are normal tensors it may write into; one call at a
+    time per model (:func:`_one_thread_at_a_time`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            with torch.inference_mode(False), torch.enable_grad():
+            with _one_thread_at_a_time(args[0] if args else kwargs.get("model")), torch.inference_mode(False), \
+                    torch.enable_grad():
                 return fn(*args, **kwargs)
         except Exception as e:
             if not is_package_error(e):  # the model's or the loss's own error: shown from the user's frames
@@ -277,3 +281,23 @@ def computing_gradients(fn: Callable) -> Callable:
             raise
 
     return wrapper
+
+
+_CALL_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_CALL_LOCKS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _one_thread_at_a_time(model: object) -> Iterator[None]:
+    """Calls on one model from several threads run one at a time: a call hooks the model's layers, so that two at
+    once would each capture the other's forward (they failed with plan mismatches). Re-entrant: a call the package
+    makes inside another, in the same thread, passes."""
+    if not isinstance(model, nn.Module):
+        yield
+        return
+    with _CALL_LOCKS_LOCK:
+        lock = _CALL_LOCKS.get(model)
+        if lock is None:
+            lock = _CALL_LOCKS[model] = threading.RLock()
+    with lock:
+        yield
