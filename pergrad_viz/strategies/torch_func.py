@@ -189,8 +189,9 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     by_sample = None if targets is None else 0  # targets=None: a loss of the output alone
     result = _vmapped(trainable, lambda: vmap(grad(checked), in_dims=(None, 0, by_sample))(params, leaves, targets),
                       lambda state: loss_of_one(params, _first(leaves), _first(targets), state))
-    for name in trainable.names:
-        out[name].copy_(result[name])
+    with torch.no_grad():  # numbers only (inputs that require grad leave the result on a graph)
+        for name in trainable.names:
+            out[name].copy_(result[name])
 
 
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
@@ -218,5 +219,6 @@ def _jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor])
     leaves = inputs.leaves()
     result = _vmapped(trainable, lambda: vmap(jacrev(checked), in_dims=(None, 0))(params, leaves),
                       lambda state: outputs_of_one(params, _first(leaves), state))
-    for name in trainable.names:
-        out[name].copy_(result[name])
+    with torch.no_grad():  # numbers only (inputs that require grad leave the result on a graph)
+        for name in trainable.names:
+            out[name].copy_(result[name])

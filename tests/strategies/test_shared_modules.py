@@ -101,3 +101,18 @@ def _copy_with(module, name, value):
     with torch.no_grad():
         twin.get_parameter(name).copy_(value)
     return twin
+
+
+@pytest.mark.parametrize("strategy", ["torch_func", "auto", "hooks", "loop"])
+def test_inputs_that_require_grad(strategy):
+    """Found by a probe: torch_func's result, on a graph through the inputs, was copied into the result's leaf in
+    place (PyTorch's "a leaf Variable that requires grad is being used in an in-place operation")."""
+    model, x, y = _problem()
+    x = x.clone().requires_grad_()
+    loss = nn.CrossEntropyLoss()
+    want = _loop(model, loss, x.detach(), y)
+    got = pv.per_sample_grads(model, loss, x, y, strategy=strategy, flat=True)
+    torch.testing.assert_close(got, torch.cat([w.flatten(1) for w in want.values()], 1), rtol=1e-9, atol=1e-12)
+    assert x.grad is None and not got.requires_grad
+    jac = pv.per_sample_jacobian(model, x, strategy=strategy if strategy != "loop" else "loop")
+    assert not any(t.requires_grad for t in jac.values())
