@@ -129,8 +129,9 @@ def _images(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _builtin(build: Callable[[int], nn.Module], encode: Callable[[torch.Tensor], torch.Tensor]
              ) -> Callable[[int, int], Problem]:
     def make(batch: int, width: int) -> Problem:
-        torch.manual_seed(0)
-        model = build(width)
+        with torch.random.fork_rng(devices=[]):  # seeded here, the user's global random state left as it was
+            torch.manual_seed(0)
+            model = build(width)
         x, labels = _images(batch)
         y = nn.functional.one_hot(labels, 10).float()
         return model, nn.MSELoss(reduction="sum"), encode(x), y, labels.clone()
@@ -212,6 +213,8 @@ def _take(data: object, most: int) -> tuple[object, object]:
             n += Batch.of(batch[0]).size
             if n >= most:
                 break
+        if not parts:
+            raise ValueError("data holds no sample: pass a Dataset or DataLoader of at least one (input, target)")
         inputs, targets = _concat([p[0] for p in parts]), _concat([p[1] for p in parts])
     elif isinstance(data, Dataset):
         try:
@@ -219,6 +222,8 @@ def _take(data: object, most: int) -> tuple[object, object]:
         except TypeError:
             size = most
         items = [data[i] for i in range(min(size, most))]
+        if not items:
+            raise ValueError("data holds no sample: pass a Dataset or DataLoader of at least one (input, target)")
         inputs, targets = default_collate(items)
     elif isinstance(data, (tuple, list)) and len(data) == 2:
         inputs, targets = data

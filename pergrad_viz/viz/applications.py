@@ -57,9 +57,14 @@ def aligned_edges(max_value: float, threshold: float, bins: int = 30) -> np.ndar
     the bin width is ``threshold / k`` for a whole k, so no bin straddles the threshold."""
     if not (threshold > 0 and math.isfinite(threshold)):
         raise ValueError(f"threshold must be a positive number, got {threshold!r}")
+    if not math.isfinite(float(max_value)):
+        raise ValueError(f"the norms are not all finite (largest {max_value}): some sample's gradient holds inf or NaN "
+                         "(an input or target holding them, or a loss that overflows)")
     top = max(float(max_value), threshold) * 1.0001
     k = max(1, round(bins * threshold / top))
     step = threshold / k
+    if top / step > 4 * bins:  # norms far above the threshold: the threshold on an edge, the rest in ~bins bins
+        return np.concatenate([[0.0, threshold], threshold + np.linspace(0, top - threshold, bins + 1)[1:]])
     return np.arange(0, math.ceil(top / step) + 1) * step
 
 
@@ -114,7 +119,7 @@ def clipping_figure(total: Any, layers: Mapping[str, Any], max_norm: float, *, s
     if t.size == 0:
         raise ValueError("no norms to plot: pass the (B,) per-sample gradient norms")
     parts = {name: to_numpy(v).ravel() for name, v in layers.items()}
-    edges = aligned_edges(float(np.nanmax(t)), max_norm, bins)
+    edges = aligned_edges(float(np.max(t)), max_norm, bins)
     widths, left = np.diff(edges), edges[:-1]
     fig = Figure(figsize=(width, 4.3))
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[1.3, 1])

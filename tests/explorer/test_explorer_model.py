@@ -652,3 +652,25 @@ def test_above_a_large_result_the_verdict_comes_after_the_figures(monkeypatch):
     assert not v.ok and v.failed == ("auto",) and "hooks" in v.checked
     assert m.cache[m.session.key(setting, "hooks")].max_abs_diff == hooks.max_abs_diff  # cached once checked
     assert not views[-1].verdict.ok and views[-1].done
+
+
+def test_an_empty_dataset_and_the_menus_seeded_models_leave_the_user_alone():
+    """Found by a probe: an empty Dataset / DataLoader was a raw IndexError from default_collate; building a menu
+    model seeded torch's global generator (a user's seeded run in the next cell was no longer reproducible)."""
+    import pytest
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from pergrad_viz.explorer import specs
+
+    empty = TensorDataset(torch.zeros(0, 8), torch.zeros(0, dtype=torch.long))
+    for data in (empty, DataLoader(empty, batch_size=4)):
+        with pytest.raises(ValueError, match="data holds no sample"):
+            specs._take(data, 16)
+    torch.manual_seed(5)
+    want = torch.rand(3)
+    torch.manual_seed(5)
+    make = specs._builtin(lambda width: nn.Linear(784, width), lambda x: x)
+    make(4, 3)
+    assert torch.equal(torch.rand(3), want)
