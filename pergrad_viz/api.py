@@ -161,7 +161,7 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     batch = batch_of(trainable, inputs, targets, model_kwargs)
     chunk = check_chunk(chunk_size, batch.size)
     if out is not None:
-        check_out_memory(out, trainable, flat, batch, targets)  # before the probe runs the model
+        check_out_memory(out, trainable, flat, batch, targets, loss_fn)  # before the probe runs the model
     if check_autocast(strategy, trainable) or check_one_dtype(strategy, trainable):  # each sample alone, as it runs
         check_modes(trainable, randomness)
         return trainable, "loop", batch, chunk

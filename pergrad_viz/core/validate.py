@@ -279,11 +279,12 @@ def _fresh(shape: tuple[int, ...] | None, trainable: TrainableLike) -> str:
 
 
 def check_out_memory(out: torch.Tensor, trainable: TrainableLike, flat: bool, inputs: Batch | None = None,
-                     targets: object = None) -> None:
+                     targets: object = None, loss_fn: object = None) -> None:
     """Refuse an ``out=`` buffer that cannot hold distinct results, before anything runs: a tensor that records
     gradients, an inference tensor, one whose elements share memory (``torch.empty(P).expand(B, P)``: every row the
     same memory), or one that overlaps the memory the call reads or leaves as it was (the inputs, the targets, the
-    model's parameters, buffers and ``.grad``: the results would overwrite them)."""
+    model's parameters, buffers and ``.grad``, a loss module's tensors (``CrossEntropyLoss(weight=...)``): the results
+    would overwrite them)."""
     if not flat:
         raise ValueError("out= is a flat buffer: pass flat=True with it (or drop out= to get a dict)")
     if not isinstance(out, torch.Tensor):
@@ -309,6 +310,9 @@ def check_out_memory(out: torch.Tensor, trainable: TrainableLike, flat: bool, in
         read += inputs.named_leaves()
     if targets is not None:
         read += [("targets", t) for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
+    if isinstance(loss_fn, nn.Module):
+        read += [(f"loss_fn.{name}", t) for name, t in (*loss_fn.named_parameters(), *loss_fn.named_buffers())]
+        read += [(f"loss_fn.{name}", t) for name, t in vars(loss_fn).items() if isinstance(t, torch.Tensor)]
     hit = next((name for name, t in read if out.numel() and t.numel() and _share_memory(out, t)), None)
     if hit is not None:
         raise ValueError(

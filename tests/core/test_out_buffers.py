@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_refuses, flatten_ref, ref_grads, ref_jacobian
+from torch import nn
 from zoo.outs import BAD, DT, GOOD, CountingMLP
 
 import pergrad_viz as pv
@@ -80,3 +81,17 @@ def test_the_overlap_check_is_not_fooled_by_disjoint_neighbours():
     xs, out = work[:x.numel()].view(x.shape), work[x.numel():].view(B, p)
     got = pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), xs, y, flat=True, out=out)
     torch.testing.assert_close(got, flatten_ref(ref_grads(model, torch.nn.CrossEntropyLoss(), x, y), 1))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop", "hooks"])
+def test_out_overlapping_a_loss_modules_tensor_is_refused(strategy):
+    """Found by a probe: out= over CrossEntropyLoss(weight=...)'s memory was accepted; the loop and auto read the
+    overwritten weight (rows off by up to 1.8, the loss's weight left changed)."""
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(5, 3).double(), torch.randn(4, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    arena = torch.zeros(4 * 18, dtype=torch.float64)
+    arena[:3] = torch.tensor([0.5, 1.0, 2.0])
+    loss = nn.CrossEntropyLoss(weight=arena[:3], reduction="sum")
+    with pytest.raises(ValueError, match="overlaps the memory of loss_fn.weight"):
+        pv.per_sample_grads(model, loss, x, y, strategy=strategy, flat=True, out=arena.view(4, 18))
+    assert torch.equal(loss.weight, torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64))
