@@ -9,7 +9,7 @@ weight tied between two modules (GPT-2's embedding and output layer) in both, a 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -17,14 +17,13 @@ from torch.func import functional_call
 
 
 def functional_call_once(module: nn.Module, values: Mapping[str, torch.Tensor], args: tuple | object,
-                         kwargs: dict | None = None,
-                         modules: Iterable[tuple[str, nn.Module]] | None = None) -> object:
+                         kwargs: dict | None = None) -> object:
     """``module(*args, **kwargs)`` with the tensors ``values`` names (by any of their paths, {path: replacement})
-    replaced in every module that holds them, each module once; ``modules``: ``module.named_modules()`` where the
-    caller walked it already (a shared module is in it once, under its first path)."""
+    replaced in every module that holds them, each module once (``named_modules()`` yields a shared module once,
+    under its first path)."""
     by_path: dict[str, int] = {}
     by_tensor: dict[int, list[str]] = {}
-    for prefix, owner in modules if modules is not None else module.named_modules():
+    for prefix, owner in module.named_modules():
         for attribute, tensor in (*owner._parameters.items(), *owner._buffers.items()):
             if tensor is not None:
                 path = f"{prefix}.{attribute}" if prefix else attribute

@@ -74,7 +74,7 @@ def functional_loss(model: nn.Module, values: Mapping[str, torch.Tensor], args: 
     (``torch.func.functional_call``) for the model's forward *and* the loss: a loss that reads a parameter reads
     the replaced one, whose gradient then counts."""
     return functional_call_once(_ModelAndLoss(model, loss_fn), {f"model.{n}": t for n, t in values.items()},
-                           (args, kwargs, targets))
+                                (args, kwargs, targets))
 
 
 def loss_of_output(trainable: Trainable, loss_fn: LossFn, output: object, targets: object) -> torch.Tensor:

@@ -163,9 +163,12 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
                 found[id(b)] = (f"{name}.{bname}" if name else bname, b, b._version)
     copies = _copies([b for _, b, _ in found.values()])
     buffers = {key: (*entry, copy) for (key, entry), copy in zip(found.items(), copies, strict=True)}
-    # (name, parameter, version): one written in place by the forward is refused (and undone); every parameter once
-    every = model.named_parameters if isinstance(model, Trainable) and model.named_parameters else \
-        tuple(model.model.named_parameters() if isinstance(model, Trainable) else model.named_parameters())
+    # (name, parameter, version): one written in place by the forward is refused (and undone); every parameter once,
+    # from the call's own walk where it made one
+    if isinstance(model, Trainable):
+        every = model.named_parameters or tuple(model.model.named_parameters())
+    else:
+        every = tuple(model.named_parameters())
     owned = [(name, p, p._version) for name, p in every if not p.is_inference()]
     kept_values: list = [None] * len(owned)
     if keep_parameters:  # all of a small model's; of a large one the small tensors (running statistics, norms' scales)

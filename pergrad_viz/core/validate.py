@@ -86,7 +86,7 @@ def check_modes(model: nn.Module | TrainableLike, randomness: str = "error") -> 
     checkpointing flag is read in training mode only.
     """
     random_ok = randomness == "different"
-    modules = model.named_modules() if isinstance(model, nn.Module) else model.modules
+    modules = tuple(model.named_modules()) if isinstance(model, nn.Module) else model.modules
     if parametrize._cache_enabled:  # inside parametrize.cached(): a weight computed once, on the first forward
         cached = next((name for name, m in modules if parametrize.is_parametrized(m)), None)
         if cached is not None:
@@ -95,7 +95,6 @@ def check_modes(model: nn.Module | TrainableLike, randomness: str = "error") -> 
                 f"layer '{cached or 'model'}' once and keeps them: every sample's forward would reach them through "
                 "that first pass's graph (freed after one backward; none at all where it ran under no_grad), so "
                 "their per-sample gradients would be wrong. Call it outside the cached() block")
-        modules = model.named_modules() if isinstance(model, nn.Module) else model.modules
     for name, m in modules:
         if _special(type(m)):
             _check_special(name, m, random_ok)

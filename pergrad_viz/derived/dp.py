@@ -166,8 +166,7 @@ def _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, genera
              ) -> tuple[dict[str, torch.Tensor], Callable[[], torch.Tensor], int]:
     """:func:`clipped_grad_sum`'s (sums, a call that gives the (B,) norms, the number of samples of every process
     together). Under ``distributed`` a process with no samples (Poisson sampling's empty batch) adds zeros (rank 0:
-    the noise)."""
-    check_distributed(distributed)
+    the noise). ``distributed`` checked by the caller."""
     state = None if generator is None else generator.get_state()
     with failing_together(distributed):
         sums, norms, count, (groups, std, shapes) = _local(model, loss_fn, inputs, targets, max_norm,
@@ -197,10 +196,8 @@ def _local(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generato
     check alike)."""
     targets = tree_map(normal_tensor, targets)
     nothing = distributed and _empty(inputs)  # nothing to clip here; the other processes' sums come in the all-reduce
-    if nothing:  # its options checked as a full batch's are (api.prepare)
-        check_strategy_name(strategy, STRATEGIES)
-        check_randomness(randomness)
-        _check_empty_targets(targets)
+    if nothing:
+        _check_empty_call(strategy, randomness, targets)
         trainable = Trainable.of(model)
     else:
         trainable, resolved, batch, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
@@ -301,10 +298,7 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
         if _empty(inputs) and not distributed:  # Poisson sampling's empty batch: noise alone
             if expected_batch_size is None:
                 raise ValueError(_EMPTY)
-            # its options checked as a full batch's are (api.prepare)
-            check_strategy_name(options.get("strategy", "auto"), STRATEGIES)
-            check_randomness(options.get("randomness", "error"))
-            _check_empty_targets(targets)
+            _check_empty_call(options.get("strategy", "auto"), options.get("randomness", "error"), targets)
             return noise_step(model, max_norm, noise_multiplier=noise_multiplier, generator=generator,
                               expected_batch_size=expected_batch_size, per_layer=options.get("per_layer", False))
         max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator,
@@ -329,8 +323,11 @@ _EMPTY = ("empty batch (B = 0, as Poisson sampling draws with probability (1 - q
           "pv.noise_step for it")
 
 
-def _check_empty_targets(targets: object) -> None:
-    """ValueError where an empty batch's targets hold samples (inputs and targets cut from different batches)."""
+def _check_empty_call(strategy: str, randomness: str, targets: object) -> None:
+    """An empty batch's options checked as a full batch's are (``api.prepare``), and its targets: ValueError where
+    they hold samples (inputs and targets cut from different batches)."""
+    check_strategy_name(strategy, STRATEGIES)
+    check_randomness(randomness)
     held = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0]]
     if held:
         raise ValueError(f"batch sizes differ: the inputs hold no sample but targets hold {held[0].shape[0]}; pass "
