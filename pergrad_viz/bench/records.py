@@ -15,6 +15,14 @@ FORWARD_BACKWARD = "forward+backward"
 MEMORY_FLOOR = "memory floor"
 UNCHECKED = "auto verify=False"  # auto without the per-call check (engine.certify): the check's cost is the gap
 FRESH = "auto fresh"  # with --out-buffer: the same call allocating its result, beside auto writing into out=
+FAILED = "failed: "  # the note of a method that raised instead of computing (a peer, an explorer strategy)
+
+
+def failed_note(e: BaseException, limit: int = 60) -> str:
+    """The note of a method that raised ``e``: ``failed: Type: the message's first line`` (cut at ``limit``)."""
+    lines = str(e).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{FAILED}{type(e).__name__}: {first if len(first) <= limit else first[:limit - 1] + '…'}"
 
 
 @dataclass

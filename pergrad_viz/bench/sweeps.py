@@ -33,6 +33,7 @@ from pergrad_viz.bench.records import (
     UNCHECKED,
     Record,
     check_cost,
+    failed_note,
 )
 from pergrad_viz.bench.timing import steady_checks, synchronizer, time_interleaved
 from pergrad_viz.core.batch import Batch
@@ -218,7 +219,7 @@ def _checked_rows(methods: list[_Method], timed: dict, quantity: str, batch: int
                 if not m.peer:
                     raise
                 rows.append(Record(m.label, quantity, batch, hidden, None, None, size,
-                                   note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}"))
+                                   note=failed_note(e)))
                 bar.update()
                 continue
             reference = references.setdefault(m.kind, result)
@@ -295,7 +296,7 @@ def _methods(quantity, model, loss_fn, inputs, targets, trainable, strategies, p
         try:
             methods.append(_Method(name, peer_libs.make_peer(name, model, loss_fn, inputs, targets), peer=True))
         except Exception as e:  # e.g. a layer the peer does not support
-            methods.append(_Method(name, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}"))
+            methods.append(_Method(name, None, failed_note(e)))
     if norms and quantity == "grads":
         methods.append(_Method("grad norms", lambda: per_sample_grad_norms(model, loss_fn, inputs, targets),
                                "pv.per_sample_grad_norms: (B,) norms", kind="norms"))

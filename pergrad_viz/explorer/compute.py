@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from pergrad_viz.bench.records import Record
+from pergrad_viz.bench.records import FAILED, Record
 from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.core.memory import check_held, result_bytes
 from pergrad_viz.core.trainable import Trainable
@@ -210,10 +210,15 @@ def noisy(records: Sequence[Record]) -> tuple[str, ...]:
 
 
 def notes(setting: Setting, records: Sequence[Record], provisional: Sequence[str] = ()) -> tuple[str, ...]:
-    """The lines a learner must see: the slow baselines skipped (and why, and how to time them), the numbers
-    still being measured (provisional: not a warning), the noisy measurements."""
+    """The lines a learner must see: the strategies that failed (and why), the slow baselines skipped (and why, and how
+    to time them), the numbers still being measured (provisional: not a warning), the noisy measurements."""
     lines = []
-    skipped = [r for r in records if r.skipped]
+    failed = [r for r in records if r.skipped and r.note.startswith(FAILED)]
+    for r in failed:
+        lines.append(f"failed: {r.strategy} could not run at {setting.describe()}, so it is not timed "
+                     f"({r.note.removeprefix(FAILED)}); the other rows are. auto hands such a model over to a "
+                     "strategy that runs it.")
+    skipped = [r for r in records if r.skipped and r not in failed]
     if skipped:
         reason = skipped[0].note.removeprefix("skipped: ")
         names = ", ".join(r.strategy for r in skipped)

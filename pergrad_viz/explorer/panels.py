@@ -188,7 +188,7 @@ def status_html(view: View) -> str:
             lines.append(f"<div class='pergrad-note' data-kind='provisional' style='color:#666'>"
                          f"{html.escape(note)}</div>")
         else:
-            kind = "noisy" if note.startswith("noisy") else "skipped"
+            kind = "noisy" if note.startswith("noisy") else "failed" if note.startswith("failed") else "skipped"
             lines.append(f"<div class='pergrad-note' data-kind='{kind}' style='color:#8a5300'>"
                          f"⚠ {html.escape(note)}</div>")
     return "".join(lines)

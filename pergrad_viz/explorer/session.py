@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pergrad_viz.bench import timing
-from pergrad_viz.bench.records import MEMORY_FLOOR, Record
+from pergrad_viz.bench.records import MEMORY_FLOOR, Record, failed_note
 from pergrad_viz.explorer.state import ANCHOR, REFERENCES, Budget, Computed, Setting, TimingKey
 
 __all__ = ["TimingSession", "clock", "intra_op_threads", "synchronizer"]
@@ -128,7 +128,11 @@ class TimingSession:
         sync = synchronizer(data.model, self.device)
         calls = prepare()
         warm = [*todo, *([ANCHOR] if ANCHOR not in todo else [])]
-        estimates, diffs, prior = self.warm_up(setting, data, calls, warm, poll, sync)
+        estimates, diffs, prior, failed = self.warm_up(setting, data, calls, warm, poll, sync)
+        if failed:  # shown after the skipped ones, with why; never cached: the next visit tries again
+            skipped += [Record(m, setting.quantity, setting.batch, setting.hidden, None, None, result_bytes,
+                               note=note) for m, note in failed.items()]
+            todo = [m for m in todo if m not in failed]
         anchor_ref: timing.Timing | None = None
         if ANCHOR in done:
             anchor_ref = timing.summarize([done[ANCHOR].median_s])
@@ -202,14 +206,18 @@ class TimingSession:
 
     def warm_up(self, setting: Setting, data: Computed, calls: Calls, names: list[str], poll: Callable[[], None],
                 sync: Callable[[], None] | None = None
-                ) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
+                ) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]], dict[str, str]]:
         """One call of each method: its cost (to plan the tiers and size the blocks) and, for strategies, its
         max |difference| from the loop on the checked samples (``data.reference``). Returns (estimates,
-        differences, prior): a call that took at least ``prior_min_s`` counts as the method's first round (timing it
-        again would cost more than it tells). ``sync``: called before each clock reading (CUDA)."""
+        differences, prior, failed): a call that took at least ``prior_min_s`` counts as the method's first round
+        (timing it again would cost more than it tells); a strategy that raised (``torch_func`` on a model
+        ``torch.func`` cannot run, an explicit strategy that refuses it) is not timed: ``failed`` {method: its note,
+        the error's first line}, so that the other methods' rows still come. ``sync``: called before each clock reading
+        (CUDA)."""
         estimates: dict[str, float] = {}
         diffs: dict[str, float] = {}
         prior: dict[str, list[float]] = {}
+        failed: dict[str, str] = {}
         idx, reference = data.checked, data.reference
         for m in names:
             if m == "hooks" and setting.quantity == "grads" and data.hooks_s is not None:
@@ -223,7 +231,13 @@ class TimingSession:
                 continue
             poll()
             start = clock(sync)
-            out = calls[m]()
+            try:
+                out = calls[m]()
+            except Exception as e:  # the references are the model's own: their errors are the setting's
+                if m in REFERENCES:
+                    raise
+                failed[m] = failed_note(e, limit=240)
+                continue
             estimates[m] = clock(sync) - start
             if estimates[m] >= self.prior_min_s:
                 prior[m] = [estimates[m]]
@@ -236,7 +250,7 @@ class TimingSession:
             else:
                 diffs[m] = float(torch.linalg.vector_norm(rows - reference, ord=math.inf))
             del out, rows
-        return estimates, diffs, prior
+        return estimates, diffs, prior, failed
 
 
 def relate(done: dict[str, Record], ratios: dict[str, float]) -> None:

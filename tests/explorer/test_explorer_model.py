@@ -600,6 +600,43 @@ class _Pairs(torch.utils.data.Dataset):
         return (x, extra), y
 
 
+class _Branching(torch.nn.Module):
+    """A user's network whose forward branches on a value of the batch: torch.func's vmap cannot run it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if h.abs().sum() > 0:
+            h = torch.relu(h)
+        return self.fc2(h)
+
+
+def test_a_strategy_that_cannot_run_the_model_leaves_the_other_rows():
+    from pergrad_viz.explorer.specs import user_spec
+
+    torch.manual_seed(0)
+    net = _Branching()
+    (x, _), y = _guest_data()
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    m = ExplorerModel(models={"yours": user_spec(net, loss_fn, (x, y))}, batch_options=(2, 8), sweep_batches=2,
+                      slow_limit=64, **FAST)
+    views = list(m.stages(Setting(model="yours", batch=8, hidden=0)))
+    done = views[-1]
+    assert done.stage == "done" and done.verdict.ok
+    rows = {r.strategy: r for r in done.records}
+    assert rows["torch_func"].skipped and rows["torch_func"].note.startswith("failed: VmapError")
+    timed = {s for s, r in rows.items() if not r.skipped}
+    references = {bench.FORWARD_BACKWARD, bench.MEMORY_FLOOR}
+    assert timed == {"hooks", "loop", "autograd_stack", "batched_grad", *references}
+    assert all(rows[s].max_abs_diff < 1e-5 for s in timed - references)
+    assert any(n.startswith("failed: torch_func could not run at batch size B=8") for n in done.notes)
+    assert not any(n.startswith("skipped") for n in done.notes)  # failing is not being too slow
+    assert "data-kind='failed'" in panels.status_html(done)
+
+
 def test_a_users_image_and_token_samples_are_drawn():
     from pergrad_viz.explorer.specs import user_spec
 
