@@ -94,7 +94,7 @@ def verdict(setting: Setting, data: Computed, checked: torch.Tensor, dtype: torc
     if setting.quantity == "grads":
         data.reference, data.reference_scale = loop, scale
     else:
-        data.reference = loop_rows(data.model, data.loss_fn, data.x, data.y, idx, "jacobian")
+        data.reference = loop_rows(data.model, data.loss_fn, data.x, data.y, idx, "jacobian", data.output)
         data.reference_scale = largest(data.reference)
     diff = float(torch.linalg.vector_norm(data.grads[idx] - loop, ord=math.inf))
     return judge(setting, data, {"hooks": diff}, scale=scale, quantity="grads", dtype=dtype)
@@ -186,10 +186,11 @@ def how(model: nn.Module, x: object) -> tuple[tuple[str, str, str], ...]:
 
 
 def loop_rows(model: nn.Module, loss_fn: Callable, x: object, y: object, idx: torch.Tensor,
-              quantity: str) -> torch.Tensor:
+              quantity: str, output: Callable[[object], torch.Tensor] | None = None) -> torch.Tensor:
     """The definition, written out (no strategy of the package involved): for each sample i of ``idx`` run alone,
     ``torch.autograd.grad`` of its loss (``"grads"``: (n, P)) or of each of its outputs (``"jacobian"``:
-    (n, Y * P), the flat (Y, P) layout), over the trainable parameters in ``named_parameters`` order."""
+    (n, Y * P), the flat (Y, P) layout; ``output`` picks the tensor of the model's output), over the trainable
+    parameters in ``named_parameters`` order."""
     params = [p for p in model.parameters() if p.requires_grad]
     batch = Batch.of(x)
     rows = []
@@ -199,7 +200,7 @@ def loop_rows(model: nn.Module, loss_fn: Callable, x: object, y: object, idx: to
             if quantity == "grads":
                 parts = [torch.autograd.grad(loss_fn(out, cut(y, slice(i, i + 1), batch.size)), params)]
             else:
-                flat = out.reshape(-1)
+                flat = (out if output is None else output(out)).reshape(-1)
                 parts = [torch.autograd.grad(flat[j], params, retain_graph=True) for j in range(flat.numel())]
             rows.append(torch.cat([g.reshape(-1) for grads in parts for g in grads]))
     return torch.stack(rows)

@@ -39,7 +39,7 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
              default_batch: int | None = None, default_hidden: int = 20, quantity: str = "grads",
              slow_limit: int = 1024, rounds: int = 5, sweep_batches: int = 3, device: str = "cpu", dpi: float = DPI,
              threads: int | None = None, background: bool = True, compute: bool = True, ahead: bool = True,
-             **model_options) -> Explorer:
+             output: Callable[[object], object] | None = None, **model_options) -> Explorer:
     """The interactive explorer of the strategies: on a menu of networks (the tutorial ``MLP(784, hidden, 10)``
     first, a small CNN, a transformer encoder, an LSTM classifier, a tiny ViT with LoRA adapters), or on your own
     network and data.
@@ -72,6 +72,8 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
         compute: start on the default setting now.
         ahead: while the explorer idles (its setting done, no control moved), compute the menu's other networks
             ahead, one at a time, giving way at once to any control: their first visits then show at once.
+        output: with ``model=``, the tensor of your model's output its Jacobian is of (``per_sample_jacobian``'s
+            ``output=``), e.g. ``lambda out: out.logits`` for a Hugging Face model.
         model_options: more :class:`~.model.ExplorerModel` options (``min_block_s``, ``tier_budget_s`` ...).
 
     Returns:
@@ -83,14 +85,14 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
         if loss_fn is None or data is None:
             raise ValueError("explorer(model=...) needs loss_fn= and data=(inputs, targets) (or a Dataset / "
                              "DataLoader) too")
-        spec = user_spec(model, loss_fn, data, max_batch=max(batch_sizes), class_names=class_names)
+        spec = user_spec(model, loss_fn, data, max_batch=max(batch_sizes), class_names=class_names, output=output)
         specs = {spec.key: spec}
         batch_sizes = tuple(b for b in batch_sizes if b <= spec.max_batch) or (spec.max_batch,)
         default_model, default_hidden = spec.key, 0
         default_batch = default_batch if default_batch is not None else min(spec.default_batch, max(batch_sizes))
     else:
-        if loss_fn is not None or data is not None:
-            raise ValueError("loss_fn= and data= go with model=: pass your network too")
+        if loss_fn is not None or data is not None or output is not None:
+            raise ValueError("loss_fn=, data= and output= go with model=: pass your network too")
         specs = dict(menu(models))
         if default_model not in specs:
             raise ValueError(f"default_model {default_model!r} is not among the models {list(specs)}")

@@ -42,6 +42,7 @@ from pergrad_viz.bench.sweeps import backward_work
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.layout import param_boundaries
 from pergrad_viz.core.memory import result_bytes
+from pergrad_viz.errors import UnsupportedModelError
 from pergrad_viz.explorer import compute
 from pergrad_viz.explorer.sample import inputs_of, sample_view
 from pergrad_viz.explorer.session import Calls, Progress, TimingSession, clock, synchronizer
@@ -96,13 +97,9 @@ class ExplorerModel:
         if not self.models:
             raise ValueError("models is empty: pass at least one ModelSpec")
         self._outputs: dict[str, int] = {}
-        self.batch_options = tuple(sorted(batch_options))
-        self.slow_limit = slow_limit
-        self.sweep_batches = sweep_batches
-        self.device = device
-        self.dtype = dtype
-        self.verdict_samples = verdict_samples
-        self.verdict_samples_jacobian = verdict_samples_jacobian
+        self.batch_options, self.slow_limit = tuple(sorted(batch_options)), slow_limit
+        self.sweep_batches, self.device, self.dtype = sweep_batches, device, dtype
+        self.verdict_samples, self.verdict_samples_jacobian = verdict_samples, verdict_samples_jacobian
         self.session = TimingSession(
             rounds=rounds, min_rounds=min_rounds, max_rounds=max_rounds, patience_s=patience_s,
             tier_budget_s=tier_budget_s, round_budget_s=round_budget_s, prior_min_s=prior_min_s,
@@ -141,6 +138,7 @@ class ExplorerModel:
                 model, _, x, _, _ = spec.problem(1, setting.hidden)
                 with torch.no_grad():
                     out = Batch.of(x)(model)
+                    out = out if spec.output is None else spec.output(out)
                 self._outputs[key] = int(out.numel()) if isinstance(out, torch.Tensor) else 1
         return self._outputs[key]
 
@@ -290,12 +288,15 @@ class ExplorerModel:
         model, loss_fn, x, y, labels = self.problem(setting)
         sync = synchronizer(model, self.device)
         start = clock(sync)
-        grads = per_sample_grads(model, loss_fn, x, y, strategy="hooks", flat=True)  # (B, P)
-        hooks_s = clock(sync) - start
+        try:
+            grads = per_sample_grads(model, loss_fn, x, y, strategy="hooks", flat=True)  # (B, P)
+            hooks_s = clock(sync) - start
+        except UnsupportedModelError:  # a network hooks cannot run: auto's exact route (hooks' row says why)
+            grads, hooks_s = per_sample_grads(model, loss_fn, x, y, flat=True), None
         bounds = param_boundaries(model)
         total, layers = compute.norms(grads, bounds)
         data = Computed(model, loss_fn, x, y, labels, grads, bounds, total, layers, None, hooks_s=hooks_s,
-                        how=compute.how(model, x))
+                        how=compute.how(model, x), output=self.spec(setting).output)
         self._keep(setting, data, keep)
         return data
 
@@ -316,7 +317,7 @@ class ExplorerModel:
         if setting.quantity == "jacobian":
             i = max(0, min(setting.sample, setting.batch - 1))
             one = Batch.of(data.x).sample(i)
-            jac = per_sample_jacobian(data.model, inputs_of(one), flat=True)[0]  # (Y, P)
+            jac = per_sample_jacobian(data.model, inputs_of(one), flat=True, output=data.output)[0]  # (Y, P)
         return sample_view(setting, self.spec(setting), data, jac)
 
     # ------------------------------------------------------------------------------------------ timing
@@ -368,7 +369,7 @@ class ExplorerModel:
             if setting.quantity == "grads":
                 calls[name] = (lambda s=name: per_sample_grads(model, loss_fn, x, y, strategy=s, flat=True))
             else:
-                calls[name] = (lambda s=name: per_sample_jacobian(model, x, strategy=s, flat=True))
+                calls[name] = lambda s=name: per_sample_jacobian(model, x, strategy=s, flat=True, output=data.output)
         return calls
 
     def _time_setting(self, setting: Setting, data: Computed | None, poll: Callable[[], None],
@@ -390,7 +391,7 @@ class ExplorerModel:
         if data.reference is None and data.unchecked is None:
             data.checked = self._checked(setting)
             data.reference = compute.loop_rows(data.model, data.loss_fn, data.x, data.y, data.checked,
-                                               setting.quantity)
+                                               setting.quantity, data.output)
         return calls
 
     def _result_size(self, setting: Setting) -> int:

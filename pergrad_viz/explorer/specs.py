@@ -67,6 +67,8 @@ class ModelSpec:
         make: ``(batch, width) -> Problem``.
         imports: the slow libraries ``make`` imports (modules, in order): the explorer imports them ahead while it
             is idle (:mod:`.prefetch`), so that the network's first visit does not wait for them.
+        output: which tensor of the network's output the Jacobian is of (``per_sample_jacobian``'s ``output=``,
+            e.g. ``lambda out: out.logits``); None: the output itself.
     """
 
     key: str
@@ -83,6 +85,7 @@ class ModelSpec:
     token_grid: tuple[int, int] | None = None
     max_batch: int | None = None  # a user's data: at most this many samples
     imports: tuple[str, ...] = ()
+    output: Callable[[object], torch.Tensor] | None = field(default=None, repr=False)
 
     def problem(self, batch: int, width: int) -> Problem:
         """The network at ``width`` (seeded: the same weights every time) and the first ``batch`` samples."""
@@ -270,7 +273,8 @@ def first_rule_layer(model: nn.Module) -> str | None:
 
 
 def user_spec(model: nn.Module, loss_fn: Callable, data: object, *, max_batch: int = 256,
-              class_names: Sequence[str] | None = None) -> ModelSpec:
+              class_names: Sequence[str] | None = None,
+              output: Callable[[object], torch.Tensor] | None = None) -> ModelSpec:
     """A spec for the user's ``model`` and ``data``; its problem at batch B is the model itself (never copied,
     trained or changed) with the first B samples.
 
@@ -279,9 +283,14 @@ def user_spec(model: nn.Module, loss_fn: Callable, data: object, *, max_batch: i
             first), a Dataset of ``(input, target)`` pairs or a DataLoader of ``(inputs, targets)`` batches.
         max_batch: at most this many samples are taken from the data.
         class_names: names of integer labels (targets that are class indices or one-hot rows).
+        output: for the output Jacobian, the tensor of the model's output (``lambda out: out.logits`` for a
+            Hugging Face model), as ``per_sample_jacobian``'s ``output=``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if output is not None and not callable(output):
+        raise TypeError(f"output must be a function of the model's output (e.g. lambda out: out.logits), got "
+                        f"{type(output).__name__}")
     inputs, targets = _take(data, max_batch)
     size = Batch.of(inputs).size
     labels = _labels(targets, size)
@@ -300,7 +309,7 @@ def user_spec(model: nn.Module, loss_fn: Callable, data: object, *, max_batch: i
     name = type(model).__name__
     return ModelSpec("yours", f"your model ({name})", "", f"your {name} as it is (its width is fixed)", (0,), 0,
                      min(32, size), kind, first_rule_layer(model), tuple(class_names) if class_names else None, make,
-                     token_grid=length, max_batch=size)
+                     token_grid=length, max_batch=size, output=output)
 
 
 def menu(keys: Iterable[str] | None = None) -> Mapping[str, ModelSpec]:

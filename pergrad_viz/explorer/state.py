@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -251,6 +252,7 @@ class Computed:
     # the checked samples, None where they are the heatmap's}, their differences from the loop still to be taken
     unchecked: dict[str, torch.Tensor | None] | None = None
     how: tuple[tuple[str, str, str], ...] = ()  # (layer, type, rule / call / fallback)
+    output: Callable[[object], torch.Tensor] | None = None  # the network's output tensor (ModelSpec.output)
 
 
 @dataclass

@@ -637,6 +637,74 @@ def test_a_strategy_that_cannot_run_the_model_leaves_the_other_rows():
     assert "data-kind='failed'" in panels.status_html(done)
 
 
+class _TwoDtypes(torch.nn.Module):
+    """A user's network with a float64 head: the hooks strategy refuses it (one dtype), auto runs the loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(6, 5), torch.nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)).double()).float()
+
+
+def test_a_users_model_the_hooks_strategy_refuses_is_shown_through_auto():
+    from pergrad_viz.explorer.specs import user_spec
+
+    torch.manual_seed(0)
+    net = _TwoDtypes()
+    (x, _), y = _guest_data()
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    m = ExplorerModel(models={"yours": user_spec(net, loss_fn, (x, y))}, batch_options=(2, 4), sweep_batches=1,
+                      slow_limit=64, **FAST)
+    done = list(m.stages(Setting(model="yours", batch=4, hidden=0, strategies=("hooks", "loop", "auto"))))[-1]
+    params = list(net.parameters())
+    want = torch.stack([torch.cat([g.reshape(-1).float() for g in torch.autograd.grad(
+        loss_fn(net(x[i:i + 1]), y[i:i + 1]), params)]) for i in range(4)])
+    assert done.verdict.ok and torch.allclose(done.grads, want, atol=1e-6)
+    rows = {r.strategy: r for r in done.records}
+    assert rows["hooks"].skipped and rows["hooks"].note.startswith("failed: UnsupportedModelError: the trainable")
+    assert not rows["auto"].skipped and not rows["loop"].skipped
+
+
+class _Scores(torch.nn.Module):
+    """A user's network whose output is a dict, as a Hugging Face model's: {"logits": (B, 3), "hidden": (B, 5)}."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        return {"logits": self.fc2(h), "hidden": h}
+
+
+def test_a_users_model_with_a_dict_output_shows_the_jacobian_of_the_output_it_names():
+    from pergrad_viz.explorer.factory import explorer
+
+    torch.manual_seed(0)
+    net = _Scores()
+    (x, _), y = _guest_data()
+
+    def loss_fn(out, target):
+        return torch.nn.functional.cross_entropy(out["logits"], target, reduction="sum")
+
+    with pytest.raises(ValueError, match="output= go with model="):
+        explorer(output=lambda out: out["logits"], compute=False)
+    view = explorer(model=net, loss_fn=loss_fn, data=(x, y), output=lambda out: out["logits"], compute=False,
+                    background=False, batch_sizes=(2, 4), **FAST)
+    m = view.model
+    done = list(m.stages(Setting(model="yours", batch=4, hidden=0, quantity="jacobian", slow_limit=64)))[-1]
+    assert done.verdict.ok and done.sample.jacobian.shape == (3, sum(p.numel() for p in net.parameters()))
+    rows = {r.strategy: r for r in done.records}
+    assert all(not rows[s].skipped and rows[s].max_abs_diff < 1e-5 for s in pv.STRATEGIES)
+    params = list(net.parameters())
+    i = done.setting.sample
+    want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(net(x[i:i + 1])["logits"][0, k],
+                                                                              params)]) for k in range(3)])
+    assert torch.allclose(done.sample.jacobian, want, atol=1e-6)
+
+
 def test_a_users_image_and_token_samples_are_drawn():
     from pergrad_viz.explorer.specs import user_spec
 
