@@ -112,7 +112,7 @@ class ConvGhost(LinearGhost):
         tokens, elem = math.prod(g.shape[2:]), g.element_size()
         if not gram_is_cheaper(tokens, module.weight.numel()):
             return None
-        pad = module._reversed_padding_repeated_twice
+        pad = _pad_amounts(module)
         positions = math.prod(size + pad[2 * k] + pad[2 * k + 1] for k, size in enumerate(reversed(x.shape[2:])))
         kernel = module.weight.shape
         limit = max(4 * math.prod(kernel[2:]) * tokens * tokens, tokens * math.prod(kernel[1:]))
@@ -223,7 +223,7 @@ def live_window(module: nn.Module, x: torch.Tensor, out_shape: tuple[int, ...]
     out = (1, *out_shape) if one_d else tuple(out_shape)
     if module.padding_mode != "zeros":  # padding made of the input's own values: every tap reads some
         return padded, kernel, None
-    rev = module._reversed_padding_repeated_twice
+    rev = _pad_amounts(module)
     lefts = (0, rev[0]) if one_d else (rev[2], rev[0])
     sizes = (1, x.shape[-1]) if one_d else tuple(x.shape[2:])  # the input's own positions, unpadded
     taps, window = [], padded
@@ -245,9 +245,21 @@ def _reads_input(offset: int, stride: int, outputs: int, size: int) -> bool:
     return j < outputs and offset + j * stride < size
 
 
+def _pad_amounts(module: nn.Module) -> list[int]:
+    """The padding the layer's forward applies now, in ``F.pad``'s order: zero padding from ``padding`` and
+    ``dilation`` as they are (set after construction too), another mode from the amounts its forward pads by."""
+    if module.padding_mode != "zeros":  # computed at construction
+        return list(module._reversed_padding_repeated_twice)
+    if not isinstance(module.padding, str):
+        return [p for p in reversed(module.padding) for _ in range(2)]
+    same = module.padding == "same"  # as the convolution pads: an odd one extra on the right
+    totals = [d * (k - 1) * same for d, k in zip(reversed(module.dilation), reversed(module.kernel_size), strict=True)]
+    return [p for total in totals for p in (total // 2, total - total // 2)]
+
+
 def _padded(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The layer's input (B, C_in, *spatial) padded as the layer pads it (numbers, 'same', any padding mode)."""
-    pad = list(module._reversed_padding_repeated_twice)
+    pad = _pad_amounts(module)
     if not any(pad):
         return x
     return F.pad(x, pad, mode="constant" if module.padding_mode == "zeros" else module.padding_mode)

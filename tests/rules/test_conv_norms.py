@@ -16,6 +16,12 @@ from pergrad_viz.rules.conv import SMALL_MAP, ConvGhost, conv_weighted_sum, live
 DT = torch.float64
 B = 4
 
+
+def _later(conv: nn.Module, **attributes) -> nn.Module:
+    for name, value in attributes.items():
+        setattr(conv, name, value)
+    return conv
+
 # (layer, input shape of one sample, the form its norms take: ConvGhost.direct_norms' pixels' Gram, or None: the
 # im2col columns)
 CONFIGS = {
@@ -46,6 +52,16 @@ CONFIGS = {
                                        "pixels"),
     "1d-dead-taps": (lambda: nn.Conv1d(6, 4, 5, padding=3), (6, 1), "pixels"),
     "1d-stride3-dead-taps": (lambda: nn.Conv1d(3, 4, 4, stride=3, padding=2), (3, 2), None),
+    # padding and dilation set after construction (a stem changed by hand): the forward reads them afresh, except
+    # with a padding mode other than zeros, where it pads by the amounts of its construction
+    "2d-padding-dilation-set-later": (lambda: _later(nn.Conv2d(4, 5, 3), padding=(2, 1), dilation=(2, 1)),
+                                      (4, 3, 4), "pixels"),
+    "2d-large-map-padding-set-later": (lambda: _later(nn.Conv2d(2, 3, 3, stride=3), padding=(1, 1)), (2, 6, 6),
+                                       None),
+    "2d-same-dilation-set-later": (lambda: _later(nn.Conv2d(3, 3, 3, padding="same"), dilation=(2, 2)), (3, 5, 5),
+                                   None),
+    "1d-reflect-padding-set-later": (lambda: _later(nn.Conv1d(3, 4, 3, padding=1, padding_mode="reflect"),
+                                                    padding=(2,)), (3, 5), "pixels"),
 }
 DEAD_TAPS = [name for name in CONFIGS if "dead" in name or name == "2d-1x1-map"]
 

@@ -484,6 +484,14 @@ def _bn_net() -> nn.Module:
                          nn.Flatten(), nn.Linear(16, 3))
 
 
+def _padded_later() -> nn.Module:
+    """A stride-3 Conv2d given padding 1 after construction (a stem changed by hand): its 2 x 2 output map is the
+    same size, its numbers are not."""
+    conv = nn.Conv2d(2, 3, 3, stride=3)
+    conv.padding = (1, 1)
+    return conv
+
+
 CASES: list[Case] = [
     # real architectures ------------------------------------------------------------------------------
     Case("resnet18", build(_resnet18, "eval", calibrate=(3, 16, 16)), image_inputs("resnet18", (3, 16, 16)),
@@ -508,6 +516,8 @@ CASES: list[Case] = [
     Case("self-attention", build(SelfAttentionNet), image_inputs("self-attention", (4, 4))),
     Case("conv3d", build(lambda: FlatHead(nn.Conv3d(2, 3, 3, padding=1, stride=(1, 2, 2)), (2, 3, 4, 4))),
          image_inputs("conv3d", (2, 3, 4, 4))),
+    Case("conv2d-padding-set-later", build(lambda: FlatHead(_padded_later(), (2, 6, 6))),
+         image_inputs("conv2d-padding-set-later", (2, 6, 6))),
     Case("conv-transpose2d",
          build(lambda: FlatHead(nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1), (2, 3, 3))),
          image_inputs("conv-transpose2d", (2, 3, 3))),
