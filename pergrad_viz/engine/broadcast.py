@@ -128,8 +128,12 @@ def shared_call(in_dims: tuple, in_rest: tuple, out_dims: tuple, out_rest: tuple
     return (in_dims == (None,) and out_dims == (None,) and in_rest[0][:1] == (1,) and out_rest[0][:1] == (1,))
 
 
-def spread(output: torch.Tensor, batch: int) -> torch.Tensor:
-    """A shared output (1, *rest) as a per-sample copy (batch, *rest): a leaf that requires grad (an expanded view)."""
+def spread(output: torch.Tensor, batch: int, keep_graph: bool = False) -> torch.Tensor:
+    """A shared output (1, *rest) as a per-sample copy (batch, *rest): a leaf that requires grad (an expanded view);
+    ``keep_graph``: an expanded view of the output itself, through which the gradient goes on to the call's inputs
+    (a learned query (1, D) that the layer is applied to: its gradient comes through the layer)."""
+    if keep_graph and output.requires_grad:
+        return output.expand(batch, *output.shape[1:])
     return output.detach().expand(batch, *output.shape[1:]).requires_grad_()
 
 

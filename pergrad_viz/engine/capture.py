@@ -212,7 +212,7 @@ class _Recorder:
         if layer.plan.spread:  # a call that holds no samples: its input and output (1, ...) as (B, ...) copies
             args, kwargs = tree_map(lambda t: t.expand(self.batch, *t.shape[1:]) if isinstance(t, torch.Tensor)
                                     else t, (args, kwargs))
-            output = broadcast.spread(output, self.batch)
+            output = broadcast.spread(output, self.batch, keep_graph=any(t.requires_grad for t in tensors_of(args)))
         ins = tensors_of(args) if not kwargs else tensors_of((args, kwargs))
         key = (name, self.counts[name])
         handed, outputs = _handed_downstream(output, lambda k: self.copies((*key, len(ins) + k)))

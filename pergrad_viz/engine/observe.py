@@ -65,9 +65,9 @@ class Record:
 
 
 class _ParameterUses(TorchFunctionMode):
-    """Notes, for every torch function that receives a watched parameter and returns a tensor, the stack of
-    module names running at that moment (attribute reads such as ``p.requires_grad`` return no tensor and
-    do not count)."""
+    """Notes, for every torch function that receives a watched parameter and returns a tensor or writes one (``buf[...]
+    = p``, peft's OFT), the stack of module names running at that moment (attribute reads such as
+    ``p.requires_grad`` return no tensor and do not count)."""
 
     def __init__(self, watched: dict[int, str], stack: list[str]):
         super().__init__()
@@ -82,7 +82,8 @@ class _ParameterUses(TorchFunctionMode):
         if self.paused:
             return result
         hits = [self.watched[id(t)] for t in tensors_of((args, kwargs)) if id(t) in self.watched]
-        if hits and tensors_of(result):
+        written = result is None and args and isinstance(args[0], torch.Tensor)  # buf[...] = p: __setitem__
+        if hits and (written or tensors_of(result)):
             for name in hits:
                 self.uses.setdefault(name, []).append((tuple(self.stack), getattr(func, "__name__", str(func))))
         return result

@@ -411,6 +411,36 @@ class LayerScaleTiedToBias(nn.Module):
         return self.head(torch.tanh(self.inner(x)) * self.scale)
 
 
+class WrittenIntoABuffer(nn.Module):
+    """A weight built by writing parameters into a fresh tensor (``w[rows, cols] = p``: peft's OFT builds its skew
+    matrices so), whose parameters take part only through ``Tensor.__setitem__`` (which returns None), then a
+    Linear head: (B, 4) -> (B, 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.upper = nn.Parameter(torch.randn(6) * 0.5)
+        self.head = nn.Linear(4, 3)
+        self.rows, self.cols = torch.triu_indices(4, 4, offset=1)
+
+    def forward(self, x):
+        skew = torch.zeros(4, 4, dtype=x.dtype)
+        skew[self.rows, self.cols] = self.upper
+        return self.head(torch.tanh(x @ (skew - skew.T)) + x)
+
+
+class QueryThroughALayer(nn.Module):
+    """A learned query (1, D) that a Linear is applied to, its output broadcast over the batch: the Linear's call holds
+    no samples (its output is spread per sample) and the query's gradient comes through it: (B, 4) -> (B, 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(1, 4))
+        self.key, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(x * torch.tanh(self.key(self.query)))
+
+
 class LowRankUpdate(nn.Module):
     """A parametrization with parameters of its own (LoRA written with ``register_parametrization``): W + A @ B."""
 
@@ -516,6 +546,9 @@ CASES: list[Case] = [
     Case("self-attention", build(SelfAttentionNet), image_inputs("self-attention", (4, 4))),
     Case("conv3d", build(lambda: FlatHead(nn.Conv3d(2, 3, 3, padding=1, stride=(1, 2, 2)), (2, 3, 4, 4))),
          image_inputs("conv3d", (2, 3, 4, 4))),
+    Case("query-through-a-layer", build(QueryThroughALayer), image_inputs("query-through-a-layer", (4,))),
+    Case("parameters-written-into-a-buffer", build(WrittenIntoABuffer),
+         image_inputs("parameters-written-into-a-buffer", (4,))),
     Case("conv2d-padding-set-later", build(lambda: FlatHead(_padded_later(), (2, 6, 6))),
          image_inputs("conv2d-padding-set-later", (2, 6, 6))),
     Case("conv-transpose2d",
