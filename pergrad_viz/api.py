@@ -26,6 +26,7 @@ from pergrad_viz.core.validate import (
     batch_of,
     check_chunk,
     check_flags,
+    check_inputs_kept,
     check_loss,
     check_modes,
     check_out,
@@ -147,18 +148,22 @@ def _check_memory(trainable: Trainable, strategy: str, batch: int, chunk: int, o
 
 def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
             loss_fn: object = None, model_kwargs: Mapping | None = None, out: torch.Tensor | None = None,
-            flat: bool = True, randomness: str = "error", verify: bool = True) -> tuple[Trainable, str, Batch, int]:
+            flat: bool = True, randomness: str = "error", verify: bool = True, offers_randomness: bool = True
+            ) -> tuple[Trainable, str, Batch, int]:
     """A call checked (``pergrad_viz.core.validate``) and planned: ``(trainable, resolved strategy, batch (B, ...),
-    samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``)."""
+    samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``).
+    ``offers_randomness``: the public call takes ``randomness=`` (its refusals may name it)."""
     check_flags(flat=flat, verify=verify)
     if loss_fn is not None:
         check_loss(loss_fn)
     check_strategy_name(strategy, STRATEGIES)  # before anything is checked or run
     check_randomness(randomness)
     trainable = Trainable.of(model)
+    trainable.call.offers_randomness = offers_randomness
     if randomness == "different":
         trainable.call.draws = Draws(trainable.device)
     batch = batch_of(trainable, inputs, targets, model_kwargs)
+    trainable.call.input_versions = batch.versions(apart_from=out)
     chunk = check_chunk(chunk_size, batch.size)
     if out is not None:
         check_out_memory(out, trainable, flat, batch, targets, loss_fn)  # before the probe runs the model
@@ -168,8 +173,10 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     try:
         resolved = resolve_strategy(strategy, trainable, batch)  # the probe runs the model (auto, batched strategies)
     except Exception as e:
+        check_inputs_kept(trainable)  # a probe that failed on inputs the forward wrote: that, first
         users_error(e, batch, targets)  # the model's own error: a note on the inputs it was called on
         raise
+    check_inputs_kept(trainable)
     return trainable, resolved, batch, chunk
 
 
@@ -202,8 +209,9 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
         chain = (resolved,)
     for k, strategy in enumerate(chain):
         try:
-            return _checked(strategy, trainable, inputs, run, check, quantity, race)
+            result = _checked(strategy, trainable, inputs, run, check, quantity, race)
         except HandOverError as e:
+            check_inputs_kept(trainable)  # a mismatch the forward's write to its inputs made: that, first
             if race is not None:
                 race.lose(strategy)
             if k == len(chain) - 1:
@@ -211,8 +219,12 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
             if isinstance(e, CheckFailedError):
                 plan_for(trainable, inputs).demote(strategy, e.reason, REGISTRY[strategy].batched_forward, e.coupled)
         except Exception as e:
+            check_inputs_kept(trainable)
             users_error(e, inputs, targets)  # the same error, a note added (core/users.py)
             raise
+        else:
+            check_inputs_kept(trainable)  # the forward left the inputs as it found them
+            return result
     raise AssertionError("unreachable: the last strategy of a chain returns or raises")
 
 
@@ -355,7 +367,8 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
     """
     requested = strategy
     trainable, strategy, inputs, chunk = prepare(model, inputs, None, strategy, chunk_size,
-                                                  model_kwargs=model_kwargs, out=out, flat=flat, verify=verify)
+                                                  model_kwargs=model_kwargs, out=out, flat=flat, verify=verify,
+                                                  offers_randomness=False)
     if output is not None:
         trainable = trainable.selecting(output)
     batch = inputs.size

@@ -134,6 +134,14 @@ class Batch:
         n = len(range(self.size)[rows]) if isinstance(rows, slice) else int(rows.numel())
         return Batch(args, kwargs, n)
 
+    def versions(self, apart_from: torch.Tensor | None = None) -> tuple[tuple[str, torch.Tensor, int], ...]:
+        """(name, tensor, its version counter) of each input tensor (:meth:`named_leaves`; inference tensors keep no
+        counter): a forward that writes an input in place moves its counter. Not those in the storage of
+        ``apart_from`` (an ``out=`` buffer beside them: views of one tensor share one counter)."""
+        shared = None if apart_from is None else apart_from.untyped_storage().data_ptr()
+        return tuple((name, t, t._version) for name, t in self.named_leaves()
+                     if not t.is_inference() and (shared is None or t.untyped_storage().data_ptr() != shared))
+
     def sample(self, i: int) -> Batch:
         """Sample i alone, as a batch of one (``t[i:i+1]``)."""
         return self.rows(slice(i, i + 1))

@@ -177,3 +177,18 @@ def refuse_torch_func(trainable: object, strategy: str) -> None:
 def randomness_of(trainable: object) -> str:
     """The ``randomness=`` of the call a :class:`~pergrad_viz.core.trainable.Trainable` is made for."""
     return "error" if getattr(trainable.call, "draws", None) is None else "different"
+
+
+def random_fix(trainable: object, turn_off: str = "turn it off", training: bool | None = None) -> str:
+    """The fix a refusal of a forward that draws random numbers names: ``model.eval()`` where the model is in training
+    mode (``training``: where the drawing layer is), else making the draw follow the mode (it draws in eval mode
+    too); ``randomness='different'`` where the call takes it (``trainable.call.offers_randomness``)."""
+    model = getattr(trainable, "model", trainable)
+    if getattr(model, "training", True) if training is None else training:
+        fix = f"Call model.eval() (or {turn_off}) first"
+    else:
+        fix = ("The model is in eval mode already, so the draw does not follow the mode: write it so that it does "
+               f"(F.dropout(x, p, training=self.training)), or {turn_off}")
+    if getattr(getattr(trainable, "call", None), "offers_randomness", False):
+        fix += ", or pass randomness='different' for each sample's gradient under its own random numbers"
+    return fix

@@ -38,6 +38,8 @@ class CallState:
     draws: object = None  # core.randomness.Draws under randomness='different', else None (refused)
     graphs: set = field(default_factory=set)  # the graphs between the layers this call's backwards took
     checked: bool = False  # the per-call check may run on this call (verify=True): api._checked sets it
+    input_versions: tuple = ()  # the inputs' version counters as the call found them (validate.check_inputs_kept)
+    offers_randomness: bool = False  # the call takes randomness= (its refusals of random forwards may name it)
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class Trainable:
 
     def selecting(self, select: Callable[[object], torch.Tensor]) -> Trainable:
         """The same trainable parameters, with Jacobians of ``select(model output)``."""
-        return dataclasses.replace(self, select=select, call=CallState())
+        kept = CallState(input_versions=self.call.input_versions, offers_randomness=self.call.offers_randomness)
+        return dataclasses.replace(self, select=select, call=kept)
 
     def outputs(self, batch: Batch) -> torch.Tensor | object:
         """The model's output on ``batch``, or the tensor ``select`` picks from it (what a Jacobian differentiates)."""

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 from pergrad_viz.core.batch import Batch, Inputs, normal_tensor
 from pergrad_viz.core.guards import REENTRANT_CHECKPOINT
 from pergrad_viz.core.numbers import whole_number
+from pergrad_viz.core.randomness import random_fix
 from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
 
 
@@ -28,6 +29,7 @@ class TrainableLike(Protocol):
 
     modules: tuple[tuple[str, nn.Module], ...]
     model: nn.Module
+    call: object  # its CallState
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -97,7 +99,7 @@ def check_modes(model: nn.Module | TrainableLike, randomness: str = "error") -> 
                 "their per-sample gradients would be wrong. Call it outside the cached() block")
     for name, m in modules:
         if _special(type(m)):
-            _check_special(name, m, random_ok)
+            _check_special(name, m, random_ok, model)
         if m.training and _checkpointing(m):
             checkpointing = getattr(m, "_gradient_checkpointing_func", None)
             if getattr(checkpointing, "keywords", {}).get("use_reentrant") is True:
@@ -116,7 +118,7 @@ def _label(name: str, m: nn.Module) -> str:
     return f"{name or 'model'} ({type(m).__name__})"
 
 
-def _check_special(name: str, m: nn.Module, random_ok: bool) -> None:
+def _check_special(name: str, m: nn.Module, random_ok: bool, model: object) -> None:
     """check_modes for a module of one of the _SPECIAL types."""
     if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not m.track_running_stats):
         fix = ("Call model.eval() to use the running statistics" if m.track_running_stats else
@@ -137,16 +139,14 @@ def _check_special(name: str, m: nn.Module, random_ok: bool) -> None:
     if internal_dropout and m.training and not random_ok:
         raise UndefinedPerSampleError(
             f"{_label(name, m)} applies dropout={m.dropout} in training mode: it would draw different random masks in "
-            "each strategy and each sample, so results would be random and not comparable. Call model.eval() (or "
-            "create it with dropout=0) before computing per-sample gradients, or pass randomness='different' for "
-            "each sample's gradient under its own mask (DP fine-tuning with dropout on)."
+            "each strategy and each sample, so results would be random and not comparable. "
+            f"{random_fix(model, 'create it with dropout=0', training=True)} (DP fine-tuning with dropout on)."
         )
     if isinstance(m, _RANDOM_IN_TRAINING) and m.training and getattr(m, "p", 1) > 0 and not random_ok:
         raise UndefinedPerSampleError(
             f"{_label(name, m)} is in training mode: it would draw different random numbers (masks, slopes) in each "
-            "strategy and each sample, so results would be random and not comparable. Call model.eval() "
-            "(or set p=0) before computing per-sample gradients, or pass randomness='different' for each sample's "
-            "gradient under its own mask (DP fine-tuning with dropout on)."
+            "strategy and each sample, so results would be random and not comparable. "
+            f"{random_fix(model, 'set p=0', training=True)}."
         )
     if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None:
         raise UndefinedPerSampleError(
@@ -239,6 +239,25 @@ def batch_of(trainable: TrainableLike, inputs: Inputs, targets: object = None, m
                 f"cast one of them, e.g. {name}.to({trainable.dtype}) or model.to({t.dtype})"
             )
     return batch
+
+
+def check_inputs_kept(trainable: TrainableLike) -> None:
+    """Refuse a forward that wrote one of the call's input tensors in place (``x.add_(1)`` on its argument): the
+    package runs the model on them more than once (a sample alone, the check), and each run would see other
+    values; ``trainable.call.input_versions`` holds the versions the call found (``Batch.versions``)."""
+    refuse_written_inputs(trainable.call.input_versions)
+
+
+def refuse_written_inputs(versions: Sequence[tuple[str, torch.Tensor, int]], copies: bool = False) -> None:
+    """:func:`check_inputs_kept` of ``versions`` (``Batch.versions()`` before the model ran on them; ``copies``:
+    of copies the package made, the caller's tensors untouched)."""
+    for name, t, version in versions:
+        if t._version != version:
+            kept = "your tensor is as it was: the model ran on a copy" if copies else "your tensor was changed"
+            raise UndefinedPerSampleError(
+                f"the forward pass writes its input {name!r} in place (x.add_(...), x[...] = ... on its argument; "
+                f"{kept}), so running the model on it again (each sample alone, the check) would see other "
+                "values. Write it out of place in forward (x = x + 1, x = x.clone() first).")
 
 
 def check_flags(**flags: object) -> None:

@@ -41,8 +41,9 @@ from pergrad_viz.core.batch import Batch, differs
 from pergrad_viz.core.float64 import below_float64, float64_copy, to_float64
 from pergrad_viz.core.guards import refusing_reentrant_checkpoints
 from pergrad_viz.core.ownership import assign
-from pergrad_viz.core.randomness import held_fixed
+from pergrad_viz.core.randomness import held_fixed, random_fix
 from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.core.validate import refuse_written_inputs
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.observe import close, first_difference, observe
 from pergrad_viz.engine.plan import SHARED, CallSpec, LayerKind, LayerPlan, Plan, Unbatched
@@ -82,12 +83,17 @@ class _Probe:
         self.index = index = torch.tensor([a, b], device=inputs.device)
         watch = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
         device = trainable.device
+        # each run on copies: a forward that writes its input in place is refused before it writes the caller's
+        runs = [inputs.sample(a), inputs.sample(a), inputs.sample(b), inputs.rows(index), inputs.rows(index.flip(0))]
+        runs = [run.map(torch.clone) for run in runs]
+        versions = [v for run in runs for v in run.versions()]
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG untouched
-            self.alone_a, drew = observe(trainable, inputs.sample(a), None, random_ops=True)
-            again, _ = observe(trainable, inputs.sample(a), None)
-            self.alone_b, _ = observe(trainable, inputs.sample(b), None)
-            self.pair, self.uses = observe(trainable, inputs.rows(index), watch)
-            self.swapped, _ = observe(trainable, inputs.rows(index.flip(0)), None)  # a reordering by the data shows
+            self.alone_a, drew = observe(trainable, runs[0], None, random_ops=True)
+            again, _ = observe(trainable, runs[1], None)
+            self.alone_b, _ = observe(trainable, runs[2], None)
+            self.pair, self.uses = observe(trainable, runs[3], watch)
+            self.swapped, _ = observe(trainable, runs[4], None)  # a reordering by the data shows
+        refuse_written_inputs(versions, copies=True)
         self.random = drew if drew is not None else first_difference(self.alone_a, again)
         self.interaction: str | None = None
         self.specs: dict[str, list[CallSpec] | str] = {}
@@ -217,8 +223,7 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
         raise UndefinedPerSampleError(
             f"{_describe('the forward', probe.random, module)} gives different outputs for the same sample in two "
             "runs: it draws random numbers (dropout written as F.dropout(..., training=True), stochastic depth, "
-            "noise), so per-sample gradients would be random and not comparable. Call model.eval() (or turn it off) "
-            "first, or pass randomness='different' for each sample's gradient under its own random numbers. (Or it "
+            f"noise), so per-sample gradients would be random and not comparable. {random_fix(trainable)}. (Or it "
             "keeps a state from one call to the next, self.h = h.detach(): each sample's gradient would depend on "
             "the samples before it; pass that state as an input instead.)")
     for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found

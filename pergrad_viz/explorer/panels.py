@@ -209,6 +209,9 @@ def error_html(setting: Setting, exc: Exception, shown: str) -> str:
     """The error box: what could not be computed at ``setting``, and that the figures are from ``shown``."""
     where = setting.describe()
     message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    if "randomness='different'" in message:  # an option of the package's calls, not of the explorer's
+        message += ("\n(The explorer has no randomness option: call model.eval() on your network before you open "
+                    "the explorer on it.)")
     return (
         "<div class='pergrad-error' style='border-left:4px solid #c62828;background:#fdecea;padding:6px 10px;"
         "margin:4px 0'>"

@@ -8,6 +8,7 @@ import torch
 
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.guards import REENTRANT_CHECKPOINT, noting_reentrant_layers
+from pergrad_viz.core.randomness import random_fix
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.engine.observe import observe
 from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
@@ -60,9 +61,8 @@ def refuse_random_forward(trainable: Trainable, inputs: Batch) -> None:
         raise UndefinedPerSampleError(
             f"the forward draws random numbers (first in layer '{drew or 'model'}' ({type(module).__name__}): "
             "stochastic depth such as timm's drop_path_rate, dropout written as F.dropout(..., training=True), "
-            "noise), so per-sample gradients would be random and not comparable, whatever the strategy. Call "
-            "model.eval() (or turn the randomness off, e.g. drop_path_rate=0) before computing per-sample gradients, "
-            "or pass randomness='different' for each sample's gradient under its own random numbers.")
+            "noise), so per-sample gradients would be random and not comparable, whatever the strategy. "
+            f"{random_fix(trainable, 'turn the randomness off, e.g. drop_path_rate=0')}.")
 
 
 def refuse_reentrant_forward(trainable: Trainable, sample: Batch) -> None:

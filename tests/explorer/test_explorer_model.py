@@ -779,3 +779,19 @@ def test_an_empty_dataset_and_the_menus_seeded_models_leave_the_user_alone():
     make = specs._builtin(lambda width: nn.Linear(784, width), lambda x: x)
     make(4, 3)
     assert torch.equal(torch.rand(3), want)
+
+
+def test_the_error_box_on_a_network_in_training_mode_names_what_the_explorer_can_do():
+    """Found by a probe: the refusal named randomness='different', which the explorer has no control for."""
+    from pergrad_viz.explorer.specs import user_spec
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Dropout(0.1), torch.nn.Linear(5, 3)).train()
+    (x, _), y = _guest_data()
+    m = ExplorerModel(models={"yours": user_spec(net, torch.nn.CrossEntropyLoss(reduction="sum"), (x, y))},
+                      batch_options=(2, 4), sweep_batches=1, **FAST)
+    setting = Setting(model="yours", batch=4, hidden=0)
+    with pytest.raises(pv.UndefinedPerSampleError) as info:
+        list(m.stages(setting))
+    box = panels.error_html(setting, info.value, "nothing yet")
+    assert "The explorer has no randomness option: call model.eval()" in box

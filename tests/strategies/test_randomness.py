@@ -256,6 +256,31 @@ def test_the_default_refuses_and_names_the_option_without_drawing(call):
     assert_refuses(calls[call], model, "randomness='different'", error=UndefinedPerSampleError)
 
 
+@pytest.mark.parametrize("call", ["jacobian", "ntk", "scan"])
+def test_calls_without_the_option_do_not_name_it(call, tmp_path):
+    """Found by a probe: the refusal named randomness='different' to calls that have no such argument."""
+    model, x, y = _problem(CASES[0])
+    calls = {"jacobian": lambda: pv.per_sample_jacobian(model, x),
+             "ntk": lambda: pv.empirical_ntk(model, x),
+             "scan": lambda: pv.scan(model, nn.CrossEntropyLoss(), torch.utils.data.TensorDataset(x, y),
+                                     out=tmp_path / "scan", batch_size=3)}
+    with pytest.raises(UndefinedPerSampleError, match=r"model\.eval\(\)") as info:
+        calls[call]()
+    assert "randomness=" not in str(info.value)
+
+
+@pytest.mark.parametrize("quantity", ["grads", "jacobian"])
+def test_a_draw_that_ignores_eval_mode_is_named_so(quantity):
+    """F.dropout(..., training=True) in a model already in eval mode: model.eval() cannot be the fix."""
+    name, make_model, make_inputs, _ = next(c for c in CASES if c[0] == "f-dropout-training-true")
+    model, (x, y) = make_model().eval(), make_inputs(6)
+    call = (lambda: pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)) if quantity == "grads" else (
+        lambda: pv.per_sample_jacobian(model, x))
+    with pytest.raises(UndefinedPerSampleError, match=r"eval mode already.*training=self\.training") as info:
+        call()
+    assert ("randomness='different'" in str(info.value)) == (quantity == "grads")
+
+
 def test_a_plan_made_under_different_is_not_used_by_a_default_call():
     model, x, y = _problem(CASES[4])  # F.dropout(training=True): no module flag shows it, only the probe
     pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, randomness="different")
