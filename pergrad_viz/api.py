@@ -96,7 +96,8 @@ def resolve_strategy(strategy: str, model: nn.Module | Trainable, inputs: Inputs
             raise UnsupportedModelError(
                 f"the {strategy} strategy runs the model once on the whole batch, which cannot give each sample's "
                 f"own gradient here: {interaction}. Per-sample gradients are defined by each sample alone: use "
-                "strategy='loop' or 'torch_func' (or 'auto', which picks torch_func)."
+                "strategy='auto' (torch_func, or the loop where torch.func cannot run the model), 'torch_func' or "
+                "'loop'."
             )
     return strategy
 

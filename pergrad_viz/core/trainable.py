@@ -223,13 +223,16 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
             "outside the forward."
         )
     if written and not failed:
+        owner = dict(zip((n for n, _ in named), flags, strict=True)).get(written[0].rpartition(".")[0], True)
+        fix = ("Call model.eval() first (a FakeQuantize or observer of quantisation-aware training updates its "
+               "statistics in eval mode too: model.apply(torch.ao.quantization.disable_observer))" if owner else
+               "It does so in eval mode too (a step counter, self.steps += 1): keep such a count as a plain Python int "
+               "attribute, not a registered buffer, or update it outside the forward; a FakeQuantize or observer: "
+               "model.apply(torch.ao.quantization.disable_observer)")
         raise UndefinedPerSampleError(
             f"the forward pass writes the buffer '{written[0]}' (e.g. running statistics in training mode, or "
             "spectral_norm's power iteration), so computing per-sample gradients would change your model and each "
-            "sample would see another model. The buffer was restored. Call model.eval() first (a FakeQuantize or "
-            "observer of quantisation-aware training updates its statistics in eval mode too: "
-            "model.apply(torch.ao.quantization.disable_observer)), or compute with a copy "
-            "of the model whose buffers you do not need to keep."
+            f"sample would see another model. The buffer was restored. {fix}."
         )
 
 

@@ -82,6 +82,13 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
         return (f"the input tensor '{ints[0]}' holds integers but the model computes in floating point: pass "
                 "it as .float() (or .to(the model's dtype)); integer inputs are for models that start with an "
                 "Embedding")
+    whole = [name for name, t in inputs.named_leaves() if t.dim() == 0 or t.shape[0] != inputs.size]
+    if whole and len(whole) < len(inputs.named_leaves()):
+        return (f"B = {inputs.size}, and {', '.join(repr(n) for n in whole)} (first dimension not {inputs.size}) went "
+                "whole to every sample's run while the others were cut: a tensor that belongs to the samples but is "
+                "not batch-first (EmbeddingBag's flat token ids with offsets, an attention mask of shape (B * heads, "
+                "T, T)) cannot be cut; pass each sample's own rows first (padded (B, L) ids, a (B, T, T) mask "
+                "repeated over the heads inside the forward)")
     return None
 
 

@@ -157,8 +157,9 @@ def _check_special(name: str, m: nn.Module, random_ok: bool, model: object) -> N
     if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.scale_grad_by_freq:
         raise UndefinedPerSampleError(
             f"{_label(name, m)} has scale_grad_by_freq=True, which scales each token's gradient by its count in the "
-            "whole batch, so the gradient of one sample would depend on the other samples. Create the "
-            f"{type(m).__name__} with scale_grad_by_freq=False."
+            "batch its forward sees: a pass over the batch would count the other samples' tokens in each sample's "
+            f"gradient, which the package does not undo. Create the {type(m).__name__} with scale_grad_by_freq=False "
+            "(or scale the gradients yourself)."
         )
 
 

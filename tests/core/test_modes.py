@@ -272,3 +272,35 @@ def test_a_dict_input_written_in_place_is_named():
     with pytest.raises(pv.UndefinedPerSampleError, match="writes its input 'mask' in place.*as it was"):
         pv.per_sample_grads(model, nn.CrossEntropyLoss(), {"x": x, "mask": mask}, y)
     assert torch.equal(mask, torch.ones(6, 5))
+
+
+class _StepCounter(nn.Module):
+    """A forward that counts its calls in a registered buffer, in every mode."""
+
+    def __init__(self, as_buffer: bool):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        if as_buffer:
+            self.register_buffer("steps", torch.zeros(()))
+        else:
+            self.steps = 0
+
+    def forward(self, x):
+        self.steps += 1
+        return self.lin(x)
+
+
+def test_a_buffer_written_in_eval_mode_too_names_a_fix_that_works():
+    """Found by a probe: the message named model.eval() and a copy of the model, neither of which helps."""
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    model = _StepCounter(as_buffer=True).eval()
+    with pytest.raises(pv.UndefinedPerSampleError, match="eval mode too.*plain Python int attribute"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    assert model.steps == 0
+    fixed = _StepCounter(as_buffer=False).eval()
+    fixed.lin.load_state_dict(model.lin.state_dict())
+    got = pv.per_sample_grads(fixed, nn.CrossEntropyLoss(), x, y)
+    for i in range(4):
+        want = torch.autograd.grad(nn.CrossEntropyLoss()(model.lin(x[i:i + 1]), y[i:i + 1]), model.lin.weight)[0]
+        torch.testing.assert_close(got["lin.weight"][i], want)
+    assert fixed.steps == 0  # the attribute as the model had it

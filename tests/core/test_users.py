@@ -151,6 +151,29 @@ def test_a_shared_square_mask_as_long_as_the_batch_names_the_cut(strategy):
     assert "two samples (the probe)" in notes
 
 
+class _Bag(nn.Module):
+    """PyTorch's text-classification tutorial model: flat token ids with offsets, not batch-first."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(6, 4, mode="sum"), nn.Linear(4, 3)
+
+    def forward(self, flat, offsets):
+        return self.head(self.bag(flat, offsets))
+
+
+@pytest.mark.parametrize("call", ["grads", "clipped_sum"])
+def test_a_per_sample_input_that_is_not_batch_first_is_named(call):
+    """Found by a probe: EmbeddingBag(flat, offsets) failed with PyTorch's own offsets error and no word on the cut."""
+    flat, offsets, y = torch.tensor([1, 2, 3, 0, 4, 5, 5, 1]), torch.tensor([0, 3, 4, 6]), torch.tensor([0, 1, 2, 1])
+    run = {"grads": lambda: pv.per_sample_grads(_Bag(), nn.CrossEntropyLoss(), (flat, offsets), y),
+           "clipped_sum": lambda: pv.clipped_grad_sum(_Bag(), nn.CrossEntropyLoss(), (flat, offsets), y, 1.0)}
+    with pytest.raises(RuntimeError, match="offsets") as info:
+        run[call]()
+    notes = _notes(info.value)
+    assert "B = 4, and 'inputs[0]' (first dimension not 4) went whole" in notes and "padded (B, L) ids" in notes
+
+
 def _message_and_notes(call) -> str:
     try:
         call()
