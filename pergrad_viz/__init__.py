@@ -1,11 +1,25 @@
 """pergrad_viz: per-sample gradients (B, P) and per-sample output Jacobians (B, Y, P) in PyTorch,
-without Python loops.
+without Python loops, each equal to what a loop over the samples gives (or a clear error naming the fix).
 
 >>> import pergrad_viz as pv
 >>> grads = pv.per_sample_grads(model, loss_fn, x, y)          # {name: (B, *param.shape)}
 >>> J = pv.per_sample_jacobian(model, x, flat=True)           # (B, Y, P)
-"""
 
+Per sample (B samples, P trainable parameters, Y outputs a sample):
+    per_sample_grads          the gradient of each sample's loss: {name: (B, *shape)}, or (B, P) with flat=True
+    per_sample_jacobian       every output's gradient, per sample: {name: (B, Y, *shape)}, or (B, Y, P)
+    per_sample_grad_norms     the (B,) norms of the per-sample gradients, without forming (B, P)
+    empirical_ntk             the empirical NTK J1 J2^T: (N1, N2, Y, Y), or (N1, N2) with mode="trace"
+    resolve_strategy          the strategy a call will use ("auto": hooks, else torch_func, else the loop)
+DP-SGD:
+    clipped_grad_sum          sum_i min(1, C / ||g_i||) g_i (+ noise), {name: (*shape)}, without (B, P)
+    dp_step / noise_step      that over the expected batch size, put into .grad for any torch.optim optimiser
+    clip_per_sample, dp_sgd_gradient   the same from a materialised (B, P)
+    PoissonBatches, epsilon, noise_multiplier_for   Poisson sampling and Opacus' accountant (extra "dp")
+Whole datasets: scan (per-example losses, gradient norms, sketches, to a directory), load_scan.
+Losses for Hugging Face models: causal_lm_loss, sequence_classification_loss.
+Lazily imported: pv.widgets.explorer() (the interactive explorer), pv.viz (figures), pv.bench, pv.tutorial.
+"""
 import importlib
 
 from pergrad_viz import moved

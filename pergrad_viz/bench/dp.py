@@ -304,7 +304,8 @@ def _rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, rounds: int, 
             "peak_vs_plain": None if peaks.get(m) is None or not base_m else peaks[m] / base_m,
             "tensors": tensors.get(m),
             "tensors_vs_plain": None if tensors.get(m) is None or not base_tensors else tensors[m] / base_tensors,
-            "max_diff": diffs.get(m), "note": notes.get(m, "NOISY" if t is not None and t.noisy else ""),
+            "max_diff": diffs.get(m),
+            "note": "; ".join(filter(None, ("NOISY" if t is not None and t.noisy else "", notes.get(m, "")))),
         })
     return rows
 

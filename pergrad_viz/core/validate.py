@@ -57,6 +57,9 @@ def check_model(model: object, named_parameters: Sequence[tuple[str, nn.Paramete
             f"parameter '{lazy}' is not initialised yet (a lazy module such as nn.LazyLinear): run one forward "
             "pass first, e.g. model(inputs[:1]), so that its shape is known"
         )
+    if not named and isinstance(model, nn.modules.loss._Loss):
+        raise TypeError(f"model is a loss ({type(model).__name__}): the arguments are (model, loss_fn, inputs, "
+                        "targets), the model first")
     if not named:
         raise ValueError(
             "the model has no trainable parameters (none with requires_grad=True): there is nothing "
@@ -212,8 +215,9 @@ def batch_of(trainable: TrainableLike, inputs: Inputs, targets: object = None, m
     tensors = batch.named_leaves()
     if targets is not None and not batch.leaves():
         if len(tensors) == 1 and tensors[0][1].dim():
+            one = " (one sample without its batch dimension? pass x[i:i+1] or x.unsqueeze(0))" if size == 1 else ""
             raise ValueError(
-                f"batch sizes differ: inputs has {tensors[0][1].shape[0]} samples, targets has {size} samples; "
+                f"batch sizes differ: inputs has {tensors[0][1].shape[0]} samples, targets has {size} samples{one}; "
                 "pass one target per input sample (same first dimension)")
         firsts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
         raise ValueError(

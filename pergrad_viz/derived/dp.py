@@ -57,7 +57,8 @@ def check_dp_arguments(max_norm: object, noise_multiplier: object, generator: ob
         per_layer = bounds
     else:
         max_norm = real_number("max_norm", max_norm, positive=True,
-                               hint=" (the largest L2 norm a sample's gradient may keep)")
+                               hint=" (the largest L2 norm a sample's gradient may keep; None only with a "
+                                    "per_layer={prefix: bound} dict)")
     noise_multiplier = real_number("noise_multiplier", noise_multiplier, hint=" (0 adds no noise)")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")

@@ -143,7 +143,8 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
 def noise_multiplier_for(target_epsilon: float, sample_rate: float, steps: int, delta: float, *,
                          accountant: str = "rdp") -> float:
     """The smallest noise multiplier (to Opacus' tolerance, 0.01 in epsilon) whose ``steps`` steps at rate q stay
-    within ``target_epsilon`` at ``delta``."""
+    within ``target_epsilon`` at ``delta``. A target no multiplier meets is refused after Opacus' search up to its
+    largest multiplier, which can take half a minute (10,000 steps at q = 0.5)."""
     target_epsilon, sample_rate, steps, delta = map(_real, (target_epsilon, sample_rate, steps, delta))
     _check(sample_rate, steps, delta, accountant)
     if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, int | float) \

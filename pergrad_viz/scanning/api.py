@@ -177,8 +177,8 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
             tuple or dict of tensors, as :func:`pergrad_viz.per_sample_grads` takes inputs), or dicts whose
             ``labels`` entry holds the targets and whose other entries are the model's keyword arguments; floating
             inputs are cast to the model's dtype and moved to its device.
-        quantities: some of :data:`QUANTITIES` (a sequence or a comma-separated string); ``projection`` is
-            added when ``proj_dim`` is given.
+        quantities: some of ``"loss", "grad_norm", "layer_norms", "el2n", "projection"`` (:data:`QUANTITIES`; a
+            sequence or a comma-separated string); ``projection`` is added when ``proj_dim`` is given.
         batch_size: examples per forward/backward pass.
         proj_dim: K, the width of the gradient sketch (:class:`pergrad_viz.scanning.sketch.GradientSketch`).
         out: the scan's directory: created if absent, continued if it holds this scan, refused otherwise.

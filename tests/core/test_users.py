@@ -191,3 +191,17 @@ def test_newcomers_mistakes_get_a_note_naming_the_fix():
     assert "targets.long()" in _message_and_notes(lambda: pv.per_sample_grads(model, loss, x, y.float()))
     with pytest.raises(ValueError, match="did you mean 'hooks'"):
         pv.per_sample_grads(model, loss, x, y, strategy="hook")
+
+
+def test_more_newcomers_mistakes_name_the_fix():
+    """Found by a newcomer's probe: one sample without its batch dimension, the loss and the model swapped, a bound of
+    None without per_layer."""
+    torch.manual_seed(0)
+    model, loss = MLP(784, 20, 10), nn.CrossEntropyLoss()
+    x, y = torch.randn(8, 784), torch.randint(0, 10, (8,))
+    with pytest.raises(ValueError, match=r"without its batch dimension\? pass x\[i:i\+1\]"):
+        pv.per_sample_grads(model, loss, x[0], y[:1])
+    with pytest.raises(TypeError, match=r"model is a loss \(CrossEntropyLoss\).*the model first"):
+        pv.per_sample_grads(loss, model, x, y)
+    with pytest.raises(ValueError, match=r"None only with a per_layer"):
+        pv.clipped_grad_sum(model, loss, x, y, None)
