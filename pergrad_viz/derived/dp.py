@@ -271,7 +271,8 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
     the expected batch size q * N, not by this batch's size, which is itself private); ``expected_batch_size=None``
     divides by this batch's B (with ``distributed=True``, the B of every process together). ``.grad`` is replaced,
     as after ``optimizer.zero_grad()`` and ``loss.backward()``: nothing is accumulated (a ``.grad`` tensor a parameter
-    holds, a view of a flat gradient buffer, is written, as backward writes it). With :func:`noise_step`, the
+    holds, a view of a flat gradient buffer, is written, as backward writes it; dense, also for a sparse
+    Embedding's weight: the noise touches every row, so not for ``SparseAdam``). With :func:`noise_step`, the
     only calls of the package that write ``.grad``. An empty batch (B = 0, which Poisson sampling draws) is
     :func:`noise_step`'s (``expected_batch_size`` needed), so that every step the accountant counts is taken.
 
