@@ -59,6 +59,7 @@ from pergrad_viz.explorer.state import (
     Verdict,
     View,
     Visit,
+    weights_version,
 )
 from pergrad_viz.strategies import REGISTRY
 
@@ -269,10 +270,8 @@ class ExplorerModel:
 
     def forget(self, setting: Setting) -> None:
         """Drop the cached timings of ``setting``'s batch sizes (the scaling curve's too): time them again."""
-        batches = set(self.scaling_batches(setting.batch))
-        for key in [k for k in self.cache if (k.model, k.quantity, k.hidden) == (setting.model, setting.quantity,
-                                                                                  setting.hidden)
-                    and k.batch in batches]:
+        batches, same = set(self.scaling_batches(setting.batch)), (setting.model, setting.quantity, setting.hidden)
+        for key in [k for k in self.cache if (k.model, k.quantity, k.hidden) == same and k.batch in batches]:
             del self.cache[key]
 
     # ------------------------------------------------------------------------------------------ gradients
@@ -282,7 +281,7 @@ class ExplorerModel:
         ``keep``: ``"shown"`` (the current setting) keeps them for sample and clip changes, replacing the previous
         setting's; ``"ahead"`` (:meth:`ahead`) for the setting's visit, replacing its network's earlier ones."""
         cached = self._data.get(setting.key) or self._ahead.get(setting.key)
-        if cached is not None:
+        if cached is not None and cached.weights == weights_version(cached.model):  # not trained since
             self._keep(setting, cached, keep)
             return cached
         model, loss_fn, x, y, labels = self.problem(setting)
@@ -296,7 +295,7 @@ class ExplorerModel:
         bounds = param_boundaries(model)
         total, layers = compute.norms(grads, bounds)
         data = Computed(model, loss_fn, x, y, labels, grads, bounds, total, layers, None, hooks_s=hooks_s,
-                        how=compute.how(model, x), output=self.spec(setting).output)
+                        how=compute.how(model, x), output=self.spec(setting).output, weights=weights_version(model))
         self._keep(setting, data, keep)
         return data
 

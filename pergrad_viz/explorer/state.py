@@ -253,6 +253,12 @@ class Computed:
     unchecked: dict[str, torch.Tensor | None] | None = None
     how: tuple[tuple[str, str, str], ...] = ()  # (layer, type, rule / call / fallback)
     output: Callable[[object], torch.Tensor] | None = None  # the network's output tensor (ModelSpec.output)
+    weights: tuple = ()  # the parameters' version counters when computed (a user's network trained since: again)
+
+
+def weights_version(model: nn.Module) -> tuple:
+    """The version counters of ``model``'s parameters (an optimiser's step or a load_state_dict moves them)."""
+    return tuple((id(p), p._version) for p in model.parameters())
 
 
 @dataclass

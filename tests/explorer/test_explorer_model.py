@@ -795,3 +795,24 @@ def test_the_error_box_on_a_network_in_training_mode_names_what_the_explorer_can
         list(m.stages(setting))
     box = panels.error_html(setting, info.value, "nothing yet")
     assert "The explorer has no randomness option: call model.eval()" in box
+
+
+def test_a_users_network_trained_between_visits_is_computed_again():
+    """A learner trains the network in another cell and comes back to a setting: the heatmap is of the new weights,
+    not the kept gradients of the old ones."""
+    from pergrad_viz.explorer.specs import user_spec
+
+    torch.manual_seed(0)
+    net = _Branching()
+    (x, _), y = _guest_data()
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    m = ExplorerModel(models={"yours": user_spec(net, loss_fn, (x, y))}, batch_options=(2, 4), sweep_batches=1,
+                      slow_limit=64, **FAST)
+    setting = Setting(model="yours", batch=4, hidden=0, strategies=("hooks",))
+    before = m.update(setting).grads.clone()
+    with torch.no_grad():
+        net.fc2.weight.mul_(2.0)  # an optimiser's step, as far as the explorer can tell
+    after = m.update(setting).grads
+    want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        loss_fn(net(x[i:i + 1]), y[i:i + 1]), list(net.parameters()))]) for i in range(4)])
+    assert not torch.allclose(before, want) and torch.allclose(after, want, atol=1e-5)
