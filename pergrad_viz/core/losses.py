@@ -78,13 +78,22 @@ def _not_scalar(shape: tuple) -> ValueError:
 def scalar_loss(loss: torch.Tensor) -> torch.Tensor:
     """One sample's loss as a 0-dim tensor (a (1,)-shaped one is accepted); anything larger is refused."""
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"loss_fn must return a torch.Tensor, got {type(loss).__name__}")
+        raise _not_a_tensor(loss)
     if loss.numel() != 1:
         raise _not_scalar(tuple(loss.shape))
     return loss.reshape(())
 
 
-def _check_scalars(losses: torch.Tensor, batch: int) -> torch.Tensor:
+def _not_a_tensor(loss: object) -> TypeError:
+    more = (": return the loss alone (a (loss, metrics) pair: pass lambda out, t: my_loss(out, t)[0])"
+            if isinstance(loss, tuple | list | dict) else
+            " (a number has no gradient: return the tensor, not loss.item())" if isinstance(loss, float | int) else "")
+    return TypeError(f"loss_fn must return a torch.Tensor, got {type(loss).__name__}{more}")
+
+
+def _check_scalars(losses: object, batch: int) -> torch.Tensor:
+    if not isinstance(losses, torch.Tensor):
+        raise _not_a_tensor(losses)
     if losses.shape[:1] != (batch,) or losses[0].numel() != 1:
         raise _not_scalar(tuple(losses.shape[1:]))
     return losses.reshape(batch)
@@ -123,8 +132,11 @@ def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch
     except Exception:  # loss functions that vmap cannot batch (data-dependent control flow, .item(), ...)
         losses = None  # one sample at a time, below: outside this block, so that the loss's own error is raised alone
     if losses is None:
-        each = [torch.as_tensor(loss_fn(from_pytree(cut(output, slice(i, i + 1), batch)),
-                                        cut(targets, slice(i, i + 1), batch))) for i in range(batch)]
+        each = [loss_fn(from_pytree(cut(output, slice(i, i + 1), batch)), cut(targets, slice(i, i + 1), batch))
+                for i in range(batch)]
+        wrong = next((t for t in each if not isinstance(t, torch.Tensor)), None)
+        if wrong is not None:
+            raise _not_a_tensor(wrong)
         if any(t.dim() for t in each):
             return _check_scalars(torch.stack([t.reshape(-1) for t in each]), batch)
         losses = torch.stack(each)

@@ -333,3 +333,20 @@ def test_a_model_returning_its_own_loss_with_targets_none(strategy):
         want = torch.autograd.grad(model(x[i:i + 1], y[i:i + 1])["loss"], list(model.parameters()))
         for (name, _), w in zip(model.named_parameters(), want, strict=True):
             torch.testing.assert_close(got[name][i], w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("returned", ["pair with metrics", "pair of tensors", "list", "dict", "item"])
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "torch_func", "loop"])
+def test_a_loss_that_returns_no_tensor_is_refused_naming_the_fix(returned, strategy):
+    """Found by a probe: a (loss, metrics) pair gave raw 'Could not infer dtype of dict' or ''tuple' object has no
+    attribute 'shape'' errors under auto and hooks; loss.item() was refused as 'no parameter takes part'."""
+    model, x, y = nn.Linear(4, 3), torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+
+    def loss_fn(out, t):
+        loss = F.cross_entropy(out, t)
+        return {"pair with metrics": lambda: (loss, {"acc": 1.0}), "pair of tensors": lambda: (loss, out.sum()),
+                "list": lambda: [loss], "dict": lambda: {"loss": loss}, "item": lambda: loss.item()}[returned]()
+
+    fix = r"not loss\.item\(\)" if returned == "item" else r"return the loss alone"
+    with pytest.raises(TypeError, match=rf"loss_fn must return a torch.Tensor, got \w+.*{fix}"):
+        pv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
