@@ -32,6 +32,7 @@ from pergrad_viz.core.validate import (
     check_out,
     check_out_memory,
     check_strategy_name,
+    check_unlabelled_batch,
 )
 from pergrad_viz.engine.capture import check_supported
 from pergrad_viz.engine.certify import check_grads, check_jacobian
@@ -164,6 +165,8 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     if randomness == "different":
         trainable.call.draws = Draws(trainable.device)
     batch = batch_of(trainable, inputs, targets, model_kwargs)
+    if targets is None and loss_fn is not None:
+        check_unlabelled_batch(batch)
     trainable.call.input_versions = batch.versions(apart_from=out)
     chunk = check_chunk(chunk_size, batch.size)
     if out is not None:

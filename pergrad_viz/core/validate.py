@@ -192,6 +192,23 @@ def check_strategy_name(strategy: str, valid: Sequence[str]) -> None:
         raise ValueError(f"unknown strategy {strategy!r}{guess}; valid names: 'auto', " + ", ".join(map(repr, valid)))
 
 
+def check_unlabelled_batch(batch: Batch) -> None:
+    """With ``targets=None`` B is the first input tensor's first dimension: refuse where that tensor looks shared (a
+    later one with more dimensions has another first dimension: ``model(scale (2,), x (5, 3))``), which would make
+    B wrong and cut the wrong tensor."""
+    named = [(n, t) for n, t in batch.named_leaves() if t.dim()]
+    if not named:
+        return
+    first, t0 = named[0]
+    other = next(((n, t) for n, t in named[1:] if t.dim() > t0.dim() and t.shape[0] != t0.shape[0]), None)
+    if other is not None:
+        raise ValueError(
+            f"targets=None, so B is the first dimension of the first input tensor, {first!r} {tuple(t0.shape)}: B = "
+            f"{t0.shape[0]}, and {other[0]!r} {tuple(other[1].shape)} would go whole to every sample. If the "
+            f"samples are the rows of {other[0]!r}, put it first among the inputs (or pass targets, whose first "
+            "dimension is B)")
+
+
 def batch_of(trainable: TrainableLike, inputs: Inputs, targets: object = None, model_kwargs: Mapping | None = None
              ) -> Batch:
     """The call's :class:`~pergrad_viz.core.batch.Batch`, checked: B from the targets (or the first input tensor), every

@@ -6,6 +6,7 @@ sequence number: a cache kept across calls), whose gradient no strategy can give
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -150,8 +151,8 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
             record.autocast.add(name)
 
     handles = []
-    # left to run eagerly inside a torch.compile'd model: traced, each of the probe's runs recompiled them
-    enter, leave = torch.compiler.disable(enter), torch.compiler.disable(leave)
+    if "torch._dynamo" in sys.modules:  # eager inside a torch.compile'd model (traced, each probe run recompiled them)
+        enter, leave = torch.compiler.disable(enter), torch.compiler.disable(leave)
     for _, module in trainable.modules:
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))

@@ -96,12 +96,18 @@ def _failing_layer(trainable: Trainable, batched: Callable[[], dict]) -> str:
     return f"in layer '{names[id(running[-1])] or 'model'}' ({type(running[-1]).__name__})"
 
 
-def _unsqueezed(obj: object) -> object:
-    return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, obj)
+def _unsqueezed(obj: object, dims: object = 0) -> object:
+    """One sample's leaves as a batch of one; ``dims``: per leaf, 0 where it was cut (else it is whole), as vmap's."""
+    if dims is None or isinstance(dims, int):
+        return obj if dims is None else tree_map(lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, obj)
+    return tree_map(lambda t, d: t.unsqueeze(0) if d == 0 else t, obj, dims)
 
 
-def _first(obj: object) -> object:
-    return tree_map(lambda t: t[0] if isinstance(t, torch.Tensor) else t, obj)
+def _first(obj: object, dims: object = 0) -> object:
+    """The first sample of ``obj`` as vmap hands it over (``dims`` as :func:`_unsqueezed`'s)."""
+    if dims is None or isinstance(dims, int):
+        return obj if dims is None else tree_map(lambda t: t[0] if isinstance(t, torch.Tensor) else t, obj)
+    return tree_map(lambda t, d: t[0] if d == 0 else t, obj, dims)
 
 
 def _call_one(trainable: Trainable, inputs: Batch, params: dict, state: dict, xs: list[torch.Tensor]) -> object:
@@ -177,7 +183,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
         one = inputs.with_leaves([x.unsqueeze(0) for x in xs])
         root, values = _functional_values(trainable, {**params, **state})
         # the loss inside the functional call too: one that reads a parameter (a weight penalty) reads the replaced
-        return scalar_loss(functional_loss(root, values, one.args, one.kwargs, loss_fn, _unsqueezed(y)))
+        return scalar_loss(functional_loss(root, values, one.args, one.kwargs, loss_fn, _unsqueezed(y, by_sample)))
 
     def checked(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object) -> torch.Tensor:
         loss = loss_of_one(params, xs, y)
@@ -186,9 +192,11 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 
     params = _trainable(trainable)
     leaves = inputs.leaves()
-    by_sample = None if targets is None else 0  # targets=None: a loss of the output alone
+    # per target leaf: 0 where it holds the samples, None where it is shared (a number, a class-weight tensor)
+    by_sample = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == inputs.size
+                         else None, targets)
     result = _vmapped(trainable, lambda: vmap(grad(checked), in_dims=(None, 0, by_sample))(params, leaves, targets),
-                      lambda state: loss_of_one(params, _first(leaves), _first(targets), state))
+                      lambda state: loss_of_one(params, _first(leaves), _first(targets, by_sample), state))
     with torch.no_grad():  # numbers only (inputs that require grad leave the result on a graph)
         for name in trainable.names:
             out[name].copy_(result[name])

@@ -276,3 +276,58 @@ def test_an_output_reduced_over_the_batch_is_each_samples_under_auto():
     for strategy in ("hooks", "autograd_stack", "batched_grad"):
         with pytest.raises(pv.UnsupportedModelError, match=r"shape \(\) on a batch of 3.*'auto' or 'loop'"):
             pv.per_sample_jacobian(model, x, strategy=strategy, output=lambda o: o.sum())
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, scale, x):
+        return self.lin(x) * scale.sum()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "torch_func", "loop"])
+def test_without_targets_a_shared_first_input_is_refused_before_the_model_runs(strategy):
+    """Found by a probe: model(scale (2,), x (5, 3)) with targets=None gave 2 rows (B from the shared scale) and a
+    clipped sum 0.47 off the 5 samples' loop, silently."""
+    torch.manual_seed(0)
+    model, scale, x = _Scaled(), torch.randn(2), torch.randn(5, 3)
+
+    def energy(out, _):
+        return out.pow(2).sum()
+
+    with pytest.raises(ValueError, match=r"B = 2, and 'inputs\[1\]' \(5, 3\) would go whole.*put it first"):
+        pv.per_sample_grads(model, energy, (scale, x), None, strategy=strategy)
+    got = pv.per_sample_grads(_XFirst(model), energy, (x, scale), None, strategy=strategy)  # x first: 5 rows
+    for i in range(5):
+        want = torch.autograd.grad(energy(model(scale, x[i:i + 1]), None), model.lin.weight)[0]
+        torch.testing.assert_close(got["inner.lin.weight"][i], want)
+
+
+class _XFirst(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, scale):
+        return self.inner(scale, x)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "torch_func", "loop"])
+@pytest.mark.parametrize("form", ["tuple", "dict"])
+def test_targets_with_a_number_or_a_string_beside_the_tensor(strategy, form):
+    """Found by a probe: torch_func (and auto where it got there) raised vmap's own in_dims error on (y, 0.5)."""
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(4, 3), torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    targets = (y, 0.5) if form == "tuple" else {"y": y, "mode": "double", "scale": 0.5}
+
+    def loss_fn(out, t):
+        y_, scale = (t[0], t[1]) if form == "tuple" else (t["y"], t["scale"] * (2 if t["mode"] == "double" else 1))
+        return nn.functional.cross_entropy(out, y_) * scale
+
+    got = pv.per_sample_grads(model, loss_fn, x, targets, strategy=strategy)
+    for i in range(5):
+        one = (y[i:i + 1], 0.5) if form == "tuple" else {"y": y[i:i + 1], "mode": "double", "scale": 0.5}
+        want = torch.autograd.grad(loss_fn(model(x[i:i + 1]), one), model.weight)[0]
+        torch.testing.assert_close(got["weight"][i], want)
