@@ -65,6 +65,9 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
                 "mode): that forward's backward freed its graph, and this call runs the model more than once (the "
                 "probe, the check, a sample at a time), so plain loss.backward() would fail the same way on its "
                 f"second step. {KEPT_TENSOR_FIX}")
+    if "unexpected keyword argument" in text and inputs.kwargs and not inputs.args:
+        return ("a dict of inputs is passed as keyword arguments, model(**inputs), as a tokenizer's BatchEncoding is; "
+                "for a model that takes the dict itself, model(d), pass it inside a tuple: inputs=(d,)")
     if "positional argument" in text and len(inputs.args) > 1 and not inputs.kwargs:
         return (f"inputs is a sequence of {len(inputs.args)} tensors, so the model was called as model(*inputs); a "
                 "DataLoader batch [x, y] is passed as inputs=x, targets=y (pv.per_sample_grads(model, loss_fn, x, y))")

@@ -15,7 +15,8 @@ from torch import nn
 from pergrad_viz.bench.records import FAILED, Record
 from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.core.memory import check_held, result_bytes
-from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.core.validate import check_modes
 from pergrad_viz.errors import human_bytes
 from pergrad_viz.explorer.specs import ModelSpec
 from pergrad_viz.explorer.state import (
@@ -185,6 +186,17 @@ def how(model: nn.Module, x: object) -> tuple[tuple[str, str, str], ...]:
     return tuple((name, type(modules[name]).__name__ if name in modules else "-", kind) for name, kind in kinds.items())
 
 
+def output_count(spec: ModelSpec, width: int) -> int:
+    """Y, the outputs of one sample of a user's network (``spec.output``'s tensor where given): one forward of one
+    sample, its buffers left as they were (BatchNorm in training mode refused first, as every call refuses it)."""
+    model, _, x, _, _ = spec.problem(1, width)
+    check_modes(model)
+    with restoring_modes(model), torch.no_grad():
+        out = Batch.of(x)(model)
+        out = out if spec.output is None else spec.output(out)
+    return int(out.numel()) if isinstance(out, torch.Tensor) else 1
+
+
 def loop_rows(model: nn.Module, loss_fn: Callable, x: object, y: object, idx: torch.Tensor,
               quantity: str, output: Callable[[object], torch.Tensor] | None = None) -> torch.Tensor:
     """The definition, written out (no strategy of the package involved): for each sample i of ``idx`` run alone,
@@ -214,6 +226,9 @@ def notes(setting: Setting, records: Sequence[Record], provisional: Sequence[str
     """The lines a learner must see: the strategies that failed (and why), the slow baselines skipped (and why, and how
     to time them), the numbers still being measured (provisional: not a warning), the noisy measurements."""
     lines = []
+    if not setting.strategies:
+        lines.append("skipped: no strategy is ticked, so only the references are timed; tick one to compare (the "
+                     "heatmap and the verdict are of the per-sample gradients hooks computes, whatever is ticked).")
     failed = [r for r in records if r.skipped and r.note.startswith(FAILED)]
     for r in failed:
         lines.append(f"failed: {r.strategy} could not run at {setting.describe()}, so it is not timed "

@@ -87,7 +87,7 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
                              "DataLoader) too")
         spec = user_spec(model, loss_fn, data, max_batch=max(batch_sizes), class_names=class_names, output=output)
         specs = {spec.key: spec}
-        batch_sizes = tuple(b for b in batch_sizes if b <= spec.max_batch) or (spec.max_batch,)
+        batch_sizes = tuple(sorted({b for b in batch_sizes if b <= spec.max_batch} | {spec.max_batch}))  # all of it
         default_model, default_hidden = spec.key, 0
         default_batch = default_batch if default_batch is not None else min(spec.default_batch, max(batch_sizes))
     else:

@@ -20,10 +20,9 @@ compared with the loop), ``"measuring"`` (all that shown and final; the slow bas
 ``auto``'s, timed the same way, their rows ``pending``), ``"done"`` (every row, the whole scaling curve).
 :meth:`ExplorerModel.ahead` computes a setting up to its ``"measuring"`` view before it is asked for.
 
-Timings are cached by everything that affects them (:mod:`.session`); a noisy one is flagged (``Record.noisy``) and
-never cached. The records are in :mod:`.state`, the pure computations in :mod:`.compute` and :mod:`.sample`; this
-module is the one that calls the package (``per_sample_grads``, ``per_sample_jacobian``) and puts the stages in
-order. It knows nothing of ipywidgets (:mod:`.view` maps controls to settings and views to images).
+Timings are cached by all that affects them (:mod:`.session`), a noisy one flagged, never cached. Records are in
+:mod:`.state`, pure computations in :mod:`.compute` and :mod:`.sample`; this module calls the package and puts the
+stages in order, knowing nothing of ipywidgets (:mod:`.view` maps controls to settings and views to images).
 """
 
 from __future__ import annotations
@@ -133,14 +132,7 @@ class ExplorerModel:
         key = setting.model
         if key not in self._outputs:
             spec = self.spec(setting)
-            if spec.max_batch is None:
-                self._outputs[key] = 10
-            else:
-                model, _, x, _, _ = spec.problem(1, setting.hidden)
-                with torch.no_grad():
-                    out = Batch.of(x)(model)
-                    out = out if spec.output is None else spec.output(out)
-                self._outputs[key] = int(out.numel()) if isinstance(out, torch.Tensor) else 1
+            self._outputs[key] = 10 if spec.max_batch is None else compute.output_count(spec, setting.hidden)
         return self._outputs[key]
 
     def problem(self, setting: Setting) -> tuple[nn.Module, nn.Module, object, object, torch.Tensor]:

@@ -255,8 +255,11 @@ def table_html(view: View) -> str:
                                     else f"{v.samples} of {v.batch} samples, spread evenly over the batch")
     caption = (f"{QUANTITY_NAMES[s.quantity]} at {s.describe()}. median: time per call over interleaved rounds "
                "(more rounds where they varied); IQR: the spread of the rounds; vs loop: speed-up over the loop; "
-               "vs fwd+bwd, vs floor: time over one forward+backward of the batch and over writing the result once, "
-               "timed in the same rounds; max |diff| vs loop: the largest difference from the loop (the definition)"
+               "vs fwd+bwd, vs floor: time over one forward+backward of the batch and over writing the result once; "
+               "each ratio from times of the same rounds (fast and slow methods are timed in separate rounds, each "
+               "against its own forward+backward), so it can differ from the ratio of two medians shown when the "
+               "machine's load changed between them; max |diff| vs loop: the largest difference from the loop (the "
+               "definition)"
                + (f" on {checked}" if checked else "") + ".")
     return (f"<div style='font-size:12px;max-width:1100px;margin:2px 0 4px 0'>{html.escape(caption)}</div>"
             f"<table style='border-collapse:collapse;font-size:12px'><thead><tr>{head}</tr></thead>"

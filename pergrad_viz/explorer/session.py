@@ -122,7 +122,8 @@ class TimingSession:
                 done[name] = dataclasses.replace(hit)
                 reused += 1
         todo = [m for m in methods if m not in done]
-        if not todo:
+        if not todo:  # the ratios among these rows (a cached row's "vs loop" was of its own visit's rows)
+            relate(done, {n: r.vs_forward_backward for n, r in done.items() if r.vs_forward_backward is not None})
             yield ordered(done, skipped), (), reused, ()
             return
         sync = synchronizer(data.model, self.device)
@@ -226,9 +227,7 @@ class TimingSession:
                     data.unchecked[m] = None
                 else:
                     diffs[m] = float(torch.linalg.vector_norm(data.grads[idx] - reference, ord=math.inf))
-                if data.hooks_s >= self.prior_min_s:
-                    prior[m] = [data.hooks_s]
-                continue
+                continue  # an estimate, never a round: that call was cold (the first of a plan: its probe too)
             poll()
             start = clock(sync)
             try:

@@ -244,13 +244,15 @@ def _labels(targets: object, size: int) -> torch.Tensor:
     if t is not None and t.shape[:1] == (size,):
         if t.dim() == 1 and not t.is_floating_point():
             return t.detach().long().cpu()
-        if t.dim() == 2 and t.is_floating_point():
+        one_hot = t.dim() == 2 and t.shape[1] > 1 and t.is_floating_point() and bool(
+            ((t == 0) | (t == 1)).all() and (t.sum(1) == 1).all())  # not regression targets (B, 1) or (B, k)
+        if one_hot:
             return t.detach().argmax(1).cpu()
     return torch.full((size,), -1, dtype=torch.long)
 
 
 def _sample_kind(inputs: object) -> tuple[str, tuple[int, int] | None]:
-    """How a user's sample is drawn: an image (one tensor, a square number of pixels per sample, or
+    """How a user's sample is drawn: an image (one tensor, a square number of at least 64 pixels per sample, or
     (B, C in {1, 3}, H, W)), tokens (one integer (B, T) tensor) or not at all."""
     if not isinstance(inputs, torch.Tensor):
         return "other", None
@@ -260,7 +262,7 @@ def _sample_kind(inputs: object) -> tuple[str, tuple[int, int] | None]:
     if one.dim() == 3 and one.shape[0] in (1, 3) or one.dim() == 2:
         return "image", None
     side = int(one.numel() ** 0.5)
-    return ("image", None) if one.dim() == 1 and side * side == one.numel() and side > 1 else ("other", None)
+    return ("image", None) if one.dim() == 1 and side * side == one.numel() and side >= 8 else ("other", None)
 
 
 def first_rule_layer(model: nn.Module) -> str | None:

@@ -11,6 +11,7 @@ float64 in some PyTorch versions; data-dependent shapes such as an RNN on a ``Pa
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -47,9 +48,12 @@ def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Call
     (``one_sample(state)``, a plain forward and loss on copies of the frozen parameters and buffers, so that nothing
     of the model changes) works: a limit of ``torch.func``, not an error of the model or the loss (where it fails too,
     its error there is raised, unchanged). Hooks to name the layer are only registered after a failure, for one more
-    failing run: the call that works pays nothing."""
+    failing run: the call that works pays nothing. PyTorch's note that an operation runs without a batching rule
+    (slower, not wrong: "please file us an issue") is not shown to the caller."""
     try:
-        return batched()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+            return batched()
     except (RuntimeError, NotImplementedError) as e:
         if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
             raise  # out of memory is not a limit of torch.func: the user's to see (chunk_size= bounds it)

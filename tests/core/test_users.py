@@ -205,3 +205,28 @@ def test_more_newcomers_mistakes_name_the_fix():
         pv.per_sample_grads(loss, model, x, y)
     with pytest.raises(ValueError, match=r"None only with a per_layer"):
         pv.clipped_grad_sum(model, loss, x, y, None)
+
+
+class _TakesTheDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, d):
+        return self.lin(d["x"] * d["z"])
+
+
+def test_a_dict_for_a_model_that_takes_the_dict_itself_names_the_tuple():
+    """Found by a probe: forward(self, d) on a dict input failed with 'unexpected keyword argument' and no word on
+    the convention; the named fix (inputs=(d,)) gives the loop's rows."""
+    torch.manual_seed(0)
+    model, y = _TakesTheDict(), torch.tensor([0, 1, 1, 0])
+    d = {"x": torch.randn(4, 3), "z": torch.randn(4, 3)}
+    with pytest.raises(TypeError, match="unexpected keyword") as info:
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), d, y)
+    assert "pass it inside a tuple: inputs=(d,)" in _notes(info.value)
+    got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), (d,), y)
+    for i in range(4):
+        one = {k: v[i:i + 1] for k, v in d.items()}
+        want = torch.autograd.grad(nn.CrossEntropyLoss()(model(one), y[i:i + 1]), model.lin.weight)[0]
+        torch.testing.assert_close(got["lin.weight"][i], want)

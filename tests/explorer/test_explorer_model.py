@@ -816,3 +816,52 @@ def test_a_users_network_trained_between_visits_is_computed_again():
     want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
         loss_fn(net(x[i:i + 1]), y[i:i + 1]), list(net.parameters()))]) for i in range(4)])
     assert not torch.allclose(before, want) and torch.allclose(after, want, atol=1e-5)
+
+
+def test_the_jacobian_of_a_network_in_training_mode_leaves_its_batchnorm_alone():
+    """Found by a probe: choosing the output Jacobian ran the learner's network on one sample in training mode (its
+    outputs counted): BatchNorm's running statistics changed (a raw error for BatchNorm1d on one sample)."""
+    from pergrad_viz.explorer.specs import user_spec
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)).train()
+    (x, _), y = _guest_data()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    m = ExplorerModel(models={"yours": user_spec(net, torch.nn.CrossEntropyLoss(reduction="sum"), (x, y))},
+                      batch_options=(2, 4), sweep_batches=1, **FAST)
+    with pytest.raises(pv.UndefinedPerSampleError, match=r"BatchNorm1d.*model\.eval\(\)"):
+        m.check(Setting(model="yours", batch=4, hidden=0, quantity="jacobian"))
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_a_row_reused_from_the_cache_says_no_speed_up_over_an_unticked_loop(model):
+    """Found by a probe: with the loop unticked, a row cached on a visit that timed the loop kept its "vs loop"."""
+    full = model.update(Setting(batch=2, hidden=8))
+    assert {r.strategy: r.speedup_vs_loop for r in full.records}["batched_grad"] is not None
+    view = model.update(Setting(batch=2, hidden=8, strategies=("torch_func", "batched_grad")))
+    assert view.reused and all(r.speedup_vs_loop is None for r in view.records)
+
+
+def test_no_strategy_ticked_says_so(model):
+    view = model.update(Setting(batch=2, hidden=8, strategies=()))
+    assert any(n.startswith("skipped: no strategy is ticked") for n in view.notes)
+
+
+def test_a_users_regression_targets_and_small_vectors_are_not_classes_or_images():
+    """Found by a probe: float (B, 1) targets were 'class 0' for every sample (an argmax of one column), a 4-feature
+    vector was drawn as a 2 x 2 image, and 3 samples offered batch sizes 1 and 2 only."""
+    from pergrad_viz.explorer.factory import explorer
+    from pergrad_viz.explorer.specs import user_spec
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    spec = user_spec(net, torch.nn.MSELoss(reduction="sum"), (x, y))
+    *_, labels = spec.problem(3, 0)
+    assert labels.tolist() == [-1, -1, -1] and spec.sample_kind == "other"
+    one_hot = torch.nn.functional.one_hot(torch.tensor([2, 0, 1]), 3).float()
+    *_, labels = user_spec(net, torch.nn.MSELoss(), (x, one_hot)).problem(3, 0)
+    assert labels.tolist() == [2, 0, 1]
+    ex = explorer(model=net, loss_fn=torch.nn.MSELoss(reduction="sum"), data=(x, y), compute=False, background=False)
+    assert ex.model.batch_options == (1, 2, 3)
+    ex.close()

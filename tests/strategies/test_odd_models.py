@@ -110,3 +110,28 @@ def test_an_integer_output_names_a_floating_tensor_to_differentiate():
     with pytest.raises(TypeError, match="has no gradient.*output=") as info:
         pv.per_sample_jacobian(model, x)
     assert "view_as_real" not in str(info.value)
+
+
+def test_torch_funcs_batching_rule_notes_are_not_shown():
+    """Found by a probe: torch_func on an LSTM printed PyTorch's 'There is a performance drop ... Please file us an
+    issue' warnings to the caller (the explorer's learner saw them); the rows are the loop's."""
+    import warnings
+
+    torch.manual_seed(0)
+
+    class Last(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm, self.head = torch.nn.LSTM(3, 4, batch_first=True), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.lstm(x)[0][:, -1])
+
+    model, x, y = Last(), torch.randn(3, 5, 3), torch.tensor([0, 1, 0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, strategy="torch_func")
+    assert not [w for w in caught if "performance drop" in str(w.message)]
+    for i in range(3):
+        want = torch.autograd.grad(torch.nn.CrossEntropyLoss()(model(x[i:i + 1]), y[i:i + 1]), model.head.weight)[0]
+        torch.testing.assert_close(got["head.weight"][i], want)
