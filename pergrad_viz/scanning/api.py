@@ -235,14 +235,20 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
 
     # Rank 0 prepares the directory; every rank learns the outcome (an error is raised everywhere).
     core = {**{k: new[k] for k in store.MUST_MATCH}, "batch_size": batch_size}  # the rows bit for bit as one process's
+    existed, started = out.exists(), store.manifest_path(out).exists()
     manifest, done = runner.prepare_on_rank_zero(rank, world, core, lambda: _prepare(out, new))
     if rank != 0:
         manifest = store.read_manifest(out)
 
     batches = runner.my_batches(done, manifest["chunks"]["count"], chunk_size, batch_size, n, rank, world)
     scan_loss = loss_fn if output is None else SelectedLoss(loss_fn, output)
-    seconds, rows = runner.run(model, trainable, scan_loss, dataset, out, manifest, wanted, sketch, batches,
-                               chunk_size, num_workers, progress and rank == 0, rank, world)
+    try:
+        seconds, rows = runner.run(model, trainable, scan_loss, dataset, out, manifest, wanted, sketch, batches,
+                                   chunk_size, num_workers, progress and rank == 0, rank, world)
+    except Exception:  # a quantity the model's output cannot give (el2n of a sequence), the model's own error
+        if world == 1 and not started:  # this call made the directory and finished nothing: a retry starts afresh
+            store.remove_unstarted(out, manifest, existed)
+        raise
 
     runner.barrier(world)
     stats = runner.gather((seconds, rows), world)

@@ -294,6 +294,20 @@ def open_arrays(out: Path, arrays: Mapping[str, Mapping], mode: str = "r+") -> d
     return result
 
 
+def remove_unstarted(out: Path, manifest: Mapping, existed: bool) -> None:
+    """Take away what a scan that finished no chunk wrote into ``out`` (its manifest, its arrays, ``out`` itself where
+    the scan created it): a retry with other settings then starts afresh instead of meeting this scan's manifest."""
+    if done_chunks(out):
+        return
+    for spec in manifest["arrays"].values():
+        (out / spec["file"]).unlink(missing_ok=True)
+    manifest_path(out).unlink(missing_ok=True)
+    if (out / CHUNKS).is_dir() and not any((out / CHUNKS).iterdir()):
+        (out / CHUNKS).rmdir()
+    if not existed and not any(out.iterdir()):
+        out.rmdir()
+
+
 def done_chunks(out: Path) -> set[int]:
     """Chunks whose marker file exists."""
     folder = out / CHUNKS

@@ -658,3 +658,37 @@ def test_processes_with_different_batch_sizes_are_refused_naming_it(tmp_path, mo
     monkeypatch.setattr(runner, "broadcast", lambda obj, world: obj)
     with pytest.raises(ValueError, match="differ in batch_size"):
         pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "scan", batch_size=8, chunk_size=8, progress=False)
+
+
+class _Tokens(nn.Module):
+    """Next-token logits (B, T, V) of (B, T) ids: not the class logits el2n needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(7, 4), nn.Linear(4, 7)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_a_quantity_refused_at_the_first_batch_leaves_no_scan_behind(tmp_path):
+    """Found by a probe: el2n of a sequence model was refused after the manifest and arrays were written, so the
+    message's own fix (drop 'el2n', same out=) met 'holds a different scan'."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 7, (8, 3))
+    ds = torch.utils.data.TensorDataset(ids, ids)
+
+    def token_loss(out, target):
+        return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(), reduction="sum")
+
+    out = tmp_path / "scan"
+    with pytest.raises(ValueError, match="drop 'el2n'"):
+        pv.scan(_Tokens(), token_loss, ds, quantities=("loss", "el2n"), batch_size=4, out=out, progress=False)
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError):  # a directory holding files of its own: refused, untouched
+        pv.scan(_Tokens(), token_loss, ds, quantities=("loss", "el2n"), batch_size=4, out=kept, progress=False)
+    result = pv.scan(_Tokens(), token_loss, ds, quantities=("loss",), batch_size=4, out=out, progress=False)
+    assert result["loss"].shape == (8,) and (kept / "notes.txt").read_text() == "mine"
