@@ -313,8 +313,8 @@ def check_out(out: torch.Tensor, shape: tuple[int, ...], trainable: TrainableLik
                          + _fresh(shape, trainable))
 
 
-def _fresh(shape: tuple[int, ...] | None, trainable: TrainableLike) -> str:
-    dims = "(B, P)" if shape is None else shape
+def _fresh(shape: tuple[int, ...] | None, trainable: TrainableLike, outputs: bool = False) -> str:
+    dims = ("(B, Y, P)" if outputs else "(B, P)") if shape is None else shape
     return f"torch.empty({dims}, dtype={trainable.dtype}, device={str(trainable.device)!r})"
 
 
@@ -329,7 +329,7 @@ def check_out_memory(out: torch.Tensor, trainable: TrainableLike, flat: bool, in
         raise ValueError("out= is a flat buffer: pass flat=True with it (or drop out= to get a dict)")
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    fresh = _fresh(None, trainable)
+    fresh = _fresh(None, trainable, outputs=out.dim() == 3)  # a Jacobian's buffer
     if out.layout != torch.strided:
         raise ValueError(f"out= is a {out.layout} tensor; the results are written into a dense one: {fresh}")
     if out.requires_grad:

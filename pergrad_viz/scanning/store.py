@@ -250,7 +250,9 @@ def differences(old: Mapping, new: Mapping) -> list[str]:
             for k in sorted(set(a) | set(b), key=str):
                 walk(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
         elif a != b:
-            diffs.append(f"{where}: {a!r} in the directory, {b!r} now")
+            why = " (chunk_size defaults to a multiple of batch_size: pass the batch_size the scan began with, or "\
+                  "its chunk_size)" if where == "settings.chunk_size" else ""
+            diffs.append(f"{where}: {a!r} in the directory, {b!r} now{why}")
 
     for field in MUST_MATCH:
         walk(old.get(field), new.get(field), field)

@@ -95,3 +95,12 @@ def test_out_overlapping_a_loss_modules_tensor_is_refused(strategy):
     with pytest.raises(ValueError, match="overlaps the memory of loss_fn.weight"):
         pv.per_sample_grads(model, loss, x, y, strategy=strategy, flat=True, out=arena.view(4, 18))
     assert torch.equal(loss.weight, torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64))
+
+
+def test_an_expanded_jacobian_buffer_is_refused_with_a_jacobians_shape():
+    """Found by a probe: the refusal of an expanded (B, Y, P) buffer named torch.empty((B, P), ...)."""
+    model = torch.nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    out = torch.empty(8, dtype=torch.float64).expand(4, 2, 8)
+    with pytest.raises(ValueError, match=r"torch\.empty\(\(B, Y, P\)"):
+        pv.per_sample_jacobian(model, x, flat=True, out=out)

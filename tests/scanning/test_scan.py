@@ -692,3 +692,11 @@ def test_a_quantity_refused_at_the_first_batch_leaves_no_scan_behind(tmp_path):
         pv.scan(_Tokens(), token_loss, ds, quantities=("loss", "el2n"), batch_size=4, out=kept, progress=False)
     result = pv.scan(_Tokens(), token_loss, ds, quantities=("loss",), batch_size=4, out=out, progress=False)
     assert result["loss"].shape == (8,) and (kept / "notes.txt").read_text() == "mine"
+
+
+def test_resuming_with_another_batch_size_names_it(tmp_path):
+    """Found by a probe: a resume with only batch_size changed was refused over chunk_size, which was never passed."""
+    model, ds = _model(MLP), _data(40, flat=True)
+    pv.scan(model, nn.CrossEntropyLoss(), ds, quantities="loss", batch_size=4, out=tmp_path / "s", progress=False)
+    with pytest.raises(pv.ScanMismatchError, match=r"settings\.chunk_size.*pass the batch_size the scan began with"):
+        pv.scan(model, nn.CrossEntropyLoss(), ds, quantities="loss", batch_size=5, out=tmp_path / "s", progress=False)
