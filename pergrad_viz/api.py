@@ -220,7 +220,7 @@ def hand_over(requested: str, resolved: str, trainable: Trainable, inputs: Batch
                 race.lose(strategy)
             if k == len(chain) - 1:
                 raise
-            if isinstance(e, CheckFailedError):
+            if isinstance(e, CheckFailedError) and trainable.select is None:  # not a finding of one output= only
                 plan_for(trainable, inputs).demote(strategy, e.reason, REGISTRY[strategy].batched_forward, e.coupled)
         except Exception as e:
             check_inputs_kept(trainable)

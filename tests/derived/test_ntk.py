@@ -285,3 +285,22 @@ def test_ntk_of_a_model_returning_a_dict_takes_output(mode, net):
     torch.testing.assert_close(got, want)
     with pytest.raises(TypeError, match="output=lambda out: out.logits"):
         pv.empirical_ntk(model, x1)
+
+
+def test_a_check_failed_under_one_output_selector_does_not_refuse_later_calls():
+    """Found by a probe: empirical_ntk with output=lambda o: o.t() (Y == B, so (B, Y) in shape, not in meaning) failed
+    hooks' check, auto handed over (a right kernel), and the plan kept 'the samples interact': every later hooks call
+    on the model, gradients too, was refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    kernel = pv.empirical_ntk(model, x, output=lambda o: o.t(), mode="trace")
+    params = list(model.parameters())  # sample i alone: its output (1, 4) as (4, 1), its 4 outputs' gradients
+    jac = [torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(model(x[i:i + 1]).t()[k, 0], params)])
+                        for k in range(4)]) for i in range(4)]
+    want = torch.stack([torch.stack([(jac[i] * jac[j]).sum() for j in range(4)]) for i in range(4)])
+    torch.testing.assert_close(kernel, want)
+    grads = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+    for i in range(4):
+        g = torch.autograd.grad(nn.CrossEntropyLoss()(model(x[i:i + 1]), y[i:i + 1]), model[0].weight)[0]
+        torch.testing.assert_close(grads["0.weight"][i], g)
