@@ -614,15 +614,20 @@ class _Branching(torch.nn.Module):
         return self.fc2(h)
 
 
-def test_a_strategy_that_cannot_run_the_model_leaves_the_other_rows():
+def _yours(net: torch.nn.Module, batches: tuple[int, ...] = (2, 8), sweep: int = 2):
+    """An explorer on a user's ``net`` and the guest data: (model, x, y, loss_fn)."""
     from pergrad_viz.explorer.specs import user_spec
 
-    torch.manual_seed(0)
-    net = _Branching()
     (x, _), y = _guest_data()
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
-    m = ExplorerModel(models={"yours": user_spec(net, loss_fn, (x, y))}, batch_options=(2, 8), sweep_batches=2,
+    m = ExplorerModel(models={"yours": user_spec(net, loss_fn, (x, y))}, batch_options=batches, sweep_batches=sweep,
                       slow_limit=64, **FAST)
+    return m, x, y, loss_fn
+
+
+def test_a_strategy_that_cannot_run_the_model_leaves_the_other_rows():
+    torch.manual_seed(0)
+    m, *_ = _yours(_Branching())
     views = list(m.stages(Setting(model="yours", batch=8, hidden=0)))
     done = views[-1]
     assert done.stage == "done" and done.verdict.ok
@@ -649,14 +654,9 @@ class _TwoDtypes(torch.nn.Module):
 
 
 def test_a_users_model_the_hooks_strategy_refuses_is_shown_through_auto():
-    from pergrad_viz.explorer.specs import user_spec
-
     torch.manual_seed(0)
     net = _TwoDtypes()
-    (x, _), y = _guest_data()
-    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
-    m = ExplorerModel(models={"yours": user_spec(net, loss_fn, (x, y))}, batch_options=(2, 4), sweep_batches=1,
-                      slow_limit=64, **FAST)
+    m, x, y, loss_fn = _yours(net, (2, 4), 1)
     done = list(m.stages(Setting(model="yours", batch=4, hidden=0, strategies=("hooks", "loop", "auto"))))[-1]
     params = list(net.parameters())
     want = torch.stack([torch.cat([g.reshape(-1).float() for g in torch.autograd.grad(
@@ -800,14 +800,9 @@ def test_the_error_box_on_a_network_in_training_mode_names_what_the_explorer_can
 def test_a_users_network_trained_between_visits_is_computed_again():
     """A learner trains the network in another cell and comes back to a setting: the heatmap is of the new weights,
     not the kept gradients of the old ones."""
-    from pergrad_viz.explorer.specs import user_spec
-
     torch.manual_seed(0)
     net = _Branching()
-    (x, _), y = _guest_data()
-    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
-    m = ExplorerModel(models={"yours": user_spec(net, loss_fn, (x, y))}, batch_options=(2, 4), sweep_batches=1,
-                      slow_limit=64, **FAST)
+    m, x, y, loss_fn = _yours(net, (2, 4), 1)
     setting = Setting(model="yours", batch=4, hidden=0, strategies=("hooks",))
     before = m.update(setting).grads.clone()
     with torch.no_grad():
