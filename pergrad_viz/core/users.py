@@ -74,7 +74,10 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
     if "expected target dtype to be Long" in text or ("target" in text and "Float" in text and "Long" in text):
         return ("cross-entropy takes class indices as integers: pass targets.long() (or class probabilities of shape "
                 "(B, classes))")
-    square = [name for name, t in inputs.named_leaves() if t.dim() == 2 and t.shape[0] == t.shape[1] == inputs.size]
+    leaves = inputs.named_leaves()
+    # a vector as long as the batch after the first input (which holds the samples), or a square (T, T) with T == B
+    square = ([name for name, t in leaves[1:] if t.dim() == 1 and t.shape[0] == inputs.size]
+              or [name for name, t in leaves if t.dim() == 2 and t.shape[0] == t.shape[1] == inputs.size])
     if square and any(w in text for w in ("must match", "size of tensor", "shape", "broadcast")):
         return (f"'{square[0]}' has the batch size ({inputs.size}) first and is cut per sample like every such "
                 "tensor; if it is shared by all samples (a (T, T) mask with T equal to the batch size), keep it in the "

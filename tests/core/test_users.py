@@ -230,3 +230,22 @@ def test_a_dict_for_a_model_that_takes_the_dict_itself_names_the_tuple():
         one = {k: v[i:i + 1] for k, v in d.items()}
         want = torch.autograd.grad(nn.CrossEntropyLoss()(model(one), y[i:i + 1]), model.lin.weight)[0]
         torch.testing.assert_close(got["lin.weight"][i], want)
+
+
+class _SharedVector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, v):
+        return self.lin(x * v)
+
+
+def test_a_shared_vector_as_long_as_the_batch_is_the_one_named():
+    """Found by a probe: model(x (4, 4), v (4,)) with v shared and B = 4: the note named the samples' x as maybe
+    shared, not v."""
+    torch.manual_seed(0)
+    x, v, y = torch.randn(4, 4), torch.randn(4), torch.tensor([0, 1, 1, 0])
+    with pytest.raises(RuntimeError) as info:
+        pv.per_sample_grads(_SharedVector(), nn.CrossEntropyLoss(), (x, v), y, strategy="hooks")
+    assert "'inputs[1]' has the batch size (4) first" in _notes(info.value)
