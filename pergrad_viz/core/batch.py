@@ -85,9 +85,12 @@ class Batch:
             kwargs.update(model_kwargs)
         first = inputs if isinstance(inputs, torch.Tensor) and not model_kwargs else first_tensor((args, kwargs))
         if first is None:
+            held = next((v for v in (*args, *kwargs.values()) if dataclasses.is_dataclass(v)), None)
+            also = (f" (a {type(held).__name__} dataclass is passed whole, its tensors not seen: pass its fields as "
+                    "a dict, dataclasses.asdict(...), for model(**fields))") if held is not None else ""
             raise TypeError(
                 f"inputs must be a torch.Tensor of shape (B, ...), or a tuple / dict of tensors, got a "
-                f"{type(inputs).__name__} holding no tensor")
+                f"{type(inputs).__name__} holding no tensor{also}")
         if size is None:
             if first.dim() == 0:
                 raise ValueError(f"empty batch: the first input tensor is a scalar {tuple(first.shape)}; pass at least "

@@ -331,3 +331,15 @@ def test_targets_with_a_number_or_a_string_beside_the_tensor(strategy, form):
         one = (y[i:i + 1], 0.5) if form == "tuple" else {"y": y[i:i + 1], "mode": "double", "scale": 0.5}
         want = torch.autograd.grad(loss_fn(model(x[i:i + 1]), one), model.weight)[0]
         torch.testing.assert_close(got["weight"][i], want)
+
+
+def test_a_dataclass_input_names_its_fields():
+    """Found by a probe: a dataclass of tensors was refused as 'a tuple holding no tensor', naming no fix."""
+
+    @dataclasses.dataclass
+    class Fields:
+        x: torch.Tensor
+
+    with pytest.raises(TypeError, match=r"a Fields dataclass is passed whole.*dataclasses\.asdict"):
+        pv.per_sample_grads(nn.Linear(3, 2), nn.CrossEntropyLoss(), (Fields(torch.randn(4, 3)),),
+                            torch.tensor([0, 1, 0, 1]))
