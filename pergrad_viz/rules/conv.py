@@ -1,11 +1,9 @@
-"""Convolutions: nn.Conv1d, nn.Conv2d, nn.Conv3d (any stride, padding (numbers, 'same', 'valid', any
-padding_mode), dilation and groups) and nn.ConvTranspose1d/2d/3d (any stride, padding, output_padding,
-dilation and groups; padding_mode 'zeros', the only one they allow).
-
-Conv1d and Conv2d with groups=1 go through ``unfold`` (im2col). Grouped ones, Conv3d and the transposed convolutions
-go through one correlation of the layer's input with its output gradient (:func:`_correlate`): a transposed
-convolution is the adjoint of the convolution with the same weight, so its weight gradient is that of a convolution
-whose input is the output gradient and whose output gradient is the input.
+"""Convolutions: nn.Conv1d, nn.Conv2d, nn.Conv3d (any stride, padding (numbers, 'same', 'valid', any padding_mode),
+dilation and groups) and nn.ConvTranspose1d/2d/3d (any stride, padding, output_padding, dilation and groups;
+padding_mode 'zeros', the only one they allow). Conv1d and Conv2d with groups=1 go through ``unfold`` (im2col).
+Grouped ones, Conv3d and the transposed convolutions go through one correlation of the layer's input with its output
+gradient (:func:`_correlate`): a transposed convolution is the adjoint of the convolution with the same weight, so
+its weight gradient is that of a convolution whose input is the output gradient and whose output gradient is the input.
 """
 
 from __future__ import annotations
@@ -102,10 +100,8 @@ class ConvGhost(LinearGhost):
     def direct_bytes(module, seen):
         # Where the Gram form is taken, the pixels' Gram without im2col if it has at most 4x the columns' Gram's
         # products or is no larger than one sample's columns (2 cores, B=16-32: 2-4x faster for ResNet-18's 3 x 3
-        # layers on 8 x 8 to 1 x 1 maps). Elsewhere the columns (:func:`im2col`) and each sample's gradient: with
-        # im2col a strided copy, 1.2-1.7x faster than one correlation of the input with the output gradient on
-        # 16 x 16 to 32 x 32 maps and an RGB stem on 32 x 32 images, within 10% of it either way on 56 x 56 and
-        # 224 x 224.
+        # layers on 8 x 8 to 1 x 1 maps). Elsewhere the columns (:func:`im2col`, a strided copy) and each sample's
+        # gradient: 1.2-1.7x faster than one correlation on 16 x 16 to 32 x 32 maps, within 10% on larger ones.
         if len(seen) != 1:
             return None
         x, g = seen[0]
@@ -205,8 +201,12 @@ def _pixel_gram(module, x, g, kernel: tuple[int, int], noting: bool = False) -> 
 def _geometry(module: nn.Module) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
     """(kernel, stride, dilation) of a Conv1d / Conv2d as a Conv2d's (a Conv1d's with a leading 1)."""
     if isinstance(module, nn.Conv1d):
-        return (1, *module.kernel_size), (1, *module.stride), (1, *module.dilation)
-    return module.kernel_size, module.stride, module.dilation
+        return (1, *_kernel(module)), (1, *module.stride), (1, *module.dilation)
+    return _kernel(module), module.stride, module.dilation
+
+
+def _kernel(module: nn.Module) -> tuple[int, ...]:
+    return tuple(module.weight.shape[2:])  # as the forward sees it (kernel_size is stale after a weight is replaced)
 
 
 def live_window(module: nn.Module, x: torch.Tensor, out_shape: tuple[int, ...]
@@ -253,7 +253,7 @@ def _pad_amounts(module: nn.Module) -> list[int]:
     if not isinstance(module.padding, str):
         return [p for p in reversed(module.padding) for _ in range(2)]
     same = module.padding == "same"  # as the convolution pads: an odd one extra on the right
-    totals = [d * (k - 1) * same for d, k in zip(reversed(module.dilation), reversed(module.kernel_size), strict=True)]
+    totals = [d * (k - 1) * same for d, k in zip(reversed(module.dilation), reversed(_kernel(module)), strict=True)]
     return [p for total in totals for p in (total // 2, total - total // 2)]
 
 
@@ -346,7 +346,7 @@ def _conv_by_correlation(module: nn.Module, activation: torch.Tensor, grad_outpu
                          weight: torch.Tensor) -> None:
     """Conv weight gradient (N, B, C_out, C_in/G, *kernel) from activation (B, C_in, *spatial)."""
     activation, padding = _explicit(module, activation)  # 'same' and other modes padded as the layer does
-    w = _correlate(activation.unsqueeze(0), grad_output, module.groups, module.kernel_size, module.stride,
+    w = _correlate(activation.unsqueeze(0), grad_output, module.groups, _kernel(module), module.stride,
                    module.dilation, padding)
     weight.copy_(w)
 
@@ -365,7 +365,7 @@ def conv_transpose(module: nn.Module, activation: torch.Tensor, grad_output: tor
         raise NotImplementedError(f"{type(module).__name__} with padding_mode={module.padding_mode!r}")
     # y = conv(., W)^T x, so dW of the transposed convolution = dW of conv with input y's gradient and
     # output gradient x: the roles of activation and grad_output swap.
-    w = _correlate(grad_output, activation.unsqueeze(0), module.groups, module.kernel_size, module.stride,
+    w = _correlate(grad_output, activation.unsqueeze(0), module.groups, _kernel(module), module.stride,
                    module.dilation, module.padding)
     out["weight"].copy_(w)
 

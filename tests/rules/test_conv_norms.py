@@ -62,6 +62,11 @@ CONFIGS = {
                                    None),
     "1d-reflect-padding-set-later": (lambda: _later(nn.Conv1d(3, 4, 3, padding=1, padding_mode="reflect"),
                                                     padding=(2,)), (3, 5), "pixels"),
+    # a weight replaced by one of another kernel size (kernel_size then stale: the forward reads the weight)
+    "2d-kernel-replaced-larger": (lambda: _later(nn.Conv2d(2, 4, 3), weight=nn.Parameter(torch.randn(4, 2, 5, 5))),
+                                  (2, 7, 7), "pixels"),
+    "1d-kernel-replaced-by-1": (lambda: _later(nn.Conv1d(3, 4, 3), weight=nn.Parameter(torch.randn(4, 3, 1))),
+                                (3, 5), None),
 }
 DEAD_TAPS = [name for name in CONFIGS if "dead" in name or name == "2d-1x1-map"]
 
@@ -129,7 +134,8 @@ def test_conv_weighted_sum_is_the_sum_of_scaled_per_sample_gradients(name):
 def test_live_window_crops_exactly_the_taps_that_read_only_padding(name):
     conv, x, g = _case(name)
     _, kernel, taps = live_window(conv, x, g.shape[2:])
-    full = (1, *conv.kernel_size) if isinstance(conv, nn.Conv1d) else conv.kernel_size
+    kernel_shape = tuple(conv.weight.shape[2:])  # the weight's (kernel_size is stale where it was replaced)
+    full = (1, *kernel_shape) if isinstance(conv, nn.Conv1d) else kernel_shape
     # a tap is dead where its per-sample gradient is zero for every input (here: every sample of random x and g)
     want = _per_sample(conv, x, g)["weight"].abs().sum((0, 1, 2)).reshape(full) != 0
     live = torch.zeros(full, dtype=torch.bool)

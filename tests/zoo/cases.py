@@ -522,6 +522,13 @@ def _padded_later() -> nn.Module:
     return conv
 
 
+def _kernel_replaced() -> nn.Module:
+    """A ConvTranspose1d whose weight was replaced by one of kernel 4 (its kernel_size still says 3)."""
+    conv = nn.ConvTranspose1d(2, 3, 3, stride=2)
+    conv.weight = nn.Parameter(torch.randn(2, 3, 4) * 0.3)
+    return conv
+
+
 CASES: list[Case] = [
     # real architectures ------------------------------------------------------------------------------
     Case("resnet18", build(_resnet18, "eval", calibrate=(3, 16, 16)), image_inputs("resnet18", (3, 16, 16)),
@@ -551,6 +558,8 @@ CASES: list[Case] = [
          image_inputs("parameters-written-into-a-buffer", (4,))),
     Case("conv2d-padding-set-later", build(lambda: FlatHead(_padded_later(), (2, 6, 6))),
          image_inputs("conv2d-padding-set-later", (2, 6, 6))),
+    Case("conv-transpose1d-kernel-replaced", build(lambda: FlatHead(_kernel_replaced(), (2, 5))),
+         image_inputs("conv-transpose1d-kernel-replaced", (2, 5))),
     Case("conv-transpose2d",
          build(lambda: FlatHead(nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1), (2, 3, 3))),
          image_inputs("conv-transpose2d", (2, 3, 3))),
