@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from pergrad_viz.core.norm_grads import contiguous_norm_grads
 
@@ -142,18 +142,35 @@ class Batch:
         counter): a forward that writes an input in place moves its counter. Not those in the storage of
         ``apart_from`` (an ``out=`` buffer beside them: views of one tensor share one counter)."""
         shared = None if apart_from is None else apart_from.untyped_storage().data_ptr()
-        return tuple((name, t, t._version) for name, t in self.named_leaves()
+        return tuple((name, t, t._version) for name, t in self.all_named_leaves()
                      if not t.is_inference() and (shared is None or t.untyped_storage().data_ptr() != shared))
+
+    def all_named_leaves(self) -> list[tuple[str, torch.Tensor]]:
+        """:meth:`named_leaves` and the tensors inside containers too (``inputs[0]['a']``, ``mask[1]``)."""
+        if self.tensor is not None or not any(isinstance(v, list | tuple | dict) for v in self._values()):
+            return self.named_leaves()
+        named = []
+        for path, t in tree_flatten_with_path((self.args, self.kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                rest = path[1:]
+                named.append((f"inputs{keystr(rest)}" if path[0].idx == 0 else f"{rest[0].key}{keystr(rest[1:])}", t))
+        return named
+
+    def _values(self) -> tuple:
+        return (*self.args, *self.kwargs.values())
 
     def sample(self, i: int) -> Batch:
         """Sample i alone, as a batch of one (``t[i:i+1]``)."""
         return self.rows(slice(i, i + 1))
 
     def __call__(self, model: Callable) -> object:
+        args, kwargs = self.args, self.kwargs
+        if any(isinstance(v, list | dict) for v in self._values()):  # fresh containers each run: a forward that
+            args, kwargs = tree_map(lambda v: v, (args, kwargs))  # rebinds d['a'] leaves the next run's alone
         if self.size == 1 and isinstance(model, torch.nn.Module):  # a batch of one: core/norm_grads.py
             with contiguous_norm_grads(model):
-                return model(*self.args, **self.kwargs)
-        return model(*self.args, **self.kwargs)
+                return model(*args, **kwargs)
+        return model(*args, **kwargs)
 
     def with_leaves(self, leaves: Sequence[torch.Tensor]) -> Batch:
         """The same call with its batched tensors replaced, in :meth:`leaves` order (e.g. one sample under vmap)."""

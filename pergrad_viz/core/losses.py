@@ -79,9 +79,16 @@ def scalar_loss(loss: torch.Tensor) -> torch.Tensor:
     """One sample's loss as a 0-dim tensor (a (1,)-shaped one is accepted); anything larger is refused."""
     if not isinstance(loss, torch.Tensor):
         raise _not_a_tensor(loss)
+    _refuse_complex(loss)
     if loss.numel() != 1:
         raise _not_scalar(tuple(loss.shape))
     return loss.reshape(())
+
+
+def _refuse_complex(loss: torch.Tensor) -> None:
+    if loss.is_complex():
+        raise TypeError(f"loss_fn returned a complex loss ({loss.dtype}): a gradient needs a real one; return its real "
+                        "part, magnitude or squared magnitude (loss.real, loss.abs(), (loss * loss.conj()).real)")
 
 
 def _not_a_tensor(loss: object) -> TypeError:
@@ -94,6 +101,7 @@ def _not_a_tensor(loss: object) -> TypeError:
 def _check_scalars(losses: object, batch: int) -> torch.Tensor:
     if not isinstance(losses, torch.Tensor):
         raise _not_a_tensor(losses)
+    _refuse_complex(losses)
     if losses.shape[:1] != (batch,) or losses[0].numel() != 1:
         raise _not_scalar(tuple(losses.shape[1:]))
     return losses.reshape(batch)
@@ -134,9 +142,9 @@ def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch
     if losses is None:
         each = [loss_fn(from_pytree(cut(output, slice(i, i + 1), batch)), cut(targets, slice(i, i + 1), batch))
                 for i in range(batch)]
-        wrong = next((t for t in each if not isinstance(t, torch.Tensor)), None)
-        if wrong is not None:
-            raise _not_a_tensor(wrong)
+        wrong = [t for t in each if not isinstance(t, torch.Tensor)]
+        if wrong:  # None, a tuple, a number
+            raise _not_a_tensor(wrong[0])
         if any(t.dim() for t in each):
             return _check_scalars(torch.stack([t.reshape(-1) for t in each]), batch)
         losses = torch.stack(each)

@@ -279,7 +279,8 @@ def refuse_written_inputs(versions: Sequence[tuple[str, torch.Tensor, int]], cop
             raise UndefinedPerSampleError(
                 f"the forward pass writes its input {name!r} in place (x.add_(...), x[...] = ... on its argument; "
                 f"{kept}), so running the model on it again (each sample alone, the check) would see other "
-                "values. Write it out of place in forward (x = x + 1, x = x.clone() first).")
+                "values. Write it out of place in forward (x = x + 1, x = x.clone() first; an in-place activation "
+                "as the first layer, nn.ReLU(inplace=True): inplace=False).")
 
 
 def check_flags(**flags: object) -> None:

@@ -335,7 +335,8 @@ def test_a_model_returning_its_own_loss_with_targets_none(strategy):
             torch.testing.assert_close(got[name][i], w, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("returned", ["pair with metrics", "pair of tensors", "list", "dict", "item"])
+@pytest.mark.parametrize("returned", ["pair with metrics", "pair of tensors", "list", "dict", "item", "none",
+                                      "complex"])
 @pytest.mark.parametrize("strategy", ["auto", "hooks", "torch_func", "loop"])
 def test_a_loss_that_returns_no_tensor_is_refused_naming_the_fix(returned, strategy):
     """Found by a probe: a (loss, metrics) pair gave raw 'Could not infer dtype of dict' or ''tuple' object has no
@@ -345,8 +346,10 @@ def test_a_loss_that_returns_no_tensor_is_refused_naming_the_fix(returned, strat
     def loss_fn(out, t):
         loss = F.cross_entropy(out, t)
         return {"pair with metrics": lambda: (loss, {"acc": 1.0}), "pair of tensors": lambda: (loss, out.sum()),
-                "list": lambda: [loss], "dict": lambda: {"loss": loss}, "item": lambda: loss.item()}[returned]()
+                "list": lambda: [loss], "dict": lambda: {"loss": loss}, "item": lambda: loss.item(),
+                "none": lambda: None, "complex": lambda: loss * (1 + 1j)}[returned]()
 
-    fix = r"not loss\.item\(\)" if returned == "item" else r"return the loss alone"
-    with pytest.raises(TypeError, match=rf"loss_fn must return a torch.Tensor, got \w+.*{fix}"):
+    fix = {"item": r"got float.*not loss\.item\(\)", "none": "got NoneType",
+           "complex": r"complex loss.*loss\.real"}.get(returned, r"got \w+: return the loss alone")
+    with pytest.raises(TypeError, match=fix):
         pv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
