@@ -244,3 +244,11 @@ def normal_tensor(t: object) -> object:
         with torch.inference_mode(False):
             return t.clone()
     return t
+
+
+def batch_of_one(obj: object, dims: object = 0) -> object:
+    """One sample's leaves as ``vmap`` hands them over, as a batch of one: ``dims`` per leaf, as vmap's ``in_dims``
+    (0: cut, so unsqueezed; None: passed whole, as it is); one int or None for all."""
+    if dims is None or isinstance(dims, int):
+        return obj if dims is None else tree_map(lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, obj)
+    return tree_map(lambda t, d: t.unsqueeze(0) if d == 0 else t, obj, dims)

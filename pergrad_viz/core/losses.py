@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from pergrad_viz.core.batch import as_pytree, cut, from_pytree
+from pergrad_viz.core.batch import as_pytree, batch_of_one, cut, from_pytree
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -120,7 +120,7 @@ def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch
         terms = unreduced(output, targets)
         terms = terms.reshape(terms.shape[0], -1)
         return terms.sum(1) if loss_fn.reduction == "sum" else terms.mean(1)
-    given = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
+    given = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor) and t.dim()]  # 0-dim: shared
     if given:
         batch = given[0].shape[0]
     else:  # no targets (a loss of the output alone): the samples are the output's first dimension
@@ -135,8 +135,10 @@ def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch
     output = as_pytree(output)
     dims = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else None, output)
     try:
-        losses = torch.func.vmap(lambda o, t: loss_fn(from_pytree(_sample(o, None)), _sample(t, None)),
-                                 in_dims=(dims, 0 if given else None))(output, targets)
+        by_sample = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else None,
+                             targets)  # numbers, strings and 0-dim tensors beside the targets passed whole
+        losses = torch.func.vmap(lambda o, t: loss_fn(from_pytree(_sample(o, None)), batch_of_one(t, by_sample)),
+                                 in_dims=(dims, by_sample))(output, targets)
     except Exception:  # loss functions that vmap cannot batch (data-dependent control flow, .item(), ...)
         losses = None  # one sample at a time, below: outside this block, so that the loss's own error is raised alone
     if losses is None:

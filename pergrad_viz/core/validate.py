@@ -221,10 +221,11 @@ def batch_of(trainable: TrainableLike, inputs: Inputs, targets: object = None, m
         if not target_tensors:
             raise TypeError(f"targets must be a torch.Tensor of shape (B, ...) or a tuple / dict of them, got "
                             f"{type(targets).__name__}")
-        if target_tensors[0].dim() == 0:
+        per_sample = [t for t in target_tensors if t.dim()]  # a 0-dim one beside them is shared, passed whole
+        if not per_sample:
             raise ValueError("batch sizes differ: targets has a scalar; pass one target per input sample (B, ...)")
-        size = target_tensors[0].shape[0]
-        sizes = {int(t.shape[0]) if t.dim() else 0 for t in target_tensors}
+        size = per_sample[0].shape[0]
+        sizes = {int(t.shape[0]) for t in per_sample}
         if len(sizes) > 1:
             raise ValueError(f"the target tensors hold different numbers of samples {sorted(sizes)}: pass one target "
                              "per sample in each (same first dimension)")

@@ -253,12 +253,14 @@ class Computed:
     unchecked: dict[str, torch.Tensor | None] | None = None
     how: tuple[tuple[str, str, str], ...] = ()  # (layer, type, rule / call / fallback)
     output: Callable[[object], torch.Tensor] | None = None  # the network's output tensor (ModelSpec.output)
-    weights: tuple = ()  # the parameters' version counters when computed (a user's network trained since: again)
+    weights: tuple = ()  # the network's state when computed (a user's network trained or changed since: again)
 
 
 def weights_version(model: nn.Module) -> tuple:
-    """The version counters of ``model``'s parameters (an optimiser's step or a load_state_dict moves them)."""
-    return tuple((id(p), p._version) for p in model.parameters())
+    """What a user's training or changes move: the parameters' version counters and ``requires_grad`` (an optimiser's
+    step, ``load_state_dict``, a frozen layer), the buffers' (running statistics) and the modules' training flags."""
+    return (tuple((id(p), p._version, p.requires_grad) for p in model.parameters()),
+            tuple((id(b), b._version) for b in model.buffers()), tuple(m.training for m in model.modules()))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from torch import nn
 from torch.func import grad, jacrev, vmap
 from torch.utils._pytree import tree_map
 
-from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.batch import Batch, batch_of_one
 from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.loss_reads import functional_loss
@@ -100,15 +100,8 @@ def _failing_layer(trainable: Trainable, batched: Callable[[], dict]) -> str:
     return f"in layer '{names[id(running[-1])] or 'model'}' ({type(running[-1]).__name__})"
 
 
-def _unsqueezed(obj: object, dims: object = 0) -> object:
-    """One sample's leaves as a batch of one; ``dims``: per leaf, 0 where it was cut (else it is whole), as vmap's."""
-    if dims is None or isinstance(dims, int):
-        return obj if dims is None else tree_map(lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, obj)
-    return tree_map(lambda t, d: t.unsqueeze(0) if d == 0 else t, obj, dims)
-
-
 def _first(obj: object, dims: object = 0) -> object:
-    """The first sample of ``obj`` as vmap hands it over (``dims`` as :func:`_unsqueezed`'s)."""
+    """The first sample of ``obj`` as vmap hands it over (``dims`` as :func:`pergrad_viz.core.batch.batch_of_one`'s)."""
     if dims is None or isinstance(dims, int):
         return obj if dims is None else tree_map(lambda t: t[0] if isinstance(t, torch.Tensor) else t, obj)
     return tree_map(lambda t, d: t[0] if d == 0 else t, obj, dims)
@@ -187,7 +180,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
         one = inputs.with_leaves([x.unsqueeze(0) for x in xs])
         root, values = _functional_values(trainable, {**params, **state})
         # the loss inside the functional call too: one that reads a parameter (a weight penalty) reads the replaced
-        return scalar_loss(functional_loss(root, values, one.args, one.kwargs, loss_fn, _unsqueezed(y, by_sample)))
+        return scalar_loss(functional_loss(root, values, one.args, one.kwargs, loss_fn, batch_of_one(y, by_sample)))
 
     def checked(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object) -> torch.Tensor:
         loss = loss_of_one(params, xs, y)

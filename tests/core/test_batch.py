@@ -343,3 +343,19 @@ def test_a_dataclass_input_names_its_fields():
     with pytest.raises(TypeError, match=r"a Fields dataclass is passed whole.*dataclasses\.asdict"):
         pv.per_sample_grads(nn.Linear(3, 2), nn.CrossEntropyLoss(), (Fields(torch.randn(4, 3)),),
                             torch.tensor([0, 1, 0, 1]))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "torch_func", "loop"])
+def test_a_0_dim_tensor_beside_the_targets_is_shared(strategy):
+    """Found by a probe: (y, torch.tensor(0.3)) was refused as targets holding '[0, 5]' samples."""
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(4, 3), torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    scale = torch.tensor(0.3)
+
+    def loss_fn(out, t):
+        return nn.functional.cross_entropy(out, t[0]) * t[1]
+
+    got = pv.per_sample_grads(model, loss_fn, x, (y, scale), strategy=strategy)
+    for i in range(5):
+        want = torch.autograd.grad(loss_fn(model(x[i:i + 1]), (y[i:i + 1], scale)), model.weight)[0]
+        torch.testing.assert_close(got["weight"][i], want)

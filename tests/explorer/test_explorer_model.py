@@ -811,6 +811,10 @@ def test_a_users_network_trained_between_visits_is_computed_again():
     want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
         loss_fn(net(x[i:i + 1]), y[i:i + 1]), list(net.parameters()))]) for i in range(4)])
     assert not torch.allclose(before, want) and torch.allclose(after, want, atol=1e-5)
+    net.fc1.requires_grad_(False)  # a frozen layer (found by a probe: the kept (B, P) of the old P came back)
+    frozen = m.update(setting).grads
+    assert frozen.shape == (4, net.fc2.weight.numel() + net.fc2.bias.numel())
+    torch.testing.assert_close(frozen, want[:, -frozen.shape[1]:])
 
 
 def test_the_jacobian_of_a_network_in_training_mode_leaves_its_batchnorm_alone():
