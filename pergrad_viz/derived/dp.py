@@ -29,6 +29,7 @@ from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.core.validate import check_flags, check_strategy_name
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
 from pergrad_viz.derived.clipping import Groups
+from pergrad_viz.derived.privacy import new_noise
 from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed, failing_together
 from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
@@ -169,13 +170,15 @@ def _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, genera
     together). Under ``distributed`` a process with no samples (Poisson sampling's empty batch) adds zeros (rank 0:
     the noise). ``distributed`` checked by the caller."""
     state = None if generator is None else generator.get_state()
-    with failing_together(distributed):
-        sums, norms, count, (groups, std, shapes) = _local(model, loss_fn, inputs, targets, max_norm,
-                                                           noise_multiplier, generator, per_layer, strategy,
-                                                           chunk_size, verify, model_kwargs, distributed, randomness)
-    if distributed:
-        count = _agreed(count, shapes, (tuple(groups), std, *agreed), generator, state)
-        all_reduce_sums(sums)
+    with new_noise(model, generator, noise_multiplier):
+        with failing_together(distributed):
+            sums, norms, count, (groups, std, shapes) = _local(model, loss_fn, inputs, targets, max_norm,
+                                                               noise_multiplier, generator, per_layer, strategy,
+                                                               chunk_size, verify, model_kwargs, distributed,
+                                                               randomness)
+        if distributed:
+            count = _agreed(count, shapes, (tuple(groups), std, *agreed), generator, state)
+            all_reduce_sums(sums)
     return sums, norms, count
 
 
@@ -291,7 +294,7 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
     with failing_together(distributed):  # the others told, not left to pair their next call with this one's
         if expected_batch_size is not None:
             expected_batch_size = whole_number("expected_batch_size", expected_batch_size,
-                                               hint=" (e.g. round(sample_rate * len(dataset))) or None")
+                                               hint=" (sampler.expected_batch_size) or None")
         unknown = set(options) - _OPTIONS
         if unknown:
             raise TypeError(f"dp_step() got unexpected keyword argument(s) {sorted(unknown)}; it takes "
@@ -321,8 +324,8 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
 
 _OPTIONS = frozenset({"per_layer", "strategy", "chunk_size", "verify", "model_kwargs", "distributed", "randomness"})
 _EMPTY = ("empty batch (B = 0, as Poisson sampling draws with probability (1 - q)^n): its DP step is noise alone, over "
-          "the expected batch size; pass expected_batch_size= (e.g. round(sample_rate * len(dataset))), or call "
-          "pv.noise_step for it")
+          "the expected batch size; pass expected_batch_size=sampler.expected_batch_size (pv.PoissonBatches': "
+          "max(1, round(sample_rate * len(dataset)))) at every step, or call pv.noise_step for it")
 
 
 def _check_empty_call(strategy: str, randomness: str, targets: object) -> None:
@@ -359,15 +362,16 @@ def noise_step(model: nn.Module, max_norm: float | None, *, noise_multiplier: fl
     with failing_together(distributed):
         max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
         expected_batch_size = whole_number("expected_batch_size", expected_batch_size,
-                                           hint=" (e.g. round(sample_rate * len(dataset)))")
+                                           hint=" (sampler.expected_batch_size: max(1, round(q * len(dataset))))")
         trainable = Trainable.of(model)
         groups, std, drawn, shapes = _noise_of(trainable, max_norm, noise_multiplier, generator, per_layer,
                                                distributed)
     state = None if generator is None else generator.get_state()
-    sums = initial_sums(shapes, drawn, generator)
-    if distributed:
-        _agreed(0, shapes, (tuple(groups), std, expected_batch_size), generator, state)
-        all_reduce_sums(sums)
+    with new_noise(model, generator, noise_multiplier):
+        sums = initial_sums(shapes, drawn, generator)
+        if distributed:
+            _agreed(0, shapes, (tuple(groups), std, expected_batch_size), generator, state)
+            all_reduce_sums(sums)
     for total in sums.values():
         total.div_(expected_batch_size)
     return _into_grads(model, sums)

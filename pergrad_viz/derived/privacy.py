@@ -8,12 +8,17 @@ RDP, or PRV), never written here: ``pip install 'pergrad-viz[dp]'``.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 import numbers
+import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.extras import missing_extra
@@ -82,6 +87,7 @@ class PoissonBatches:
         from torch.utils.data import default_collate
 
         inner = default_collate if collate_fn is None else collate_fn
+        self.collating = True
 
         def collate(batch: list):
             if batch:
@@ -94,7 +100,13 @@ class PoissonBatches:
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
             mask = torch.rand(self.n, generator=self.generator) < self.sample_rate
-            yield mask.nonzero().flatten().tolist()
+            batch = mask.nonzero().flatten().tolist()
+            loader = "torch/utils/data" in sys._getframe(1).f_code.co_filename  # iterated by a DataLoader
+            if not batch and loader and not getattr(self, "collating", False):
+                warnings.warn("an empty batch, as Poisson sampling draws them: PyTorch's default collate cannot make "
+                              "one (an IndexError follows); pass collate_fn=sampler.collate(dataset) to the DataLoader",
+                              UserWarning, stacklevel=2)
+            yield batch
 
 
 def _per_example(value: object) -> bool:
@@ -166,3 +178,34 @@ def noise_multiplier_for(target_epsilon: float, sample_rate: float, steps: int, 
         ) from e
     epsilon(found, sample_rate, steps, delta, accountant=accountant)  # the note again where it concerns the answer
     return found
+
+
+_NOISE_STARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per model: its last noised steps' starts
+
+
+@contextlib.contextmanager
+def new_noise(model: nn.Module, generator: torch.Generator | None, noise_multiplier: float) -> Iterator[None]:
+    """A noised step of ``model``: a warning where ``generator`` starts where one of its last 64 noised steps started
+    (a fresh ``torch.Generator().manual_seed(s)`` at every step): the noise repeats, and two released gradients with
+    the same noise give it away. The start is noted once the step succeeded (a failed one may be taken again)."""
+    if generator is None or not noise_multiplier > 0:
+        yield
+        return
+    start = hash(generator.get_state().numpy().tobytes())
+    seen = _NOISE_STARTS.setdefault(model, collections.deque(maxlen=64))
+    if start in seen:
+        warnings.warn("the noise generator starts where an earlier step's started (a fresh generator seeded alike at "
+                      "every step?): this step's noise repeats that one's, and the repeated noise can be subtracted "
+                      "out. Create the generator once, before training, and pass the same one at every step",
+                      UserWarning, stacklevel=_callers_level())
+    yield
+    seen.append(start)
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside the package (and contextlib), for a warning raised here."""
+    package = __file__.rsplit("derived", 1)[0]
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith((package, contextlib.__file__.rsplit(".", 1)[0])):
+        frame, level = frame.f_back, level + 1
+    return level

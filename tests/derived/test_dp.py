@@ -4,8 +4,10 @@ Face models (masks, padding, -100 labels, LoRA), with per-layer clipping; the mo
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -481,3 +483,25 @@ def test_dp_step_writes_into_the_grad_tensors_a_flat_buffer_holds():
     pv.dp_step(model, nn.CrossEntropyLoss(reduction="sum"), x, y, 0.3, noise_multiplier=0.0, expected_batch_size=8)
     assert all(p.grad is h for p, h in zip(params, held, strict=True))
     torch.testing.assert_close(arena, torch.cat([want[n].flatten() for n, _ in model.named_parameters()]) / 8)
+
+
+def test_a_fresh_generator_seeded_alike_at_every_step_is_warned_of():
+    """Found by a newcomer's probe: torch.Generator().manual_seed(0) made anew at every step repeated the noise,
+    silently; one generator passed at every step says nothing."""
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+    model = nn.Linear(3, 2)
+    step = functools.partial(pv.dp_step, model, nn.CrossEntropyLoss(), x, y, 1.0, noise_multiplier=1.0,
+                             expected_batch_size=4)
+    step(generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="noise repeats") as caught:
+        step(generator=torch.Generator().manual_seed(0))
+    assert caught[0].filename == __file__  # pointed at the caller's line
+    with pytest.warns(UserWarning, match="noise repeats"):
+        pv.noise_step(model, 1.0, noise_multiplier=1.0, generator=torch.Generator().manual_seed(0),
+                      expected_batch_size=4)
+    once = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            step(generator=once)
+        pv.clipped_grad_sum(model, nn.CrossEntropyLoss(), x, y, 1.0, generator=torch.Generator().manual_seed(0))

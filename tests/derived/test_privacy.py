@@ -274,3 +274,22 @@ def test_empty_targets_of_a_full_batch_are_named():
     with pytest.raises(ValueError, match=r"batch sizes differ: targets hold no sample but inputs has shape \(7, 3\)"):
         pv.dp_step(model, nn.CrossEntropyLoss(), torch.randn(7, 3, dtype=torch.float64),
                    torch.zeros(0, dtype=torch.long), 0.5, noise_multiplier=0.0, generator=None)
+
+
+def test_a_dataloader_without_the_samplers_collate_is_told_at_the_first_empty_batch():
+    """Found by a newcomer's probe: batch_sampler=PoissonBatches without collate_fn ran until the first empty batch,
+    then PyTorch's bare IndexError; iterated directly for index lists, an empty batch is fine and says nothing."""
+    import warnings
+
+    data = torch.utils.data.TensorDataset(torch.randn(30, 3), torch.randint(0, 2, (30,)))
+    sampler = pv.PoissonBatches(30, 0.02, steps=40, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sum(1 for batch in sampler if not batch) > 0  # directly: empty lists, no warning
+    with pytest.warns(UserWarning, match=r"collate_fn=sampler\.collate\(dataset\)"), pytest.raises(IndexError):
+        for _ in torch.utils.data.DataLoader(data, batch_sampler=sampler):
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=sampler.collate(data)))) \
+            == 40
