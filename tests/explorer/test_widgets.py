@@ -434,7 +434,7 @@ def test_explorer_on_the_users_own_model():
     assert ex.model_dropdown.layout.display == "none" and ex.hidden_slider.layout.display == "none"
     assert all(s.layout.display != "none" for s in (ex.batch_slider, ex.sample_slider, ex.clip_slider))
     assert "your model (Sequential)" in ex.width_help.value
-    assert ex.batch_slider.options == (1, 2, 4) and ex.view.grads.shape == (4, sum(p.numel() for p in
+    assert ex.batch_slider.options == (1, 2, 4, 6) and ex.view.grads.shape == (4, sum(p.numel() for p in
                                                                                      net.parameters()))
     assert "<code>0</code>" in ex.rule_text.value and ex.images["rule"].layout.display == ""
     assert "batch size B=4, your model" in ex.status
