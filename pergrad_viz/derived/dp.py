@@ -29,7 +29,7 @@ from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.core.validate import check_flags, check_strategy_name
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
 from pergrad_viz.derived.clipping import Groups
-from pergrad_viz.derived.privacy import new_noise
+from pergrad_viz.derived.privacy import forget_noise, new_noise
 from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed, failing_together
 from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
@@ -170,7 +170,7 @@ def _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, genera
     together). Under ``distributed`` a process with no samples (Poisson sampling's empty batch) adds zeros (rank 0:
     the noise). ``distributed`` checked by the caller."""
     state = None if generator is None else generator.get_state()
-    with new_noise(model, generator, noise_multiplier):
+    with new_noise(model, generator, noise_multiplier, distributed):
         with failing_together(distributed):
             sums, norms, count, (groups, std, shapes) = _local(model, loss_fn, inputs, targets, max_norm,
                                                                noise_multiplier, generator, per_layer, strategy,
@@ -308,6 +308,7 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
                               expected_batch_size=expected_batch_size, per_layer=options.get("per_layer", False))
         max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator,
                                                                    options.pop("per_layer", False))
+    state = None if generator is None else generator.get_state()
     sums, _, count = _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer,
                               options.get("strategy", "auto"), options.get("chunk_size"), options.get("verify", True),
                               options.get("model_kwargs"), distributed, options.get("randomness", "error"),
@@ -315,6 +316,9 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
     divisor = expected_batch_size
     if divisor is None:  # this batch's size (under distributed=True: over every process)
         if count == 0:  # every process's batch empty (the same count on every process: each raises)
+            if generator is not None:  # as one process's refused step, which draws nothing
+                generator.set_state(state)
+                forget_noise(model, state)
             raise ValueError(_EMPTY.replace("empty batch", "empty batches on every process"))
         divisor = count
     for total in sums.values():
@@ -367,7 +371,7 @@ def noise_step(model: nn.Module, max_norm: float | None, *, noise_multiplier: fl
         groups, std, drawn, shapes = _noise_of(trainable, max_norm, noise_multiplier, generator, per_layer,
                                                distributed)
     state = None if generator is None else generator.get_state()
-    with new_noise(model, generator, noise_multiplier):
+    with new_noise(model, generator, noise_multiplier, distributed):
         sums = initial_sums(shapes, drawn, generator)
         if distributed:
             _agreed(0, shapes, (tuple(groups), std, expected_batch_size), generator, state)

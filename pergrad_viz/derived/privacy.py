@@ -184,14 +184,16 @@ _NOISE_STARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per mo
 
 
 @contextlib.contextmanager
-def new_noise(model: nn.Module, generator: torch.Generator | None, noise_multiplier: float) -> Iterator[None]:
+def new_noise(model: nn.Module, generator: torch.Generator | None, noise_multiplier: float,
+              distributed: bool = False) -> Iterator[None]:
     """A noised step of ``model``: a warning where ``generator`` starts where one of its last 64 noised steps started
     (a fresh ``torch.Generator().manual_seed(s)`` at every step): the noise repeats, and two released gradients with
-    the same noise give it away. The start is noted once the step succeeded (a failed one may be taken again)."""
-    if generator is None or not noise_multiplier > 0:
+    the same noise give it away. The start is noted once the step succeeded (a failed one may be taken again). Under
+    ``distributed`` only rank 0 draws: the others' generators stay where they are, as they should."""
+    if generator is None or not noise_multiplier > 0 or (distributed and torch.distributed.get_rank() != 0):
         yield
         return
-    start = hash(generator.get_state().numpy().tobytes())
+    start = _start(generator.get_state())
     seen = _NOISE_STARTS.setdefault(model, collections.deque(maxlen=64))
     if start in seen:
         warnings.warn("the noise generator starts where an earlier step's started (a fresh generator seeded alike at "
@@ -200,6 +202,17 @@ def new_noise(model: nn.Module, generator: torch.Generator | None, noise_multipl
                       UserWarning, stacklevel=_callers_level())
     yield
     seen.append(start)
+
+
+def forget_noise(model: nn.Module, state: torch.Tensor) -> None:
+    """A step that drew its noise from ``state`` and then failed (its generator put back): not a step taken."""
+    seen = _NOISE_STARTS.get(model)
+    if seen is not None and _start(state) in seen:
+        seen.remove(_start(state))
+
+
+def _start(state: torch.Tensor) -> int:
+    return hash(state.numpy().tobytes())
 
 
 def _callers_level() -> int:

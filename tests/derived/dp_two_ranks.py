@@ -5,6 +5,7 @@ with no expected batch size). Rank 0 saves {case: .grad or the error's message} 
 line."""
 
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -21,7 +22,8 @@ def problem():
 
 
 SPLITS = {"even": (5, 5), "rank 1 empty": (10, 0), "rank 0 empty": (0, 10)}
-PAIRED = {"one process fails", "rank 0's noise kept", "rank 1 argument error"}  # each rank's own outcome
+PAIRED = {"one process fails", "rank 0's noise kept", "rank 1 argument error", "repeated-noise warnings",
+          "rank 0's noise kept, every batch empty"}  # each rank's own outcome
 PER_LAYER = {"0": 0.2, "2": 0.4}
 
 
@@ -78,6 +80,18 @@ if __name__ == "__main__":
     results["different expected sizes"] = failure(lambda: step(rank, slice(5 * rank, 5 * rank + 5),
                                                               expected_batch_size=5 + 5 * rank))
     results["even, again"] = step(rank, slice(5 * rank, 5 * rank + 5))  # the processes still in step
+    model, loss_fn, x, y = problem()
+    noise = torch.Generator().manual_seed(7 + rank)  # made once: rank 1's never draws, and says nothing of it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            pv.dp_step(model, loss_fn, x[5 * rank:5 * rank + 5], y[5 * rank:5 * rank + 5], 0.3, noise_multiplier=1.5,
+                       generator=noise, distributed=True)
+    results["repeated-noise warnings"] = sum("noise repeats" in str(w.message) for w in caught)
+    before = noise.get_state()
+    failure(lambda: pv.dp_step(model, loss_fn, x[:0], y[:0], 0.3, noise_multiplier=1.5, generator=noise,
+                               distributed=True))  # every batch empty, no expected size: refused as one process's
+    results["rank 0's noise kept, every batch empty"] = torch.equal(noise.get_state(), before)
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, results)
     if rank == 0:

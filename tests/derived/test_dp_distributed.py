@@ -103,6 +103,17 @@ def test_a_failed_step_leaves_rank_0s_noise_generator_where_it_was(two):
     assert two["rank 0's noise kept"] == [True, True]
 
 
+def test_every_batch_empty_without_an_expected_size_leaves_rank_0s_generator_too(two):
+    """Found by a probe: that refusal came after rank 0 drew the noise, never put back (its later steps' noise was
+    not one process's)."""
+    assert two["rank 0's noise kept, every batch empty"] == [True, True]
+
+
+def test_the_repeated_noise_warning_is_rank_0s_alone(two):
+    """Found by a probe: rank 1's generator, which never draws, was warned of as repeating at every step."""
+    assert two["repeated-noise warnings"] == [0, 0]
+
+
 def test_distributed_needs_a_process_group():
     model, loss_fn, x, y = problem()
     with pytest.raises(ValueError, match="init_process_group"):
