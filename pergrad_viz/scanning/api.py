@@ -48,7 +48,7 @@ from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.numbers import whole_number
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.core.validate import check_loss, check_modes
-from pergrad_viz.scanning import runner, store
+from pergrad_viz.scanning import remote, runner, store
 from pergrad_viz.scanning.compute import SelectedLoss
 from pergrad_viz.scanning.sketch import GradientSketch, layer_blocks
 from pergrad_viz.scanning.store import ScanMismatchError
@@ -242,21 +242,27 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
 
     batches = runner.my_batches(done, manifest["chunks"]["count"], chunk_size, batch_size, n, rank, world)
     scan_loss = loss_fn if output is None else SelectedLoss(loss_fn, output)
+    failed: Exception | None = None
     try:
         seconds, rows = runner.run(model, trainable, scan_loss, dataset, out, manifest, wanted, sketch, batches,
                                    chunk_size, num_workers, progress and rank == 0, rank, world)
-    except Exception:  # a quantity the model's output cannot give (el2n of a sequence), the model's own error
+    except Exception as e:  # a quantity the model's output cannot give (el2n of a sequence), the model's own error
         if world == 1 and not started:  # this call made the directory and finished nothing: a retry starts afresh
             store.remove_unstarted(out, manifest, existed)
-        raise
-
-    runner.barrier(world)
-    stats = runner.gather((seconds, rows), world)
+        if world == 1:
+            raise
+        failed, seconds, rows = e, 0.0, 0  # told to the others below (they would wait on it), then raised
+    stats = runner.gather((seconds, rows, None if failed is None else remote.error_report(failed)), world)
+    if failed is not None:
+        raise failed
+    reports = [(r, report) for r, (_, _, report) in enumerate(stats) if report is not None]
+    if reports:  # another process's error, raised here as itself (its traceback chained); the chunks done are kept
+        raise remote.rebuild_error(reports[0][1], f"process {reports[0][0]} of the scan failed")
     if rank == 0:
         now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         run = {"started": now, "world_size": world, "batch_size": batch_size, "device": str(trainable.device),
                "threads": torch.get_num_threads(),
-               "examples": sum(r for _, r in stats), "seconds": round(max(s for s, _ in stats), 4)}
+               "examples": sum(r for _, r, _ in stats), "seconds": round(max(s for s, _, _ in stats), 4)}
         run["examples_per_s"] = round(run["examples"] / run["seconds"], 1) if run["seconds"] > 0 else None
         manifest["runs"] = [*manifest.get("runs", []), run]
         store.refresh_manifest(out, manifest)

@@ -700,3 +700,33 @@ def test_resuming_with_another_batch_size_names_it(tmp_path):
     pv.scan(model, nn.CrossEntropyLoss(), ds, quantities="loss", batch_size=4, out=tmp_path / "s", progress=False)
     with pytest.raises(pv.ScanMismatchError, match=r"settings\.chunk_size.*pass the batch_size the scan began with"):
         pv.scan(model, nn.CrossEntropyLoss(), ds, quantities="loss", batch_size=5, out=tmp_path / "s", progress=False)
+
+
+def test_an_error_on_one_process_mid_scan_reaches_the_others(tmp_path, monkeypatch):
+    """Found by a probe: a model error on rank 1 mid-scan left rank 0 waiting at the end-of-scan barrier until the
+    process group's timeout (30 min by default), then a raw gloo error. Every process now hands its outcome over
+    with its row counts: the failing one its error (then raises it), the others raise that error as itself."""
+    model, ds = _model(MLP), _data(8, flat=True)
+    monkeypatch.setattr(runner, "barrier", lambda world: None)
+    monkeypatch.setattr(runner, "broadcast", lambda obj, world: obj)
+    told = []
+    report = remote.error_report(NeedsTwo("item 5", "diverged"))
+
+    def gather(obj, world):  # rank 0's view: the other process failed mid-scan
+        told.append(obj)
+        return [obj, (0.0, 0, report)] if isinstance(obj, tuple) and len(obj) == 3 else [obj] * world
+
+    monkeypatch.setattr(runner, "gather", gather)
+    monkeypatch.setattr(runner, "world", lambda: (0, 2))
+    with pytest.raises(NeedsTwo) as info:
+        pv.scan(model, nn.CrossEntropyLoss(), ds, out=tmp_path / "s", batch_size=4, progress=False)
+    assert info.value.why == "diverged" and isinstance(info.value.__cause__, remote.RemoteTraceback)
+    assert told[-1][2] is None  # rank 0's own part went fine
+
+    def loss_fn(output, target):
+        raise NeedsTwo("loss", "nan")
+
+    monkeypatch.setattr(runner, "gather", lambda obj, world: told.append(obj) or [obj] * world)  # it fails itself
+    with pytest.raises(NeedsTwo) as info:
+        pv.scan(model, loss_fn, ds, quantities="loss", out=tmp_path / "t", batch_size=4, progress=False)
+    assert info.value.why == "nan" and told[-1][2]["qualname"] == "NeedsTwo"
