@@ -160,6 +160,43 @@ def _prepare(out: Path, new: dict) -> tuple[dict, set[int]]:
     return new, set()
 
 
+def _arguments(model, loss_fn, dataset, quantities, batch_size, proj_dim, out, seed, chunk_size, num_workers,
+               output) -> tuple:
+    """:func:`scan`'s arguments checked (before anything is written): (quantities, batch size, N, chunk size, out,
+    trainable, sketch, the new manifest, workers)."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "pv.scan was called under torch.inference_mode(), where the gradients it computes cannot be recorded and "
+            "the tensors it is handed cannot be used for them: call it outside the inference_mode block (it records "
+            "gradients itself and leaves the model's .grad untouched)")
+    check_loss(loss_fn)
+    if output is not None and not callable(output):
+        raise TypeError(f"output= must be a callable picking a tensor from the model's output, e.g. "
+                        f"output=lambda out: out.logits, got {type(output).__name__}")
+    proj_dim = None if proj_dim is None else whole_number("proj_dim", proj_dim, hint=" (columns per example)")
+    seed = whole_number("seed", seed, minimum=0)
+    num_workers = whole_number("num_workers", num_workers, minimum=0)
+    wanted = _check_quantities(quantities, proj_dim)
+    batch_size = whole_number("batch_size", batch_size)
+    n = _check_dataset(dataset)
+    if chunk_size is None:
+        chunk_size = batch_size * min(64, max(1, math.ceil(n / (16 * batch_size))))
+    chunk_size = whole_number("chunk_size", chunk_size)
+    if chunk_size % batch_size:
+        raise ValueError(f"chunk_size={chunk_size} must be a multiple of batch_size={batch_size} "
+                         f"(e.g. {batch_size * max(1, round(chunk_size / batch_size))})")
+    if out is None:
+        raise ValueError("out= is required: the directory the scan writes to")
+    out = Path(out)
+    trainable = Trainable.of(model)
+    check_modes(trainable)
+    sketch = GradientSketch(trainable, proj_dim, seed) if proj_dim is not None else None
+    new = store.new_manifest(model, loss_fn, dataset, n, quantities=wanted, dtype=trainable.dtype,
+                             layers=[b.label for b in layer_blocks(trainable)], proj_dim=proj_dim, seed=seed,
+                             chunk_size=chunk_size, projection=sketch.describe() if sketch is not None else None)
+    return wanted, batch_size, n, chunk_size, out, trainable, sketch, new, num_workers
+
+
 def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *,
          quantities: Sequence[str] | str = ("loss", "grad_norm"), batch_size: int = 256, proj_dim: int | None = None,
          out: str | Path, seed: int = 0, chunk_size: int | None = None, num_workers: int = 0,
@@ -201,37 +238,14 @@ def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *
         non-empty directory that is not a scan; :class:`pergrad_viz.UnsupportedModelError` for Dropout or
         BatchNorm in training mode.
     """
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError(
-            "pv.scan was called under torch.inference_mode(), where the gradients it computes cannot be recorded and "
-            "the tensors it is handed cannot be used for them: call it outside the inference_mode block (it records "
-            "gradients itself and leaves the model's .grad untouched)")
-    check_loss(loss_fn)
-    if output is not None and not callable(output):
-        raise TypeError(f"output= must be a callable picking a tensor from the model's output, e.g. "
-                        f"output=lambda out: out.logits, got {type(output).__name__}")
-    proj_dim = None if proj_dim is None else whole_number("proj_dim", proj_dim, hint=" (columns per example)")
-    seed = whole_number("seed", seed, minimum=0)
-    num_workers = whole_number("num_workers", num_workers, minimum=0)
-    wanted = _check_quantities(quantities, proj_dim)
-    batch_size = whole_number("batch_size", batch_size)
-    n = _check_dataset(dataset)
-    if chunk_size is None:
-        chunk_size = batch_size * min(64, max(1, math.ceil(n / (16 * batch_size))))
-    chunk_size = whole_number("chunk_size", chunk_size)
-    if chunk_size % batch_size:
-        raise ValueError(f"chunk_size={chunk_size} must be a multiple of batch_size={batch_size} "
-                         f"(e.g. {batch_size * max(1, round(chunk_size / batch_size))})")
-    if out is None:
-        raise ValueError("out= is required: the directory the scan writes to")
-    out = Path(out)
-    trainable = Trainable.of(model)
-    check_modes(trainable)
-    sketch = GradientSketch(trainable, proj_dim, seed) if proj_dim is not None else None
     rank, world = runner.world()
-    new = store.new_manifest(model, loss_fn, dataset, n, quantities=wanted, dtype=trainable.dtype,
-                             layers=[b.label for b in layer_blocks(trainable)], proj_dim=proj_dim, seed=seed,
-                             chunk_size=chunk_size, projection=sketch.describe() if sketch is not None else None)
+    try:  # a refusal on one process alone is told to the others (they would wait on it in the exchange below)
+        wanted, batch_size, n, chunk_size, out, trainable, sketch, new, num_workers = _arguments(
+            model, loss_fn, dataset, quantities, batch_size, proj_dim, out, seed, chunk_size, num_workers, output)
+    except Exception as e:
+        if world > 1:
+            runner.failed_before_prepare(rank, world, e)
+        raise
 
     # Rank 0 prepares the directory; every rank learns the outcome (an error is raised everywhere).
     core = {**{k: new[k] for k in store.MUST_MATCH}, "batch_size": batch_size}  # the rows bit for bit as one process's

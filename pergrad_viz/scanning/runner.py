@@ -75,6 +75,9 @@ def prepare_on_rank_zero(rank: int, world: int, core: dict, prepare: Callable[[]
     status: tuple[dict | None, list[int]] = (None, [])
     if rank == 0:
         try:
+            refused = [(r, c["error"]) for r, c in enumerate(peers) if set(c) == {"error"}]
+            if refused:  # a process whose arguments were refused (failed_before_prepare): everyone raises its error
+                raise remote.rebuild_error(refused[0][1], f"process {refused[0][0]} refused the scan")
             bad = [r for r, c in enumerate(peers) if c != core]
             if bad:
                 fields = sorted(k for k in {*core, *peers[bad[0]]} if core.get(k) != peers[bad[0]].get(k))
@@ -93,6 +96,15 @@ def prepare_on_rank_zero(rank: int, world: int, core: dict, prepare: Callable[[]
     if report is not None:
         raise remote.rebuild_error(report)  # the same exception where it can be carried, rank 0's traceback chained
     return manifest, done_list
+
+
+def failed_before_prepare(rank: int, world: int, exc: Exception) -> None:
+    """This process's scan was refused before the first exchange (a Dropout in training mode on this rank alone): it
+    joins :func:`prepare_on_rank_zero`'s exchange marked as failed, so that the others raise its error too instead
+    of waiting on it until the process group's timeout; the caller then raises its own."""
+    report = remote.error_report(exc)
+    gather({"error": report}, world)
+    broadcast((report, []) if rank == 0 else None, world)
 
 
 def my_batches(done: list[int], count: int, chunk_size: int, batch_size: int, n: int, rank: int, world: int

@@ -730,3 +730,26 @@ def test_an_error_on_one_process_mid_scan_reaches_the_others(tmp_path, monkeypat
     with pytest.raises(NeedsTwo) as info:
         pv.scan(model, loss_fn, ds, quantities="loss", out=tmp_path / "t", batch_size=4, progress=False)
     assert info.value.why == "nan" and told[-1][2]["qualname"] == "NeedsTwo"
+
+
+def test_a_scan_refused_on_one_process_before_the_first_exchange_reaches_the_others(tmp_path, monkeypatch):
+    """Found by a probe: Dropout in training mode on rank 1 alone was refused there while rank 0 waited in the first
+    exchange until the process group's timeout. The refused process joins the exchange marked as failed."""
+    model, ds = _model(MLP), _data(8, flat=True)
+    told, sent = [], []
+    monkeypatch.setattr(runner, "world", lambda: (1, 2))  # rank 1, in training mode: refused, tells the others
+    monkeypatch.setattr(runner, "gather", lambda obj, world: told.append(obj) or [obj] * world)
+    monkeypatch.setattr(runner, "broadcast", lambda obj, world: sent.append(obj) or obj)
+    dropout = nn.Sequential(model, nn.Dropout(0.5)).train()
+    with pytest.raises(pv.UndefinedPerSampleError, match="Dropout"):
+        pv.scan(dropout, nn.CrossEntropyLoss(), ds, out=tmp_path / "s", progress=False)
+    assert set(told[-1]) == {"error"} and told[-1]["error"]["qualname"] == "UndefinedPerSampleError"
+    report = told[-1]["error"]
+
+    monkeypatch.setattr(runner, "world", lambda: (0, 2))  # rank 0, fine itself, hears of it in the exchange
+    monkeypatch.setattr(runner, "gather", lambda obj, world: [obj, {"error": report}])
+    with pytest.raises(pv.UndefinedPerSampleError, match="Dropout") as info:
+        pv.scan(model.eval(), nn.CrossEntropyLoss(), ds, out=tmp_path / "t", progress=False)
+    assert isinstance(info.value.__cause__, remote.RemoteTraceback)
+    assert sent[-1][0]["qualname"] == "UndefinedPerSampleError"  # and told the other processes
+    assert not (tmp_path / "t").exists()  # refused before rank 0 prepared anything
