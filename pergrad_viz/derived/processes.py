@@ -37,12 +37,26 @@ def agreed_count(batch: int, shapes: list[tuple], clipping: tuple) -> int:
     world = torch.distributed.get_world_size()
     if marks * marks != world * squares:  # equal only where every process's mark is the same (Cauchy-Schwarz)
         raise ValueError(
-            "distributed=True: the processes passed different models or clipping (trainable parameters' names, "
-            "shapes and dtypes, max_norm, per_layer, noise_multiplier, dp_step's expected_batch_size); every process "
+            f"distributed=True: the processes passed different {_differing(shapes, clipping, world)}; every process "
             "must pass the same, each with its own samples (the weights are not compared: start every process from "
             "the same ones)"
         )
     return count
+
+
+def _differing(shapes: list[tuple], clipping: tuple, world: int) -> str:
+    """What differs between the processes (every one asks, on the failure path alone: one all_gather_object), with
+    each process's value where short: ``trainable parameters (names, shapes, dtypes)``, ``clipping (...)``."""
+    mine = {"trainable parameters (names, shapes and dtypes)": [(n, tuple(s), str(d)) for n, s, d, _ in shapes],
+            "clipping (bounds per parameter group, the noise's std, dp_step's expected_batch_size)": clipping}
+    every: list = [None] * world
+    torch.distributed.all_gather_object(every, mine)
+    parts = []
+    for what, value in mine.items():
+        if any(other[what] != value for other in every):
+            shown = "; ".join(f"rank {r}: {other[what]!r:.120}" for r, other in enumerate(every))
+            parts.append(f"{what} ({shown})")
+    return " and ".join(parts) or "models or clipping"
 
 
 class failing_together:  # noqa: N801 (used as a function: ``with failing_together(distributed):``)

@@ -72,9 +72,11 @@ def test_empty_batches_on_every_process_take_the_noise_step_of_one(two):
 
 @pytest.mark.parametrize(("case", "message"), [
     ("both empty, no expected size", "empty batches on every process.*expected_batch_size="),
-    ("different models", "processes passed different models or clipping"),
-    ("different bounds", "processes passed different models or clipping"),
-    ("different expected sizes", "processes passed different models or clipping.*expected_batch_size"),
+    ("different models", r"processes passed different trainable parameters \(names, shapes and dtypes\) \(rank 0: .*"
+                         r"\(5, 6\).*; rank 1: .*\(6, 6\)"),  # each process's value named (found by a probe)
+    ("different bounds", r"processes passed different clipping .*\(rank 0: \(\(\(0\.3, .*; rank 1: \(\(\(1\.3, "),
+    ("different expected sizes", r"processes passed different clipping .*expected_batch_size\) \(rank 0: .*, 5\); "
+                                 r"rank 1: .*, 10\)"),
 ])
 def test_disagreeing_processes_fail_alike_on_every_rank(two, case, message):
     assert isinstance(two[case], str)
