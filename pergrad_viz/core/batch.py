@@ -246,6 +246,12 @@ def normal_tensor(t: object) -> object:
     return t
 
 
+def sample_dims(obj: object, size: int) -> object:
+    """vmap's ``in_dims`` for ``obj`` (a tensor or a nest): per leaf, 0 where it holds ``size`` samples first (cut),
+    None where it is shared (a number, a string, a 0-dim or another tensor: passed whole)."""
+    return tree_map(lambda t: 0 if _is_batched(t, size) else None, obj)
+
+
 def batch_of_one(obj: object, dims: object = 0) -> object:
     """One sample's leaves as ``vmap`` hands them over, as a batch of one: ``dims`` per leaf, as vmap's ``in_dims``
     (0: cut, so unsqueezed; None: passed whole, as it is); one int or None for all."""

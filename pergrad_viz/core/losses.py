@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from pergrad_viz.core.batch import as_pytree, batch_of_one, cut, from_pytree
+from pergrad_viz.core.batch import as_pytree, batch_of_one, cut, from_pytree, sample_dims
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -133,10 +133,9 @@ def per_sample_losses(loss_fn: LossFn, output: object, targets: object) -> torch
     if own is not None and isinstance(targets, torch.Tensor):  # one mean per sample by construction: no vmap
         return _check_scalars(own(output, targets, reduction="none"), batch)
     output = as_pytree(output)
-    dims = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else None, output)
+    dims = sample_dims(output, batch)
     try:
-        by_sample = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else None,
-                             targets)  # numbers, strings and 0-dim tensors beside the targets passed whole
+        by_sample = sample_dims(targets, batch)  # numbers, strings and 0-dim tensors beside the targets passed whole
         losses = torch.func.vmap(lambda o, t: loss_fn(from_pytree(_sample(o, None)), batch_of_one(t, by_sample)),
                                  in_dims=(dims, by_sample))(output, targets)
     except Exception:  # loss functions that vmap cannot batch (data-dependent control flow, .item(), ...)

@@ -206,9 +206,9 @@ def new_noise(model: nn.Module, generator: torch.Generator | None, noise_multipl
 
 def forget_noise(model: nn.Module, state: torch.Tensor) -> None:
     """A step that drew its noise from ``state`` and then failed (its generator put back): not a step taken."""
-    seen = _NOISE_STARTS.get(model)
-    if seen is not None and _start(state) in seen:
-        seen.remove(_start(state))
+    seen, start = _NOISE_STARTS.get(model), _start(state)
+    if seen is not None and start in seen:
+        seen.remove(start)
 
 
 def _start(state: torch.Tensor) -> int:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.func import grad, jacrev, vmap
 from torch.utils._pytree import tree_map
 
-from pergrad_viz.core.batch import Batch, batch_of_one
+from pergrad_viz.core.batch import Batch, batch_of_one, sample_dims
 from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.loss_reads import functional_loss
@@ -190,8 +190,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     params = _trainable(trainable)
     leaves = inputs.leaves()
     # per target leaf: 0 where it holds the samples, None where it is shared (a number, a class-weight tensor)
-    by_sample = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == inputs.size
-                         else None, targets)
+    by_sample = sample_dims(targets, inputs.size)
     result = _vmapped(trainable, lambda: vmap(grad(checked), in_dims=(None, 0, by_sample))(params, leaves, targets),
                       lambda state: loss_of_one(params, _first(leaves), _first(targets, by_sample), state))
     with torch.no_grad():  # numbers only (inputs that require grad leave the result on a graph)
