@@ -9,12 +9,13 @@ import functools
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 from pergrad_viz.core.users import drop_package_frames, is_package_error
 from pergrad_viz.core.validate import check_model
@@ -157,7 +158,9 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
     named = model.modules if isinstance(model, Trainable) else tuple(model.named_modules())
     flags = [m.training for _, m in named]
     script = torch.jit.ScriptModule  # TorchScript keeps its own
-    kept = [(n, m, dict(m._parameters), dict(m._buffers), None if _stateless(type(m)) else dict(m.__dict__))
+    hooked = _has_forward_hooks(named)  # a user's hook may keep a count on any module (self.calls += 1)
+    kept = [(n, m, dict(m._parameters), dict(m._buffers),
+             None if _stateless(type(m)) and not hooked else dict(m.__dict__))
             for n, m in named if not isinstance(m, script)]
     found = {}  # id -> (name, tensor, version)
     for name, _m, _params, bufs, _attributes in kept:
@@ -240,6 +243,12 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
 # else the parameters of at most this many elements (a large model's weights are not doubled in memory).
 KEPT_PARAMETER_BYTES = 64 << 20
 KEPT_PARAMETER_ELEMENTS = 1 << 16
+
+
+def _has_forward_hooks(named: Sequence[tuple[str, nn.Module]]) -> bool:
+    """Whether a forward hook or pre-hook of the user's (a module's own or a global one) runs in the forward."""
+    return bool(module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks) or any(
+        m._forward_hooks or m._forward_pre_hooks for _, m in named)
 
 
 @functools.cache

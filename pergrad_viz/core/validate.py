@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.ao.quantization.fake_quantize import FakeQuantizeBase
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten
 
@@ -69,7 +70,7 @@ def check_model(model: object, named_parameters: Sequence[tuple[str, nn.Paramete
 
 
 _SPECIAL = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.MultiheadAttention, nn.RNNBase,
-            *_RANDOM_IN_TRAINING, nn.Embedding, nn.EmbeddingBag)  # the types check_modes looks into
+            *_RANDOM_IN_TRAINING, nn.Embedding, nn.EmbeddingBag, FakeQuantizeBase)  # the types check_modes looks into
 _SPECIAL_TYPES: dict[type, bool] = {}  # per module type: whether it is an instance of one of _SPECIAL (types do not
 # change their bases, so this is read once per type)
 
@@ -150,6 +151,14 @@ def _check_special(name: str, m: nn.Module, random_ok: bool, model: object) -> N
             f"{_label(name, m)} is in training mode: it would draw different random numbers (masks, slopes) in each "
             "strategy and each sample, so results would be random and not comparable. "
             f"{random_fix(model, 'set p=0', training=True)}."
+        )
+    if isinstance(m, FakeQuantizeBase) and m.observer_enabled.any():
+        raise UndefinedPerSampleError(  # a fused observer writes its statistics unseen by the version counters
+            f"{_label(name, m)} observes its inputs (quantisation-aware training with its observer on, in eval mode "
+            "too): every forward pass would update its statistics and scale, so computing per-sample gradients would "
+            "change your model and each sample would see another quantisation. Turn the observers off for the call: "
+            "model.apply(torch.ao.quantization.disable_observer) (model.apply(torch.ao.quantization.enable_observer) "
+            "after it, to train on)."
         )
     if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None:
         raise UndefinedPerSampleError(
