@@ -27,6 +27,7 @@ class _Note:
     span: int  # the sum's terms per pair of diagonal maxima (T^2 for a Linear on T tokens)
     widths: tuple[int, int]  # the features each Gram entry sums over (left, right)
     dtypes: tuple[torch.dtype, torch.dtype]  # each Gram's own (under autocast a float32 input, a float16 gradient)
+    cancelled: torch.Tensor | None = None  # (B,) bool: samples whose terms may cancel (``rules.linear.cancelling``)
 
 
 _OPEN: ContextVar[list[_Note] | None] = ContextVar("pergrad_viz_open_layer", default=None)
@@ -60,13 +61,15 @@ def deferring(*factors: torch.Tensor) -> bool:
     return _OPEN.get() is not None and all(t.dtype != torch.float16 for t in factors)
 
 
-def note_grams(left: torch.Tensor, right: torch.Tensor, span: int, width_a: int, width_g: int) -> None:
-    """Note the Grams (B, n, n) and (B, m, m) of the open layer's unscaled factors for :meth:`Doubts.settle`."""
+def note_grams(left: torch.Tensor, right: torch.Tensor, span: int, width_a: int, width_g: int,
+               cancelled: torch.Tensor | None = None) -> None:
+    """Note the Grams (B, n, n) and (B, m, m) of the open layer's unscaled factors for :meth:`Doubts.settle`
+    (``cancelled``: (B,) the samples whose norm must be computed again whatever the range)."""
     if left.shape == right.shape and left.dtype == right.dtype:  # both diagonals in one reduction (a Linear's)
         tops = torch.stack([left.diagonal(dim1=1, dim2=2), right.diagonal(dim1=1, dim2=2)]).amax(2)
     else:
         tops = torch.stack([gram_tops(left), gram_tops(right)])
-    note_tops(tops, span, width_a, width_g, (left.dtype, right.dtype))
+    note_tops(tops, span, width_a, width_g, (left.dtype, right.dtype), cancelled)
 
 
 def gram_tops(gram: torch.Tensor) -> torch.Tensor:
@@ -75,12 +78,12 @@ def gram_tops(gram: torch.Tensor) -> torch.Tensor:
 
 
 def note_tops(tops: torch.Tensor, span: int, width_a: int, width_g: int,
-              dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+              dtypes: tuple[torch.dtype, torch.dtype], cancelled: torch.Tensor | None = None) -> None:
     """Note (2, B) Gram maxima (:func:`gram_tops` of the left and of the right Gram, in ``dtypes``) for the open
     layer."""
     notes = _OPEN.get()
     assert notes is not None, "a note outside an open layer"
-    notes.append(_Note(tops, span, (width_a, width_g), dtypes))
+    notes.append(_Note(tops, span, (width_a, width_g), dtypes, cancelled))
 
 
 def doubts_for(device: torch.device) -> Doubts | None:
@@ -118,10 +121,12 @@ class Doubts:
         values: dict[int, list[float]] = {}
         for dtype in {n.tops.dtype for n in notes}:
             picked = [k for k, n in enumerate(notes) if n.tops.dtype == dtype]
-            flat = torch.cat([notes[k].tops.flatten() for k in picked]).tolist()  # the one synchronisation
+            # per note its maxima, then whether a sample's terms cancel: the one synchronisation
+            flat = torch.cat([torch.cat([notes[k].tops.flatten(), _any(notes[k].cancelled, notes[k].tops)])
+                              for k in picked]).tolist()
             at = 0
             for k in picked:
-                size = notes[k].tops.numel()
+                size = notes[k].tops.numel() + 1
                 values[k] = flat[at:at + size]
                 at += size
         redone, k = 0, 0
@@ -129,9 +134,17 @@ class Doubts:
             fits = True
             for n in group:
                 half = n.tops.shape[1]
-                fits = fits and tops_fit(values[k][:half], values[k][half:], n.dtypes, n.span, *n.widths)
+                fits = fits and not values[k][-1] and tops_fit(values[k][:half], values[k][half:-1], n.dtypes,
+                                                               n.span, *n.widths)
                 k += 1
             if not fits:
                 redo()
                 redone += 1
         return redone
+
+
+def _any(cancelled: torch.Tensor | None, tops: torch.Tensor) -> torch.Tensor:
+    """(1,) as ``tops`` is (dtype, device): 1 where ``cancelled`` (B,) holds a sample, else 0 (and for no such note)."""
+    if cancelled is None:
+        return tops.new_zeros(1)
+    return cancelled.any().to(tops.dtype).reshape(1)

@@ -146,19 +146,25 @@ class LinearGhost:
         noting = deferring(a, g)  # a caller reads the Grams' range later for all layers (a GPU: no read here)
         if "weight" in local and (a.device.type == "cpu" or noting) and gram:
             grams = torch.bmm(a, a.mT), torch.bmm(g, g.mT)  # (B, T, T) each, as they are
-            if noting:
-                note_grams(*grams, tokens * tokens, a.shape[-1], g.shape[-1])
             if noting or grams_fit(*grams, a.shape[-1], g.shape[-1]):  # summed in their dtype (in float64: 6x slower)
                 batch = grams[0].shape[0]  # sum_{t,s} aa gg: one dot product per sample
                 result["weight"] = row_dots(grams[0].view(batch, -1), grams[1].view(batch, -1)).clamp_min(0)
-                if "bias" in local:  # ||sum_t g_t||^2 = sum_{t,s} g_t . g_s
-                    result["bias"] = grams[1].sum((1, 2)).clamp_min(0)
+                if noting:  # the range and the cancellation read later, for every layer at once
+                    note_grams(*grams, tokens * tokens, a.shape[-1], g.shape[-1],
+                               cancelling(result["weight"], *grams, a.shape[-1], g.shape[-1]))
+                else:
+                    recompute_cancelled(result["weight"], *grams, a, g)
+                if "bias" in local:  # ||sum_t g_t||^2 from the sum itself (from the Gram it would cancel alike)
+                    result["bias"] = g.sum(1).square().sum(1)
                 return result
             del grams  # extreme values: scaled below
         a, g, scale, bias_scale = scaled_unless_fit(a, g, tokens * tokens * a.shape[-1] * g.shape[-1])
         if "weight" in local:
             if gram:
-                weight = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2)).clamp_min(0)
+                grams = torch.bmm(a, a.mT), torch.bmm(g, g.mT)
+                weight = (grams[0] * grams[1]).sum((1, 2)).clamp_min(0)
+                recompute_cancelled(weight, *grams, a, g)
+                del grams
             else:  # (B, out, in), this layer only
                 weight = wide_square(torch.linalg.vector_norm(torch.bmm(g.mT, a).flatten(1), dim=1))  # no squared copy
             result["weight"] = weight if scale is None else weight.to(scale.dtype) * scale
@@ -205,6 +211,34 @@ def grams_fit(aa: torch.Tensor, gg: torch.Tensor, width_a: int, width_g: int) ->
         top_a = aa.diagonal(dim1=1, dim2=2).amax(1).tolist()
         top_g = gg.diagonal(dim1=1, dim2=2).amax(1).tolist()
     return tops_fit(top_a, top_g, (aa.dtype, gg.dtype), aa.shape[-1] ** 2, width_a, width_g)
+
+
+# A Gram norm sum_{t,s} (a_t . a_s)(g_t . g_s) is recomputed in float64 for a sample where it is under this many
+# times its rounding error's usual size, eps (sqrt(in) + sqrt(out) + T) sum_t |a_t|^2 |g_t|^2 (about the norm itself
+# where the tokens' terms do not cancel; where they do, the float32 sum loses every digit: norms 0 and 32 for 3-5).
+CANCELLATION = 1000.0
+
+
+def cancelling(weight: torch.Tensor, aa: torch.Tensor, gg: torch.Tensor, width_a: int, width_g: int) -> torch.Tensor:
+    """(B,) bool: the samples whose Gram norm ``weight`` (B,), from the Grams aa, gg (B, T, T) of inputs of ``width_a``
+    features and output gradients of ``width_g``, may have lost its digits to the cancellation of the tokens' terms
+    (:data:`CANCELLATION`); none in float64."""
+    if aa.dtype == torch.float64 and gg.dtype == torch.float64:
+        return torch.zeros_like(weight, dtype=torch.bool)
+    eps = max(torch.finfo(aa.dtype).eps, torch.finfo(gg.dtype).eps)
+    usual = row_dots(aa.diagonal(dim1=1, dim2=2).to(weight.dtype), gg.diagonal(dim1=1, dim2=2).to(weight.dtype))
+    return weight < usual * (CANCELLATION * eps * (math.sqrt(width_a) + math.sqrt(width_g) + aa.shape[-1]))
+
+
+def recompute_cancelled(weight: torch.Tensor, aa: torch.Tensor, gg: torch.Tensor, a: torch.Tensor,
+                        g: torch.Tensor) -> None:
+    """Write into ``weight`` (B,) the Gram norms of the samples :func:`cancelling` picks, from a (B, T, in) and
+    g (B, T, out) in float64 (one host read: free on a CPU, rare elsewhere)."""
+    rows = cancelling(weight, aa, gg, a.shape[-1], g.shape[-1]).nonzero().flatten()
+    if rows.numel():
+        wide_a, wide_g = a[rows].double(), g[rows].double()
+        exact = row_dots(torch.bmm(wide_a, wide_a.mT).flatten(1), torch.bmm(wide_g, wide_g.mT).flatten(1))
+        weight[rows] = exact.to(weight.dtype)
 
 
 def _gram_cost(width_in: int, width_out: int, tokens: int, y_count: int, pairs: int) -> tuple[int, int]:

@@ -1,0 +1,58 @@
+"""A Linear on tokens whose terms cancel: the Gram form of its ghost norm, sum_{t,s} (a_t . a_s)(g_t . g_s), in
+float32 lost every digit (norms 0 and 32 for 3-5) where the tokens share a large part and their output gradients
+cancel; such samples are computed again in float64 (rules.linear.cancelling), at once on a CPU, after the one read
+on the path a GPU takes (rules.doubts, forced here). Norms and clipped sums against a loop written here in float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pergrad_viz as pv
+from pergrad_viz.rules import doubts
+
+B, T, D = 4, 4, 64
+
+
+class _Cancelling(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):  # x (B, T, D): the tokens' contributions with alternating signs
+        sign = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=x.dtype)
+        return (self.lin(x) * sign[None, :, None]).sum(1)
+
+
+def _loss(output, target):
+    return (output * target).sum()
+
+
+def _loop(model, x, t, bound):
+    """((B,) norms, clipped sum {name: tensor}) of a float64 copy, one backward per sample."""
+    model = copy.deepcopy(model).double()
+    names = [n for n, _ in model.named_parameters()]
+    rows = [torch.autograd.grad(_loss(model(x[i:i + 1].double()), t[i:i + 1].double()), list(model.parameters()))
+            for i in range(x.shape[0])]
+    norms = torch.stack([torch.sqrt(sum(g.square().sum() for g in r)) for r in rows])
+    factors = (bound / (norms + 1e-6)).clamp(max=1)
+    return norms, {n: sum(f * r[k] for f, r in zip(factors, rows, strict=True)) for k, n in enumerate(names)}
+
+
+@pytest.mark.parametrize("path", ["cpu", "deferred"])
+def test_cancelling_tokens_norms_and_clipped_sum_equal_the_loop(monkeypatch, path):
+    if path == "deferred":
+        monkeypatch.setattr(doubts, "ON_CPU", True)
+    torch.manual_seed(0)
+    model = _Cancelling()
+    x = (torch.randn(1, 1, D) * 30).expand(B, T, D) + 1e-3 * torch.randn(B, T, D)  # a large part shared
+    t = torch.randn(B, D) * 30
+    norms, sums = _loop(model, x, t, 1.0)
+    got = pv.per_sample_grad_norms(model, _loss, x, t, verify=False)
+    torch.testing.assert_close(got.double(), norms, rtol=1e-4, atol=0)
+    clipped = pv.clipped_grad_sum(model, _loss, x, t, 1.0, verify=False)
+    for name, want in sums.items():  # the float32 products' own rounding (the float32 loop's rows: 6e-4)
+        torch.testing.assert_close(clipped[name].double(), want, rtol=0, atol=3e-3 * want.abs().max().item())
