@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
-from pergrad_viz.core.guards import check_autocast, check_one_dtype, special_model_strategy
+from pergrad_viz.core.guards import check_apart_from_parameters, check_autocast, check_one_dtype, special_model_strategy
 from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
@@ -165,6 +165,7 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     if randomness == "different":
         trainable.call.draws = Draws(trainable.device)
     batch = batch_of(trainable, inputs, targets, model_kwargs)
+    check_apart_from_parameters(trainable, batch.all_named_leaves(), targets)
     if targets is None and loss_fn is not None:
         check_unlabelled_batch(batch)
     trainable.call.input_versions = batch.versions(apart_from=out)

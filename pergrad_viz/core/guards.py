@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from pergrad_viz.core.graph import walk
 from pergrad_viz.errors import HandOverError, UndefinedPerSampleError, UnsupportedModelError
@@ -252,3 +253,24 @@ def hooked_parameter(trainable: Trainable) -> str | None:
     """The name of a trainable parameter with a gradient hook (``p.register_hook``), if any: ``torch.autograd.grad``
     (the loop) applies such hooks; the batched strategies compute the plain gradient and cannot."""
     return next((n for n, p in zip(trainable.names, trainable.params, strict=True) if p._backward_hooks), None)
+
+
+def check_apart_from_parameters(trainable: Trainable, named: Sequence[tuple[str, torch.Tensor]],
+                                targets: object = None) -> None:
+    """Refuse an input (``named``: [(name, tensor)]) or a tensor of ``targets`` that is a trainable parameter or was
+    computed from one without ``.detach()`` (``x = model.fc1.weight[:6]``): the loop's backward would reach the
+    parameter through the inputs too, the batched strategies would not, so the rows would depend on the strategy.
+    Walks the graphs of such tensors alone (those that require grad)."""
+    owned = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
+    aimed = [("targets", t) for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
+    for name, t in [*named, *aimed]:
+        if not t.requires_grad:
+            continue
+        found = owned.get(id(t)) if t.grad_fn is None else next(
+            (owned[id(v)] for node in walk([t.grad_fn]) if id(v := getattr(node, "variable", None)) in owned), None)
+        if found is not None:
+            raise ValueError(
+                f"{name} {'is' if t.grad_fn is None else 'was computed from'} the model's trainable parameter "
+                f"'{found}': a sample's loss (or output) would reach that parameter through its input as well as "
+                f"through the model, which the per-sample definition leaves open. Pass {name.split('[')[0]}.detach() (the input as "
+                "a constant), or compute it inside the model's forward")

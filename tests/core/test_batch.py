@@ -359,3 +359,40 @@ def test_a_0_dim_tensor_beside_the_targets_is_shared(strategy):
     for i in range(5):
         want = torch.autograd.grad(loss_fn(model(x[i:i + 1]), (y[i:i + 1], scale)), model.weight)[0]
         torch.testing.assert_close(got["weight"][i], want)
+
+
+@pytest.mark.parametrize("call", ["auto", "hooks", "torch_func", "loop", "jacobian", "norms", "clipped_sum", "ntk",
+                                  "targets", "nested"])
+def test_inputs_or_targets_computed_from_a_trainable_parameter_are_refused(call):
+    """Found by a probe: inputs = model.fc1.weight[:6, :8] gave the loop (whose backward reaches fc1 through the
+    inputs too) and auto / torch_func / the norms / the clipped sum (which do not) rows 0.15 apart, verify on."""
+    torch.manual_seed(0)
+    model, loss_fn = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)), nn.CrossEntropyLoss()
+    x, y = model[0].weight[:6, :8], torch.randint(0, 3, (6,))
+    before = snapshot(model)
+    runs = {"jacobian": lambda: pv.per_sample_jacobian(model, x),
+            "norms": lambda: pv.per_sample_grad_norms(model, loss_fn, x, y),
+            "clipped_sum": lambda: pv.clipped_grad_sum(model, loss_fn, x, y, 1.0),
+            "ntk": lambda: pv.empirical_ntk(model, x),
+            "targets": lambda: pv.per_sample_grads(model, nn.MSELoss(), x.detach(), model(x.detach())),
+            "nested": lambda: pv.per_sample_grads(_Keyed(model), loss_fn, ({"a": x},), y)}
+    run = runs.get(call, lambda: pv.per_sample_grads(model, loss_fn, x, y, strategy=call))
+    where = {"targets": "targets was computed from the model's trainable parameter '2.weight'",
+             "nested": r"inputs\[0\]\['a'\] was computed from the model's trainable parameter 'inner.0.weight'"}
+    with pytest.raises(ValueError, match=where.get(call, "inputs was computed from the model's trainable parameter "
+                                                         "'0.weight'.*detach")):
+        run()
+    assert_state_unchanged(model, before)
+    got = pv.per_sample_grads(model, loss_fn, x.detach(), y)  # the fix the message names: the inputs as constants
+    for i in range(6):
+        want = torch.autograd.grad(loss_fn(model(x[i:i + 1].detach()), y[i:i + 1]), model[0].weight)[0]
+        torch.testing.assert_close(got["0.weight"][i], want)
+
+
+class _Keyed(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, d):
+        return self.inner(d["a"])
