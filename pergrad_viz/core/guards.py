@@ -272,5 +272,22 @@ def check_apart_from_parameters(trainable: Trainable, named: Sequence[tuple[str,
             raise ValueError(
                 f"{name} {'is' if t.grad_fn is None else 'was computed from'} the model's trainable parameter "
                 f"'{found}': a sample's loss (or output) would reach that parameter through its input as well as "
-                f"through the model, which the per-sample definition leaves open. Pass {name.split('[')[0]}.detach() (the input as "
-                "a constant), or compute it inside the model's forward")
+                f"through the model, which the per-sample definition leaves open. Pass {name.split('[')[0]}.detach() "
+                "(the input as a constant), or compute it inside the model's forward")
+
+
+def check_parameter_kinds(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Refuse trainable parameters ``[(name, parameter)]`` that hold no values (the meta device) or complex numbers
+    (the rules, norms and clip factors are written for real ones: ``hooks`` gave rows 2.7 off)."""
+    meta = next((n for n, p in named if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"parameter '{meta}' is on the meta device: it has a shape but no values (a model built under "
+            "torch.device('meta') or an empty-weights context), so there is nothing to differentiate. Give it values "
+            "first, e.g. model.to_empty(device='cpu') then model.load_state_dict(state_dict)")
+    complex_ = next(((n, p.dtype) for n, p in named if p.is_complex()), None)
+    if complex_ is not None:
+        raise TypeError(
+            f"parameter '{complex_[0]}' is complex ({complex_[1]}): per-sample gradients are computed for real "
+            "parameters only. Keep it as a real parameter of shape (..., 2) and use torch.view_as_complex(...) inside "
+            "the forward, so that its gradient is real")

@@ -18,7 +18,7 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten
 
 from pergrad_viz.core.batch import Batch, Inputs, normal_tensor
-from pergrad_viz.core.guards import REENTRANT_CHECKPOINT
+from pergrad_viz.core.guards import REENTRANT_CHECKPOINT, check_parameter_kinds
 from pergrad_viz.core.numbers import whole_number
 from pergrad_viz.core.randomness import random_fix
 from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
@@ -52,6 +52,7 @@ def check_model(model: object, named_parameters: Sequence[tuple[str, nn.Paramete
     if named_parameters is None:
         named_parameters = model.named_parameters()
     named = [(n, p) for n, p in named_parameters if p.requires_grad]
+    check_parameter_kinds(named)
     lazy = next((n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)), None)
     if lazy is not None:
         raise ValueError(
