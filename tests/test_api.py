@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -493,3 +494,47 @@ def test_calls_on_one_model_from_two_threads_run_one_at_a_time():
     for t in threads:
         t.join(timeout=120)
     assert not failures, failures[:2]
+
+
+def _child_call(model, x, y, queue):
+    torch.set_num_threads(1)
+    queue.put(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)["0.weight"].tolist())  # by value
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_process_forked_while_another_thread_is_in_a_call_can_call_on_the_model():
+    """Found by a probe: a process forked (multiprocessing 'fork', DataLoader workers) while a thread of the parent
+    was inside a call on the model inherited that model's lock, held, and its first call on the model hung forever."""
+    import multiprocessing
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    inside, leave = threading.Event(), threading.Event()
+
+    class _Waits(nn.Module):  # a loss that holds the parent's call open until the child has forked
+        def forward(self, output, target):
+            inside.set()
+            leave.wait(timeout=60)
+            return nn.functional.cross_entropy(output, target)
+
+    busy = threading.Thread(target=lambda: pv.per_sample_grads(model, _Waits(), x, y, strategy="loop"))
+    busy.start()
+    try:
+        assert inside.wait(timeout=60)
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_child_call, args=(model, x, y, queue))
+        child.start()
+        child.join(timeout=30)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+        assert not hung, "the forked child's call on the model hung"
+        got = torch.tensor(queue.get(timeout=10))
+    finally:
+        leave.set()
+        busy.join(timeout=60)
+    want = ref_grads(model, nn.CrossEntropyLoss(), x, y)["0.weight"]
+    torch.testing.assert_close(got, want)

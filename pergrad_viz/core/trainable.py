@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import operator
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -303,6 +304,16 @@ def computing_gradients(fn: Callable) -> Callable:
 
 _CALL_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _CALL_LOCKS_LOCK = threading.Lock()
+
+
+def _forget_locks() -> None:
+    """In a forked child: the locks afresh (one held by a thread of the parent mid-call would never be released)."""
+    global _CALL_LOCKS, _CALL_LOCKS_LOCK
+    _CALL_LOCKS, _CALL_LOCKS_LOCK = weakref.WeakKeyDictionary(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks)
 
 
 @contextlib.contextmanager
