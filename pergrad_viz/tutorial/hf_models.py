@@ -14,7 +14,6 @@ the extra ``hf`` when its library is missing.
 
 from __future__ import annotations
 
-import os
 import warnings
 from types import ModuleType
 
@@ -35,7 +34,6 @@ PATCH = 8
 
 def _need(name: str) -> ModuleType:
     """Import an optional library, or a MissingExtraError (an ImportError) that names the extra ``hf``."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may come from a hub
     return require(name, "this Hugging Face / timm / peft model (pergrad_viz.tutorial.hf_models)")
 
 
