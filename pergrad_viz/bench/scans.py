@@ -98,9 +98,19 @@ def throughput(model: str = "cnn", *, hidden: int = 20, n: int = 4096, split: st
                data: str = "fashion-mnist", batch_size: int = 256, proj_dim: int = 256,
                processes: list[int] | tuple[int, ...] = (1, 2), rounds: int = 3, threads: int | None = 1) -> list[dict]:
     """Time the scan methods and a plain forward+backward on the first ``n`` examples; one record per
-    (method, processes) with the median loop and wall seconds over ``rounds`` and examples/s."""
+    (method, processes) with the median loop and wall seconds over ``rounds`` and examples/s; torch's thread count
+    at ``threads`` meanwhile (as it was after)."""
+    previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    try:
+        return _throughput(model, hidden, n, split, data, batch_size, proj_dim, processes, rounds, threads)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _throughput(model: str, hidden: int, n: int, split: str, data: str, batch_size: int, proj_dim: int,
+                processes: list[int] | tuple[int, ...], rounds: int, threads: int | None) -> list[dict]:
     net = load_model(model, None, hidden, seed=0)
     dataset = _dataset(data, split, n)
     n = len(dataset)

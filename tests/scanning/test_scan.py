@@ -594,7 +594,14 @@ def test_cli_scan_in_process_and_bench_table(tmp_path, capsys):
     x, y = load_sample(20, train=False, flatten=False)
     logits = _model(SmallCNN, seed=5)(x).detach()
     torch.testing.assert_close(res["loss"], nn.functional.cross_entropy(logits, y, reduction="none"))
-    records = throughput("mlp", n=64, batch_size=32, proj_dim=16, processes=(1,), rounds=1, data="fashion-mnist-sample")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        records = throughput("mlp", n=64, batch_size=32, proj_dim=16, processes=(1,), rounds=1,
+                             data="fashion-mnist-sample")
+        assert torch.get_num_threads() == 3  # found by a probe: left at the bench's 1
+    finally:
+        torch.set_num_threads(threads)
     table = format_table(records)
     assert [r["method"] for r in records] == ["forward+backward", "scan: losses only", "scan: grad norms",
                                               "scan: + projection"]
