@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import numbers
 import sys
@@ -117,11 +118,17 @@ def _per_example(value: object) -> bool:
 
 
 def _accountants():
-    try:
-        from opacus import accountants
-        from opacus.accountants.utils import get_noise_multiplier
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:  # Opacus' import calls logging.basicConfig and adds warnings filters: the user's process left as it was
+        with warnings.catch_warnings():
+            from opacus import accountants
+            from opacus.accountants.utils import get_noise_multiplier
     except ImportError as e:
         raise missing_extra("opacus", "the privacy accountant (pv.epsilon, pv.noise_multiplier_for)", extra="dp") from e
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
     return accountants, get_noise_multiplier
 
 

@@ -4,6 +4,8 @@ directly and against the sampling's own statistics; noise_step; bad input."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -293,3 +295,20 @@ def test_a_dataloader_without_the_samplers_collate_is_told_at_the_first_empty_ba
         warnings.simplefilter("error")
         assert len(list(torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=sampler.collate(data)))) \
             == 40
+
+
+def test_the_accountants_import_leaves_logging_and_warnings_as_they_were():
+    """Found by a probe: the first pv.epsilon imported Opacus, whose import calls logging.basicConfig (the user's own
+    basicConfig(level=INFO) was then ignored) and adds warnings filters. In a fresh process: Opacus not imported yet."""
+    pytest.importorskip("opacus")
+    code = ("import logging, warnings\n"
+            "import pergrad_viz as pv\n"
+            "filters = list(warnings.filters)  # torch's and numpy's own, from their imports\n"
+            "assert 'opacus' not in __import__('sys').modules\n"
+            "eps = pv.epsilon(1.0, 0.064, 47, delta=1e-5)\n"
+            "assert logging.getLogger().handlers == [], logging.getLogger().handlers\n"
+            "assert warnings.filters == filters, [f for f in warnings.filters if f not in filters]\n"
+            "print(round(eps, 2))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout) > 0
