@@ -67,8 +67,9 @@ def _quantities(text: str) -> list[str]:
 def _common(p: argparse.ArgumentParser, limit: int | None, threads: int | None) -> None:
     p.add_argument("--data", choices=DATA, default="fashion-mnist",
                    help="fashion-mnist: the full 60,000 + 10,000 images from $PERGRAD_VIZ_DATA/fashion-mnist, the "
-                        "checkout's data/ (make data puts them there) or Debian's dataset-fashion-mnist, else "
-                        "the bundled sample with a note; fashion-mnist-sample: "
+                        "checkout's data/ (make data puts them there) or Debian's dataset-fashion-mnist, "
+                        "decompressed once into $PERGRAD_VIZ_CACHE (default ~/.cache/pergrad_viz, about 55 MB), "
+                        "else the bundled sample with a note; fashion-mnist-sample: "
                         "always the bundled 1,000 + 1,000 images (default: fashion-mnist)")
     p.add_argument("--split", choices=("train", "test"), default="train", help="which split (default: train)")
     p.add_argument("--limit", type=positive_int, default=limit, metavar="N",

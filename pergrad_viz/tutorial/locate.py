@@ -55,9 +55,18 @@ def full_fashion_mnist_root(source: Path = DEBIAN_SOURCE) -> Path | None:
     ``source/*.gz`` into the cache on first use (again when a file changes), or None when ``source`` lacks them."""
     if not _complete(source):
         return None
-    gz = [source / f"{name}.gz" for name in FILES]
     root = cache_root() / "fashion-mnist"
-    raw = root / "FashionMNIST" / "raw"
+    try:
+        _decompress(source, root / "FashionMNIST" / "raw")
+    except OSError as e:  # a home folder one cannot write (a service account, a read-only container)
+        raise type(e)(f"cannot write the decompressed Fashion-MNIST (about 55 MB) into {root} ({e}): set "
+                      "PERGRAD_VIZ_CACHE to a folder you can write, e.g. PERGRAD_VIZ_CACHE=/tmp/pergrad_viz") from e
+    return root
+
+
+def _decompress(source: Path, raw: Path) -> None:
+    """``source/*.gz`` decompressed into ``raw``, each file again only where its source changed."""
+    gz = [source / f"{name}.gz" for name in FILES]
     raw.mkdir(parents=True, exist_ok=True)
     for src, name in zip(gz, FILES, strict=True):
         dst = raw / name
@@ -70,4 +79,3 @@ def full_fashion_mnist_root(source: Path = DEBIAN_SOURCE) -> Path | None:
             shutil.copyfileobj(fin, fout, 1 << 20)
         os.replace(tmp, dst)
         stamp.write_text(key)
-    return root

@@ -349,3 +349,19 @@ def test_the_full_dataset_by_default_starts_with_the_bundled_sample(tmp_path, mo
         X_s, y_s = load_sample(1000, train=train, root=SAMPLE)
         assert torch.equal(X, X_s) and torch.equal(y, y_s)
     assert load_sample(5000)[0].shape == (5000, 784)
+
+
+def test_a_cache_folder_one_cannot_write_names_pergrad_viz_cache(tmp_path, monkeypatch):
+    """Found by a probe: with a home folder one cannot write, a scan of the full dataset died with a raw
+    PermissionError from the cache's mkdir."""
+    from pergrad_viz.tutorial.fashion_mnist import fashion_mnist
+
+    source = tmp_path / "source"
+    _fake_full_dataset(source, 7)
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache's folder would go")
+    monkeypatch.setenv("PERGRAD_VIZ_CACHE", str(blocked))
+    with pytest.raises(OSError, match="cannot write the decompressed Fashion-MNIST .* set PERGRAD_VIZ_CACHE"):
+        fashion_mnist("test", source=source)
+    monkeypatch.setenv("PERGRAD_VIZ_CACHE", str(tmp_path / "cache"))  # the fix it names
+    assert fashion_mnist("test", source=source).tensors[1].tolist() == [7] * 5
