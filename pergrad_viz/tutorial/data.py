@@ -249,10 +249,10 @@ def load_sample(
         split, flag = ("training", "--n-train") if train else ("test", "--n-test")
         raw = root_path / _TORCHVISION_CLASS[dataset] / "raw"
         if dataset == "fashion-mnist":
-            root_opt = "" if root_path == DEFAULT_ROOT else f" --root {root_path}"
-            fix = f"rebuild a bigger sample with `{MAKE_SAMPLE} {flag} {n}{root_opt}`"
-            if root_path == DEFAULT_ROOT:
-                fix = f"run `make data` in a checkout (or `apt-get install dataset-fashion-mnist`), or {fix}"
+            fix = f"rebuild a bigger sample with `{MAKE_SAMPLE} {flag} {n} --root {root_path}`"
+            if root_path == DEFAULT_ROOT:  # a sample of one's own, not the package's files rewritten
+                fix = (f"run `make data` in a checkout (or `apt-get install dataset-fashion-mnist`), or build a "
+                       f"bigger sample of your own with `{MAKE_SAMPLE} {flag} {n} --root DIR` and pass root='DIR'")
         else:
             fix = f"put the full MNIST IDX files under {raw}/ (or pass download=True with internet access)"
         raise ValueError(

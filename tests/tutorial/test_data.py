@@ -182,7 +182,8 @@ def test_n_larger_than_available(train, split, flag, no_full_dataset):
     message = str(info.value)
     assert f"only 1000 {split} images are available" in message
     assert "make data" in message
-    assert f"python -m pergrad_viz.tutorial.sample.make_sample {flag} 1001`" in message
+    # found by a probe: the command named had no --root, so it rewrote the installed package's own sample files
+    assert f"python -m pergrad_viz.tutorial.sample.make_sample {flag} 1001 --root DIR` and pass root='DIR'" in message
 
 
 def test_n_larger_than_available_under_another_root_names_that_root(tmp_path):
