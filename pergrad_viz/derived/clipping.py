@@ -45,9 +45,25 @@ def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups, dtype: tor
     factors = {}
     for bound, names in groups:
         norm = squared[names[0]].sqrt() if len(names) == 1 else torch.stack([squared[n] for n in names]).sum(0).sqrt_()
-        c = norm.add_(EPS).reciprocal_().mul_(bound).clamp_(max=1.0).to(dtype)  # (B,), norm's own memory
-        factors.update(dict.fromkeys(names, c))
+        c = norm.add_(EPS).reciprocal_().mul_(bound).clamp_(max=1.0)  # (B,), norm's own memory
+        if dtype == torch.float16:
+            _check_half_factors(c, bound)
+        factors.update(dict.fromkeys(names, c.to(dtype)))
     return factors
+
+
+def _check_half_factors(c: torch.Tensor, bound: float) -> None:
+    """ValueError where a float16 clip factor (B,) would be a subnormal number, rounded by up to 100% (a clipped
+    gradient of norm up to 2 C: the DP bound broken). One host read, float16 models only."""
+    tiny = torch.finfo(torch.float16).tiny
+    if c.min().item() >= tiny:
+        return
+    rows = (c < tiny).nonzero().flatten().tolist()
+    raise ValueError(
+        f"sample(s) {rows[:8]}{' ...' if len(rows) > 8 else ''} have a gradient norm of {bound / c.min().item():.3g} "
+        f"and max_norm is {bound:g}: the clip factor max_norm / norm is below float16's smallest normal number "
+        f"({tiny:.2g}), so float16 would round it by up to 100% and the clipped gradient could exceed max_norm. Use a "
+        "larger max_norm, or train in bfloat16 or float32 (model.to(torch.bfloat16)), or scale the loss down")
 
 
 def clip_per_sample(grads: Grads, max_norm: float) -> tuple[Grads, torch.Tensor]:
@@ -70,10 +86,15 @@ def clip_per_sample(grads: Grads, max_norm: float) -> tuple[Grads, torch.Tensor]
     """
     max_norm = _bound(max_norm)
     norms = _norms(grads)
-    factor = (max_norm / (norms + EPS)).clamp(max=1.0)  # (B,)
+    factor = (max_norm / (norms.double() + EPS)).clamp(max=1.0)  # (B,), float64: float16's may be subnormal
+
+    def clipped(g: torch.Tensor) -> torch.Tensor:  # the product in float32 at least, rounded to g's dtype once
+        wide = factor.to(torch.promote_types(g.dtype, torch.float32)).view(-1, *(1,) * (g.dim() - 1))
+        return (g * wide).to(g.dtype)
+
     if isinstance(grads, torch.Tensor):
-        return grads * factor.unsqueeze(1), norms
-    return {name: g * factor.view(-1, *(1,) * (g.dim() - 1)) for name, g in grads.items()}, norms
+        return clipped(grads), norms
+    return {name: clipped(g) for name, g in grads.items()}, norms
 
 
 def dp_sgd_gradient(grads: Grads, max_norm: float, noise_multiplier: float,

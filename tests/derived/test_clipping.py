@@ -140,3 +140,37 @@ def test_dp_sgd_invalid_arguments():
         pv.dp_sgd_gradient(g, 1.0, math.nan)
     with pytest.raises(TypeError, match="generator must be a torch.Generator"):
         pv.dp_sgd_gradient(g, 1.0, 1.0, generator=0)
+
+
+def _half_problem():
+    torch.manual_seed(0)
+    model = nn.Linear(64, 3).half()
+    x, t = (torch.randn(5, 64) * 2000).half(), torch.randn(5, 3).half()
+    return model, nn.L1Loss(reduction="sum"), x, t
+
+
+def _definition(model, loss_fn, x, t, bound):
+    """(rows (B, P) float64 of the model as it is, clipped sum (P,) float64): one backward per sample."""
+    rows = torch.stack([torch.cat([g.flatten().double() for g in torch.autograd.grad(
+        loss_fn(model(x[i:i + 1]), t[i:i + 1]), list(model.parameters()))]) for i in range(x.shape[0])])
+    factors = (bound / (rows.norm(dim=1) + EPS)).clamp(max=1)
+    return rows, (rows * factors[:, None]).sum(0)
+
+
+def test_float16_clip_factors_below_its_range_are_refused_or_applied_in_float32():
+    """Found by a probe: with gradient norms near 3e4 and max_norm=1e-3 the float16 clip factor (3e-8) was a
+    subnormal number: clipped_grad_sum 67% off, clip_per_sample's rows of norm up to 1.95e-3 (the DP bound broken)."""
+    model, loss_fn, x, t = _half_problem()
+    rows, want = _definition(model, loss_fn, x, t, 1e-3)
+    clipped, _ = pv.clip_per_sample(rows.half(), 1e-3)  # the product in float32, rounded once
+    assert clipped.dtype == torch.float16
+    assert clipped.double().norm(dim=1).max() <= 1e-3 * (1 + 2e-3)
+    torch.testing.assert_close(clipped.double().sum(0), want, rtol=0, atol=2e-3 * want.abs().max().item())
+    with pytest.raises(ValueError, match=r"below float16's smallest normal number.*model.to\(torch.bfloat16\)"):
+        pv.clipped_grad_sum(model, loss_fn, x, t, 1e-3)
+    model.to(torch.bfloat16)  # the fix it names
+    x = x.to(torch.bfloat16)
+    t = t.to(torch.bfloat16)
+    _, want = _definition(model, loss_fn, x, t, 1e-3)
+    got = torch.cat([s.flatten().double() for s in pv.clipped_grad_sum(model, loss_fn, x, t, 1e-3).values()])
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
