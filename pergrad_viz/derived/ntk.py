@@ -171,7 +171,8 @@ def _jacobian_ntk(model: nn.Module, x1: Batch, x2: Batch | None, full: bool, chu
     j2 = j1 if x2 is None else api.per_sample_jacobian(model, x2, strategy=strategy, flat=True,
                                                        chunk_size=chunk_size, verify=verify, output=output)
     _check_outputs(j1.shape[1], j2.shape[1])
-    kernel = torch.einsum("iyp,jzp->ijyz" if full else "iyp,jyp->ij", j1, j2)
+    with torch.autocast(j1.device.type, enabled=False):  # the Jacobians' own dtype (a caller's autocast: bfloat16)
+        kernel = torch.einsum("iyp,jzp->ijyz" if full else "iyp,jyp->ij", j1, j2)
     return _symmetrise(kernel, full) if x2 is None else kernel
 
 

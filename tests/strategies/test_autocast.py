@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_refuses, flatten_ref
+from torch import nn
 from zoo.autocast import AUTOCAST, CASES, inputs
 
 import pergrad_viz as pv
@@ -145,3 +146,17 @@ def test_a_lower_precision_output_without_autocast_keeps_the_batched_strategies(
     want = pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, strategy="loop")
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["trace", "full"])
+def test_the_ntk_under_autocast_is_contracted_in_the_parameters_dtype(mode):
+    """Found by a probe: under a caller's bfloat16 autocast the kernel came back in bfloat16 (its J J^T contracted
+    in bfloat16, entries 0.3% off), while per_sample_jacobian gives the float32 Jacobian."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)), torch.randn(6, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        jacobian = pv.per_sample_jacobian(model, x, flat=True).double()
+        kernel = pv.empirical_ntk(model, x, mode=mode)
+    assert kernel.dtype == torch.float32
+    want = torch.einsum("iyp,jzp->ijyz" if mode == "full" else "iyp,jyp->ij", jacobian, jacobian)
+    torch.testing.assert_close(kernel.double(), want, rtol=1e-5, atol=1e-6)
