@@ -174,3 +174,21 @@ def test_float16_clip_factors_below_its_range_are_refused_or_applied_in_float32(
     _, want = _definition(model, loss_fn, x, t, 1e-3)
     got = torch.cat([s.flatten().double() for s in pv.clipped_grad_sum(model, loss_fn, x, t, 1e-3).values()])
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def test_a_sample_whose_loss_alone_is_0_over_0_is_named_with_a_fix_that_works():
+    """Found by a probe: CrossEntropyLoss(weight=...) with a class weight of 0 under reduction='mean' makes that
+    class's samples' loss 0/0 alone (the loop's row is NaN); the refusal's only fix, keeping the finite inputs, kept
+    every row."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    x, y, w = torch.randn(6, 8), torch.tensor([0, 1, 2, 2, 1, 0]), torch.tensor([0.0, 1.0, 2.0])
+    with pytest.raises(ValueError, match=r"sample\(s\) \[0, 5\].*0 / 0.*reduction='sum'"):
+        pv.clipped_grad_sum(model, nn.CrossEntropyLoss(weight=w), x, y, 1.0)
+    loss_fn = nn.CrossEntropyLoss(weight=w, reduction="sum")  # the fix it names
+    got = pv.clipped_grad_sum(model, loss_fn, x, y, 1.0)
+    rows = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), list(model.parameters())) for i in range(6)]
+    norms = torch.stack([torch.sqrt(sum(g.square().sum() for g in r)) for r in rows])
+    factors = (1.0 / (norms + EPS)).clamp(max=1)
+    for k, name in enumerate(got):
+        torch.testing.assert_close(got[name], sum(f * r[k] for f, r in zip(factors, rows, strict=True)))
