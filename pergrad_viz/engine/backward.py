@@ -76,10 +76,14 @@ def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], l
         return calls, _regroup(calls, [], (), batched=True), y_count
     one_hot = torch.eye(y_count, dtype=outputs.dtype, device=outputs.device).unsqueeze(1).expand(-1, batch, -1)
     asked = tensors + extra
-    try:
-        grads = torch.autograd.grad(outputs, asked, grad_outputs=one_hot, is_grads_batched=True,
-                                    allow_unused=True, retain_graph=True)
-    except (RuntimeError, NotImplementedError):  # a backward without a batching rule: one output at a time
+    grads = None
+    if not torch.is_anomaly_enabled():  # anomaly mode has no batching rule (and would report the attempt's failure)
+        try:
+            grads = torch.autograd.grad(outputs, asked, grad_outputs=one_hot, is_grads_batched=True,
+                                        allow_unused=True, retain_graph=True)
+        except (RuntimeError, NotImplementedError):  # a backward without a batching rule: one output at a time
+            pass
+    if grads is None:
         rows = [torch.autograd.grad(outputs, asked, grad_outputs=one_hot[j], allow_unused=True,
                                     retain_graph=True) for j in range(y_count)]
         grads = tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows]) for k in range(len(asked)))

@@ -152,6 +152,8 @@ def _expanded(layer, params: dict[str, torch.Tensor], tensors: list[torch.Tensor
             if n == 1:
                 grads = torch.autograd.grad(outputs, list(copies.values()), [c[0] for c in cotangents],
                                             allow_unused=True)
+            elif torch.is_anomaly_enabled():  # no batching rule there: the attempt would fail, reported as an error
+                return False
             else:
                 grads = torch.autograd.grad(outputs, list(copies.values()), cotangents, is_grads_batched=True,
                                             allow_unused=True)

@@ -58,12 +58,13 @@ def _batched_backward(output: torch.Tensor, params: tuple, one_hot: torch.Tensor
     each, None where unused. Where the backward has no batching rule (anomaly detection mode, a backward hook that
     reads a value: "Batching rule not implemented for aten::item"; sparse gradients, ``nn.Embedding(sparse=True)``),
     one backward per row, the same numbers (a sparse gradient made dense)."""
-    try:
-        return torch.autograd.grad(output, params, grad_outputs=one_hot, is_grads_batched=True, allow_unused=True,
-                                   retain_graph=True)  # kept for the fallback; freed with ``output``
-    except (RuntimeError, NotImplementedError) as e:
-        if not any(cue in str(e) for cue in ("atching rule", "vmap", "Sparse")):
-            raise
+    if not torch.is_anomaly_enabled():  # which would report the batched attempt's failure as the model's error
+        try:
+            return torch.autograd.grad(output, params, grad_outputs=one_hot, is_grads_batched=True,
+                                       allow_unused=True, retain_graph=True)  # kept for the fallback; freed with output
+        except (RuntimeError, NotImplementedError) as e:
+            if not any(cue in str(e) for cue in ("atching rule", "vmap", "Sparse")):
+                raise
     rows = [torch.autograd.grad(output, params, grad_outputs=row, retain_graph=k < len(one_hot) - 1, allow_unused=True)
             for k, row in enumerate(one_hot)]
     return tuple(None if rows[0][k] is None else torch.stack([_dense(r[k]) for r in rows])

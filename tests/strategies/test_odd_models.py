@@ -160,3 +160,30 @@ def test_batching_rule_notes_of_the_losses_vmap_are_not_shown_either(call):
         assert got.shape == (5,) and (got >= torch.stack([r.norm() for r in rows]) - 1e-6).all()
     else:
         torch.testing.assert_close(got["0.weight"], torch.stack(rows))
+
+
+@pytest.mark.parametrize("call", ["jacobian", "ntk", "batched_grad", "hooks_jacobian"])
+def test_anomaly_mode_shows_no_error_for_a_call_that_succeeds(call):
+    """Found by a probe: under set_detect_anomaly(True) the batched backward's attempt (anomaly mode has no batching
+    rule) failed and was caught, but anomaly mode had already warned 'Error detected in ViewBackward0' with a
+    traceback into the package, for a call whose result was right."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    runs = {"jacobian": lambda: pv.per_sample_jacobian(model, x, flat=True),
+            "hooks_jacobian": lambda: pv.per_sample_jacobian(model, x, flat=True, strategy="hooks"),
+            "ntk": lambda: pv.empirical_ntk(model, x, mode="trace"),
+            "batched_grad": lambda: pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, flat=True,
+                                                        strategy="batched_grad")}
+    with warnings.catch_warnings(record=True) as caught, torch.autograd.set_detect_anomaly(True):
+        warnings.simplefilter("always")
+        got = runs[call]()
+    assert not [str(w.message)[:80] for w in caught if "Error detected" in str(w.message)]
+    if call == "batched_grad":
+        want = pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y, flat=True, strategy="loop")
+    else:
+        jacobian = pv.per_sample_jacobian(model, x, flat=True, strategy="loop")
+        want = jacobian if call != "ntk" else torch.einsum("iyp,jyp->ij", jacobian, jacobian)
+    torch.testing.assert_close(got, want)

@@ -117,8 +117,8 @@ def batch_norm_act_2d(module: nn.Module, activation: torch.Tensor, grad_output: 
         pre = F.batch_norm(activation, module.running_mean, module.running_var, module.weight, module.bias, False,
                            0.0, module.eps).detach().requires_grad_()
         post = module.act(module.drop(pre * 1))  # `* 1`: an in-place activation must not write into the leaf
-        if grad_output.shape[0] == 1:
-            g = torch.autograd.grad(post, pre, grad_output[0])[0].unsqueeze(0)
+        if grad_output.shape[0] == 1 or torch.is_anomaly_enabled():  # anomaly mode: no batching rule
+            g = torch.stack([torch.autograd.grad(post, pre, row, retain_graph=True)[0] for row in grad_output])
         else:
             g = torch.autograd.grad(post, pre, grad_output, is_grads_batched=True)[0]
     per_channel(xhat, g, out)
