@@ -15,8 +15,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import ipywidgets as w
-from matplotlib.figure import Figure
+from pergrad_viz.core.extras import missing_extra
+
+try:  # an extra: a clear error where it is missing, this module imported directly too
+    import ipywidgets as w
+    from matplotlib.figure import Figure
+except ImportError as e:
+    raise missing_extra(e.name or "ipywidgets", "the explorer (pergrad_viz.explorer)", extra="widgets") from e
+
 
 from pergrad_viz import viz
 from pergrad_viz.explorer import panels

@@ -9,8 +9,14 @@ import html
 import traceback
 from collections.abc import Sequence
 
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from pergrad_viz.core.extras import missing_extra
+
+try:  # an extra: a clear error where it is missing, this module imported directly too
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+except ImportError as e:
+    raise missing_extra(e.name or "matplotlib", "the explorer (pergrad_viz.explorer)", extra="widgets") from e
+
 
 from pergrad_viz import viz
 from pergrad_viz.bench.records import Record

@@ -22,14 +22,15 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-import ipywidgets as w
-
 from pergrad_viz.bench.records import Record
+from pergrad_viz.core.extras import require
 from pergrad_viz.explorer import prefetch
 from pergrad_viz.explorer.model import ExplorerModel
 from pergrad_viz.explorer.page import Page, arrange, close_all
 from pergrad_viz.explorer.state import QUANTITIES, QUANTITY_NAMES, Setting, Stale, View
 from pergrad_viz.explorer.worker import Job, Worker
+
+w = require("ipywidgets", "the explorer (pergrad_viz.explorer)", extra="widgets")
 
 __all__ = ["Explorer"]
 

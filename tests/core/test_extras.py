@@ -68,6 +68,10 @@ else:
         (["matplotlib"], "pv.widgets.explorer", "widgets", "matplotlib"),
         (["ipywidgets"], "pv.widgets.explorer", "widgets", "ipywidgets"),
         (["IPython"], "from pergrad_viz.widgets import explorer", "widgets", "ipython"),
+        # found by a probe: the explorer's own modules, imported directly, raised a raw ModuleNotFoundError
+        (["ipywidgets"], "import pergrad_viz.explorer.view", "widgets", "ipywidgets"),
+        (["ipywidgets"], "import pergrad_viz.explorer.factory", "widgets", "ipywidgets"),
+        (["matplotlib"], "import pergrad_viz.explorer.panels", "widgets", "matplotlib"),
     ],
 )
 def test_figures_and_the_explorer_name_their_extra(blocked, statement, extra, package):
