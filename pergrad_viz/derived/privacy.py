@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import logging
 import math
 import numbers
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.extras import missing_extra
 from pergrad_viz.core.numbers import number_of
@@ -87,16 +87,8 @@ class PoissonBatches:
         example collated with 0 rows, so that :func:`pergrad_viz.dp_step` takes the noise step there."""
         from torch.utils.data import default_collate
 
-        inner = default_collate if collate_fn is None else collate_fn
         self.collating = True
-
-        def collate(batch: list):
-            if batch:
-                return inner(batch)
-            return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor | list | tuple) else t, inner([dataset[0]]),
-                            is_leaf=_per_example)
-
-        return collate
+        return PoissonCollate(dataset, default_collate if collate_fn is None else collate_fn)
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
@@ -108,6 +100,45 @@ class PoissonBatches:
                               "one (an IndexError follows); pass collate_fn=sampler.collate(dataset) to the DataLoader",
                               UserWarning, stacklevel=2)
             yield batch
+
+
+class PoissonCollate:
+    """:meth:`PoissonBatches.collate`'s ``collate_fn``, an object so that DataLoader workers started by spawn or
+    forkserver (macOS, Windows) can be sent it: ``inner(batch)``, and for an empty batch ``inner([dataset[0]])`` with
+    every tensor cut to 0 rows, in dicts, ``UserDict`` s (a Hugging Face ``BatchEncoding``), lists and tuples; a
+    collated value of another kind is refused (its rows of ``dataset[0]`` would be trained on as a sample)."""
+
+    def __init__(self, dataset, inner: Callable):
+        self.dataset, self.inner = dataset, inner
+
+    def __call__(self, batch: list):
+        if batch:
+            return self.inner(batch)
+        return _no_rows(self.inner([self.dataset[0]]))
+
+
+def _no_rows(value: object) -> object:
+    """``value`` (one example, collated) with every tensor cut to 0 rows."""
+    if isinstance(value, torch.Tensor) or _per_example(value):
+        return value[:0]
+    if isinstance(value, collections.UserDict):  # a BatchEncoding: the same object kind, its data cut
+        empty = copy.copy(value)
+        empty.data = {k: _no_rows(v) for k, v in value.data.items()}
+        return empty
+    if isinstance(value, dict):
+        items = {k: _no_rows(v) for k, v in value.items()}
+        try:
+            return type(value)(items)
+        except TypeError:
+            return items
+    if isinstance(value, list | tuple):
+        items = [_no_rows(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if value is None or isinstance(value, str | bytes | numbers.Number):
+        return value
+    raise TypeError(f"PoissonBatches.collate cannot make an empty batch from a collated {type(value).__name__} (its "
+                    "rows of the dataset's first example would be trained on): make collate_fn return tensors in "
+                    "dicts, lists or tuples")
 
 
 def _per_example(value: object) -> bool:

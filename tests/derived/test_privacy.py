@@ -77,6 +77,35 @@ def test_an_empty_batch_of_dict_examples_has_no_row_in_any_field():
         assert [len(t) for t in batch["tags"]] == [0, 0]
 
 
+def _pad(examples):
+    """As DataCollatorWithPadding does: a BatchEncoding of padded tensors."""
+    import transformers
+
+    width = max(len(e["input_ids"]) for e in examples)
+    return transformers.BatchEncoding({
+        "input_ids": torch.tensor([e["input_ids"] + [0] * (width - len(e["input_ids"])) for e in examples]),
+        "labels": torch.tensor([e["labels"] for e in examples])})
+
+
+def test_an_empty_batch_of_a_hugging_face_collator_has_no_row_and_the_collate_pickles():
+    """Found by a probe: DataCollatorWithPadding returns a BatchEncoding (a UserDict, not a dict), which the empty
+    batch was not cut from: dataset[0] came as a 1-row batch and dp_step trained on it (in every empty batch); and
+    the collate, a closure, could not be sent to DataLoader workers started by spawn (macOS, Windows)."""
+    import pickle
+
+    transformers = pytest.importorskip("transformers")
+    data = [{"input_ids": [1, 2, 3][: 1 + i % 3], "labels": i % 2} for i in range(20)]
+
+    sampler = pv.PoissonBatches(len(data), 1e-6, steps=2, generator=torch.Generator().manual_seed(0))
+    collate = pickle.loads(pickle.dumps(sampler.collate(data, _pad)))  # as a spawned worker receives it
+    batch = collate([])
+    assert isinstance(batch, transformers.BatchEncoding)
+    assert batch["input_ids"].shape[0] == 0 and batch["labels"].shape == (0,)
+    assert collate([data[3], data[4]])["input_ids"].shape == (2, 2)
+    with pytest.raises(TypeError, match="cannot make an empty batch from a collated object"):
+        sampler.collate(data, lambda examples: object())([])
+
+
 def copy_of(model: nn.Module) -> nn.Module:
     import copy
 
