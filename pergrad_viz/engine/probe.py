@@ -30,6 +30,7 @@ show) is left to the per-call check (``pergrad_viz.engine.certify``).
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -352,7 +353,9 @@ def _apart(trainable: Trainable) -> Iterator[None]:
         yield
 
 
-_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, Plan]] = weakref.WeakKeyDictionary()
+PLANS_PER_MODEL = 64  # the input signatures remembered per model, the least recently used let go (a text model's
+# batches padded to their longest sequence: each length its signature, its plan probed once, not at every change)
 
 
 def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
@@ -362,15 +365,24 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
         return trainable.call.plan
     inputs = inputs if isinstance(inputs, Batch) else Batch.of(inputs)
     key = trainable.call.key = plan_key(trainable, inputs)
-    cached = _PLANS.get(trainable.model)
-    if cached is not None and cached[0] == key and (cached[1].verified or inputs.size == 1):
-        plan = cached[1]
+    plans = _PLANS.get(trainable.model)
+    if plans is None:
+        plans = _PLANS[trainable.model] = OrderedDict()
+    cached = plans.get(key)
+    if cached is not None and (cached.verified or inputs.size == 1):
+        plan = cached
+        plans.move_to_end(key)
     else:
+        last = next(reversed(plans.items()), None)  # the plan of the model's last call
         # the probe's backward passes meet a reentrant checkpoint first; randomness='different': draws held fixed
         with refusing_reentrant_checkpoints(), held_fixed(trainable.call.draws is not None):
             plan = _make_plan(trainable, inputs)
-        if cached is not None and note_probe(trainable.model, cached, key, plan):  # a call counter: left out
+        if last is not None and note_probe(trainable.model, last, key, plan):  # a call counter: left out
+            plans.clear()  # keys read with the attribute in them
             key = trainable.call.key = plan_key(trainable, inputs)
-        _PLANS[trainable.model] = (key, plan)
+        plans[key] = plan
+        plans.move_to_end(key)
+        while len(plans) > PLANS_PER_MODEL:
+            plans.popitem(last=False)
     trainable.call.plan = plan
     return plan

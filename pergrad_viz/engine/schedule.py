@@ -28,6 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from torch import nn
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.plan_key import call_key
+from pergrad_viz.engine.probe import PLANS_PER_MODEL
 
 FIRST = 2  # calls of a new plan that are always checked
 GRAPHS = 32  # graphs between the layers per plan whose first call is always checked
@@ -96,8 +98,8 @@ class Schedule:
             self.checked = True
 
 
-_SCHEDULES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict[tuple, Schedule | Race]]] = (
-    weakref.WeakKeyDictionary())
+_SCHEDULES: weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, dict[tuple, Schedule | Race]]] = (
+    weakref.WeakKeyDictionary())  # per model, per plan key (as many as the plans kept: ``probe.PLANS_PER_MODEL``)
 
 
 @dataclass
@@ -140,10 +142,15 @@ class Race:
 def _kept(trainable: Trainable, inputs: Batch) -> dict:
     key = call_key(trainable, inputs)  # read by the probe's plan_for in this call, if it ran
     kept = _SCHEDULES.get(trainable.model)
-    if kept is None or kept[0] != key:
-        kept = (key, {})
-        _SCHEDULES[trainable.model] = kept
-    return kept[1]
+    if kept is None:
+        kept = _SCHEDULES[trainable.model] = OrderedDict()
+    schedules = kept.get(key)
+    if schedules is None:
+        schedules = kept[key] = {}
+        while len(kept) > PLANS_PER_MODEL:
+            kept.popitem(last=False)
+    kept.move_to_end(key)
+    return schedules
 
 
 def schedule_for(trainable: Trainable, inputs: Batch, quantity: str, strategy: str) -> Schedule:

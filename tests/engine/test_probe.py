@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_state_unchanged, ref_grads, ref_jacobian, snapshot
+from helpers import assert_state_unchanged, counting_calls, ref_grads, ref_jacobian, snapshot
 from torch import nn
 from torch.nn.utils import parametrizations
 
@@ -397,3 +397,32 @@ def test_rows_the_data_selects_are_named_as_such():
         pv.per_sample_grads(_Routed(), torch.nn.CrossEntropyLoss(), x, y, strategy="hooks")
     got = pv.per_sample_grads(_Routed(), torch.nn.CrossEntropyLoss(), x, y)  # auto: each sample alone
     assert got["b.weight"].abs().max() == 0 and got["a.weight"].abs().max() > 0
+
+
+class _Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(20, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, ids):  # (B, T) ids of any length T
+        return self.head(torch.tanh(self.mix(self.embed(ids))).mean(1))
+
+
+def test_a_plan_per_sequence_length_is_kept_not_probed_again_at_each_change(monkeypatch):
+    """Found by a probe: with batches padded to their longest sequence (DataCollatorWithPadding) the length changed
+    at almost every step and each change probed the model again (one plan kept per model): 35 probes in 40 steps,
+    a DP step 9.3x a plain one, also for lengths seen before. Now a plan per input signature is kept (up to
+    probe.PLANS_PER_MODEL), each length probed once; the numbers stay the loop's."""
+    from pergrad_viz.engine import probe
+
+    made = counting_calls(monkeypatch, probe, "_make_plan")
+    torch.manual_seed(0)
+    model, loss_fn = _Tokens(), nn.CrossEntropyLoss()
+    lengths = [5, 7, 5, 9, 7, 5, 9, 7]
+    batches = [(torch.randint(0, 20, (4, t)), torch.randint(0, 3, (4,))) for t in lengths]
+    for rounds in range(2):
+        for ids, y in batches:
+            got = pv.per_sample_grads(model, loss_fn, ids, y, verify=False)
+            for name, want in ref_grads(model, loss_fn, ids, y).items():
+                torch.testing.assert_close(got[name], want)
+        assert len(made) == 3, (rounds, len(made))  # one probe per length, none in the second round
