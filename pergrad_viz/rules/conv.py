@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad_viz.rules.doubts import deferring, gram_tops, note_tops
+from pergrad_viz.rules.doubts import deferring
 from pergrad_viz.rules.linear import LinearGhost, gram_is_cheaper, instantiating_is_cheaper
+from pergrad_viz.rules.pixel_gram import pixel_gram
 from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum
 from pergrad_viz.rules.scaling import scaled_unless_fit
 
@@ -154,48 +155,14 @@ def _direct_norms(module, x, g, local) -> dict[str, torch.Tensor]:
     result = {}
     if "weight" in local:
         window, kernel, _ = live_window(module, x, g.shape[2:])
-        weight = _pixel_gram(module, window, g.unsqueeze(-2) if isinstance(module, nn.Conv1d) else g, kernel, noting)
+        _, stride, dilation = _geometry(module)
+        weight = pixel_gram(window, g.unsqueeze(-2) if isinstance(module, nn.Conv1d) else g, kernel, stride, dilation,
+                            noting)
         result["weight"] = weight if scale is None else weight.to(scale.dtype) * scale
     if "bias" in local:
         bias = g.reshape(g.shape[0], g.shape[1], -1).sum(2).square().sum(1)
         result["bias"] = bias if bias_scale is None else bias.to(bias_scale.dtype) * bias_scale
     return result
-
-
-def _pixel_gram(module, x, g, kernel: tuple[int, int], noting: bool = False) -> torch.Tensor:
-    """(B,) from x (B, C_in, H_p, W_p) and g (B, C_out, H_o, W_o) (a Conv1d's with H = 1), x padded and cropped to
-    the live taps' window, ``kernel`` their extent (:func:`live_window`): the columns' Gram <col_t, col_s> = sum over
-    the taps of the pixels' Gram at the taps' positions, each tap one strided view of the pixels' Gram (B, H_p, W_p,
-    H_p, W_p), summed over the kernel's columns first, then its rows; then sum_{t,s} <col_t, col_s> (g_t . g_s) as
-    for a Linear. ``noting``: both Grams noted for the open layer (:func:`~pergrad_viz.rules.doubts.note_grams`;
-    a sum of at most L^2 k entries of each, L output positions, k taps)."""
-    batch, c_in, height, width = x.shape
-    out_h, out_w = g.shape[-2:]
-    _, stride, dilation = _geometry(module)
-    pixels = x.reshape(batch, c_in, -1)
-    # (B, H_p, H_p, W_p, W_p): summed over the kernel's columns, then its rows (a 5-D strided view a tap took 1.8x
-    # as long: its innermost run is one output row)
-    pixels_gram = torch.bmm(pixels.mT, pixels)  # (B, H_p W_p, H_p W_p)
-    top_x = gram_tops(pixels_gram) if noting else None
-    gram = pixels_gram.view(batch, height, width, height, width).permute(0, 1, 3, 2, 4)
-    del pixels_gram
-    across = None
-    for v in range(kernel[1]):
-        cols = slice(v * dilation[1], v * dilation[1] + (out_w - 1) * stride[1] + 1, stride[1])
-        across = gram[:, :, :, cols, cols].clone() if across is None else across.add_(gram[:, :, :, cols, cols])
-    del gram
-    columns = None
-    for u in range(kernel[0]):
-        rows = slice(u * dilation[0], u * dilation[0] + (out_h - 1) * stride[0] + 1, stride[0])
-        columns = across[:, rows, rows].clone() if columns is None else columns.add_(across[:, rows, rows])
-    del across
-    g3 = g.reshape(batch, g.shape[1], -1)
-    grads = torch.bmm(g3.mT, g3)
-    if noting:
-        note_tops(torch.stack([top_x, gram_tops(grads)]), (out_h * out_w) ** 2 * kernel[0] * kernel[1], c_in,
-                  g.shape[1], (x.dtype, g.dtype))
-    grads = grads.view(batch, out_h, out_w, out_h, out_w).permute(0, 1, 3, 2, 4)
-    return (columns * grads).sum((1, 2, 3, 4)).clamp_min(0)
 
 
 def _geometry(module: nn.Module) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:

@@ -1,0 +1,84 @@
+"""A convolution's ghost norm from the pixels' Gram (:mod:`pergrad_viz.rules.conv`'s direct norms for Conv1d / Conv2d
+with groups=1): ``||sum_t g_t col_t^T||^2 = sum_{t,s} <col_t, col_s> (g_t . g_s)`` over the L output positions, the
+columns' Gram summed from strided views of the pixels' Gram. Where the positions' terms cancel (pixels sharing a
+large part, output gradients of opposite signs) a narrow dtype loses every digit of that sum (norms 0 and 6.9 for
+0.26): such samples are computed again in float64 (:func:`pergrad_viz.rules.linear.cancelling`'s rule)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pergrad_viz.rules.doubts import gram_tops, note_tops
+from pergrad_viz.rules.linear import CANCELLATION
+
+
+def pixel_gram(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
+               dilation: tuple[int, int], noting: bool = False) -> torch.Tensor:
+    """(B,) from x (B, C_in, H_p, W_p) and g (B, C_out, H_o, W_o) (a Conv1d's with H = 1), x padded and cropped to
+    the live taps' window, ``kernel`` their extent (``conv.live_window``): the columns' Gram <col_t, col_s> = sum over
+    the taps of the pixels' Gram at the taps' positions, each tap one strided view of the pixels' Gram (B, H_p, W_p,
+    H_p, W_p), summed over the kernel's columns first, then its rows; then sum_{t,s} <col_t, col_s> (g_t . g_s) as
+    for a Linear. ``noting``: both Grams noted for the open layer (:func:`~pergrad_viz.rules.doubts.note_grams`;
+    a sum of at most L^2 k entries of each, L output positions, k taps), with the samples whose terms may cancel;
+    else those computed again at once in float64."""
+    columns, grads, top_x = _grams(x, g, kernel, stride, dilation, noting)
+    weight = (columns * grads).sum((1, 2, 3, 4)).clamp_min(0)
+    cancelled = _cancelling(weight, columns, grads, x.shape[1] * kernel[0] * kernel[1], g.shape[1])
+    if noting:
+        top_g = _diagonal(grads).amax((1, 2))
+        note_tops(torch.stack([top_x, top_g]), (g.shape[-2] * g.shape[-1]) ** 2 * kernel[0] * kernel[1], x.shape[1],
+                  g.shape[1], (x.dtype, g.dtype), cancelled)
+        return weight
+    rows = cancelled.nonzero().flatten()
+    if rows.numel():
+        again = _grams(x[rows].double(), g[rows].double(), kernel, stride, dilation, False)
+        weight[rows] = (again[0] * again[1]).sum((1, 2, 3, 4)).to(weight.dtype)
+    return weight
+
+
+def _grams(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
+           dilation: tuple[int, int], noting: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(the columns' Gram, the output gradients' Gram, both (B, H_o, H_o, W_o, W_o); the pixels' Gram's maxima (B,)
+    where ``noting``)."""
+    batch, c_in, height, width = x.shape
+    out_h, out_w = g.shape[-2:]
+    pixels = x.reshape(batch, c_in, -1)
+    # (B, H_p, H_p, W_p, W_p): summed over the kernel's columns, then its rows (a 5-D strided view a tap took 1.8x
+    # as long: its innermost run is one output row)
+    pixels_gram = torch.bmm(pixels.mT, pixels)  # (B, H_p W_p, H_p W_p)
+    top_x = gram_tops(pixels_gram) if noting else None
+    gram = pixels_gram.view(batch, height, width, height, width).permute(0, 1, 3, 2, 4)
+    del pixels_gram
+    across = None
+    for v in range(kernel[1]):
+        cols = slice(v * dilation[1], v * dilation[1] + (out_w - 1) * stride[1] + 1, stride[1])
+        across = gram[:, :, :, cols, cols].clone() if across is None else across.add_(gram[:, :, :, cols, cols])
+    del gram
+    columns = None
+    for u in range(kernel[0]):
+        rows = slice(u * dilation[0], u * dilation[0] + (out_h - 1) * stride[0] + 1, stride[0])
+        columns = across[:, rows, rows].clone() if columns is None else columns.add_(across[:, rows, rows])
+    del across
+    g3 = g.reshape(batch, g.shape[1], -1)
+    grads = torch.bmm(g3.mT, g3).view(batch, out_h, out_w, out_h, out_w).permute(0, 1, 3, 2, 4)
+    return columns, grads, top_x
+
+
+def _cancelling(weight: torch.Tensor, columns: torch.Tensor, grads: torch.Tensor, width_a: int,
+                width_g: int) -> torch.Tensor:
+    """(B,) bool: the samples whose norm ``weight`` may have lost its digits to the positions' terms cancelling: under
+    :data:`~pergrad_viz.rules.linear.CANCELLATION` times eps (sqrt(width_a) + sqrt(width_g) + L) sum_t |col_t|^2
+    |g_t|^2 (the Grams' diagonals; about the norm itself where the terms do not cancel); none in float64."""
+    if columns.dtype == torch.float64 and grads.dtype == torch.float64:
+        return torch.zeros_like(weight, dtype=torch.bool)
+    eps = max(torch.finfo(columns.dtype).eps, torch.finfo(grads.dtype).eps)
+    positions = columns.shape[1] * columns.shape[3]
+    usual = (_diagonal(columns) * _diagonal(grads)).sum((1, 2)).to(weight.dtype)
+    return weight < usual * (CANCELLATION * eps * (math.sqrt(width_a) + math.sqrt(width_g) + positions))
+
+
+def _diagonal(gram: torch.Tensor) -> torch.Tensor:
+    """(B, H_o, W_o): the entries (t, t) of a Gram laid out (B, H_o, H_o, W_o, W_o)."""
+    return gram.diagonal(dim1=1, dim2=2).diagonal(dim1=1, dim2=2)
