@@ -11,14 +11,14 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.nn.modules import module as module_hooks
 
+from pergrad_viz.core.kept_state import copies, has_user_hooks, hook_keys, remove_added_hooks, values_changed
 from pergrad_viz.core.users import drop_package_frames, is_package_error
 from pergrad_viz.core.validate import check_model
 from pergrad_viz.errors import UndefinedPerSampleError
@@ -160,7 +160,8 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
     named = model.modules if isinstance(model, Trainable) else tuple(model.named_modules())
     flags = [m.training for _, m in named]
     script = torch.jit.ScriptModule  # TorchScript keeps its own
-    hooked = _has_forward_hooks(named)  # a user's hook may keep a count on any module (self.calls += 1)
+    hooked = has_user_hooks(named)  # a user's hook may keep a count on any module (self.calls += 1)
+    hooks = hook_keys(named)
     kept = [(n, m, dict(m._parameters), dict(m._buffers),
              None if _stateless(type(m)) and not hooked else dict(m.__dict__))
             for n, m in named if not isinstance(m, script)]
@@ -169,8 +170,8 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
         for bname, b in bufs.items():
             if b is not None and id(b) not in found and not b.is_inference():
                 found[id(b)] = (f"{name}.{bname}" if name else bname, b, b._version)
-    copies = _copies([b for _, b, _ in found.values()])
-    buffers = {key: (*entry, copy) for (key, entry), copy in zip(found.items(), copies, strict=True)}
+    kept_buffers = copies([b for _, b, _ in found.values()])
+    buffers = {key: (*entry, copy) for (key, entry), copy in zip(found.items(), kept_buffers, strict=True)}
     # (name, parameter, version): one written in place by the forward is refused (and undone); every parameter once,
     # from the call's own walk where it made one
     if isinstance(model, Trainable):
@@ -183,17 +184,19 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
         small = sum(p.nbytes for _, p, _ in owned) <= KEPT_PARAMETER_BYTES
         picked = [k for k, (_, p, _) in enumerate(owned) if small or p.numel() <= KEPT_PARAMETER_ELEMENTS]
         with torch.no_grad():
-            for k, value in zip(picked, _copies([owned[k][1] for k in picked]), strict=True):
+            for k, value in zip(picked, copies([owned[k][1] for k in picked]), strict=True):
                 kept_values[k] = value
-    failed = True
+    failed: BaseException | None = None
     try:
         with torch.inference_mode(False), torch.enable_grad():
             yield
-        failed = False
+    except BaseException as e:  # raised again below, or a refusal naming the write that caused it
+        failed = e
     finally:
         for (_, m), flag in zip(named, flags, strict=True):
             if m.training != flag:
                 m.training = flag
+        remove_added_hooks(named, hooks)
         replaced = []
         for name, m, params, bufs, attributes in kept:
             if attributes is not None and not _same_objects(m.__dict__, attributes):  # self.h = h.detach()
@@ -204,13 +207,19 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
                 m._parameters.clear()
                 m._parameters.update(params)
             if not _same_objects(m._buffers, bufs):
-                replaced.append(name)
+                replaced += [f"{name}.{k}" if name else k for k in m._buffers.keys() | bufs.keys()
+                             if m._buffers.get(k) is not bufs.get(k)]
                 m._buffers.clear()
                 m._buffers.update(bufs)
-        written = [name for name, b, version, copy in buffers.values() if b._version != version] + replaced
-        for _name, b, version, copy in buffers.values():
-            if b._version != version:
+        entries = list(buffers.values())
+        unseen = values_changed([b for _, b, _, _ in entries], [c for *_, c in entries])  # no version counted
+        written = [name for (name, b, version, _), other in zip(entries, unseen, strict=True)
+                   if b._version != version or other]
+        for (_name, b, version, copy), other in zip(entries, unseen, strict=True):
+            if b._version != version or other:
                 with torch.no_grad():
+                    if b.shape != copy.shape:  # a forward that resized it (an observer's statistics)
+                        b.resize_(copy.shape)
                     b.copy_(copy)
         changed = [(name, p, value) for (name, p, version), value in zip(owned, kept_values, strict=True)
                    if p._version != version]
@@ -218,6 +227,8 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
             if value is not None:
                 with torch.no_grad():
                     p.copy_(value)
+    error = failed  # a refusal of the probe (outputs that differ between runs) gives way to the write that caused it
+    failed = failed if isinstance(failed, UndefinedPerSampleError) and (written or replaced) else failed is not None
     if changed and not failed:
         name, _, value = changed[0]
         raise UndefinedPerSampleError(
@@ -227,18 +238,26 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
             "such state in a buffer (register_buffer: then model.eval() stops its updates) or apply the constraint "
             "outside the forward."
         )
-    if written and not failed:
-        owner = dict(zip((n for n, _ in named), flags, strict=True)).get(written[0].rpartition(".")[0], True)
-        fix = ("Call model.eval() first (a FakeQuantize or observer of quantisation-aware training updates its "
-               "statistics in eval mode too: model.apply(torch.ao.quantization.disable_observer))" if owner else
-               "It does so in eval mode too (a step counter, self.steps += 1): keep such a count as a plain Python int "
-               "attribute, not a registered buffer, or update it outside the forward; a FakeQuantize or observer: "
-               "model.apply(torch.ao.quantization.disable_observer)")
+    if replaced and failed is not True:
         raise UndefinedPerSampleError(
-            f"the forward pass writes the buffer '{written[0]}' (e.g. running statistics in training mode, or "
-            "spectral_norm's power iteration), so computing per-sample gradients would change your model and each "
-            f"sample would see another model. The buffer was restored. {fix}."
-        )
+            f"the forward pass assigns a new tensor to the registered buffer '{replaced[0]}' (self.x = ..., "
+            "register_buffer inside forward), so computing per-sample gradients would change your model and each "
+            "sample would see another model. The buffer was put back. Keep such a value in a local variable or a plain "
+            "attribute, or register the buffer once in __init__ and update it outside the forward."
+        ) from (failed or None)
+    if written and failed is not True:
+        owner = dict(zip((n for n, _ in named), flags, strict=True)).get(written[0].rpartition(".")[0], True)
+        fix = ("If it writes in training mode only (running statistics), call model.eval() first; if in eval mode "
+               "too (a step counter, " if owner else "It does so in eval mode too (a step counter, ")
+        raise UndefinedPerSampleError(
+            f"the forward pass writes the buffer '{written[0]}' (e.g. running statistics in training mode, "
+            "spectral_norm's power iteration, or through .data / numpy), so computing per-sample gradients would "
+            f"change your model and each sample would see another model. The buffer was restored. {fix}self.steps += "
+            "1), keep such a value as a plain Python attribute, not a registered buffer, or update it outside the "
+            "forward; a FakeQuantize or observer: model.apply(torch.ao.quantization.disable_observer)."
+        ) from (failed or None)
+    if error is not None:
+        raise error
 
 
 # The copy ``restoring_modes(keep_parameters=True)`` keeps: every parameter of a model of at most this many bytes,
@@ -247,41 +266,10 @@ KEPT_PARAMETER_BYTES = 64 << 20
 KEPT_PARAMETER_ELEMENTS = 1 << 16
 
 
-def _has_forward_hooks(named: Sequence[tuple[str, nn.Module]]) -> bool:
-    """Whether a forward hook or pre-hook of the user's (a module's own or a global one) runs in the forward."""
-    return bool(module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks) or any(
-        m._forward_hooks or m._forward_pre_hooks for _, m in named)
-
-
 @functools.cache
 def _stateless(kind: type) -> bool:
     """Whether a module type is PyTorch's own (``torch.nn.Linear``, ...), whose forward keeps no attribute."""
     return kind.__module__.startswith("torch.")
-
-
-def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A copy of each tensor's values: one ``torch.cat`` per dtype and device, each copy a view of it (ResNet-18's 60
-    batch-norm buffers in 2 copies, not 60: on a GPU each is a kernel launch, every call)."""
-    groups: dict[tuple, list[int]] = {}
-    copies: list[torch.Tensor | None] = [None] * len(tensors)
-    for k, t in enumerate(tensors):
-        if t.layout is torch.strided and not t.is_quantized:
-            groups.setdefault((t.dtype, t.device), []).append(k)
-        else:
-            copies[k] = t.detach().clone()
-    for picked in groups.values():
-        if len(picked) == 1:
-            copies[picked[0]] = tensors[picked[0]].detach().clone()
-            continue
-        try:
-            flat = torch.cat([tensors[k].detach().reshape(-1) for k in picked])
-        except RuntimeError:  # a tensor that cannot be flattened (a nested one): one clone each
-            for k in picked:
-                copies[k] = tensors[k].detach().clone()
-            continue
-        for k, piece in zip(picked, flat.split([tensors[k].numel() for k in picked]), strict=True):
-            copies[k] = piece.view(tensors[k].shape)
-    return copies
 
 
 def computing_gradients(fn: Callable) -> Callable:

@@ -295,7 +295,7 @@ def test_a_buffer_written_in_eval_mode_too_names_a_fix_that_works():
     """Found by a probe: the message named model.eval() and a copy of the model, neither of which helps."""
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
     model = _StepCounter(as_buffer=True).eval()
-    with pytest.raises(pv.UndefinedPerSampleError, match="eval mode too.*plain Python int attribute"):
+    with pytest.raises(pv.UndefinedPerSampleError, match="eval mode too.*plain Python attribute"):
         pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
     assert model.steps == 0
     fixed = _StepCounter(as_buffer=False).eval()
@@ -446,3 +446,83 @@ def test_complex_and_meta_parameters_are_refused_naming_a_fix_that_works(call):
         for i in range(5):
             want = torch.autograd.grad(nn.CrossEntropyLoss()(model(x[i:i + 1]), y[i:i + 1]), model.w)[0]
             torch.testing.assert_close(got[i], want)
+
+
+class _WritesUnseen(nn.Module):
+    """A buffer the forward writes without PyTorch counting a version: through .data, a numpy view, or resized."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(4, 3)
+        self.register_buffer("buf", torch.ones(3) if how != "resized" else torch.zeros(0))
+
+    def forward(self, x):
+        if self.how == "data":
+            self.buf.data.mul_(0.9)
+        elif self.how == "numpy":
+            self.buf.numpy()[:] *= 0.9
+        elif self.how == "resized":  # an observer's statistics, empty until the first batch
+            self.buf.data = x.detach().amax(0)[:3].clone()
+        return self.lin(x) * (self.buf.sum() + 1)
+
+
+@pytest.mark.parametrize("how", ["data", "numpy", "resized"])
+@pytest.mark.parametrize("strategy", ["auto", "loop", "hooks", "torch_func"])
+def test_a_buffer_written_unseen_by_the_version_counter_is_refused_and_restored(how, strategy):
+    """Found by a probe: writes through .data or numpy changed the buffer without a version bump: the loop returned
+    rows 0.07 off (each sample saw another buffer), the buffer left changed, the batched strategies blamed random
+    numbers; a buffer the forward resized gave a raw size-mismatch error from the restore itself."""
+    torch.manual_seed(0)
+    model = _WritesUnseen(how).eval()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    before = snapshot(model)
+    with pytest.raises(pv.UndefinedPerSampleError, match="writes the buffer 'buf'.*restored"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    assert_state_unchanged(model, before)
+
+
+class _ReplacesBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        self.scale = x.detach().abs().mean()  # a new tensor in a registered buffer's place
+        return self.lin(x) * self.scale
+
+
+def test_a_buffer_the_forward_replaces_is_named_with_a_fix_that_is_not_eval():
+    """Found by a probe: a replaced buffer was named '' and the message said to call model.eval(), which changes
+    nothing."""
+    model = _ReplacesBuffer().eval()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    before = snapshot(model)
+    replaced = "new tensor to the registered buffer 'scale'.*local variable"
+    with pytest.raises(pv.UndefinedPerSampleError, match=replaced) as info:
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    assert "model.eval()" not in str(info.value)
+    assert_state_unchanged(model, before)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop", "hooks"])
+def test_a_backward_hooks_count_and_a_hook_registered_by_a_hook_are_left_as_they_were(strategy):
+    """Found by a probe: a count kept by a full backward hook on a torch.nn module (3-4 after a call), and forward
+    hooks a user's hook registered during the call (9 where there was 1), were left on the model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def count(module, grad_input, grad_output):
+        module.backward_calls = getattr(module, "backward_calls", 0) + 1
+
+    def spawn(module, args, output):
+        module.register_forward_hook(lambda *a: None)
+
+    model[2].register_full_backward_hook(count)
+    model[0].register_forward_hook(spawn)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    assert not hasattr(model[2], "backward_calls")
+    assert len(model[0]._forward_hooks) == 1
+    for name, want in ref_grads(model, nn.CrossEntropyLoss(), x, y).items():
+        torch.testing.assert_close(got[name], want)
