@@ -290,7 +290,7 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
         ``{name: Tensor (*param.shape)}``, the tensors now in ``.grad``.
     """
     distributed = options.get("distributed", False)
-    check_distributed(distributed)
+    check_distributed(distributed, model)
     with failing_together(distributed):  # the others told, not left to pair their next call with this one's
         if expected_batch_size is not None:
             expected_batch_size = whole_number("expected_batch_size", expected_batch_size,

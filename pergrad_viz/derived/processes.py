@@ -11,13 +11,22 @@ import zlib
 import torch
 
 
-def check_distributed(distributed: object) -> None:
-    """Refuse ``distributed=True`` outside an initialised ``torch.distributed`` process group."""
+def check_distributed(distributed: object, stepped: object = None) -> None:
+    """Refuse ``distributed=True`` outside an initialised ``torch.distributed`` process group, and ``dp_step`` on a
+    ``DistributedDataParallel`` model (``stepped``) of several processes without it: ``.grad`` is written directly,
+    so DDP's gradient all-reduce never runs and each process would step on its own samples alone."""
     if not isinstance(distributed, bool):
         raise TypeError(f"distributed must be True or False, got {distributed!r}")
-    if distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and not initialised:
         raise ValueError("distributed=True needs torch.distributed initialised: run under torchrun and call "
                          "torch.distributed.init_process_group('gloo') (or 'nccl') first")
+    if (not distributed and initialised and isinstance(stepped, torch.nn.parallel.DistributedDataParallel)
+            and torch.distributed.get_world_size() > 1):
+        raise ValueError("the model is wrapped in DistributedDataParallel, whose gradient all-reduce dp_step does not "
+                         "run (it writes .grad itself): each process would step on its own samples alone and the "
+                         "replicas would drift apart. Pass distributed=True on every process (the clipped sums are "
+                         "all-reduced, the noise drawn once)")
 
 
 def agreed_count(batch: int, shapes: list[tuple], clipping: tuple) -> int:

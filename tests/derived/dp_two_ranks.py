@@ -81,6 +81,13 @@ if __name__ == "__main__":
                                                               expected_batch_size=5 + 5 * rank))
     results["even, again"] = step(rank, slice(5 * rank, 5 * rank + 5))  # the processes still in step
     model, loss_fn, x, y = problem()
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    results["DDP, distributed=False"] = failure(lambda: pv.dp_step(wrapped, loss_fn, x[5 * rank:5 * rank + 5],
+                                                                   y[5 * rank:5 * rank + 5], 0.3, noise_multiplier=0.0))
+    pv.dp_step(wrapped, loss_fn, x[5 * rank:5 * rank + 5], y[5 * rank:5 * rank + 5], 0.3, noise_multiplier=1.5,
+               generator=torch.Generator().manual_seed(7 + rank), distributed=True)
+    results["DDP, distributed=True"] = {n: p.grad for n, p in model.named_parameters()}
+    model, loss_fn, x, y = problem()
     noise = torch.Generator().manual_seed(7 + rank)  # made once: rank 1's never draws, and says nothing of it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

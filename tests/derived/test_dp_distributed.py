@@ -123,3 +123,13 @@ def test_distributed_needs_a_process_group():
     with pytest.raises(ValueError, match="init_process_group"):
         pv.noise_step(model, 1.0, noise_multiplier=1.0, generator=torch.Generator(), expected_batch_size=2,
                       distributed=True)
+
+
+def test_a_ddp_model_steps_with_distributed_true_and_is_refused_without(two):
+    """Found by a probe: dp_step on a DistributedDataParallel model with distributed=False wrote each process's own
+    sum into .grad (DDP's all-reduce never ran): the replicas drifted apart (0.063 after 3 steps), silently."""
+    message = two["DDP, distributed=False"]
+    assert message.startswith("ValueError: the model is wrapped in DistributedDataParallel") and \
+        "distributed=True" in message
+    for name, grad in two["even"].items():  # the step of one process given all the samples
+        torch.testing.assert_close(two["DDP, distributed=True"][name], grad)
