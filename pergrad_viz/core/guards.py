@@ -220,6 +220,16 @@ def check_one_dtype(strategy: str, trainable: Trainable) -> bool:
 def special_model_strategy(trainable: Trainable, strategy: str) -> str | None:
     """The strategy for a model with a gradient hook on a parameter, a compiled or a TorchScript layer (None: none of
     these); raises :class:`UnsupportedModelError` where ``strategy`` cannot run it."""
+    subclass = next((n for n, p in zip(trainable.names, trainable.params, strict=True) if _own_torch_function(p)),
+                    None)
+    if subclass is not None and strategy in ("hooks", "torch_func"):
+        raise UnsupportedModelError(
+            f"parameter '{subclass}' is a tensor subclass with its own __torch_function__, which may change what a "
+            f"layer computes with it: the {strategy} strategy (its layer rules / functional_call's plain tensors) "
+            "would not see that. Use strategy='auto' (which picks the loop here), 'loop', 'autograd_stack' or "
+            "'batched_grad'")
+    if subclass is not None and strategy == "auto":
+        return "loop"
     hooked = hooked_parameter(trainable)
     if hooked is not None:
         if strategy == "auto":
@@ -291,3 +301,12 @@ def check_parameter_kinds(named: Sequence[tuple[str, torch.Tensor]]) -> None:
             f"parameter '{complex_[0]}' is complex ({complex_[1]}): per-sample gradients are computed for real "
             "parameters only. Keep it as a real parameter of shape (..., 2) and use torch.view_as_complex(...) inside "
             "the forward, so that its gradient is real")
+
+
+_PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+
+
+def _own_torch_function(p: torch.Tensor) -> bool:
+    """Whether a parameter's class overrides ``__torch_function__`` (``nn.Parameter`` and ``torch.Tensor`` do not)."""
+    function = type(p).__torch_function__
+    return getattr(function, "__func__", function) not in _PLAIN_TORCH_FUNCTIONS
