@@ -54,7 +54,7 @@ from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_nam
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
 from pergrad_viz.rules.doubts import deferring, doubts_for
-from pergrad_viz.rules.linear import LinearGhost, gram_is_faster
+from pergrad_viz.rules.linear import CANCELLATION, LinearGhost, gram_is_faster
 from pergrad_viz.rules.scaling import products_fit, sample_maxima, sample_scaled, wide_row_norms
 from pergrad_viz.strategies import working_bytes
 
@@ -236,14 +236,36 @@ def tied_squared_norms(parts: Sequence[TiedPart]) -> torch.Tensor:
     """(B,) squared norms of the per-sample gradient of a weight tied between layers, sum_k g_k, without forming it:
     ``sum_k ||g_k||^2 + 2 sum_{k<l} <g_k, g_l>`` with ``<g_k, g_l> = sum_{t,s} (left_kt . left_ls)(right_kt .
     right_ls)`` per sample (an output Linear tied to an Embedding: the Linear's output gradient gathered at the
-    token ids). O(B T_k T_l (rows + cols)) work, (B, T_k, T_l) memory."""
-    total = sum(own for _, _, own in parts)
-    scaled = _scaled_parts(parts)
+    token ids). O(B T_k T_l (rows + cols)) work, (B, T_k, T_l) memory. On a CPU a sample whose cross terms cancel its
+    own ones (uses of the weight that nearly undo each other: the narrow dtype's rounding of the cross terms would be
+    all that is left) is computed again with the factors in float64."""
+    own = sum(own for _, _, own in parts)
+    total = _with_cross_terms(own, _scaled_parts(parts))
+    right = parts[0][1]
+    if right.device.type != "cpu" or right.dtype == torch.float64:
+        return total.clamp_min(0)
+    # the terms' usual size, sum_k sum_t |left_kt|^2 |right_kt|^2, and their rounding (as rules.linear.cancelling)
+    usual = sum(((left.double().square().sum(-1) if left.is_floating_point() else 1.0)
+                 * r.double().square().sum(-1)).sum(1) for left, r, _ in parts)
+    widths = max(math.sqrt(left.shape[-1]) if left.is_floating_point() else 1.0 for left, _, _ in parts) + max(
+        math.sqrt(r.shape[-1]) for _, r, _ in parts) + max(left.shape[1] for left, _, _ in parts)
+    rows = (total < usual.to(total.dtype) * (CANCELLATION * torch.finfo(right.dtype).eps * widths)).nonzero().flatten()
+    if rows.numel():
+        wide = [(left[rows].double() if left.is_floating_point() else left[rows], r[rows].double(), None)
+                for left, r, _ in parts]  # the own norms again too: theirs rounded as the cross terms did
+        own_wide = sum((_left_gram(left, left, torch.float64) * torch.bmm(r, r.mT)).sum((1, 2)) for left, r, _ in wide)
+        total[rows] = _with_cross_terms(own_wide, [(left, r, None) for left, r, _ in wide]).to(total.dtype)
+    return total.clamp_min(0)
+
+
+def _with_cross_terms(own: torch.Tensor, scaled: list) -> torch.Tensor:
+    """(B,) ``own`` (the parts' own squared norms summed) plus twice every pair's cross term."""
+    total = own
     for k, (left1, right1, s1) in enumerate(scaled):
         for left2, right2, s2 in scaled[k + 1:]:
             cross = (_left_gram(left1, left2, right1.dtype) * torch.bmm(right1, right2.mT)).sum((1, 2))
             total = total + 2 * (cross if s1 is None else cross.to(SQUARES) * (s1.to(SQUARES) * s2.to(SQUARES)))
-    return total.clamp_min(0)
+    return total
 
 
 def _scaled_parts(parts: Sequence[TiedPart]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
