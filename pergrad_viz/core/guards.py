@@ -220,6 +220,14 @@ def check_one_dtype(strategy: str, trainable: Trainable) -> bool:
 def special_model_strategy(trainable: Trainable, strategy: str) -> str | None:
     """The strategy for a model with a gradient hook on a parameter, a compiled or a TorchScript layer (None: none of
     these); raises :class:`UnsupportedModelError` where ``strategy`` cannot run it."""
+    disabled = getattr(torch._C._autograd, "_saved_tensors_hooks_get_disabled_error_message", lambda: None)()
+    if disabled is not None and strategy != "loop":  # the probe and the capture note what the forward saves
+        if strategy == "auto":
+            return "loop"
+        raise UnsupportedModelError(
+            f"the call runs inside torch.autograd.graph.disable_saved_tensors_hooks(...) ({disabled!r}), and the "
+            f"{strategy} strategy registers saved-tensor hooks to see what the forward saves. Use strategy='auto' "
+            "(which picks the loop here) or 'loop', or make the call outside that block")
     subclass = next((n for n, p in zip(trainable.names, trainable.params, strict=True) if _own_torch_function(p)),
                     None)
     if subclass is not None and strategy in ("hooks", "torch_func"):

@@ -104,9 +104,11 @@ class PoissonBatches:
 
 class PoissonCollate:
     """:meth:`PoissonBatches.collate`'s ``collate_fn``, an object so that DataLoader workers started by spawn or
-    forkserver (macOS, Windows) can be sent it: ``inner(batch)``, and for an empty batch ``inner([dataset[0]])`` with
-    every tensor cut to 0 rows, in dicts, ``UserDict`` s (a Hugging Face ``BatchEncoding``), lists and tuples; a
-    collated value of another kind is refused (its rows of ``dataset[0]`` would be trained on as a sample)."""
+    forkserver (macOS, Windows) can be sent it: ``inner(batch)``, and for an empty batch what ``inner`` makes of the
+    dataset's first example with every per-example part emptied: where the collate of the example twice holds twice
+    as many (a tensor's rows, a list or tuple's items, in dicts, ``UserDict`` s such as a Hugging Face
+    ``BatchEncoding``, lists and tuples), none; a part of another kind is refused (its rows of ``dataset[0]`` would
+    be trained on as a sample)."""
 
     def __init__(self, dataset, inner: Callable):
         self.dataset, self.inner = dataset, inner
@@ -114,38 +116,35 @@ class PoissonCollate:
     def __call__(self, batch: list):
         if batch:
             return self.inner(batch)
-        return _no_rows(self.inner([self.dataset[0]]))
+        first = self.dataset[0]
+        return _emptied(self.inner([first]), self.inner([first, first]))
 
 
-def _no_rows(value: object) -> object:
-    """``value`` (one example, collated) with every tensor cut to 0 rows."""
-    if isinstance(value, torch.Tensor) or _per_example(value):
-        return value[:0]
-    if isinstance(value, collections.UserDict):  # a BatchEncoding: the same object kind, its data cut
-        empty = copy.copy(value)
-        empty.data = {k: _no_rows(v) for k, v in value.data.items()}
+def _emptied(one: object, two: object) -> object:
+    """``one`` (one example collated) with each part that ``two`` (the example twice) holds twice of emptied."""
+    if isinstance(one, torch.Tensor):
+        doubled = isinstance(two, torch.Tensor) and one.dim() and two.dim() and two.shape[0] == 2 * one.shape[0]
+        return one[:0] if doubled else one
+    if isinstance(one, collections.UserDict):  # a BatchEncoding: the same object kind, its data emptied
+        empty = copy.copy(one)
+        empty.data = {k: _emptied(v, two[k]) for k, v in one.data.items()}
         return empty
-    if isinstance(value, dict):
-        items = {k: _no_rows(v) for k, v in value.items()}
+    if isinstance(one, dict):
+        items = {k: _emptied(v, two[k]) for k, v in one.items()}
         try:
-            return type(value)(items)
+            return type(one)(items)
         except TypeError:
             return items
-    if isinstance(value, list | tuple):
-        items = [_no_rows(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if value is None or isinstance(value, str | bytes | numbers.Number):
-        return value
-    raise TypeError(f"PoissonBatches.collate cannot make an empty batch from a collated {type(value).__name__} (its "
+    if isinstance(one, list | tuple):
+        if not hasattr(one, "_fields") and one and len(two) == 2 * len(one):  # one item per example
+            return type(one)()
+        items = [_emptied(a, b) for a, b in zip(one, two, strict=True)]
+        return type(one)(*items) if hasattr(one, "_fields") else type(one)(items)
+    if one is None or isinstance(one, str | bytes | numbers.Number):
+        return one
+    raise TypeError(f"PoissonBatches.collate cannot make an empty batch from a collated {type(one).__name__} (its "
                     "rows of the dataset's first example would be trained on): make collate_fn return tensors in "
                     "dicts, lists or tuples")
-
-
-def _per_example(value: object) -> bool:
-    """A collated field of one example that is no tensor (``default_collate`` keeps strings as a list, a list of
-    strings as tuples, each as long as the batch)."""
-    return isinstance(value, list | tuple) and len(value) == 1 and not isinstance(
-        value[0], list | tuple | dict | torch.Tensor)
 
 
 def _accountants():

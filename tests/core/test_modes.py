@@ -563,3 +563,27 @@ def test_a_parameter_subclass_with_its_own_torch_function_gives_the_loop_or_is_r
     else:
         got = pv.per_sample_grads(model, loss_fn, x, y, strategy=call, verify=False)["0.weight"]
         torch.testing.assert_close(got, torch.stack([r[0] for r in rows]))
+
+
+@pytest.mark.parametrize("call", ["auto", "hooks", "norms", "clipped_sum"])
+def test_a_call_inside_disable_saved_tensors_hooks_gives_the_loop_or_names_it(call):
+    """Found by a probe: inside torch.autograd.graph.disable_saved_tensors_hooks(msg) every call but the loop raised
+    PyTorch's RuntimeError (the probe registers saved-tensor hooks), shown as the user's own error."""
+    torch.manual_seed(0)
+    model, loss_fn = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)), nn.CrossEntropyLoss()
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    rows = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), list(model.parameters())) for i in range(4)]
+    norms = torch.stack([torch.sqrt(sum(g.square().sum() for g in r)) for r in rows])
+    with torch.autograd.graph.disable_saved_tensors_hooks("no saved-tensor hooks here"):
+        if call == "hooks":
+            with pytest.raises(pv.UnsupportedModelError, match="disable_saved_tensors_hooks.*'auto'"):
+                pv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
+        elif call == "norms":
+            torch.testing.assert_close(pv.per_sample_grad_norms(model, loss_fn, x, y), norms)
+        elif call == "clipped_sum":
+            got = pv.clipped_grad_sum(model, loss_fn, x, y, 1.0)["0.weight"]
+            factors = (1.0 / (norms + 1e-6)).clamp(max=1)
+            torch.testing.assert_close(got, sum(f * r[0] for f, r in zip(factors, rows, strict=True)))
+        else:
+            got = pv.per_sample_grads(model, loss_fn, x, y)["0.weight"]
+            torch.testing.assert_close(got, torch.stack([r[0] for r in rows]))

@@ -106,6 +106,23 @@ def test_an_empty_batch_of_a_hugging_face_collator_has_no_row_and_the_collate_pi
         sampler.collate(data, lambda examples: object())([])
 
 
+def _keep(examples):
+    return examples
+
+
+def _detection(examples):
+    return tuple(zip(*examples))
+
+
+@pytest.mark.parametrize(("collate_fn", "want"), [(_keep, []), (_detection, ((), ()))], ids=["identity", "zip"])
+def test_an_empty_batch_of_a_collate_that_keeps_the_examples_is_empty(collate_fn, want):
+    """Found by a probe: a collate keeping the examples as they are (lambda b: b, a detection model's
+    tuple(zip(*b))) gave an IndexError on a 0-dim label, or one-element tuples holding the first example's image."""
+    data = [(torch.randn(3, 4, 4), {"boxes": torch.randn(2, 4), "label": torch.tensor(i % 2)}) for i in range(10)]
+    sampler = pv.PoissonBatches(len(data), 1e-6, steps=1, generator=torch.Generator().manual_seed(0))
+    assert sampler.collate(data, collate_fn)([]) == want
+
+
 def copy_of(model: nn.Module) -> nn.Module:
     import copy
 
