@@ -101,8 +101,9 @@ def assign(trainable: Trainable, uses: Mapping[str, list[Use]], why_not: Callabl
                     return {}, why_not(inner[0])
                 func = next((f for s, f in used if not s or s[-1] not in own), used[0][1])
                 return {}, (f"parameter '{full}' is used outside the forward of its own layer (by {func} in the "
-                            "model's forward, e.g. weights tied with F.linear(h, self.emb.weight)), so a per-layer "
-                            "rule would miss that part of the gradient")
+                            "model's forward, e.g. weights tied with F.linear(h, self.emb.weight), or in a forward "
+                            "pre-hook: torch.nn.utils.prune, the old weight_norm), so a per-layer rule would miss "
+                            "that part of the gradient")
             chosen = [handler]
         for h in chosen:
             handlers.setdefault(h, {})[local_name(modules[h], p)] = full
