@@ -592,9 +592,11 @@ def test_a_call_inside_disable_saved_tensors_hooks_gives_the_loop_or_names_it(ca
 def test_a_pruned_layer_is_named_as_a_pre_hooks_use_and_auto_gives_the_loop():
     """Found by a probe: for torch.nn.utils.prune (weight_orig * weight_mask in a forward pre-hook) hooks' refusal
     spoke of a use 'in the model's forward' (tied weights) alone."""
+    from torch.nn.utils import prune
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
     x, y, loss_fn = torch.randn(4, 6), torch.randint(0, 3, (4,)), nn.CrossEntropyLoss()
     with pytest.raises(pv.UnsupportedModelError, match="0.weight_orig.*forward pre-hook: torch.nn.utils.prune"):
         pv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
