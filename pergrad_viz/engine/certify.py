@@ -186,7 +186,8 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     again = _Float64(trainable, inputs, targets, loss_fn).again(lambda t, x, y, f: weighted_grads(t, x, y, f, w))
     found = verdict(trainable.names, got, want, trainable.dtype, again)
     alone = lambda: _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, draw(inputs.size))  # noqa: E731
-    if found is not None and not own_forward and _batch_coupled(trainable, alone()):
+    if found is not None and not own_forward and (_batch_coupled(trainable, alone()) or _every_row_alone(
+            trainable, lambda: _check_directional(trainable, loss_fn, inputs, targets, rows, strategy))):
         return
     _raise(found, "a random combination of the rows", strategy)
     alone()
@@ -204,6 +205,15 @@ def _batch_coupled(trainable: Trainable, coupled: Callable[[], bool]) -> bool:
                                         "another gradient than it has alone (a forward that depends on the batch "
                                         "size?)")
     return True
+
+
+def _every_row_alone(trainable: Trainable, directional: Callable[[], bool]) -> bool:
+    """After a strategy that computes each sample alone failed the batched reference and passed a random sample alone
+    that the batch does not couple: whether every row passes forward mode's check of its sample alone
+    (``directional()``, which raises where a row fails), so that the samples the batch couples are others (a forward
+    that normalises by the batch's largest value only once some sample is large); the plan then refuses every
+    strategy that runs the batch at once, as :func:`_batch_coupled` does."""
+    return directional() and _batch_coupled(trainable, lambda: True)
 
 
 def _check_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
@@ -234,7 +244,8 @@ def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch
     again = _Float64(trainable, inputs, None, None).again(lambda t, x, y, f: weighted_outputs(t, x, y, f, w))
     found = verdict(trainable.names, got, want, trainable.dtype, again)
     alone = lambda: _check_alone_jacobian(trainable, inputs, rows, strategy, draw(inputs.size))  # noqa: E731
-    if found is not None and not own_forward and _batch_coupled(trainable, alone()):
+    if found is not None and not own_forward and (_batch_coupled(trainable, alone()) or _every_row_alone(
+            trainable, lambda: _check_directional(trainable, None, inputs, None, rows, strategy))):
         return
     _raise(found, "a random combination of the Jacobians' rows", strategy)
     alone()
@@ -256,10 +267,10 @@ def _check_alone_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str
 
 
 def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
-                       rows: Mapping[str, torch.Tensor], strategy: str) -> None:
+                       rows: Mapping[str, torch.Tensor], strategy: str) -> bool:
     """Every row against a forward-mode directional derivative of that sample alone (``vmap`` of ``jvp``); the worst
     row beyond the tolerance, if any, is then checked alone. Where forward mode cannot run the model, one random
-    row is checked alone."""
+    row is checked alone. Returns whether every row passed by forward mode."""
     jacobian = loss_fn is None
     lead = 2 if jacobian else 1
     batch = inputs.size
@@ -285,11 +296,12 @@ def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Bat
         if not bool(excess[worst] <= 1):
             i = worst
         else:
-            return
+            return True
     if jacobian:
         _check_alone_jacobian(trainable, inputs, rows, strategy, i)
     else:
         _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, i)
+    return False
 
 
 def _jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
