@@ -111,7 +111,7 @@ def _keep(examples):
 
 
 def _detection(examples):
-    return tuple(zip(*examples))
+    return tuple(zip(*examples, strict=True))
 
 
 @pytest.mark.parametrize(("collate_fn", "want"), [(_keep, []), (_detection, ((), ()))], ids=["identity", "zip"])
