@@ -242,7 +242,7 @@ def tied_squared_norms(parts: Sequence[TiedPart]) -> torch.Tensor:
     own = sum(own for _, _, own in parts)
     total = _with_cross_terms(own, _scaled_parts(parts))
     right = parts[0][1]
-    if right.device.type != "cpu" or right.dtype == torch.float64:
+    if right.device.type != "cpu" or right.dtype != torch.float32:  # as rules.linear.cancelling: float32 only
         return total.clamp_min(0)
     # the terms' usual size, sum_k sum_t |left_kt|^2 |right_kt|^2, and their rounding (as rules.linear.cancelling)
     usual = sum(((left.double().square().sum(-1) if left.is_floating_point() else 1.0)

@@ -222,10 +222,11 @@ CANCELLATION = 1000.0
 def cancelling(weight: torch.Tensor, aa: torch.Tensor, gg: torch.Tensor, width_a: int, width_g: int) -> torch.Tensor:
     """(B,) bool: the samples whose Gram norm ``weight`` (B,), from the Grams aa, gg (B, T, T) of inputs of ``width_a``
     features and output gradients of ``width_g``, may have lost its digits to the cancellation of the tokens' terms
-    (:data:`CANCELLATION`); none in float64."""
-    if aa.dtype == torch.float64 and gg.dtype == torch.float64:
+    (:data:`CANCELLATION`); float32 only (float64 needs none; float16 and bfloat16 round at 1e-3 to 1e-2 however the
+    norm is formed: their samples would all be computed again)."""
+    if {aa.dtype, gg.dtype} != {torch.float32}:  # float64: none; float16 / bfloat16: their own rounding, as the loop's
         return torch.zeros_like(weight, dtype=torch.bool)
-    eps = max(torch.finfo(aa.dtype).eps, torch.finfo(gg.dtype).eps)
+    eps = torch.finfo(torch.float32).eps
     usual = row_dots(aa.diagonal(dim1=1, dim2=2).to(weight.dtype), gg.diagonal(dim1=1, dim2=2).to(weight.dtype))
     return weight < usual * (CANCELLATION * eps * (math.sqrt(width_a) + math.sqrt(width_g) + aa.shape[-1]))
 

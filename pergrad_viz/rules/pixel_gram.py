@@ -70,10 +70,10 @@ def _cancelling(weight: torch.Tensor, columns: torch.Tensor, grads: torch.Tensor
                 width_g: int) -> torch.Tensor:
     """(B,) bool: the samples whose norm ``weight`` may have lost its digits to the positions' terms cancelling: under
     :data:`~pergrad_viz.rules.linear.CANCELLATION` times eps (sqrt(width_a) + sqrt(width_g) + L) sum_t |col_t|^2
-    |g_t|^2 (the Grams' diagonals; about the norm itself where the terms do not cancel); none in float64."""
-    if columns.dtype == torch.float64 and grads.dtype == torch.float64:
+    |g_t|^2 (the Grams' diagonals; about the norm itself where the terms do not cancel); float32 only."""
+    if {columns.dtype, grads.dtype} != {torch.float32}:  # as rules.linear.cancelling: float32 only
         return torch.zeros_like(weight, dtype=torch.bool)
-    eps = max(torch.finfo(columns.dtype).eps, torch.finfo(grads.dtype).eps)
+    eps = torch.finfo(torch.float32).eps
     positions = columns.shape[1] * columns.shape[3]
     usual = (_diagonal(columns) * _diagonal(grads)).sum((1, 2)).to(weight.dtype)
     return weight < usual * (CANCELLATION * eps * (math.sqrt(width_a) + math.sqrt(width_g) + positions))

@@ -121,3 +121,17 @@ def test_a_tied_weight_whose_uses_cancel_equals_the_loop(tokens):
     clipped = pv.clipped_grad_sum(model, _loss, x, t, 0.02, verify=False)
     for name, want in sums.items():
         torch.testing.assert_close(clipped[name].double(), want, rtol=0, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ordinary_tokens_are_not_computed_again(dtype):
+    """The guard's false alarms cost a float64 pass: none on ordinary data, and none at all below float32 (where
+    the threshold, in the dtype's own rounding, would flag every sample: a bfloat16 model's every layer again)."""
+    from pergrad_viz.core.numbers import row_dots
+    from pergrad_viz.rules.linear import cancelling
+
+    torch.manual_seed(0)
+    a, g = torch.randn(8, 32, 64).to(dtype), torch.randn(8, 32, 64).to(dtype)
+    aa, gg = torch.bmm(a, a.mT), torch.bmm(g, g.mT)
+    weight = row_dots(aa.flatten(1), gg.flatten(1))
+    assert not cancelling(weight, aa, gg, 64, 64).any()
