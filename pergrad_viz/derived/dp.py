@@ -29,7 +29,7 @@ from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.core.validate import check_flags, check_strategy_name
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
 from pergrad_viz.derived.clipping import Groups
-from pergrad_viz.derived.privacy import forget_noise, new_noise
+from pergrad_viz.derived.privacy import forget_noise, new_noise, warn_own_size
 from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed, failing_together
 from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
@@ -321,6 +321,8 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
                 forget_noise(model, state)
             raise ValueError(_EMPTY.replace("empty batch", "empty batches on every process"))
         divisor = count
+        if noise_multiplier > 0:
+            warn_own_size()
     for total in sums.values():
         total.div_(divisor)
     return _into_grads(model, sums)

@@ -259,3 +259,12 @@ def _callers_level() -> int:
     while frame is not None and frame.f_code.co_filename.startswith((package, contextlib.__file__.rsplit(".", 1)[0])):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def warn_own_size() -> None:
+    """Warn (once per line of the caller's, Python's default) that a noised ``dp_step`` divided by its batch's own
+    size: a private quantity, and not the expected size Poisson sampling's accounting assumes."""
+    warnings.warn("dp_step divided the noised sum by this batch's own size (expected_batch_size=None): with Poisson "
+                  "batches, the sampling pv.epsilon accounts for, pass expected_batch_size=sampler.expected_batch_size "
+                  "(a batch's own size is itself private); with shuffled batches of a fixed size pv.epsilon's "
+                  "guarantee does not hold", UserWarning, stacklevel=4)

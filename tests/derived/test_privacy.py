@@ -358,3 +358,19 @@ def test_the_accountants_import_leaves_logging_and_warnings_as_they_were():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout) > 0
+
+
+def test_a_noised_step_over_its_own_batch_size_warns_and_names_the_expected_size():
+    """Found by a probe (a newcomer): leaving out expected_batch_size with Poisson batches divided by each batch's own
+    (private) size, silently; a step without noise (a check of the mechanics) says nothing."""
+    torch.manual_seed(0)
+    model, loss_fn = nn.Sequential(nn.Linear(4, 3)), nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    with pytest.warns(UserWarning, match="own size.*expected_batch_size=sampler.expected_batch_size") as caught:
+        pv.dp_step(model, loss_fn, x, y, 1.0, noise_multiplier=1.0, generator=torch.Generator().manual_seed(0))
+    assert caught[0].filename == __file__  # shown at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pv.dp_step(model, loss_fn, x, y, 1.0, noise_multiplier=0.0)
+        pv.dp_step(model, loss_fn, x, y, 1.0, noise_multiplier=1.0, generator=torch.Generator().manual_seed(1),
+                   expected_batch_size=5)
