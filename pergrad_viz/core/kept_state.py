@@ -1,8 +1,8 @@
 """What a call keeps of the user's model to put it back (:func:`pergrad_viz.core.trainable.restoring_modes`): copies
 of tensors' values, grouped so that a model of many buffers costs a few copies; whether a value changed although its
 version counter did not (a write through ``.data``, a numpy view or the storage, or an op that does not count, such
-as x86's fused quantisation observer); the hooks registered on the modules, so that hooks a forward (or a user's hook)
-registers during the call are removed."""
+as x86's fused quantisation observer); whether a hook of the user's runs (then every module's attributes are kept).
+Hooks a forward registers during a call are left (another thread of the user's may register one meanwhile)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,6 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-# A module's hook registries: a key registered during a call is removed from each that holds it.
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")  # {key: hook} each
-
 
 def has_user_hooks(named: Sequence[tuple[str, nn.Module]]) -> bool:
     """Whether a hook of the user's (a module's own or a global one, forward or backward) runs in the call."""
@@ -25,32 +20,6 @@ def has_user_hooks(named: Sequence[tuple[str, nn.Module]]) -> bool:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                for _, m in named)
-
-
-def hook_keys(named: Sequence[tuple[str, nn.Module]]) -> list[tuple[int, ...]]:
-    """Per module, the keys of its forward and backward hooks (the handles' ids) as the call found them."""
-    return [(*m._forward_hooks, *m._forward_pre_hooks, *m._backward_hooks, *m._backward_pre_hooks)
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks else ()
-            for _, m in named]
-
-
-def remove_added_hooks(named: Sequence[tuple[str, nn.Module]], found: list[tuple[int, ...]]) -> None:
-    """Remove the hooks registered since :func:`hook_keys` read ``found`` (a forward hook that registers another)."""
-    for (_, m), keys in zip(named, found, strict=True):
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            added = [k for name in _HOOKS for k, hook in getattr(m, name).items()
-                     if k not in keys and not _packages(hook)]
-            for attribute in _HOOK_DICTS:
-                registry = getattr(m, attribute, None)
-                for key in added:
-                    if registry is not None and key in registry:
-                        del registry[key]
-
-
-def _packages(hook: object) -> bool:
-    """Whether a hook is this package's own (the capture's, the probe's: they remove themselves)."""
-    module = getattr(getattr(hook, "func", hook), "__module__", None) or ""
-    return module.startswith("pergrad_viz.")
 
 
 def copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -78,22 +47,23 @@ def copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return kept
 
 
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-         torch.bfloat16: torch.int16}  # compared as bits: a NaN equals itself, -0.0 differs from 0.0
+# Buffers up to this size are compared by value after a call (a write through ``.data`` or numpy counts no version);
+# larger ones (a frozen embedding table kept as a buffer) by their version alone: their copy costs enough already.
+VALUE_COMPARED_BYTES = 16 << 20
 
 
 def values_changed(tensors: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> list[bool]:
-    """Per tensor, whether its shape or values differ from its copy in ``kept`` (:func:`copies`): one comparison per
-    dtype and device where none changed (the usual case), each tensor's where one did."""
+    """Per tensor, whether its shape or values differ from its copy in ``kept`` (:func:`copies`), compared as bytes
+    (a NaN equals itself, -0.0 differs from 0.0): on a GPU one comparison per dtype and device where none changed
+    (the usual case), each tensor's where one did. Sparse and quantised tensors, and those over
+    :data:`VALUE_COMPARED_BYTES`, by their shape alone (their versions are read by the caller)."""
     changed = [False] * len(tensors)
     groups: dict[tuple, list[int]] = {}
     for k, (t, c) in enumerate(zip(tensors, kept, strict=True)):
         if t.shape != c.shape:
             changed[k] = True
-        elif t.layout is torch.strided and not t.is_quantized and not t.is_complex():
+        elif t.layout is torch.strided and not t.is_quantized and t.numel() * t.element_size() <= VALUE_COMPARED_BYTES:
             groups.setdefault((t.dtype, t.device), []).append(k)
-        else:
-            changed[k] = not torch.equal(t, c)
     for (_, device), picked in groups.items():
         if device.type != "cpu" and len(picked) > 1:  # one comparison (one synchronisation) for the group first
             now = torch.cat([_bits(tensors[k]).reshape(-1) for k in picked])
@@ -105,5 +75,5 @@ def values_changed(tensors: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.view(_BITS[t.dtype]) if t.dtype in _BITS else t
+    """The tensor's bytes (1-D, uint8), whatever its dtype (complex, float8, bool too)."""
+    return t.detach().reshape(-1).view(torch.uint8)

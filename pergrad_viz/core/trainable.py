@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pergrad_viz.core.kept_state import copies, has_user_hooks, hook_keys, remove_added_hooks, values_changed
+from pergrad_viz.core.kept_state import copies, has_user_hooks, values_changed
 from pergrad_viz.core.users import drop_package_frames, is_package_error
 from pergrad_viz.core.validate import check_model
 from pergrad_viz.errors import UndefinedPerSampleError
@@ -161,7 +161,6 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
     flags = [m.training for _, m in named]
     script = torch.jit.ScriptModule  # TorchScript keeps its own
     hooked = has_user_hooks(named)  # a user's hook may keep a count on any module (self.calls += 1)
-    hooks = hook_keys(named)
     kept = [(n, m, dict(m._parameters), dict(m._buffers),
              None if _stateless(type(m)) and not hooked else dict(m.__dict__))
             for n, m in named if not isinstance(m, script)]
@@ -196,7 +195,6 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
         for (_, m), flag in zip(named, flags, strict=True):
             if m.training != flag:
                 m.training = flag
-        remove_added_hooks(named, hooks)
         replaced = []
         for name, m, params, bufs, attributes in kept:
             if attributes is not None and not _same_objects(m.__dict__, attributes):  # self.h = h.detach()
