@@ -71,6 +71,9 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
     if "positional argument" in text and len(inputs.args) > 1 and not inputs.kwargs:
         return (f"inputs is a sequence of {len(inputs.args)} tensors, so the model was called as model(*inputs); a "
                 "DataLoader batch [x, y] is passed as inputs=x, targets=y (pv.per_sample_grads(model, loss_fn, x, y))")
+    if "must be Tensor, not" in text and "Output" in text:  # a Hugging Face ModelOutput handed to a torch.nn loss
+        return ("the model returns a ModelOutput, not a tensor: use loss_fn=pv.sequence_classification_loss or "
+                "pv.causal_lm_loss, or one that reads its logits, lambda out, y: F.cross_entropy(out.logits, y)")
     if "expected target dtype to be Long" in text or ("target" in text and "Float" in text and "Long" in text):
         return ("cross-entropy takes class indices as integers: pass targets.long() (or class probabilities of shape "
                 "(B, classes))")

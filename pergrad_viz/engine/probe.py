@@ -149,7 +149,7 @@ class _Probe:
                     if not all(close(t, single[0]) for t in (leaf, single[1], swapped_leaves[k])):
                         self.interaction = self.interaction or (
                             f"{_describe(what, name, module)} has no batch dimension but its values depend on the "
-                            "samples (e.g. a mean over the batch)")
+                            "samples (e.g. a mean over the batch)" + (_OWN_LOSS if leaf.dim() == 0 and side else ""))
                     rests[side].append(tuple(leaf.shape))
                 else:
                     scale = _feature_scale(single)
@@ -356,6 +356,11 @@ def _apart(trainable: Trainable) -> Iterator[None]:
 _PLANS: weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, Plan]] = weakref.WeakKeyDictionary()
 PLANS_PER_MODEL = 64  # the input signatures remembered per model, the least recently used let go (a text model's
 # batches padded to their longest sequence: each length its signature, its plan probed once, not at every change)
+
+
+_OWN_LOSS = ("; a scalar output: a model given its labels computes its loss over the batch (a Hugging Face "
+             "output.loss): pass the labels as targets instead, with loss_fn=pv.sequence_classification_loss or "
+             "pv.causal_lm_loss, and the fast path runs (auto computes each sample alone here)")
 
 
 def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:

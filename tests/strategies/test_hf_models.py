@@ -147,3 +147,26 @@ def test_lora_dropout_in_training_is_refused():
     x, y = batch("lm")
     with pytest.raises(UnsupportedModelError, match="lora_dropout"):
         pv.per_sample_grads(model, pv.causal_lm_loss, x, y)
+
+
+def test_labels_in_the_inputs_and_a_modeloutput_loss_name_the_fast_path():
+    """Found by a newcomer probe: loss_fn=lambda out, t: out.loss with the labels inside the inputs made auto compute
+    each sample alone (15x slower), silently, hooks' refusal naming no fix; nn.CrossEntropyLoss() on the
+    ModelOutput gave PyTorch's TypeError alone."""
+    t = need("transformers")
+    torch.manual_seed(0)
+    model = t.BertForSequenceClassification(t.BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=50,
+        max_position_embeddings=16, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).eval()
+    ids, labels = torch.randint(1, 50, (4, 6)), torch.randint(0, 2, (4,))
+    with pytest.raises(pv.UnsupportedModelError, match="pass the labels as targets instead.*sequence_classification"):
+        pv.per_sample_grads(model, lambda out, y: out.loss, {"input_ids": ids, "labels": labels}, labels,
+                            strategy="hooks")
+    with pytest.raises(TypeError) as info:
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), {"input_ids": ids}, labels)
+    assert "pv.sequence_classification_loss" in "\n".join(getattr(info.value, "__notes__", []))
+    got = pv.per_sample_grads(model, pv.sequence_classification_loss, {"input_ids": ids}, labels, strategy="hooks")
+    name, p = "classifier.weight", model.classifier.weight
+    for i in range(4):  # the fix it names: the fast path, the loop's numbers
+        want = torch.autograd.grad(model(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss, p)[0]
+        torch.testing.assert_close(got[name][i], want)
