@@ -62,7 +62,8 @@ def values_changed(tensors: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]
     for k, (t, c) in enumerate(zip(tensors, kept, strict=True)):
         if t.shape != c.shape:
             changed[k] = True
-        elif t.layout is torch.strided and not t.is_quantized and t.numel() * t.element_size() <= VALUE_COMPARED_BYTES:
+        elif (t.layout is torch.strided and not t.is_quantized and not t.is_meta
+              and t.numel() * t.element_size() <= VALUE_COMPARED_BYTES):
             groups.setdefault((t.dtype, t.device), []).append(k)
     for (_, device), picked in groups.items():
         if device.type != "cpu" and len(picked) > 1:  # one comparison (one synchronisation) for the group first
@@ -75,5 +76,5 @@ def values_changed(tensors: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes (1-D, uint8), whatever its dtype (complex, float8, bool too)."""
-    return t.detach().reshape(-1).view(torch.uint8)
+    """The tensor's bytes (1-D, uint8), whatever its dtype (complex, float8, bool too) and strides (a view)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)

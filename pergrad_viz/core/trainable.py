@@ -9,7 +9,6 @@ import functools
 import operator
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -273,16 +272,13 @@ def _stateless(kind: type) -> bool:
 def computing_gradients(fn: Callable) -> Callable:
     """Decorator for a public entry point: its body runs with gradients recorded and outside inference mode, whatever
     the caller's mode, so that what it allocates (results, norms) are normal tensors it may write into; one call at a
-    time per model (:func:`_one_thread_at_a_time`). PyTorch's note that an operation runs under ``vmap`` without a
-    batching rule (slower, not wrong: "please file us an issue") is about the package's own use of ``vmap`` (the
-    losses', the check's, ``torch_func``'s): not shown."""
+    time per model (:func:`_one_thread_at_a_time`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             with _one_thread_at_a_time(args[0] if args else kwargs.get("model")), torch.inference_mode(False), \
-                    torch.enable_grad(), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+                    torch.enable_grad():
                 return fn(*args, **kwargs)
         except Exception as e:
             if not is_package_error(e):  # the model's or the loss's own error: shown from the user's frames

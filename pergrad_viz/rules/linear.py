@@ -235,6 +235,8 @@ def recompute_cancelled(weight: torch.Tensor, aa: torch.Tensor, gg: torch.Tensor
                         g: torch.Tensor) -> None:
     """Write into ``weight`` (B,) the Gram norms of the samples :func:`cancelling` picks, from a (B, T, in) and
     g (B, T, out) in float64 (one host read: free on a CPU, rare elsewhere)."""
+    if {aa.dtype, gg.dtype} != {torch.float32}:  # none can be picked: no host read (a GPU would synchronise)
+        return
     rows = cancelling(weight, aa, gg, a.shape[-1], g.shape[-1]).nonzero().flatten()
     if rows.numel():
         wide_a, wide_g = a[rows].double(), g[rows].double()

@@ -31,8 +31,8 @@ def pixel_gram(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride
         note_tops(torch.stack([top_x, top_g]), (g.shape[-2] * g.shape[-1]) ** 2 * kernel[0] * kernel[1], x.shape[1],
                   g.shape[1], (x.dtype, g.dtype), cancelled)
         return weight
-    rows = cancelled.nonzero().flatten()
-    if rows.numel():
+    rows = cancelled.nonzero().flatten() if {columns.dtype, grads.dtype} == {torch.float32} else None  # no host read
+    if rows is not None and rows.numel():
         again = _grams(x[rows].double(), g[rows].double(), kernel, stride, dilation, False)
         weight[rows] = (again[0] * again[1]).sum((1, 2, 3, 4)).to(weight.dtype)
     return weight

@@ -531,6 +531,9 @@ class _OddBuffers(nn.Module):
         self.register_buffer("adjacency", torch.eye(3).to_sparse())
         self.register_buffer("phase", torch.full((2,), complex(float("nan"), 1.0)))
         self.register_buffer("coarse", torch.tensor([float("nan"), -0.0]).to(torch.float8_e4m3fn))
+        self.register_buffer("every_other", torch.ones(10)[::2])  # a strided view, an expanded one, a meta tensor
+        self.register_buffer("expanded", torch.ones(1).expand(5))
+        self.register_buffer("shape_only", torch.empty(3, device="meta"))
 
     def forward(self, x):
         return torch.sparse.mm(self.adjacency, self.lin(x).T).T
@@ -538,8 +541,9 @@ class _OddBuffers(nn.Module):
 
 @pytest.mark.parametrize("strategy", ["auto", "loop"])
 def test_buffers_compared_by_value_are_not_called_written_and_a_hook_of_another_thread_stays(strategy):
-    """Found by a probe: a sparse buffer made every call fail (no sparse torch.equal), a complex or float8 buffer
-    holding NaN was called written (NaN != NaN); a hook another thread registered during a call was removed."""
+    """Found by a probe and a review: a sparse, strided, expanded or meta buffer made every call fail (its comparison
+    raised, inside the restore), a complex or float8 buffer holding NaN was called written (NaN != NaN); a hook
+    another thread registered during a call was removed."""
     import threading
 
     torch.manual_seed(0)

@@ -137,31 +137,6 @@ def test_torch_funcs_batching_rule_notes_are_not_shown():
         torch.testing.assert_close(got["head.weight"][i], want)
 
 
-@pytest.mark.parametrize("call", ["auto", "torch_func", "norms", "clipped_sum"])
-def test_batching_rule_notes_of_the_losses_vmap_are_not_shown_either(call):
-    """Found by a probe: a KLDivLoss (no batching rule for aten::kl_div) showed PyTorch's 'There is a performance
-    drop' note from every call but torch_func's own vmap (the losses' vmap, the check's, the backward)."""
-    import warnings
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3),
-                                torch.nn.LogSoftmax(-1))
-    x, t, loss_fn = torch.randn(5, 8), torch.softmax(torch.randn(5, 3), -1), torch.nn.KLDivLoss(reduction="batchmean")
-    runs = {"norms": lambda: pv.per_sample_grad_norms(model, loss_fn, x, t),
-            "clipped_sum": lambda: pv.clipped_grad_sum(model, loss_fn, x, t, 1e6)}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = runs.get(call, lambda: pv.per_sample_grads(model, loss_fn, x, t, strategy=call))()
-    assert not [w for w in caught if "performance drop" in str(w.message)]
-    rows = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), t[i:i + 1]), model[0].weight)[0] for i in range(5)]
-    if call == "clipped_sum":  # nothing clipped at this bound: the sum of the rows
-        torch.testing.assert_close(got["0.weight"], sum(rows))
-    elif call == "norms":
-        assert got.shape == (5,) and (got >= torch.stack([r.norm() for r in rows]) - 1e-6).all()
-    else:
-        torch.testing.assert_close(got["0.weight"], torch.stack(rows))
-
-
 @pytest.mark.parametrize("call", ["jacobian", "ntk", "batched_grad", "hooks_jacobian"])
 def test_anomaly_mode_shows_no_error_for_a_call_that_succeeds(call):
     """Found by a probe: under set_detect_anomaly(True) the batched backward's attempt (anomaly mode has no batching
