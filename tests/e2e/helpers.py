@@ -593,6 +593,11 @@ def check_renders(ui: Ui) -> None:
         assert shown["ok"] == "true" and shown["word"] == "agree", (
             f"the verdict reads {shown['word']!r}, expected 'agree':\n{explorer_text(ui.scope)[:2000]}")
         imgs = loaded_images(ui.scope)
+        for _ in range(75):  # a figure replaced just now decodes in its own time (seconds on a loaded machine)
+            if len(imgs) >= 6 and all(i["ok"] for i in imgs):
+                break
+            ui.page.wait_for_timeout(200)
+            imgs = loaded_images(ui.scope)
         assert len(imgs) >= 6, f"expected the explorer's six figures, found {len(imgs)}: {imgs}"
         assert all(i["ok"] for i in imgs), f"a figure is not loaded: {imgs}"
     screenshot(ui.page, f"{ui.frontend}-rendered", ui.scope)
