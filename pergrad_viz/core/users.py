@@ -9,6 +9,7 @@ of shape (B, 1) for cross-entropy, integer inputs to a float model).
 from __future__ import annotations
 
 import os
+import threading
 import types
 
 import torch
@@ -19,6 +20,10 @@ from pergrad_viz.core.guards import KEPT_TENSOR_FIX
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../pergrad_viz/
 _TRANSFORMS = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_functorch") + os.sep  # vmap's frames
 _NOTE = "pergrad_viz: "
+
+# The package's own warnings.catch_warnings blocks, one at a time: each saves the process's filter list and puts it
+# back on exit, so two at once in two threads would put back each other's (a filter of the package's left behind).
+FILTERS = threading.RLock()
 
 
 def _ours(tb: types.TracebackType) -> bool:

@@ -24,6 +24,7 @@ from torch import nn
 
 from pergrad_viz.core.extras import missing_extra
 from pergrad_viz.core.numbers import number_of
+from pergrad_viz.core.users import FILTERS
 
 ACCOUNTANTS = ("rdp", "prv")
 
@@ -151,7 +152,7 @@ def _accountants():
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:  # Opacus' import calls logging.basicConfig and adds warnings filters: the user's process left as it was
-        with warnings.catch_warnings():
+        with FILTERS, warnings.catch_warnings():
             from opacus import accountants
             from opacus.accountants.utils import get_noise_multiplier
     except ImportError as e:
@@ -201,7 +202,7 @@ def noise_multiplier_for(target_epsilon: float, sample_rate: float, steps: int, 
         raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
     _, get_noise_multiplier = _accountants()
     try:
-        with warnings.catch_warnings():  # Opacus' RDP note on a multiplier it tried on the way, not on the answer
+        with FILTERS, warnings.catch_warnings():  # Opacus' RDP note on a multiplier it tried, not on the answer
             warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
             found = float(get_noise_multiplier(target_epsilon=float(target_epsilon), target_delta=float(delta),
                                                sample_rate=float(sample_rate), steps=steps, accountant=accountant))

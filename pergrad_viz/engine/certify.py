@@ -57,6 +57,7 @@ from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.core.users import FILTERS
 from pergrad_viz.engine.references import (
     Tensors,
     alone_combination,
@@ -323,7 +324,7 @@ def _jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targe
 
         return jvp(value, (params,), (tangents,))[1]
 
-    with warnings.catch_warnings():  # forward mode's first use loads PyTorch's jvp decompositions, which warn
+    with FILTERS, warnings.catch_warnings():  # forward mode's first use loads PyTorch's jvp decompositions, which warn
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*deprecated", category=FutureWarning)
         if loss_fn is None or targets is None:  # a Jacobian's outputs; a loss of the output alone (targets=None)
             return vmap(lambda xs: one(xs, None))(inputs.leaves())

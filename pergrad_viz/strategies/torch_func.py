@@ -26,6 +26,7 @@ from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.core.users import FILTERS
 from pergrad_viz.engine.cotangents import refuse_wrong_nesting
 from pergrad_viz.engine.observe import tensors_of
 from pergrad_viz.engine.plan_key import call_key
@@ -51,7 +52,7 @@ def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Call
     failing run: the call that works pays nothing. PyTorch's note that an operation runs without a batching rule
     (slower, not wrong: "please file us an issue") is not shown to the caller."""
     try:
-        with warnings.catch_warnings():
+        with FILTERS, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
             return batched()
     except (RuntimeError, NotImplementedError) as e:

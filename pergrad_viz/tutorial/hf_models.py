@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pergrad_viz.core.extras import require
+from pergrad_viz.core.users import FILTERS
 
 HIDDEN = 128  # hidden size of every model here (timm ConvNeXt: the width of its last stage)
 LAYERS = 2  # transformer blocks (ConvNeXt: one block in each of its four stages)
@@ -131,7 +132,7 @@ def fashion_vit_lora(rank: int = 8, hidden: int = 64, classes: int = 10) -> Logi
     attention is the plain ("eager") one: ``torch.func.vmap`` has no batching rule for the CPU's fused attention."""
     vit = hf_vit(classes=classes, image=28, channels=1, patch=7, hidden=hidden)
     vit.model.set_attn_implementation("eager")
-    with warnings.catch_warnings():
+    with FILTERS, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notices, read by peft
         model = lora(vit, ("q_proj", "v_proj"), rank, train_also=("classifier",))
     for name, module in model.named_modules():
