@@ -203,6 +203,8 @@ def _aligned_offset(mapping: mmap.mmap) -> int:
 
 
 PAGES = ResultPages()
+if hasattr(os, "register_at_fork"):  # a child forked while another thread held the lock would wait for it forever
+    os.register_at_fork(after_in_child=lambda: setattr(PAGES, "_lock", threading.RLock()))
 # Where a result's memory is its own private anonymous mapping: Linux (MAP_ANONYMOUS, MADV_FREE in Python's mmap).
 OWN_MAPPINGS = sys.platform.startswith("linux") and hasattr(mmap, "MADV_FREE") and hasattr(mmap, "MAP_ANONYMOUS")
 

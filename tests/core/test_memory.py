@@ -261,3 +261,43 @@ def test_a_large_fresh_result_from_the_api_holds_the_per_sample_gradients():
     want = torch.cat([g.reshape(16, -1) for g in ref_grads(model, nn.CrossEntropyLoss(), x, y).values()], dim=1)
     for i in range(16):
         torch.testing.assert_close(flat[i], want[i], rtol=1e-4, atol=1e-6)
+
+
+def _kept_in_child(queue):
+    from pergrad_viz.core.memory import PAGES
+
+    queue.put(PAGES.kept_bytes())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_child_forked_while_the_result_pages_are_locked_can_take_them():
+    """Found by a review: a child forked while another thread held the result pages' lock inherited it held."""
+    import multiprocessing
+    import threading
+
+    from pergrad_viz.core.memory import PAGES
+
+    held, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with PAGES._lock:
+            held.set()
+            leave.wait(timeout=60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(timeout=30)
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_kept_in_child, args=(queue,))
+        child.start()
+        child.join(timeout=30)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+        assert not hung, "the forked child waited for the parent thread's lock"
+        assert queue.get(timeout=10) >= 0
+    finally:
+        leave.set()
+        holder.join(timeout=30)
