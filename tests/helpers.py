@@ -235,3 +235,21 @@ class TwoDtypes(nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.tanh(self.fc1(x)).double())
+
+
+def forked_result(target, *args, seconds: float = 30) -> object:
+    """What ``target(*args, queue)`` puts on its queue, run in a child forked now; an AssertionError where the child
+    is still running after ``seconds`` (it waits on a lock the parent's threads hold). ``target`` must put values
+    that pickle by value (a list, not a tensor: a tensor is sent as a file descriptor the finished child closes)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=target, args=(*args, queue))
+    child.start()
+    child.join(timeout=seconds)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+    assert not hung, "the forked child hung (a lock the parent's threads held?)"
+    return queue.get(timeout=10)

@@ -8,7 +8,15 @@ import time
 
 import pytest
 import torch
-from helpers import TwoDtypes, assert_no_hooks, assert_state_unchanged, ref_grads, ref_jacobian, snapshot
+from helpers import (
+    TwoDtypes,
+    assert_no_hooks,
+    assert_state_unchanged,
+    forked_result,
+    ref_grads,
+    ref_jacobian,
+    snapshot,
+)
 from torch import nn
 
 import pergrad_viz as pv
@@ -505,7 +513,6 @@ def _child_call(model, x, y, queue):
 def test_a_process_forked_while_another_thread_is_in_a_call_can_call_on_the_model():
     """Found by a probe: a process forked (multiprocessing 'fork', DataLoader workers) while a thread of the parent
     was inside a call on the model inherited that model's lock, held, and its first call on the model hung forever."""
-    import multiprocessing
     import threading
 
     torch.manual_seed(0)
@@ -523,16 +530,7 @@ def test_a_process_forked_while_another_thread_is_in_a_call_can_call_on_the_mode
     busy.start()
     try:
         assert inside.wait(timeout=60)
-        context = multiprocessing.get_context("fork")
-        queue = context.Queue()
-        child = context.Process(target=_child_call, args=(model, x, y, queue))
-        child.start()
-        child.join(timeout=30)
-        hung = child.is_alive()
-        if hung:
-            child.kill()
-        assert not hung, "the forked child's call on the model hung"
-        got = torch.tensor(queue.get(timeout=10))
+        got = torch.tensor(forked_result(_child_call, model, x, y))
     finally:
         leave.set()
         busy.join(timeout=60)

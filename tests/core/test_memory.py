@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from helpers import forked_result
 
 from pergrad_viz.core import memory
 
@@ -272,7 +273,6 @@ def _kept_in_child(queue):
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 def test_a_child_forked_while_the_result_pages_are_locked_can_take_them():
     """Found by a review: a child forked while another thread held the result pages' lock inherited it held."""
-    import multiprocessing
     import threading
 
     from pergrad_viz.core.memory import PAGES
@@ -288,16 +288,7 @@ def test_a_child_forked_while_the_result_pages_are_locked_can_take_them():
     holder.start()
     try:
         assert held.wait(timeout=30)
-        context = multiprocessing.get_context("fork")
-        queue = context.Queue()
-        child = context.Process(target=_kept_in_child, args=(queue,))
-        child.start()
-        child.join(timeout=30)
-        hung = child.is_alive()
-        if hung:
-            child.kill()
-        assert not hung, "the forked child waited for the parent thread's lock"
-        assert queue.get(timeout=10) >= 0
+        assert forked_result(_kept_in_child) >= 0
     finally:
         leave.set()
         holder.join(timeout=30)
