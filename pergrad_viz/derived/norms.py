@@ -54,7 +54,7 @@ from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_nam
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for
 from pergrad_viz.rules.doubts import deferring, doubts_for
-from pergrad_viz.rules.linear import CANCELLATION, LinearGhost, gram_is_faster
+from pergrad_viz.rules.linear import LinearGhost, below_rounding, gram_is_faster, guarded
 from pergrad_viz.rules.scaling import products_fit, sample_maxima, sample_scaled, wide_row_norms
 from pergrad_viz.strategies import working_bytes
 
@@ -241,15 +241,15 @@ def tied_squared_norms(parts: Sequence[TiedPart]) -> torch.Tensor:
     all that is left) is computed again with the factors in float64."""
     own = sum(own for _, _, own in parts)
     total = _with_cross_terms(own, _scaled_parts(parts))
-    if parts[0][1].device.type != "cpu" or parts[0][1].dtype != torch.float32:  # as rules.linear.cancelling
+    if parts[0][1].device.type != "cpu" or not guarded(parts[0][1]):  # as rules.linear.cancelling
         return total.clamp_min(0)
-    # the terms' usual size, sum_k sum_t |left_kt|^2 |right_kt|^2 (no copy of a (B, T, V) output gradient), and their
-    # rounding (as rules.linear.cancelling)
+    # the terms' usual size, sum_k sum_t |left_kt|^2 |right_kt|^2 (no copy of a (B, T, V) output gradient)
     square = lambda t: torch.linalg.vector_norm(t, dim=-1).double().square()  # noqa: E731
     usual = sum(((square(left) if left.is_floating_point() else 1.0) * square(r)).sum(1) for left, r, _ in parts)
-    widths = max(math.sqrt(left.shape[-1]) if left.is_floating_point() else 1.0 for left, _, _ in parts) + max(
-        math.sqrt(r.shape[-1]) for _, r, _ in parts) + max(left.shape[1] for left, _, _ in parts)
-    rows = (total < usual.to(total.dtype) * (CANCELLATION * 1.2e-7 * widths)).nonzero().flatten()  # float32 eps
+    rows = below_rounding(total, usual.to(total.dtype), max(left.shape[-1] if left.is_floating_point() else 1
+                                                            for left, _, _ in parts),
+                          max(r.shape[-1] for _, r, _ in parts), max(left.shape[1] for left, _, _ in parts))
+    rows = rows.nonzero().flatten()
     if rows.numel():
         wide = [(left[rows].double() if left.is_floating_point() else left[rows], r[rows].double(), None)
                 for left, r, _ in parts]  # the own norms again too: theirs rounded as the cross terms did

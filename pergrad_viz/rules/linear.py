@@ -222,20 +222,32 @@ CANCELLATION = 1000.0
 def cancelling(weight: torch.Tensor, aa: torch.Tensor, gg: torch.Tensor, width_a: int, width_g: int) -> torch.Tensor:
     """(B,) bool: the samples whose Gram norm ``weight`` (B,), from the Grams aa, gg (B, T, T) of inputs of ``width_a``
     features and output gradients of ``width_g``, may have lost its digits to the cancellation of the tokens' terms
-    (:data:`CANCELLATION`); float32 only (float64 needs none; float16 and bfloat16 round at 1e-3 to 1e-2 however the
-    norm is formed: their samples would all be computed again)."""
-    if {aa.dtype, gg.dtype} != {torch.float32}:  # float64: none; float16 / bfloat16: their own rounding, as the loop's
+    (:data:`CANCELLATION`, :func:`below_rounding`); Grams of other dtypes than float32 none (:func:`guarded`)."""
+    if not guarded(aa, gg):
         return torch.zeros_like(weight, dtype=torch.bool)
-    eps = torch.finfo(torch.float32).eps
     usual = row_dots(aa.diagonal(dim1=1, dim2=2).to(weight.dtype), gg.diagonal(dim1=1, dim2=2).to(weight.dtype))
-    return weight < usual * (CANCELLATION * eps * (math.sqrt(width_a) + math.sqrt(width_g) + aa.shape[-1]))
+    return below_rounding(weight, usual, width_a, width_g, aa.shape[-1])
+
+
+def guarded(*grams: torch.Tensor) -> bool:
+    """Whether Grams of these dtypes get the cancellation guard: float32 alone (float64 needs none; float16 and
+    bfloat16 round at 1e-3 to 1e-2 however a norm is formed, so that every sample would be computed again)."""
+    return all(t.dtype == torch.float32 for t in grams)
+
+
+def below_rounding(norms: torch.Tensor, usual: torch.Tensor, width_a: int, width_g: int, terms: int) -> torch.Tensor:
+    """(B,) bool: squared norms under :data:`CANCELLATION` times the usual size of their float32 rounding, eps
+    (sqrt(width_a) + sqrt(width_g) + terms) ``usual``, for sums over ``terms`` positions of products of Gram entries
+    over ``width_a`` and ``width_g`` features (``usual`` (B,): those sums' size where nothing cancels)."""
+    bound = CANCELLATION * torch.finfo(torch.float32).eps * (math.sqrt(width_a) + math.sqrt(width_g) + terms)
+    return norms < usual * bound
 
 
 def recompute_cancelled(weight: torch.Tensor, aa: torch.Tensor, gg: torch.Tensor, a: torch.Tensor,
                         g: torch.Tensor) -> None:
     """Write into ``weight`` (B,) the Gram norms of the samples :func:`cancelling` picks, from a (B, T, in) and
     g (B, T, out) in float64 (one host read: free on a CPU, rare elsewhere)."""
-    if {aa.dtype, gg.dtype} != {torch.float32}:  # none can be picked: no host read (a GPU would synchronise)
+    if not guarded(aa, gg):  # none can be picked: no host read (a GPU would synchronise)
         return
     rows = cancelling(weight, aa, gg, a.shape[-1], g.shape[-1]).nonzero().flatten()
     if rows.numel():

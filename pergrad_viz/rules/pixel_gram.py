@@ -6,12 +6,10 @@ large part, output gradients of opposite signs) a narrow dtype loses every digit
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from pergrad_viz.rules.doubts import gram_tops, note_tops
-from pergrad_viz.rules.linear import CANCELLATION
+from pergrad_viz.rules.linear import below_rounding, guarded
 
 
 def pixel_gram(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
@@ -31,7 +29,7 @@ def pixel_gram(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride
         note_tops(torch.stack([top_x, top_g]), (g.shape[-2] * g.shape[-1]) ** 2 * kernel[0] * kernel[1], x.shape[1],
                   g.shape[1], (x.dtype, g.dtype), cancelled)
         return weight
-    rows = cancelled.nonzero().flatten() if {columns.dtype, grads.dtype} == {torch.float32} else None  # no host read
+    rows = cancelled.nonzero().flatten() if guarded(columns, grads) else None  # none can be: no host read
     if rows is not None and rows.numel():
         again = _grams(x[rows].double(), g[rows].double(), kernel, stride, dilation, False)
         weight[rows] = (again[0] * again[1]).sum((1, 2, 3, 4)).to(weight.dtype)
@@ -68,15 +66,13 @@ def _grams(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride: tu
 
 def _cancelling(weight: torch.Tensor, columns: torch.Tensor, grads: torch.Tensor, width_a: int,
                 width_g: int) -> torch.Tensor:
-    """(B,) bool: the samples whose norm ``weight`` may have lost its digits to the positions' terms cancelling: under
-    :data:`~pergrad_viz.rules.linear.CANCELLATION` times eps (sqrt(width_a) + sqrt(width_g) + L) sum_t |col_t|^2
-    |g_t|^2 (the Grams' diagonals; about the norm itself where the terms do not cancel); float32 only."""
-    if {columns.dtype, grads.dtype} != {torch.float32}:  # as rules.linear.cancelling: float32 only
+    """(B,) bool: the samples whose norm ``weight`` may have lost its digits to the positions' terms cancelling
+    (:func:`~pergrad_viz.rules.linear.below_rounding` of sum_t |col_t|^2 |g_t|^2, the Grams' diagonals, over the L
+    positions); float32 only (:func:`~pergrad_viz.rules.linear.guarded`)."""
+    if not guarded(columns, grads):
         return torch.zeros_like(weight, dtype=torch.bool)
-    eps = torch.finfo(torch.float32).eps
-    positions = columns.shape[1] * columns.shape[3]
     usual = (_diagonal(columns) * _diagonal(grads)).sum((1, 2)).to(weight.dtype)
-    return weight < usual * (CANCELLATION * eps * (math.sqrt(width_a) + math.sqrt(width_g) + positions))
+    return below_rounding(weight, usual, width_a, width_g, columns.shape[1] * columns.shape[3])
 
 
 def _diagonal(gram: torch.Tensor) -> torch.Tensor:
