@@ -67,8 +67,8 @@ def values_changed(tensors: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]
             groups.setdefault((t.dtype, t.device), []).append(k)
     for (_, device), picked in groups.items():
         if device.type != "cpu" and len(picked) > 1:  # one comparison (one synchronisation) for the group first
-            now = torch.cat([_bits(tensors[k]).reshape(-1) for k in picked])
-            if torch.equal(now, torch.cat([_bits(kept[k]).reshape(-1) for k in picked])):
+            now = torch.cat([_bits(tensors[k]) for k in picked])
+            if torch.equal(now, torch.cat([_bits(kept[k]) for k in picked])):
                 continue
         for k in picked:  # on a CPU each alone: no copy of a large buffer made to compare it
             changed[k] = not torch.equal(_bits(tensors[k]), _bits(kept[k]))

@@ -210,14 +210,14 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
                 m._buffers.update(bufs)
         entries = list(buffers.values())
         unseen = values_changed([b for _, b, _, _ in entries], [c for *_, c in entries])  # no version counted
-        written = [name for (name, b, version, _), other in zip(entries, unseen, strict=True)
-                   if b._version != version or other]
-        for (_name, b, version, copy), other in zip(entries, unseen, strict=True):
-            if b._version != version or other:
-                with torch.no_grad():
-                    if b.shape != copy.shape:  # a forward that resized it (an observer's statistics)
-                        b.resize_(copy.shape)
-                    b.copy_(copy)
+        undone = [(name, b, copy) for (name, b, version, copy), other in zip(entries, unseen, strict=True)
+                  if b._version != version or other]
+        for _name, b, copy in undone:
+            with torch.no_grad():
+                if b.shape != copy.shape:  # a forward that resized it (an observer's statistics)
+                    b.resize_(copy.shape)
+                b.copy_(copy)
+        written = [name for name, _, _ in undone]
         changed = [(name, p, value) for (name, p, version), value in zip(owned, kept_values, strict=True)
                    if p._version != version]
         for _name, p, value in changed:
