@@ -358,6 +358,16 @@ PLANS_PER_MODEL = 64  # the input signatures remembered per model, the least rec
 # batches padded to their longest sequence: each length its signature, its plan probed once, not at every change)
 
 
+def remember(kept: OrderedDict, key: tuple, value: object) -> object:
+    """``kept[key] = value`` as the most recently used, the least recently used let go past :data:`PLANS_PER_MODEL`;
+    returns ``value``."""
+    kept[key] = value
+    kept.move_to_end(key)
+    while len(kept) > PLANS_PER_MODEL:
+        kept.popitem(last=False)
+    return value
+
+
 _OWN_LOSS = ("; a scalar output: a model given its labels computes its loss over the batch (a Hugging Face "
              "output.loss): pass the labels as targets instead, with loss_fn=pv.sequence_classification_loss or "
              "pv.causal_lm_loss, and the fast path runs (auto computes each sample alone here)")
@@ -385,9 +395,6 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
         if last is not None and note_probe(trainable.model, last, key, plan):  # a call counter: left out
             plans.clear()  # keys read with the attribute in them
             key = trainable.call.key = plan_key(trainable, inputs)
-        plans[key] = plan
-        plans.move_to_end(key)
-        while len(plans) > PLANS_PER_MODEL:
-            plans.popitem(last=False)
+        remember(plans, key, plan)
     trainable.call.plan = plan
     return plan

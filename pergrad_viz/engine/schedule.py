@@ -38,7 +38,7 @@ from torch import nn
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.plan_key import call_key
-from pergrad_viz.engine.probe import PLANS_PER_MODEL
+from pergrad_viz.engine.probe import remember
 
 FIRST = 2  # calls of a new plan that are always checked
 GRAPHS = 32  # graphs between the layers per plan whose first call is always checked
@@ -99,7 +99,7 @@ class Schedule:
 
 
 _SCHEDULES: weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, dict[tuple, Schedule | Race]]] = (
-    weakref.WeakKeyDictionary())  # per model, per plan key (as many as the plans kept: ``probe.PLANS_PER_MODEL``)
+    weakref.WeakKeyDictionary())  # per model, per plan key (as many as the plans kept: ``probe.remember``)
 
 
 @dataclass
@@ -145,12 +145,7 @@ def _kept(trainable: Trainable, inputs: Batch) -> dict:
     if kept is None:
         kept = _SCHEDULES[trainable.model] = OrderedDict()
     schedules = kept.get(key)
-    if schedules is None:
-        schedules = kept[key] = {}
-        while len(kept) > PLANS_PER_MODEL:
-            kept.popitem(last=False)
-    kept.move_to_end(key)
-    return schedules
+    return remember(kept, key, {} if schedules is None else schedules)
 
 
 def schedule_for(trainable: Trainable, inputs: Batch, quantity: str, strategy: str) -> Schedule:
