@@ -7,7 +7,13 @@ CHROMIUM ?= /usr/bin/chromium
 
 .PHONY: setup lab test unit lint bench browser clean data
 
+# A fresh .venv takes about 6.5 GB (PyTorch alone 5.5): say so before pip fails halfway with "No space left".
+NEED_KB := 7000000
 $(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || { avail=$$(df -Pk . 2>/dev/null | awk 'NR==2 {print $$4}'); \
+		if [ -n "$$avail" ] && [ "$$avail" -lt $(NEED_KB) ]; then \
+		echo "make: .venv needs about 6.5 GB free (PyTorch is 5.5 GB); $$((avail / 1048576)) GB free here." \
+		"Free some space (an old clone's .venv is 6.5 GB) and run make again." >&2; exit 1; fi; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
