@@ -6,7 +6,8 @@ dict / Mapping such as a tokenizer's ``BatchEncoding`` (``model(**inputs)``), wi
 targets (or, without targets, of the first tensor among the inputs). Sample i is cut from every tensor whose first
 dimension is B (``t[i:i+1]``, a batch of one); every other value passes unchanged (a shared (T, T) mask, ``None``,
 flags, numbers). A shared tensor whose first dimension happens to equal B would be cut too: hand such a tensor to the
-model another way (an attribute, a closure). All tensors must be on one device.
+model another way (an attribute, a closure). A part of the batch (a chunk, one sample: :meth:`Batch.rows`) keeps
+what was shared shared, whatever its first dimension. All tensors must be on one device.
 
 Shapes: B samples; a batched leaf is (B, ...), a shared leaf any shape.
 """
@@ -56,6 +57,9 @@ class Batch:
     args: tuple
     kwargs: dict
     size: int
+    # Positions (in the pytree order of (args, kwargs)) of shared tensors whose first dimension is ``size`` all the
+    # same: a part's (:meth:`rows`) shared (4, 4) mask in a chunk of 4 samples is not 4 samples.
+    shared: frozenset[int] = frozenset()
 
     @property
     def tensor(self) -> torch.Tensor | None:
@@ -63,6 +67,20 @@ class Batch:
         if len(self.args) == 1 and not self.kwargs and isinstance(self.args[0], torch.Tensor):
             return self.args[0]
         return None
+
+    def _batched(self, flat: Sequence[object]) -> list[bool]:
+        """Per value of ``flat`` (the pytree leaves of (args, kwargs)): whether it is a batched tensor (B, ...)."""
+        if not self.shared:
+            return [_is_batched(t, self.size) for t in flat]
+        return [_is_batched(t, self.size) and k not in self.shared for k, t in enumerate(flat)]
+
+    def _part(self, flat: Sequence[object], batched: Sequence[bool], spec: object, size: int) -> Batch:
+        """The call of the values ``flat`` (those of ``batched`` now ``size`` samples), the shared ones whose first
+        dimension is ``size`` noted as shared."""
+        shared = frozenset(k for k, (t, b) in enumerate(zip(flat, batched, strict=True))
+                           if not b and _is_batched(t, size))
+        args, kwargs = tree_unflatten(list(flat), spec)
+        return Batch(args, kwargs, size, shared)
 
     @classmethod
     def of(cls, inputs: Inputs, model_kwargs: Mapping | None = None, size: int | None = None) -> Batch:
@@ -107,17 +125,18 @@ class Batch:
         """The same call with ``fn`` applied to every tensor."""
         t = self.tensor
         if t is not None:
-            return Batch((fn(t),), {}, self.size)
+            return Batch((fn(t),), {}, self.size, self.shared)
         flat, spec = tree_flatten((self.args, self.kwargs))
         args, kwargs = tree_unflatten([fn(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
-        return Batch(args, kwargs, self.size)
+        return Batch(args, kwargs, self.size, self.shared)
 
     def leaves(self) -> list[torch.Tensor]:
         """The batched tensors (B, ...), in ``(args, kwargs)`` pytree order."""
         t = self.tensor
-        if t is not None:
+        if t is not None and not self.shared:
             return [t] if _is_batched(t, self.size) else []
-        return [t for t in tree_flatten((self.args, self.kwargs))[0] if _is_batched(t, self.size)]
+        flat = tree_flatten((self.args, self.kwargs))[0]
+        return [t for t, b in zip(flat, self._batched(flat), strict=True) if b]
 
     def named_leaves(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor with a readable name (``inputs[0]``, ``attention_mask``), for messages."""
@@ -129,13 +148,15 @@ class Batch:
 
     def rows(self, rows: slice | torch.Tensor) -> Batch:
         """Samples ``rows`` (a slice or an index tensor) as a batch."""
-        t = self.tensor
-        if t is not None:
-            args, kwargs = ((t[rows] if _is_batched(t, self.size) else t),), {}
-        else:
-            args, kwargs = cut((self.args, self.kwargs), rows, self.size)
         n = len(range(self.size)[rows]) if isinstance(rows, slice) else int(rows.numel())
-        return Batch(args, kwargs, n)
+        t = self.tensor
+        if t is not None and not self.shared:
+            batched = _is_batched(t, self.size)
+            part = t[rows] if batched else t
+            return Batch((part,), {}, n, frozenset() if batched or not _is_batched(t, n) else frozenset((0,)))
+        flat, spec = tree_flatten((self.args, self.kwargs))
+        batched = self._batched(flat)
+        return self._part([t[rows] if b else t for t, b in zip(flat, batched, strict=True)], batched, spec, n)
 
     def versions(self, apart_from: torch.Tensor | None = None) -> tuple[tuple[str, torch.Tensor, int], ...]:
         """(name, tensor, its version counter) of each input tensor (:meth:`named_leaves`; inference tensors keep no
@@ -175,30 +196,29 @@ class Batch:
     def with_leaves(self, leaves: Sequence[torch.Tensor]) -> Batch:
         """The same call with its batched tensors replaced, in :meth:`leaves` order (e.g. one sample under vmap)."""
         t = self.tensor
-        if t is not None:
-            (new,) = leaves if _is_batched(t, self.size) else (t,)
-            return Batch((new,), {}, 1)
+        if t is not None and not self.shared:
+            batched = _is_batched(t, self.size)
+            (new,) = leaves if batched else (t,)
+            return Batch((new,), {}, 1, frozenset() if batched or not _is_batched(t, 1) else frozenset((0,)))
         flat, spec = tree_flatten((self.args, self.kwargs))
-        it = iter(leaves)
-        args, kwargs = tree_unflatten([next(it) if _is_batched(t, self.size) else t for t in flat], spec)
-        return Batch(args, kwargs, 1)
+        batched, it = self._batched(flat), iter(leaves)
+        return self._part([next(it) if b else t for t, b in zip(flat, batched, strict=True)], batched, spec, 1)
 
     def signature(self) -> tuple:
         """What a plan depends on: per value, a batched tensor's shape past B, dtype and device; a shared tensor's
         shape, dtype and device; any other value itself (or its type)."""
         t = self.tensor
-        if t is not None:
+        if t is not None and not self.shared:
             batched = _is_batched(t, self.size)
             return _ONE_TENSOR_SPEC, ((batched, tuple(t.shape[1:] if batched else t.shape), t.dtype, t.device),)
         flat, spec = tree_flatten((self.args, self.kwargs))
 
-        def kind(t: object) -> object:
+        def kind(t: object, batched: bool) -> object:
             if isinstance(t, torch.Tensor):
-                batched = _is_batched(t, self.size)
                 return (batched, tuple(t.shape[1:] if batched else t.shape), t.dtype, t.device)
             return t if isinstance(t, (bool, int, float, str, type(None))) else type(t)
 
-        return str(spec), tuple(kind(t) for t in flat)
+        return str(spec), tuple(kind(t, b) for t, b in zip(flat, self._batched(flat), strict=True))
 
     @property
     def device(self) -> torch.device:

@@ -119,6 +119,41 @@ def test_grads_with_masks_and_shared_tensors_equal_the_loop(form, strategy):
     torch.testing.assert_close(flat, torch.cat([t.reshape(B, -1) for t in want.values()], 1), rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("call", [*pv.STRATEGIES, "auto", "norms", "clipped_sum", "jacobian"])
+def test_a_chunk_as_long_as_a_shared_tensor_passes_it_whole(call):
+    """Found by a probe: with chunk_size=4, a chunk of 4 samples cut the shared (4, 4) bias per sample as if it were
+    4 samples (rows 42-119% off under the loop and auto, silently; raw errors or a blamed strategy elsewhere)."""
+    model, n, t = MaskedEncoder().to(DT), 8, 4
+    g = torch.Generator().manual_seed(5)
+    ids, mask = torch.randint(1, 11, (n, t), generator=g), torch.ones(n, t, dtype=torch.long)
+    bias, y = torch.randn(t, t, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
+    loss = nn.CrossEntropyLoss()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def one(i):
+        return model(ids[i:i + 1], mask[i:i + 1], bias)
+
+    if call == "jacobian":
+        want = torch.stack([torch.cat([torch.autograd.grad(one(i)[0, k], params)[j].reshape(-1) for j in
+                                       range(len(params))]) for i in range(n) for k in range(3)]).reshape(n, 3, -1)
+        got = pv.per_sample_jacobian(model, (ids, mask, bias), flat=True, chunk_size=t)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+        return
+    want = torch.stack([torch.cat([gi.reshape(-1) for gi in torch.autograd.grad(loss(one(i), y[i:i + 1]), params)])
+                        for i in range(n)])
+    if call == "norms":
+        got = pv.per_sample_grad_norms(model, loss, (ids, mask, bias), y, chunk_size=t, strategy="loop")
+        torch.testing.assert_close(got, want.norm(dim=1), rtol=1e-6, atol=1e-9)
+    elif call == "clipped_sum":
+        got = pv.clipped_grad_sum(model, loss, (ids, mask, bias), y, 0.05, chunk_size=t, strategy="loop")
+        c = (0.05 / (want.norm(dim=1) + 1e-6)).clamp(max=1)
+        torch.testing.assert_close(torch.cat([v.reshape(-1) for v in got.values()]), (c[:, None] * want).sum(0),
+                                   rtol=1e-6, atol=1e-9)
+    else:
+        got = pv.per_sample_grads(model, loss, (ids, mask, bias), y, strategy=call, flat=True, chunk_size=t)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+
+
 def test_auto_keeps_the_fast_path_with_a_mask():
     model = MaskedEncoder().to(DT)
     ids, mask, bias, _ = _data()
