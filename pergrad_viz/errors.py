@@ -43,6 +43,11 @@ class PlanMismatchError(HandOverError):
     """A call captured shapes the probe did not see (data-dependent behaviour): the layer rules cannot be trusted."""
 
 
+# What a PlanMismatchError advises: torch.func cannot run every model (an LSTM), auto then takes the loop.
+USE_AUTO = ("Use strategy='auto' (it switches to strategy='torch_func', or to the loop where torch.func cannot run "
+            "the model).")
+
+
 class VmapError(HandOverError):
     """``torch.func`` cannot run the model (an operation without a batching rule, data-dependent shapes, an
     ``autograd.Function`` without ``setup_context``), although the model alone runs."""

@@ -10,14 +10,13 @@ import torch
 from torch import nn
 
 from pergrad_viz.engine.plan import SHARED, CallSpec, LayerPlan
-from pergrad_viz.errors import PlanMismatchError
+from pergrad_viz.errors import USE_AUTO, PlanMismatchError
 
 
 def mismatch(module: nn.Module, name: str, why: str) -> PlanMismatchError:
     return PlanMismatchError(
         f"layer '{name or 'model'}' ({type(module).__name__}) {why} in this call, unlike in the probe of "
-        "this model: its behaviour depends on the data, so the per-layer rules cannot be trusted. Use "
-        "strategy='torch_func' (or 'auto', which switches to it)."
+        "this model: its behaviour depends on the data, so the per-layer rules cannot be trusted. " + USE_AUTO
     )
 
 

@@ -31,7 +31,7 @@ from pergrad_viz.engine.observe import outputs_close, tensors_of
 from pergrad_viz.engine.plan import CallSpec, LayerKind, LayerPlan, Plan
 from pergrad_viz.engine.probe import plan_for
 from pergrad_viz.engine.volatile import forget
-from pergrad_viz.errors import PlanMismatchError, UnsupportedModelError
+from pergrad_viz.errors import USE_AUTO, PlanMismatchError, UnsupportedModelError
 from pergrad_viz.rules import Captured, capture_for, rule_for
 
 
@@ -300,7 +300,7 @@ class _ArgumentChangedInPlace(PlanMismatchError):
     """A layer changed a tensor it was called with in place, on an unchecked call: the hooks strategy is refused."""
 
     def __init__(self, reason: str):
-        super().__init__(f"{reason}. Use strategy='torch_func' (or 'auto', which switches to it).", reason)
+        super().__init__(f"{reason}. {USE_AUTO}", reason)
 
 
 def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy: bool | frozenset,

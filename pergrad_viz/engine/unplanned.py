@@ -12,7 +12,7 @@ import torch
 from pergrad_viz.core.graph import NodeMap, Nodes
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.volatile import forget
-from pergrad_viz.errors import PlanMismatchError
+from pergrad_viz.errors import USE_AUTO, PlanMismatchError
 
 if TYPE_CHECKING:
     from pergrad_viz.engine.capture import Call
@@ -42,7 +42,7 @@ def refuse_unplanned(trainable: Trainable, names: list[str], grads) -> None:
                 f"trainable parameter '{name}' takes part in this call, but the probe of this model saw no layer use "
                 "it: a use the probe cannot follow (inside torch.vmap or another transform in the forward), or a "
                 "forward switched since by what the plan cannot see (a global flag, an object outside the model), so "
-                "the per-layer rules cannot be trusted. Use strategy='torch_func' (or 'auto', which switches to it)."
+                "the per-layer rules cannot be trusted. " + USE_AUTO
             )
 
 
@@ -86,7 +86,6 @@ def refuse_outside_uses(trainable: Trainable, calls: list[Call], roots: list) ->
             raise PlanMismatchError(
                 f"trainable parameter '{name}' takes part in this call outside the forward of the layer that holds "
                 "it (a branch the data or a flag switches on since the probe, e.g. `h + x @ layer.weight.T` on some "
-                "batches only), so its per-layer rule would miss that part of every sample's gradient. Use "
-                "strategy='torch_func' (or 'auto', which switches to it)."
+                "batches only), so its per-layer rule would miss that part of every sample's gradient. " + USE_AUTO
             )
     trainable.call.graphs.add(hash(tuple(kinds)))

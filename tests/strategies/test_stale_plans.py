@@ -144,3 +144,32 @@ def test_a_layer_the_plan_saw_that_the_batch_skips_is_the_loops():
         torch.testing.assert_close(clipped[name], want_clipped[name], rtol=1e-9, atol=1e-12)
     with pytest.raises(pv.PlanMismatchError, match=r"layer 'c' \(Linear\) is called 0 time\(s\), not 1"):
         pv.per_sample_grads(model, loss_fn, x, y, strategy="hooks", verify=False)
+
+
+class _Trimmed(nn.Module):
+    """An LSTM over each batch's ids trimmed to its longest length: torch.func cannot run it (data-dependent length)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.lstm, self.fc = nn.Embedding(20, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, ids, lengths):
+        h, _ = self.lstm(self.emb(ids[:, :int(lengths.max())]))
+        return self.fc(h[:, -1])
+
+
+def test_a_plan_mismatch_advises_auto_which_runs_where_torch_func_cannot():
+    """Found by a probe: hooks' refusal said "Use strategy='torch_func'", which fails on an LSTM; auto runs it."""
+    model, loss_fn, y = _Trimmed().double(), nn.CrossEntropyLoss(), torch.tensor([0, 2, 1, 0])
+    ids = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(1))
+    pv.per_sample_grads(model, loss_fn, (ids, torch.tensor([9, 9, 9, 9])), y, strategy="hooks")
+    lengths = torch.tensor([5, 3, 2, 4])
+    with pytest.raises(pv.PlanMismatchError, match=r"Use strategy='auto' \(it switches to strategy='torch_func', or "
+                                                   r"to the loop"):
+        pv.per_sample_grads(model, loss_fn, (ids, lengths), y, strategy="hooks")
+    params = list(model.parameters())
+    want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        loss_fn(model(ids[i:i + 1], lengths[i:i + 1]), y[i:i + 1]), params)]) for i in range(4)])
+    got = pv.per_sample_grads(model, loss_fn, (ids, lengths), y, strategy="auto", flat=True)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
