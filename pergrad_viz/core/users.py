@@ -96,13 +96,20 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
         return (f"the input tensor '{ints[0]}' holds integers but the model computes in floating point: pass "
                 "it as .float() (or .to(the model's dtype)); integer inputs are for models that start with an "
                 "Embedding")
-    whole = [name for name, t in inputs.named_leaves() if t.dim() == 0 or t.shape[0] != inputs.size]
+    whole = [(name, t) for name, t in inputs.named_leaves() if t.dim() == 0 or t.shape[0] != inputs.size]
     if whole and len(whole) < len(inputs.named_leaves()):
-        return (f"B = {inputs.size}, and {', '.join(repr(n) for n in whole)} (first dimension not {inputs.size}) went "
+        names = ", ".join(repr(n) for n, _ in whole)
+        second = next(((n, t) for n, t in whole if t.dim() >= 2 and t.shape[1] == inputs.size), None)
+        why = (f"; '{second[0]}' {tuple(second[1].shape)} has the samples along dimension 1 (an RNN's (layers, B, H) "
+               "state, a time-major (T, B, F) sequence): pass it batch-first (h0.transpose(0, 1).contiguous(), "
+               "batch_first=True) and transpose it back inside the forward") if second is not None else (
+            "; targets=None, so B was read from the first input tensor: put the samples' tensor first") \
+            if targets is None and inputs.size == 1 else ""
+        return (f"B = {inputs.size}, and {names} (first dimension not {inputs.size}) went "
                 "whole to every sample's run while the others were cut: a tensor that belongs to the samples but is "
                 "not batch-first (EmbeddingBag's flat token ids with offsets, an attention mask of shape (B * heads, "
                 "T, T)) cannot be cut; pass each sample's own rows first (padded (B, L) ids, a (B, T, T) mask "
-                "repeated over the heads inside the forward)")
+                f"repeated over the heads inside the forward){why}")
     return None
 
 

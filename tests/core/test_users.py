@@ -174,6 +174,39 @@ def test_a_per_sample_input_that_is_not_batch_first_is_named(call):
     assert "B = 4, and 'inputs[0]' (first dimension not 4) went whole" in notes and "padded (B, L) ids" in notes
 
 
+class _StateGiven(nn.Module):
+    """A GRU whose initial state (layers, B, H) is an input: the samples along its dimension 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.fc = nn.GRU(3, 4, num_layers=2, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x, h0):
+        return self.fc(self.rnn(x, h0)[0][:, -1])
+
+
+class _Context(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, ctx, x):
+        return self.b(torch.tanh(self.a(x) + self.a(ctx)))
+
+
+def test_samples_along_dimension_1_or_behind_a_broadcast_first_input_are_named():
+    """Found by a probe: an RNN's (layers, B, H) state as an input, and a (1, F) context first without targets (B read
+    as 1), ended in PyTorch's own shape errors with a note that did not say which layout to change."""
+    x, h0, y = torch.randn(4, 5, 3), torch.randn(2, 4, 4), torch.tensor([0, 1, 1, 0])
+    with pytest.raises(RuntimeError, match="hidden size") as info:
+        pv.per_sample_grads(_StateGiven(), nn.CrossEntropyLoss(), (x, h0), y)
+    assert "'inputs[1]' (2, 4, 4) has the samples along dimension 1" in _notes(info.value)
+    with pytest.raises(RuntimeError, match="size of tensor") as info:
+        pv.per_sample_jacobian(_Context(), (torch.randn(1, 4), torch.randn(5, 4)))
+    assert "targets=None, so B was read from the first input tensor: put the samples' tensor first" in \
+        _notes(info.value)
+
+
 def _message_and_notes(call) -> str:
     try:
         call()
