@@ -245,9 +245,8 @@ def _noise_of(trainable: Trainable, max_norm: float | None, noise_multiplier: fl
 
 def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, batch, targets: object, chunk: int,
           chunk_size: int | None, verify: bool, groups: Groups, start) -> tuple[dict, dict]:
-    """({name: (*shape) clipped sum added to ``start()``}, {name: (B,) squared norms}): book-keeping where the hooks
-    strategy runs, else (and under ``auto`` where the hand-over moves on, ``api.hand_over``) the per-sample
-    gradients in chunks."""
+    """({name: (*shape) clipped sum added to ``start()``}, {name: (B,) squared norms}): book-keeping where hooks
+    runs, else (also where auto's hand-over moves on, ``api.hand_over``) the per-sample gradients in chunks."""
 
     def run(used: str) -> tuple[dict, dict]:
         if used == "hooks":  # the sums made after the backward
@@ -384,14 +383,18 @@ def noise_step(model: nn.Module, max_norm: float | None, *, noise_multiplier: fl
 
 
 def _into_grads(model: nn.Module, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each parameter's ``.grad`` replaced by its sum: written into the ``.grad`` tensor a parameter holds (a view of
-    a flat gradient buffer, DDP's bucket views), as a backward after ``zero_grad(set_to_none=False)`` writes it, else
-    the sum itself; returns the tensors now in ``.grad``."""
+    """Each parameter's ``.grad`` replaced by its sum: written into the dense ``.grad`` a parameter holds (a view of a
+    flat gradient buffer, DDP's bucket views), as a backward after ``zero_grad(set_to_none=False)`` writes it, else
+    the sum laid out as the parameter is (fused optimisers read ``.grad`` so: ``channels_last``); a sparse ``.grad``
+    replaced. Returns the tensors now in ``.grad``."""
     params = dict(model.named_parameters())
     for name, total in sums.items():
-        grad = params[name].grad
-        if grad is not None and grad.shape == total.shape and grad.dtype == total.dtype and grad.device == total.device:
+        p, grad = params[name], params[name].grad
+        if grad is not None and grad.layout == torch.strided and (grad.shape, grad.dtype, grad.device) == (
+                total.shape, total.dtype, total.device):
             sums[name] = grad.copy_(total)
+        elif total.stride() != p.stride() and p.shape == total.shape:
+            p.grad = sums[name] = torch.empty_like(p, dtype=total.dtype).copy_(total)  # the parameter's strides
         else:
-            params[name].grad = total
+            p.grad = total
     return sums

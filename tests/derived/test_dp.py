@@ -485,6 +485,39 @@ def test_dp_step_writes_into_the_grad_tensors_a_flat_buffer_holds():
     torch.testing.assert_close(arena, torch.cat([want[n].flatten() for n, _ in model.named_parameters()]) / 8)
 
 
+def test_dp_step_lays_grad_out_as_the_parameter_and_replaces_a_sparse_one():
+    """Found by a probe: dp_step wrote a channels_last conv weight's .grad contiguous, and AdamW(fused=True), which
+    reads .grad in the parameter's layout as a backward gives it, updated the wrong elements (0.2 off); a sparse
+    Embedding's .grad kept by zero_grad(set_to_none=False) was a raw copy_ error, other .grad already written."""
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(64, 3)).double()
+    conv = conv.to(memory_format=torch.channels_last)
+    x, y = torch.randn(5, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    loss_fn = nn.CrossEntropyLoss()
+    want, _ = loop_clipped_sum(conv, loss_fn, x, y, [(0.3, names_of(conv))])
+    twin = {n: p.detach().clone().requires_grad_() for n, p in conv.named_parameters()}
+    for t, g in zip(twin.values(), want.values(), strict=True):
+        t.grad = g / 5
+    opt = torch.optim.AdamW(conv.parameters(), lr=0.1, fused=True)
+    pv.dp_step(conv, loss_fn, x, y, 0.3, noise_multiplier=0.0, expected_batch_size=5)
+    assert conv[0].weight.grad.stride() == conv[0].weight.stride() and not conv[0].weight.is_contiguous()
+    opt.step()
+    torch.optim.AdamW(list(twin.values()), lr=0.1, foreach=False).step()
+    for n, p in conv.named_parameters():
+        torch.testing.assert_close(p.detach(), twin[n].detach(), rtol=1e-9, atol=1e-12, msg=n)
+
+    bag = nn.Sequential(nn.Embedding(12, 6, sparse=True), nn.Flatten(), nn.Linear(30, 3)).double()
+    ids = torch.randint(0, 12, (4, 5))
+    loss_fn(bag(ids), y[:4]).backward()
+    torch.optim.SGD(bag.parameters(), lr=0.1).zero_grad(set_to_none=False)
+    assert bag[0].weight.grad.is_sparse
+    want, _ = loop_clipped_sum(bag, loss_fn, ids, y[:4], [(0.3, names_of(bag))])
+    pv.dp_step(bag, loss_fn, ids, y[:4], 0.3, noise_multiplier=0.0, expected_batch_size=4)
+    for n, p in bag.named_parameters():
+        assert p.grad.layout == torch.strided
+        torch.testing.assert_close(p.grad, want[n] / 4, rtol=1e-9, atol=1e-12, msg=n)
+
+
 def test_a_fresh_generator_seeded_alike_at_every_step_is_warned_of():
     """Found by a newcomer's probe: torch.Generator().manual_seed(0) made anew at every step repeated the noise,
     silently; one generator passed at every step says nothing."""
