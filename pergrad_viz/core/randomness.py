@@ -26,8 +26,8 @@ from pergrad_viz.errors import UnsupportedModelError
 
 RANDOMNESS = ("error", "different")
 
-__all__ = ["RANDOMNESS", "DispatchMode", "Draws", "check_randomness", "held_fixed", "randomness_of",
-           "refuse_torch_func"]
+__all__ = ["RANDOMNESS", "DispatchMode", "Draws", "check_randomness", "held_fixed", "random_state", "randomness_of",
+           "refuse_torch_func", "set_random_state"]
 
 
 class DispatchMode(TorchDispatchMode):
@@ -51,12 +51,14 @@ def check_randomness(randomness: object) -> None:
             f"them), got {randomness!r}")
 
 
-def _state(device: torch.device) -> tuple:
+def random_state(device: torch.device) -> tuple:
+    """torch's global generator's state, and the CUDA one of ``device`` where it is a GPU."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
 
 
-def _set(device: torch.device, state: tuple) -> None:
+def set_random_state(device: torch.device, state: tuple) -> None:
+    """Put back a :func:`random_state`."""
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
@@ -79,13 +81,13 @@ class Draws:
         self.marks.clear()
         self._next = 0
         if self._initial is None:
-            self._initial = _state(self.device)
+            self._initial = random_state(self.device)
         else:
-            _set(self.device, self._initial)
+            set_random_state(self.device, self._initial)
 
     def mark(self, size: int) -> tuple:
         """Note the state before a batched forward of the next ``size`` rows; returns it (see :meth:`again`)."""
-        state = _state(self.device)
+        state = random_state(self.device)
         self.marks.append((slice(self._next, self._next + size), state))
         self._next += size
         return state
@@ -93,7 +95,7 @@ class Draws:
     def again(self, state: tuple) -> None:
         """Set the generator back to ``state``: a forward run a second time (the capture's copying pass) draws the
         same random numbers as the first."""
-        _set(self.device, state)
+        set_random_state(self.device, state)
 
     def chunks(self) -> list[slice]:
         """The rows of each marked forward, in order."""
@@ -104,12 +106,12 @@ class Draws:
         """Run the block from the state noted for ``rows`` (one of :meth:`chunks`); the state is then set back to
         what it was before the block (the caller's generator advances as by the strategy alone)."""
         state = next(s for r, s in self.marks if r == rows)
-        saved = _state(self.device)
-        _set(self.device, state)
+        saved = random_state(self.device)
+        set_random_state(self.device, state)
         try:
             yield
         finally:
-            _set(self.device, saved)
+            set_random_state(self.device, saved)
 
     def chunk_of(self, i: int) -> slice:
         """The marked rows that hold row ``i``."""

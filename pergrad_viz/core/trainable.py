@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pergrad_viz.core.kept_state import copies, has_user_hooks, values_changed
+from pergrad_viz.core.randomness import random_state, set_random_state
 from pergrad_viz.core.users import drop_package_frames, is_package_error
 from pergrad_viz.core.validate import check_model
 from pergrad_viz.errors import UndefinedPerSampleError
@@ -276,16 +277,24 @@ def computing_gradients(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        model = args[0] if args else kwargs.get("model")
+        drawn = random_state(_device(model)) if kwargs.get("randomness") == "different" else None
         try:
-            with _one_thread_at_a_time(args[0] if args else kwargs.get("model")), torch.inference_mode(False), \
-                    torch.enable_grad():
+            with _one_thread_at_a_time(model), torch.inference_mode(False), torch.enable_grad():
                 return fn(*args, **kwargs)
         except Exception as e:
+            if drawn is not None:  # a refusal after a forward drew its masks: the caller's generator as it was
+                set_random_state(_device(model), drawn)
             if not is_package_error(e):  # the model's or the loss's own error: shown from the user's frames
                 drop_package_frames(e)
             raise
 
     return wrapper
+
+
+def _device(model: object) -> torch.device:
+    p = next(model.parameters(), None) if isinstance(model, nn.Module) else None
+    return torch.device("cpu") if p is None else p.device
 
 
 _CALL_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()

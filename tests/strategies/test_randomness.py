@@ -296,3 +296,24 @@ def test_functional_dropout_in_the_batched_forward_is_what_the_rows_use():
     b = in_batch_reference(model, loss, x, y, seed=2, chunk=6)
     assert not torch.allclose(a["net.0.weight"], b["net.0.weight"])
 
+
+
+@pytest.mark.parametrize("call", ["grads", "norms", "clipped_sum", "dp_step"])
+def test_a_refusal_after_the_forward_drew_leaves_the_generator_as_it_was(call):
+    """Found by a probe: under randomness='different', a refusal raised after a forward (a non-finite sample, a loss
+    returning a tuple) left torch's generator advanced by the masks drawn."""
+    model, x, y = _problem(CASES[0])
+    x = x.clone()
+    x[1, 0] = float("nan")
+    loss = nn.CrossEntropyLoss()
+    tuple_loss = lambda out, t: (loss(out, t), {})  # noqa: E731
+    calls = {"grads": lambda: pv.per_sample_grads(model, tuple_loss, x, y, randomness="different"),
+             "norms": lambda: pv.per_sample_grad_norms(model, tuple_loss, x, y, randomness="different"),
+             "clipped_sum": lambda: pv.clipped_grad_sum(model, loss, x, y, 0.1, randomness="different"),
+             "dp_step": lambda: pv.dp_step(model, loss, x, y, 0.1, noise_multiplier=1.0, expected_batch_size=6,
+                                           generator=torch.Generator().manual_seed(0), randomness="different")}
+    torch.manual_seed(9)
+    before = torch.get_rng_state()
+    with pytest.raises((ValueError, TypeError)):
+        calls[call]()
+    assert torch.equal(torch.get_rng_state(), before)
