@@ -318,3 +318,13 @@ def _own_torch_function(p: torch.Tensor) -> bool:
     """Whether a parameter's class overrides ``__torch_function__`` (``nn.Parameter`` and ``torch.Tensor`` do not)."""
     function = type(p).__torch_function__
     return getattr(function, "__func__", function) not in _PLAIN_TORCH_FUNCTIONS
+
+
+def check_output_count(what: str, count: int, wanted: int, against: str = "sample 0 alone") -> None:
+    """Refuse ``what`` (``"sample 3 alone"``) giving ``count`` output elements a sample where ``against`` gives
+    ``wanted`` (Y): the per-sample Jacobians would be ragged."""
+    if count != wanted:
+        raise UndefinedPerSampleError(
+            f"{what} gives {count} output elements but {against} gives {wanted}: the forward's output size depends "
+            "on the data (of the sample, or of the batch it runs in), so the per-sample Jacobians do not fit in one "
+            "(B, Y, P) tensor; make the output's size fixed (pad or mask it), or call once per sample")

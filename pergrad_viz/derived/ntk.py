@@ -29,7 +29,7 @@ from torch import nn
 
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, Inputs
-from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
+from pergrad_viz.core.guards import check_output_count, check_reached, refusing_reentrant_checkpoints
 from pergrad_viz.core.memory import check_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.core.validate import batch_of
@@ -129,6 +129,10 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
                  working=0, max_bytes=max_bytes, allocate_result=True, device=trainable.device, batch=n1,
                  chunk=chunk)
     if y_count == 0:  # no output element: an empty kernel (a sum over no outputs: zeros, for the trace)
+        with restoring_modes(trainable), torch.no_grad():  # where every sample alone has none
+            for x in (x1,) if x2 is None else (x1, x2):
+                for i in range(x.size):
+                    check_output_count(f"sample {i} alone", trainable.outputs(x.sample(i)).numel(), 0)
         shape = (n1, n2, 0, 0) if full else (n1, n2)
         return torch.zeros(shape, dtype=trainable.dtype, device=trainable.device)
     if strategy == "hooks" and x2 is not None and api.resolve_strategy("auto", trainable, x2) != "hooks":
@@ -141,7 +145,7 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
                           for n, p in zip(trainable.names, trainable.params, strict=True)}
                 with restoring_modes(trainable):
                     refuse_wrong_nesting(trainable, x1, "hooks", hooks.jacobian_untried, shapes)
-            return _ghost_ntk(trainable, x1, x2, full, chunk)
+            return _ghost_ntk(trainable, x1, x2, full, chunk, y_count)
         return _jacobian_ntk(model, x1, x2, full, chunk_size, verify, used, output)
 
     def check(kernel: torch.Tensor, used: str) -> None:
@@ -176,13 +180,16 @@ def _jacobian_ntk(model: nn.Module, x1: Batch, x2: Batch | None, full: bool, chu
     return _symmetrise(kernel, full) if x2 is None else kernel
 
 
-def _ghost_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, full: bool, chunk: int) -> torch.Tensor:
+def _ghost_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, full: bool, chunk: int, alone: int
+               ) -> torch.Tensor:
+    """K from the layers' features of each chunk; ``alone``: Y, sample 0's output elements alone."""
     rows1 = [slice(s, min(s + chunk, x1.size)) for s in range(0, x1.size, chunk)]
     rows2 = rows1 if x2 is None else [slice(s, min(s + chunk, x2.size)) for s in range(0, x2.size, chunk)]
     with restoring_modes(trainable), refusing_reentrant_checkpoints():
         f1 = [_features(trainable, x1.rows(r), full) for r in rows1]
         f2 = f1 if x2 is None else [_features(trainable, x2.rows(r), full) for r in rows2]
     y_count = f1[0].outputs
+    check_output_count("a sample in a batch", y_count, alone)
     for f in f1 + f2:
         _check_outputs(y_count, f.outputs)
     n2 = x1.size if x2 is None else x2.size

@@ -54,6 +54,7 @@ from torch.utils._pytree import tree_map
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.float64 import float64_copy, to_float64
 from pergrad_viz.core.functional import functional_call_once
+from pergrad_viz.core.guards import check_output_count
 from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
@@ -372,6 +373,8 @@ def check_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: torch.T
     other = x1 if x2 is None else x2
     j = draw(other.size)
     j1, j2 = _jacobian_alone(trainable, x1.sample(i)), _jacobian_alone(trainable, other.sample(j))
+    check_output_count(f"sample {j} alone", j2.shape[0], j1.shape[0], f"sample {i} alone")
+    check_output_count(f"sample {i} alone", j1.shape[0], kernel.shape[-1] if full else j1.shape[0], "the kernel")
     want = j1 @ j2.T if full else (j1 * j2).sum()
     diff = float((kernel[i, j].double() - want.double()).norm())
     scale = float(j1.double().norm() * j2.double().norm())

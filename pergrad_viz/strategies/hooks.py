@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch
-from pergrad_viz.core.guards import check_reached
+from pergrad_viz.core.guards import check_output_count, check_reached
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.backward import loss_gradients, output_gradients
@@ -45,7 +45,8 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
 
 def jacobian_untried(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """:func:`jacobian` without its trial of the per-layer fallback's nested ``vmap`` (engine.cotangents)."""
-    calls, g, _ = output_gradients(trainable, inputs)
+    calls, g, y_count = output_gradients(trainable, inputs)
+    check_output_count("a sample in the batch", y_count, next(iter(out.values())).shape[1], "sample 0 alone")
     check_reached(trainable, calls, "model output")
     apply_rules(trainable, calls, g, {n: t.transpose(0, 1) for n, t in out.items()})
 

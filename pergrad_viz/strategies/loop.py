@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch, cut
-from pergrad_viz.core.guards import check_no_reentrant_checkpoint, nothing_takes_part
+from pergrad_viz.core.guards import check_no_reentrant_checkpoint, check_output_count, nothing_takes_part
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.observe import stale_error
@@ -56,9 +56,12 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
     refuse_random_forward(trainable, inputs)
     unused = [None] * len(trainable.params)
     took_part, walked = False, False
+    wanted = next(iter(out.values())).shape[1] if out else None  # Y, read from sample 0 (api.output_size)
     for i in range(inputs.size):
         output = trainable.outputs(inputs.sample(i)).reshape(-1)
         y_count = output.numel()
+        if wanted is not None:
+            check_output_count(f"sample {i} alone", y_count, wanted)
         took_part |= output.requires_grad
         for j in range(y_count):
             g = _grad(output[j], trainable.params, retain_graph=j < y_count - 1) if output.requires_grad else unused

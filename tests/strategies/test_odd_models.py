@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_refuses, assert_state_unchanged, flatten_ref, ref_grads, ref_jacobian, snapshot
+from torch import nn
 from zoo.odd import CASES, complex_model, empty_model, lazy_model
 
 import pergrad_viz as pv
@@ -162,3 +163,37 @@ def test_anomaly_mode_shows_no_error_for_a_call_that_succeeds(call):
         jacobian = pv.per_sample_jacobian(model, x, flat=True, strategy="loop")
         want = jacobian if call != "ntk" else torch.einsum("iyp,jyp->ij", jacobian, jacobian)
     torch.testing.assert_close(got, want)
+
+
+class _Ragged(nn.Module):
+    """Three outputs where the batch it runs in holds a large value, else two (``cut``: outputs kept)."""
+
+    def __init__(self, cut: int = 2):
+        super().__init__()
+        self.a, self.cut = nn.Linear(3, 4), cut
+
+    def forward(self, x):
+        return self.a(x)[:, : self.cut + int(x.abs().max() > 2)]
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("call", ["jacobian", "ntk"])
+def test_outputs_whose_size_depends_on_the_data_are_refused(call, first):
+    """Found by a probe: Y was read from sample 0 alone, and rows of samples with fewer outputs were returned
+    unwritten (uninitialised memory), a sample with more was a raw IndexError, and sample 0 without outputs gave an
+    NTK of zeros."""
+    model = _Ragged().double()
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).clamp(-1.5, 1.5)
+    x[0 if first else 3, 0] = 3.0
+    run = {"jacobian": lambda m: pv.per_sample_jacobian(m, x), "ntk": lambda m: pv.empirical_ntk(m, x)}[call]
+    with pytest.raises(pv.UndefinedPerSampleError, match=r"gives \d output elements but .* gives \d: the forward's "
+                                                         "output size depends on the data"):
+        run(model)
+    if not first:
+        with pytest.raises(pv.UndefinedPerSampleError, match="sample 3 alone gives 1 output elements but sample 0 "
+                                                             "alone gives 0"):
+            run(_Ragged(cut=0).double())
+        for strategy in ("hooks", "autograd_stack", "batched_grad", "loop"):
+            for verify in (True, False):
+                with pytest.raises(pv.UndefinedPerSampleError, match="gives 3 output elements but sample 0 alone"):
+                    pv.per_sample_jacobian(model, x, strategy=strategy, verify=verify)
