@@ -150,17 +150,18 @@ def _check_memory(trainable: Trainable, strategy: str, batch: int, chunk: int, o
 
 def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, chunk_size: int | None,
             loss_fn: object = None, model_kwargs: Mapping | None = None, out: torch.Tensor | None = None,
-            flat: bool = True, randomness: str = "error", verify: bool = True, offers_randomness: bool = True
-            ) -> tuple[Trainable, str, Batch, int]:
+            flat: bool = True, randomness: str = "error", verify: bool = True, offers_randomness: bool = True,
+            output: Callable[[object], torch.Tensor] | None = None) -> tuple[Trainable, str, Batch, int]:
     """A call checked (``pergrad_viz.core.validate``) and planned: ``(trainable, resolved strategy, batch (B, ...),
     samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``).
-    ``offers_randomness``: the public call takes ``randomness=`` (its refusals may name it)."""
+    ``offers_randomness``: the public call takes ``randomness=`` (its refusals may name it); ``output``: a
+    Jacobian's ``output=`` (the probe sees what it selects)."""
     check_flags(flat=flat, verify=verify)
     if loss_fn is not None:
         check_loss(loss_fn)
     check_strategy_name(strategy, STRATEGIES)  # before anything is checked or run
     check_randomness(randomness)
-    trainable = Trainable.of(model)
+    trainable = Trainable.of(model) if output is None else Trainable.of(model).selecting(output)
     trainable.call.offers_randomness = offers_randomness
     if randomness == "different":
         trainable.call.draws = Draws(trainable.device)
@@ -373,9 +374,7 @@ def per_sample_jacobian(model: nn.Module, inputs: Inputs, *, strategy: str = "au
     requested = strategy
     trainable, strategy, inputs, chunk = prepare(model, inputs, None, strategy, chunk_size,
                                                   model_kwargs=model_kwargs, out=out, flat=flat, verify=verify,
-                                                  offers_randomness=False)
-    if output is not None:
-        trainable = trainable.selecting(output)
+                                                  offers_randomness=False, output=output)
     batch = inputs.size
     with restoring_modes(trainable):
         y_count = output_size(trainable, inputs)

@@ -109,9 +109,7 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: 'full' (N1, N2, Y, Y) or 'trace' (N1, N2)")
     trainable, strategy, x1, chunk = api.prepare(model, x1, None, "auto", chunk_size, verify=verify,
-                                                offers_randomness=False)
-    if output is not None:
-        trainable = trainable.selecting(output)
+                                                offers_randomness=False, output=output)
     if x2 is not None:
         x2 = batch_of(trainable, x2)
         if x2.signature() != x1.signature():

@@ -39,7 +39,7 @@ def refuse_wrong_nesting(trainable: Trainable, inputs: Batch, strategy: str, jac
     than each alone; ``out``: the call's result {name: (B, Y, *shape)}, whose shapes the trial takes."""
     if inputs.size < 2:
         return
-    key = (call_key(trainable, inputs), _selection(trainable.select), strategy)
+    key = (call_key(trainable, inputs), strategy)  # the key holds output='s selection
     found = _FOUND.setdefault(trainable.model, {})
     if key not in found:
         if len(found) >= 16:  # input signatures and output= selections change: kept small
@@ -76,14 +76,3 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> bool:
         return False
     got, want = got[finite].double(), want[finite].double()
     return float(torch.linalg.vector_norm(got - want)) <= rtol * max(float(torch.linalg.vector_norm(want)), 1e-300)
-
-
-def _selection(select: object) -> object:
-    """What identifies an ``output=`` function across calls (a new lambda each call has the same code and the same
-    objects in its closure)."""
-    if select is None:
-        return None
-    code = getattr(select, "__code__", None)
-    if code is None:
-        return id(select)
-    return code, tuple(id(cell.cell_contents) for cell in (select.__closure__ or ()))

@@ -63,6 +63,7 @@ class Record:
     calls: dict[str, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = field(default_factory=dict)
     differentiates: bool = False  # the forward ran a backward that built a graph (autograd.grad, create_graph=True)
     autocast: set[str] = field(default_factory=set)  # the modules whose calls ended under torch.autocast
+    selected: list[torch.Tensor] | None = None  # what output= selects from the model's output (a Jacobian's)
 
 
 class _ParameterUses(TorchFunctionMode):
@@ -161,10 +162,10 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
         with torch.enable_grad():  # the same code paths as the real capture (no inference fast paths)
             if randomness is not None:
                 with randomness:
-                    inputs(trainable.model)
+                    _note_selected(record, trainable, inputs(trainable.model))
                 return record, randomness.first
             if mode is None:
-                inputs(trainable.model)
+                _note_selected(record, trainable, inputs(trainable.model))
             else:
                 start = _sequence_number()
                 with mode, torch.autograd.graph.saved_tensors_hooks(_noting_backward(record), _unpacked):
@@ -173,10 +174,16 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
                 stale = _stale_parameter(output, inputs, watch, start)
                 if stale is not None:
                     raise stale_error(stale)
+                _note_selected(record, trainable, output)
     finally:
         for h in handles:
             h.remove()
     return record, uses
+
+
+def _note_selected(record: Record, trainable: Trainable, output: object) -> None:
+    if trainable.select is not None:
+        record.selected = [t.detach().clone() for t in tensors_of(trainable.select(output))]
 
 
 def _noting_backward(record: Record):

@@ -95,8 +95,8 @@ def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
     """What a plan depends on, read afresh: the input signature; per module its name, identity, type, forward (the
     class's and an instance's own), forward hooks and plain attributes; the plain fields of the settings objects
     the modules hold; the global forward hooks; per parameter (``named_parameters()``, frozen ones too, walked once
-    per call by :meth:`Trainable.of`) its name, identity, shape, dtype and ``requires_grad``; and the call's
-    ``randomness=``."""
+    per call by :meth:`Trainable.of`) its name, identity, shape, dtype and ``requires_grad``; the call's
+    ``randomness=`` and ``output=``."""
     settings: dict[int, tuple] = {}
     skip = skipped(trainable.model)
     return (
@@ -110,7 +110,19 @@ def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
         tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad)
               for n, p in trainable.named_parameters or trainable.model.named_parameters()),
         trainable.call.draws is not None,  # randomness='different': a plan probed with the draws held fixed
+        selection_key(trainable.select),  # output=: what the probe saw selected (engine.selection)
     )
+
+
+def selection_key(select: object) -> object:
+    """What identifies an ``output=`` function across calls (a new lambda each call has the same code and the same
+    objects in its closure)."""
+    if select is None:
+        return None
+    code = getattr(select, "__code__", None)
+    if code is None:
+        return id(select)
+    return code, tuple(id(cell.cell_contents) for cell in (select.__closure__ or ()))
 
 
 def _without(attributes: tuple, names: frozenset[str]) -> tuple:

@@ -7,24 +7,22 @@ owns trainable parameters, along which dimension each of the layer's inputs and 
 which layer's forward contains every use of each parameter. Nothing of this is assumed; it is measured on a probe:
 
 * sample a alone (twice: outputs that differ for the same inputs are a random forward, refused), sample b alone
-  (two *different* samples of the call when there are any), and the pair as a batch of two in both orders, (a, b)
-  and (b, a) (a reordering of the rows by their data shows in one of them), each a forward pass with every module
-  hooked, under a forked RNG (the caller's random state is untouched);
+  (two *different* samples when there are any), and the pair as a batch of two in both orders (a reordering of the
+  rows by their data shows in one), each a forward with every module hooked, under a forked RNG;
 * a tensor's *batch dimension* is the one dimension whose size is 1 alone and 2 in the pair (all others equal); a
   tensor with no such dimension is *shared* (e.g. a positional embedding of ``arange(T)``); a tensor that changes
   any other way (e.g. (B*T, d) rows) is not per-sample;
 * rows of the pair are compared with the runs alone (values, with a tolerance per feature: a small difference next
   to one very large feature is seen), and shared tensors must not change with the samples (a batch mean has the
   shape of a shared tensor but not its values);
-* a ``TorchFunctionMode`` notes the stack of running modules at every use of a trainable parameter.
+* a ``TorchFunctionMode`` notes the stack of running modules at every use of a trainable parameter; what a
+  Jacobian's ``output=`` selects is compared the same way (``pergrad_viz.engine.selection``).
 
-Two batch sizes mean that no coincidence of sizes (T == B, layers == B) can pass for a batch dimension.
-The result, a :class:`Plan`, is cached per model and keyed by what can change it structurally: the input's shape
-past the batch, dtype and device, every module (identity, type, forward, hooks, and its plain attributes: the
-training flag, ``self.task``, any bool / number / string a forward may branch on) and every parameter (identity,
-shape, dtype, ``requires_grad``). Each real call re-checks the shapes it captured against the plan, which is
-cheap; what no structural key can see (values that switch a branch, a reordering or coupling a pair does not
-show) is left to the per-call check (``pergrad_viz.engine.certify``).
+Two batch sizes mean that no coincidence of sizes (T == B, layers == B) can pass for a batch dimension. The result,
+a :class:`Plan`, is cached per model and keyed by what can change it structurally (``engine.plan_key``: the input's
+shape past the batch, every module's identity, forward, hooks and plain attributes, every parameter, ``output=``).
+Each real call re-checks the shapes it captured against the plan, which is cheap; what no structural key can see
+(values that switch a branch, a coupling a pair does not show) is left to the per-call check (``engine.certify``).
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.observe import close, first_difference, observe
 from pergrad_viz.engine.plan import SHARED, CallSpec, LayerKind, LayerPlan, Plan, Unbatched
 from pergrad_viz.engine.plan_key import plan_key
+from pergrad_viz.engine.selection import selection_interaction
 from pergrad_viz.engine.volatile import note_probe
 from pergrad_viz.errors import UndefinedPerSampleError
 from pergrad_viz.rules import call_rule_for, rule_for, rule_takes_batch_dim
@@ -96,8 +95,9 @@ class _Probe:
             self.swapped, _ = observe(trainable, runs[4], None)  # a reordering by the data shows
         refuse_written_inputs(versions, copies=True)
         self.random = drew if drew is not None else first_difference(self.alone_a, again)
-        self.interaction: str | None = None
         self.specs: dict[str, list[CallSpec] | str] = {}
+        self.interaction: str | None = None
+        self.interaction = selection_interaction(self)  # a Jacobian's output=, where the call has one
 
     def spec(self, name: str) -> list[CallSpec] | str:
         """The call specs of module ``name``, or why its tensors are not per-sample; notes interactions."""
@@ -116,7 +116,7 @@ class _Probe:
         else:
             result = []
             for k, (ins, outs) in enumerate(pair):
-                spec = self._call_spec(name, module, (ins, outs), swapped[k], [a[k] for a in alone])
+                spec = self.call_spec(name, module, (ins, outs), swapped[k], [a[k] for a in alone])
                 if isinstance(spec, str):
                     result = spec
                     break
@@ -124,7 +124,7 @@ class _Probe:
         self.specs[name] = result
         return result
 
-    def _call_spec(self, name, module, pair, swapped, alone) -> CallSpec | str:
+    def call_spec(self, name, module, pair, swapped, alone) -> CallSpec | str:
         dims: list[list[int | None]] = [[], []]
         rests: list[list[tuple[int, ...]]] = [[], []]
         for side, what in enumerate(("an input", "an output")):

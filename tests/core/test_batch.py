@@ -309,7 +309,7 @@ def test_an_output_reduced_over_the_batch_is_each_samples_under_auto():
         got = pv.per_sample_jacobian(model, x, strategy=strategy, flat=True, output=lambda o: o.sum())
         torch.testing.assert_close(got, want)
     for strategy in ("hooks", "autograd_stack", "batched_grad"):
-        with pytest.raises(pv.UnsupportedModelError, match=r"shape \(\) on a batch of 3.*'auto' or 'loop'"):
+        with pytest.raises(pv.UnsupportedModelError, match=r"shape \(\) on a batch of \d.*strategy='auto'"):
             pv.per_sample_jacobian(model, x, strategy=strategy, output=lambda o: o.sum())
 
 

@@ -1,0 +1,72 @@
+"""A Jacobian's ``output=`` seen by the probe (pergrad_viz.engine.selection) and part of the plan's key: a selection
+that mixes the samples is computed sample by sample (auto) or refused (a batched strategy), checked or not, whatever
+calls came before; against the definition written here, one sample at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pergrad_viz as pv
+
+COUPLING = {"norm": lambda o: o / o.norm(), "centred": lambda o: o - o.mean(0)}
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def _loop(model, x, select):
+    """(B, Y, P): each sample alone, its selected output's Jacobian."""
+    params = list(model.parameters())
+    rows = []
+    for i in range(x.shape[0]):
+        out = select(model(x[i:i + 1])).reshape(-1)
+        rows.append(torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[j], params,
+                                                                                       retain_graph=True)])
+                                 for j in range(out.numel())]))
+    return torch.stack(rows)
+
+
+X = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", list(COUPLING))
+@pytest.mark.parametrize("warm", [False, True])
+def test_a_selection_that_mixes_the_samples_is_computed_sample_by_sample(name, warm):
+    """Found by a probe: output= was applied after the probe and left out of the plan's key, so without the check
+    (verify=False), or after plain calls had made the check rare, the batched strategies gave the selection of the
+    batch's output (rows 2.96 off; an NTK 60.8 off)."""
+    model, select = _model(), COUPLING[name]
+    if warm:
+        for _ in range(3):
+            pv.per_sample_jacobian(model, X)
+    want = _loop(model, X, select)
+    for verify in (False, True):
+        got = pv.per_sample_jacobian(model, X, flat=True, output=select, verify=verify)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+        kernel = pv.empirical_ntk(model, X, output=select, verify=verify, mode="trace")
+        torch.testing.assert_close(kernel, torch.einsum("iyp,jyp->ij", want, want), rtol=1e-9, atol=1e-10)
+    for strategy in ("hooks", "autograd_stack", "batched_grad"):
+        with pytest.raises(pv.UnsupportedModelError, match="what output= selects from the model's output"):
+            pv.per_sample_jacobian(model, X, output=select, strategy=strategy, verify=False)
+
+
+def test_a_mixing_selection_leaves_later_calls_without_one_on_the_fast_path():
+    """Found by a probe: one call with a mixing output= made every later call of the model refused by hooks."""
+    model = _model()
+    pv.per_sample_jacobian(model, X, output=COUPLING["centred"])
+    got = pv.per_sample_jacobian(model, X, flat=True, strategy="hooks")
+    torch.testing.assert_close(got, _loop(model, X, lambda o: o), rtol=1e-9, atol=1e-12)
+    assert pv.resolve_strategy("auto", model, X) == "hooks"
+
+
+def test_a_selection_that_puts_the_samples_last_is_not_batched():
+    model = _model()
+    want = _loop(model, X, lambda o: o.t())
+    torch.testing.assert_close(pv.per_sample_jacobian(model, X, flat=True, output=lambda o: o.t(), verify=False),
+                               want, rtol=1e-9, atol=1e-12)
+    with pytest.raises(pv.UnsupportedModelError, match="not along dimension 0|output= selects"):
+        pv.per_sample_jacobian(model, X, output=lambda o: o.t(), strategy="hooks", verify=False)
