@@ -21,6 +21,7 @@ EPS = 1e-6  # added to the norm in the scale factor, as Opacus does
 
 # Clipping groups: (bound C_k, the parameter names clipped together), in order.
 Groups = Sequence[tuple[float, tuple[str, ...]]]
+PerLayer = bool | Mapping[str, float]  # per_layer=: one bound, one per parameter, or bounds by module prefix
 
 def check_finite(squared: torch.Tensor, first: int = 0) -> None:
     """ValueError naming the samples whose gradient is not finite, from their squared norms ``squared`` (B,) or (K,
@@ -175,3 +176,42 @@ def _norms(grads: Grads) -> torch.Tensor:
             )
     squared = torch.stack([wide_square(row_norms(g.reshape(g.shape[0], -1))) for g in grads.values()])  # float64
     return squared.sum(0).sqrt().to(first.dtype)
+
+
+def clipping_groups(names: tuple[str, ...], max_norm: float | None, per_layer: PerLayer) -> Groups:
+    """[(bound, names)]: one group of every parameter (``per_layer=False``); one per parameter with bound
+    max_norm / sqrt(K) (``True``: K parameters, so that the whole gradient stays within max_norm); or by the dict's
+    module prefixes (a parameter's name or a module path of it, matched at dots), each parameter in the group of its
+    longest prefix (``""`` matches every name)."""
+    if per_layer is False:
+        return [(float(max_norm), names)]
+    if per_layer is True:
+        bound = float(max_norm) / math.sqrt(len(names))
+        return [(bound, (n,)) for n in names]
+    members: dict[str, list[str]] = {key: [] for key in per_layer}
+    for name in names:
+        keys = [k for k in per_layer if k == "" or name == k or name.startswith(k + ".")]
+        if not keys:
+            raise ValueError(
+                f"the trainable parameter {name!r} is in no group of per_layer (keys: {list(per_layer)}); add its "
+                "name or a module prefix of it, or '' for every parameter not named otherwise"
+            )
+        members[max(keys, key=len)].append(name)
+    unmatched = [k for k in per_layer if k and not any(n == k or n.startswith(k + ".") for n in names)]
+    if unmatched:  # a typo would leave its layer in a group with another bound, unnoticed
+        raise ValueError(
+            f"per_layer key(s) {unmatched} match no trainable parameter (a key is a parameter's name or a module "
+            f"prefix of it, e.g. {names[0].rsplit('.', 1)[0]!r}; a weight tied to another has one name, its first in "
+            f"named_parameters()); trainable parameters: {list(names)[:6]}{' ...' if len(names) > 6 else ''}"
+        )
+    return [(float(per_layer[k]), tuple(ns)) for k, ns in members.items() if ns]
+
+
+def noise_std(noise_multiplier: float, groups: Groups) -> float:
+    """noise_multiplier x the largest norm of one sample's clipped gradient, sqrt(sum_k C_k^2) (no overflow of the
+    squares: a bound of 1e155); ValueError where the product is not finite."""
+    std = noise_multiplier * math.hypot(*(bound for bound, _ in groups)) if noise_multiplier else 0.0
+    if not math.isfinite(std):
+        raise ValueError(f"the noise's std (noise_multiplier x sqrt(sum of the squared bounds)) is {std}: pass "
+                         "bounds and a noise multiplier whose product is finite")
+    return std

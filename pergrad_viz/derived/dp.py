@@ -13,7 +13,6 @@ time and clipped (exact, slower).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 
 import torch
@@ -28,14 +27,12 @@ from pergrad_viz.core.randomness import check_randomness
 from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.core.validate import check_flags, check_strategy_name
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
-from pergrad_viz.derived.clipping import Groups
+from pergrad_viz.derived.clipping import Groups, PerLayer, clipping_groups, noise_std
 from pergrad_viz.derived.privacy import forget_noise, new_noise, warn_own_size
 from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed, failing_together
 from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.strategies import STRATEGIES
-
-PerLayer = bool | Mapping[str, float]
 
 
 def check_dp_arguments(max_norm: object, noise_multiplier: object, generator: object, per_layer: object
@@ -71,40 +68,6 @@ def check_dp_arguments(max_norm: object, noise_multiplier: object, generator: ob
             "with the same seed at every step would repeat the noise)"
         )
     return max_norm, noise_multiplier, per_layer
-
-
-def clipping_groups(names: tuple[str, ...], max_norm: float | None, per_layer: PerLayer) -> Groups:
-    """[(bound, names)]: one group of every parameter (``per_layer=False``); one per parameter with bound
-    max_norm / sqrt(K) (``True``: K parameters, so that the whole gradient stays within max_norm); or by the dict's
-    module prefixes (a parameter's name or a module path of it, matched at dots), each parameter in the group of its
-    longest prefix (``""`` matches every name)."""
-    if per_layer is False:
-        return [(float(max_norm), names)]
-    if per_layer is True:
-        bound = float(max_norm) / math.sqrt(len(names))
-        return [(bound, (n,)) for n in names]
-    members: dict[str, list[str]] = {key: [] for key in per_layer}
-    for name in names:
-        keys = [k for k in per_layer if k == "" or name == k or name.startswith(k + ".")]
-        if not keys:
-            raise ValueError(
-                f"the trainable parameter {name!r} is in no group of per_layer (keys: {list(per_layer)}); add its "
-                "name or a module prefix of it, or '' for every parameter not named otherwise"
-            )
-        members[max(keys, key=len)].append(name)
-    unmatched = [k for k in per_layer if k and not any(n == k or n.startswith(k + ".") for n in names)]
-    if unmatched:  # a typo would leave its layer in a group with another bound, unnoticed
-        raise ValueError(
-            f"per_layer key(s) {unmatched} match no trainable parameter (a key is a parameter's name or a module "
-            f"prefix of it, e.g. {names[0].rsplit('.', 1)[0]!r}; a weight tied to another has one name, its first in "
-            f"named_parameters()); trainable parameters: {list(names)[:6]}{' ...' if len(names) > 6 else ''}"
-        )
-    return [(float(per_layer[k]), tuple(ns)) for k, ns in members.items() if ns]
-
-
-def sensitivity(groups: Groups) -> float:
-    """The largest L2 norm of one sample's clipped gradient: sqrt(sum_k C_k^2) (C for flat clipping)."""
-    return math.sqrt(sum(bound * bound for bound, _ in groups))
 
 
 @computing_gradients
@@ -237,7 +200,7 @@ def _noise_of(trainable: Trainable, max_norm: float | None, noise_multiplier: fl
         raise ValueError(f"generator is on {generator.device} but the parameters are on {trainable.device}; create it "
                          f"with torch.Generator(device={str(trainable.device)!r}).manual_seed(seed)")
     groups = clipping_groups(trainable.names, max_norm, per_layer)
-    std = noise_multiplier * sensitivity(groups)
+    std = noise_std(noise_multiplier, groups)
     drawn = 0.0 if distributed and torch.distributed.get_rank() != 0 else std
     shapes = [(n, p.shape, p.dtype, p.device) for n, p in zip(trainable.names, trainable.params, strict=True)]
     return groups, std, drawn, shapes

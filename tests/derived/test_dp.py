@@ -518,6 +518,22 @@ def test_dp_step_lays_grad_out_as_the_parameter_and_replaces_a_sparse_one():
         torch.testing.assert_close(p.grad, want[n] / 4, rtol=1e-9, atol=1e-12, msg=n)
 
 
+def test_a_bound_whose_square_overflows_gives_the_plain_sum_and_finite_noise():
+    """Found by a probe: sqrt(sum C_k^2) overflowed for a bound of 1e155, so the std was sigma x inf: a raw 'std -nan'
+    error without noise, sums of +-inf with it (a true std of 1e-45)."""
+    model, x = _tutorial("mlp")
+    y, loss_fn = torch.tensor([0, 1, 2, 3, 0, 1]), nn.CrossEntropyLoss()
+    want, _ = loop_clipped_sum(model, loss_fn, x, y, [(1e155, names_of(model))])
+    for sigma in (0.0, 1e-200):
+        got = pv.clipped_grad_sum(model, loss_fn, x, y, 1e155, noise_multiplier=sigma,
+                                  generator=torch.Generator().manual_seed(0))
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=1e-12)
+    with pytest.raises(ValueError, match="noise's std .* is inf"):
+        pv.clipped_grad_sum(model, loss_fn, x, y, None, per_layer={"": 1e300}, noise_multiplier=1e100,
+                            generator=torch.Generator().manual_seed(0))
+
+
 def test_a_fresh_generator_seeded_alike_at_every_step_is_warned_of():
     """Found by a newcomer's probe: torch.Generator().manual_seed(0) made anew at every step repeated the noise,
     silently; one generator passed at every step says nothing."""
