@@ -227,14 +227,22 @@ def causal_lm_loss(output: object, labels: torch.Tensor, reduction: str = "mean"
 
 
 def sequence_classification_loss(output: object, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of class logits (B, C) (or a model output holding them, see :func:`logits_of`) against class
-    indices (B,): one term per sample, so the loss of sample i is its own cross-entropy. ``reduction`` as for
-    :func:`causal_lm_loss`."""
+    """The loss of a Hugging Face ``...ForSequenceClassification`` head, one term per sample, chosen as its own is:
+    logits (B, C) (or a model output holding them, see :func:`logits_of`) against class indices (B,): cross-entropy;
+    a regression head's logits (B, 1) (``num_labels=1``) against values (B,) or (B, 1): the squared error; against
+    float labels (B, C) of several classes at once: the binary cross-entropy, its mean over the C classes. So the
+    loss of sample i is its own. ``reduction`` as for :func:`causal_lm_loss`."""
     logits = logits_of(output)
-    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
-        raise ValueError(f"sequence_classification_loss needs logits (B, C) and labels (B,), got "
-                         f"{tuple(logits.shape)} and {tuple(labels.shape)}")
-    return _reduce(F.cross_entropy(logits, labels, reduction="none"), reduction)
+    if logits.dim() == 2 and logits.shape[1] == 1 and labels.numel() == logits.shape[0]:  # num_labels=1: regression
+        per_sample = (logits.reshape(-1) - labels.reshape(-1).to(logits.dtype)).square()
+    elif labels.is_floating_point() and labels.shape == logits.shape and logits.dim() == 2:  # multi-label
+        per_sample = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(1)
+    elif logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"sequence_classification_loss needs logits (B, C) and labels (B,) (or (B, C) floats for "
+                         f"several labels a sample), got {tuple(logits.shape)} and {tuple(labels.shape)}")
+    else:
+        per_sample = F.cross_entropy(logits, labels, reduction="none")
+    return _reduce(per_sample, reduction)
 
 
 def _reduce(per_sample: torch.Tensor, reduction: str) -> torch.Tensor:

@@ -170,3 +170,25 @@ def test_labels_in_the_inputs_and_a_modeloutput_loss_name_the_fast_path():
     for i in range(4):  # the fix it names: the fast path, the loop's numbers
         want = torch.autograd.grad(model(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss, p)[0]
         torch.testing.assert_close(got[name][i], want)
+
+
+@pytest.mark.parametrize("problem", ["regression", "multi_label_classification"])
+def test_sequence_classification_loss_is_the_heads_own_for_regression_and_several_labels(problem):
+    """Found by a probe: a regression head (num_labels=1) got cross-entropy over one class, 0 for every sample (all
+    gradients zero, silently), or with float labels a raw dtype error; Hugging Face's own loss is the squared error
+    there, and the binary cross-entropy for several float labels a sample. Against its own loss, sample by sample."""
+    t = need("transformers")
+    torch.manual_seed(0)
+    classes = 1 if problem == "regression" else 3
+    model = t.BertForSequenceClassification(t.BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=50,
+        max_position_embeddings=16, num_labels=classes, problem_type=problem, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)).eval().double()
+    ids = torch.randint(1, 50, (4, 6))
+    labels = torch.randn(4, dtype=torch.float64) if classes == 1 else (torch.rand(4, classes) > 0.5).double()
+    got = pv.per_sample_grads(model, pv.sequence_classification_loss, {"input_ids": ids}, labels, flat=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for i in range(4):
+        want = torch.autograd.grad(model(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss, params)
+        torch.testing.assert_close(got[i], torch.cat([g.reshape(-1) for g in want]), rtol=1e-9, atol=1e-12)
+    assert got.norm(dim=1).min() > 0
