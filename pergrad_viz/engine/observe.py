@@ -6,7 +6,10 @@ sequence number: a cache kept across calls), whose gradient no strategy can give
 
 from __future__ import annotations
 
+import random
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -161,8 +164,11 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
     try:
         with torch.enable_grad():  # the same code paths as the real capture (no inference fast paths)
             if randomness is not None:
+                host = _host_random_states()
                 with randomness:
                     _note_selected(record, trainable, inputs(trainable.model))
+                if randomness.first is None and _host_random_states() != host:  # numpy's draws (SpecAugment's masks)
+                    randomness.first = ""
                 return record, randomness.first
             if mode is None:
                 _note_selected(record, trainable, inputs(trainable.model))
@@ -179,6 +185,29 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
         for h in handles:
             h.remove()
     return record, uses
+
+
+def _host_random_states() -> tuple:
+    """Python's and numpy's global generators' states: a forward that draws from them is random too."""
+    numpy = sys.modules.get("numpy")
+    state = None if numpy is None else numpy.random.get_state()
+    return random.getstate(), None if state is None else (state[1].tobytes(), *state[2:])
+
+
+@contextmanager
+def forked_random(device: torch.device) -> Iterator[None]:
+    """torch's generators (the CPU's, ``device``'s where a GPU), Python's and numpy's as they were after the block:
+    the probe's runs draw nothing from the caller's random state."""
+    host = random.getstate()
+    numpy = sys.modules.get("numpy")
+    state = None if numpy is None else numpy.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        random.setstate(host)
+        if state is not None:
+            numpy.random.set_state(state)
 
 
 def _note_selected(record: Record, trainable: Trainable, output: object) -> None:

@@ -44,7 +44,7 @@ from pergrad_viz.core.randomness import held_fixed, random_fix
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.core.validate import refuse_written_inputs
 from pergrad_viz.engine import broadcast
-from pergrad_viz.engine.observe import close, first_difference, observe
+from pergrad_viz.engine.observe import close, first_difference, forked_random, observe
 from pergrad_viz.engine.plan import SHARED, CallSpec, LayerKind, LayerPlan, Plan, Unbatched
 from pergrad_viz.engine.plan_key import plan_key
 from pergrad_viz.engine.selection import selection_interaction
@@ -87,7 +87,7 @@ class _Probe:
         runs = [inputs.sample(a), inputs.sample(a), inputs.sample(b), inputs.rows(index), inputs.rows(index.flip(0))]
         runs = [run.map(torch.clone) for run in runs]
         versions = [v for run in runs for v in run.versions()]
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG untouched
+        with forked_random(device):  # the caller's random state untouched
             self.alone_a, drew = observe(trainable, runs[0], None, random_ops=True)
             again, _ = observe(trainable, runs[1], None)
             self.alone_b, _ = observe(trainable, runs[2], None)
@@ -222,9 +222,9 @@ def _make_plan(trainable: Trainable, inputs: Batch) -> Plan:
     if probe.random is not None and trainable.call.draws is None:  # randomness='different': held fixed here
         module = dict(trainable.modules)[probe.random]
         raise UndefinedPerSampleError(
-            f"{_describe('the forward', probe.random, module)} gives different outputs for the same sample in two "
-            "runs: it draws random numbers (dropout written as F.dropout(..., training=True), stochastic depth, "
-            f"noise), so per-sample gradients would be random and not comparable. {random_fix(trainable)}. (Or it "
+            f"{_describe('the forward', probe.random, module)} draws random numbers (torch's, numpy's: dropout as "
+            "F.dropout(..., training=True), stochastic depth, noise, masks) or differs for one sample in two runs, "
+            f"so per-sample gradients would be random and not comparable. {random_fix(trainable)}. (Or it "
             "keeps a state from one call to the next, self.h = h.detach(): each sample's gradient would depend on "
             "the samples before it; pass that state as an input instead.)")
     for name, _m in trainable.modules:  # every module's tensors are compared: samples interacting anywhere are found
@@ -348,8 +348,7 @@ def _assign_spreading(trainable: Trainable, inputs: Batch, probe: _Probe
 def _apart(trainable: Trainable) -> Iterator[None]:
     """Runs of the model for the plan: its modes restored after them, the caller's random state untouched."""
     device = trainable.device
-    with restoring_modes(trainable, keep_parameters=True), \
-            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with restoring_modes(trainable, keep_parameters=True), forked_random(device):
         yield
 
 
