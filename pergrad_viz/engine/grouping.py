@@ -46,7 +46,8 @@ def call_grads(call: Call, grads: list, out: dict[str, torch.Tensor]) -> None:
             else:
                 out[ln].copy_(g.reshape(out[ln].shape))
         return
-    full = [torch.zeros(n, *o.shape, dtype=o.dtype, device=o.device) if g is None else g
+    full = [g if g is not None else None if not (o.is_floating_point() or o.is_complex())  # integer outputs: none
+            else torch.zeros(n, *o.shape, dtype=o.dtype, device=o.device)
             for g, o in zip(grads, call.outputs, strict=True)]
     if layer.kind is LayerKind.CALL:
         args, kwargs = call.inputs

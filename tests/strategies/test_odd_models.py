@@ -197,3 +197,39 @@ def test_outputs_whose_size_depends_on_the_data_are_refused(call, first):
             for verify in (True, False):
                 with pytest.raises(pv.UndefinedPerSampleError, match="gives 3 output elements but sample 0 alone"):
                     pv.per_sample_jacobian(model, x, strategy=strategy, verify=verify)
+
+
+class _PositionsToo(nn.Embedding):
+    """ProphetNet's positional embedding: takes a shape, returns (embeddings, the integer positions)."""
+
+    def forward(self, shape):
+        positions = torch.arange(shape[1]).expand(shape[0], shape[1])
+        return super().forward(positions), positions
+
+
+class _WithPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(50, 8), _PositionsToo(16, 8), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        p, _ = self.pos(ids.shape)
+        return self.head((self.tok(ids) + p).mean(1))
+
+
+@pytest.mark.parametrize("call", ["hooks", "auto", "norms", "clipped_sum"])
+def test_a_layer_returning_integers_beside_its_output_takes_the_fallback(call):
+    """Found by a probe: ProphetNet's positional embedding returns its integer positions too, and the per-layer
+    fallback handed vjp an integer cotangent (a raw error from hooks, auto, the norms and the clipped sum)."""
+    torch.manual_seed(0)
+    model, loss_fn = _WithPositions().double(), nn.CrossEntropyLoss()
+    ids, y = torch.randint(0, 50, (4, 6)), torch.tensor([0, 2, 1, 1])
+    want = flatten_ref(ref_grads(model, loss_fn, ids, y), 1)
+    if call == "norms":
+        torch.testing.assert_close(pv.per_sample_grad_norms(model, loss_fn, ids, y), want.norm(dim=1))
+    elif call == "clipped_sum":
+        got = pv.clipped_grad_sum(model, loss_fn, ids, y, 0.05)
+        c = (0.05 / (want.norm(dim=1) + 1e-6)).clamp(max=1)
+        torch.testing.assert_close(torch.cat([g.reshape(-1) for g in got.values()]), (c[:, None] * want).sum(0))
+    else:
+        torch.testing.assert_close(pv.per_sample_grads(model, loss_fn, ids, y, strategy=call, flat=True), want)
