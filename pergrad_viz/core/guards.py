@@ -295,14 +295,20 @@ def check_apart_from_parameters(trainable: Trainable, named: Sequence[tuple[str,
 
 
 def check_parameter_kinds(named: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """Refuse trainable parameters ``[(name, parameter)]`` that hold no values (the meta device) or complex numbers
-    (the rules, norms and clip factors are written for real ones: ``hooks`` gave rows 2.7 off)."""
+    """Refuse trainable parameters ``[(name, parameter)]`` that hold no values (the meta device), inference tensors, or
+    complex numbers (the rules, norms and clip factors are written for real ones: ``hooks`` gave rows 2.7 off)."""
     meta = next((n for n, p in named if p.is_meta), None)
     if meta is not None:
         raise ValueError(
             f"parameter '{meta}' is on the meta device: it has a shape but no values (a model built under "
             "torch.device('meta') or an empty-weights context), so there is nothing to differentiate. Give it values "
             "first, e.g. model.to_empty(device='cpu') then model.load_state_dict(state_dict)")
+    inference = next((n for n, p in named if p.is_inference()), None)
+    if inference is not None:
+        raise ValueError(
+            f"parameter '{inference}' was created under torch.inference_mode(): autograd cannot save it for a "
+            "backward, so nothing can be differentiated. Build or load the model outside inference_mode "
+            "(torch.no_grad() is fine there)")
     complex_ = next(((n, p.dtype) for n, p in named if p.is_complex()), None)
     if complex_ is not None:
         raise TypeError(

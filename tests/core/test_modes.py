@@ -440,6 +440,10 @@ def test_complex_and_meta_parameters_are_refused_naming_a_fix_that_works(call):
         CALLS[call](nn.Linear(4, 3, dtype=torch.complex64), x.to(torch.complex64), y)
     with pytest.raises(ValueError, match="'weight' is on the meta device.*to_empty"):
         CALLS[call](nn.Linear(4, 3, device="meta"), x.to("meta"), y.to("meta"))
+    with torch.inference_mode():  # found by a probe: a raw "Inference tensors cannot be saved for backward"
+        made_there = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="'weight' was created under torch.inference_mode.*outside inference_mode"):
+        CALLS[call](made_there, x, y)
     if call in ("loop", "hooks", "auto"):
         model = _ViewAsComplex()
         got = CALLS[call](model, x, y)["w"]
