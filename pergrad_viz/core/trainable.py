@@ -206,7 +206,7 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
                 m._parameters.update(params)
             if not _same_objects(m._buffers, bufs):
                 replaced += [f"{name}.{k}" if name else k for k in m._buffers.keys() | bufs.keys()
-                             if m._buffers.get(k) is not bufs.get(k)]
+                             if not _equal_values(m._buffers.get(k), bufs.get(k))]  # the same values: no change
                 m._buffers.clear()
                 m._buffers.update(bufs)
         entries = list(buffers.values())
@@ -290,6 +290,16 @@ def computing_gradients(fn: Callable) -> Callable:
             raise
 
     return wrapper
+
+
+def _equal_values(new: object, old: object) -> bool:
+    """Whether a buffer replaced by ``new`` holds what ``old`` held (Hugging Face's dynamic RoPE registers its
+    ``inv_freq`` again on every forward below its longest length, the same values)."""
+    if new is old:
+        return True
+    if not (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)) or new.is_meta or old.is_meta:
+        return False
+    return (new.shape, new.dtype, new.device) == (old.shape, old.dtype, old.device) and torch.equal(new, old)
 
 
 def _device(model: object) -> torch.device:

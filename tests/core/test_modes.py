@@ -509,6 +509,31 @@ def test_a_buffer_the_forward_replaces_is_named_with_a_fix_that_is_not_eval():
     assert_state_unchanged(model, before)
 
 
+class _RegistersItsMask(nn.Module):
+    """A causal mask registered again by every forward, the same values (as dynamic RoPE's inv_freq below its limit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("mask", torch.tril(torch.ones(3, 3)), persistent=False)
+
+    def forward(self, x):
+        self.register_buffer("mask", torch.tril(torch.ones(3, 3)), persistent=False)
+        return self.lin(x) @ self.mask
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop", "hooks"])
+def test_a_buffer_registered_again_with_the_same_values_is_no_change(strategy):
+    model = _RegistersItsMask()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    before, mask = snapshot(model), model.mask
+    got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    for name, want in ref_grads(model, nn.CrossEntropyLoss(), x, y).items():
+        torch.testing.assert_close(got[name], want)
+    model.mask = mask  # the loop above registered its own
+    assert_state_unchanged(model, before)
+
+
 @pytest.mark.parametrize("strategy", ["auto", "loop", "hooks"])
 def test_a_backward_hooks_count_is_left_as_it_was(strategy):
     """Found by a probe: a count kept by a full backward hook on a torch.nn module was left at 3-4 after a call."""
