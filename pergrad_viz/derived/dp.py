@@ -121,6 +121,10 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     with failing_together(distributed):  # the others told, not left to pair their next call with this one's
         max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
         check_flags(verify=verify, return_norms=return_norms)
+    if not distributed and _empty(inputs):
+        raise ValueError("empty batch: clipped_grad_sum got no sample (Poisson sampling draws empty batches), and "
+                         "the clipped sum of none is 0. For a DP step pv.dp_step takes it (the noise alone into .grad, "
+                         "as pv.noise_step does); when adding up batches yourself, add only the noise for it")
     sums, norms, _ = _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, per_layer,
                               strategy, chunk_size, verify, model_kwargs, distributed, randomness)
     return (sums, norms()) if return_norms else sums

@@ -388,3 +388,10 @@ def test_the_own_size_warning_shows_once_per_line():
             pv.dp_step(models[0], nn.CrossEntropyLoss(), x, y, 1.0, noise_multiplier=1.0,
                        generator=torch.Generator().manual_seed(len(caught) + 7))
     assert sum("own size" in str(w.message) for w in caught) == 1
+
+
+def test_clipped_grad_sum_of_an_empty_batch_names_dp_step():
+    """Found by a probe: an empty Poisson batch given to clipped_grad_sum said only 'pass at least one sample'."""
+    model = nn.Linear(6, 3)
+    with pytest.raises(ValueError, match="clipped_grad_sum got no sample .* pv.dp_step takes it"):
+        pv.clipped_grad_sum(model, nn.CrossEntropyLoss(), torch.zeros(0, 6), torch.zeros(0, dtype=torch.long), 1.0)
