@@ -233,13 +233,15 @@ def sequence_classification_loss(output: object, labels: torch.Tensor, reduction
     float labels (B, C) of several classes at once: the binary cross-entropy, its mean over the C classes. So the
     loss of sample i is its own. ``reduction`` as for :func:`causal_lm_loss`."""
     logits = logits_of(output)
+    wide = torch.promote_types(logits.dtype, labels.dtype)  # float32 labels of a bfloat16 head are not rounded
     if logits.dim() == 2 and logits.shape[1] == 1 and labels.numel() == logits.shape[0]:  # num_labels=1: regression
-        per_sample = (logits.reshape(-1) - labels.reshape(-1).to(logits.dtype)).square()
+        per_sample = (logits.reshape(-1).to(wide) - labels.reshape(-1).to(wide)).square()
     elif labels.is_floating_point() and labels.shape == logits.shape and logits.dim() == 2:  # multi-label
-        per_sample = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(1)
-    elif logits.dim() != 2 or labels.shape != logits.shape[:1]:
-        raise ValueError(f"sequence_classification_loss needs logits (B, C) and labels (B,) (or (B, C) floats for "
-                         f"several labels a sample), got {tuple(logits.shape)} and {tuple(labels.shape)}")
+        per_sample = F.binary_cross_entropy_with_logits(logits.to(wide), labels.to(wide), reduction="none").mean(1)
+    elif logits.dim() != 2 or labels.shape != logits.shape[:1] or labels.is_floating_point():
+        raise ValueError(f"sequence_classification_loss needs logits (B, C) and class indices (B,) (integers: "
+                         f"labels.long()), or (B, C) floats for several labels a sample, got {tuple(logits.shape)} "
+                         f"and {tuple(labels.shape)} {labels.dtype}")
     else:
         per_sample = F.cross_entropy(logits, labels, reduction="none")
     return _reduce(per_sample, reduction)

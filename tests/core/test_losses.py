@@ -353,3 +353,14 @@ def test_a_loss_that_returns_no_tensor_is_refused_naming_the_fix(returned, strat
            "complex": r"complex loss.*loss\.real"}.get(returned, r"got \w+: return the loss alone")
     with pytest.raises(TypeError, match=fix):
         pv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
+
+
+def test_sequence_classification_loss_keeps_the_labels_precision_and_names_float_class_labels():
+    """Found by a review: a bfloat16 regression head's float32 labels were rounded to bfloat16 (1003 -> 1004; rows up
+    to 66% off); float labels (B,) for several classes were PyTorch's raw dtype error."""
+    logits = torch.tensor([[1000.0], [200.0]], dtype=torch.bfloat16)
+    labels = torch.tensor([1003.0, 201.7])
+    want = (logits.float().reshape(-1) - labels).square()
+    torch.testing.assert_close(pv.sequence_classification_loss(logits, labels, reduction="none"), want)
+    with pytest.raises(ValueError, match=r"class indices \(B,\) \(integers: labels.long\(\)\)"):
+        pv.sequence_classification_loss(torch.randn(2, 3), torch.tensor([0.0, 2.0]))
