@@ -4,6 +4,7 @@ afresh on every call (a value changed since the plan was made must be seen)."""
 from __future__ import annotations
 
 import enum
+import functools
 import types
 from collections import OrderedDict
 
@@ -114,15 +115,33 @@ def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
     )
 
 
-def selection_key(select: object) -> object:
-    """What identifies an ``output=`` function across calls (a new lambda each call has the same code and the same
-    objects in its closure)."""
-    if select is None:
-        return None
+def selection_key(select: object, depth: int = 0) -> object:
+    """What identifies an ``output=`` function across calls, as the plan sees a model (by structure): a function by its
+    code and what its closure holds (plain values as they are, a tensor by its shape, dtype and device, other objects
+    by their type), a ``functools.partial`` by its function and arguments alike; other callables by their type. Never
+    an ``id``: a new lambda each call is the same selection, and a freed one's address is reused by the next."""
+    if select is None or type(select) in _EXACTLY_PLAIN:
+        return select
+    if isinstance(select, torch.Tensor):
+        return "tensor", tuple(select.shape), select.dtype, select.device
+    if depth > 3:
+        return type(select)
+    if isinstance(select, (tuple, list)):
+        return tuple(selection_key(v, depth + 1) for v in select)
+    if isinstance(select, functools.partial):
+        return (functools.partial, selection_key(select.func, depth + 1), selection_key(select.args, depth + 1),
+                tuple((k, selection_key(v, depth + 1)) for k, v in sorted(select.keywords.items())))
     code = getattr(select, "__code__", None)
     if code is None:
-        return id(select)
-    return code, tuple(id(cell.cell_contents) for cell in (select.__closure__ or ()))
+        return type(select)
+    return code, tuple(selection_key(_contents(cell), depth + 1) for cell in (select.__closure__ or ()))
+
+
+def _contents(cell: object) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell (a name not bound yet)
+        return None
 
 
 def _without(attributes: tuple, names: frozenset[str]) -> tuple:

@@ -70,3 +70,38 @@ def test_a_selection_that_puts_the_samples_last_is_not_batched():
                                want, rtol=1e-9, atol=1e-12)
     with pytest.raises(pv.UnsupportedModelError, match="not along dimension 0|output= selects"):
         pv.per_sample_jacobian(model, X, output=lambda o: o.t(), strategy="hooks", verify=False)
+
+
+def test_a_selection_is_keyed_by_what_it_does_not_by_its_address():
+    """Found by a review: output= was keyed by id() where it had no code (a functools.partial) or held a tensor: a
+    freed per-sample partial's address reused by a mixing one gave it the per-sample plan (rows 2.4 off, no check),
+    and a closure holding a fresh tensor each call was probed again on every call."""
+    import functools
+    import gc
+
+    from pergrad_viz.engine import probe
+
+    model = _model()
+    for _ in range(3):  # freed at once: the next partial may get its address
+        pv.per_sample_jacobian(model, X, output=functools.partial(torch.narrow, dim=1, start=0, length=2))
+        gc.collect()
+    mixing = functools.partial(torch.div, other=torch.tensor(2.0))
+    want = _loop(model, X, lambda o: o / 2.0)
+    torch.testing.assert_close(pv.per_sample_jacobian(model, X, flat=True, output=mixing, verify=False), want)
+    centred = functools.partial(lambda o, k: o - o.mean(0) * k, k=1.0)
+    with pytest.raises(pv.UnsupportedModelError, match="what output= selects"):
+        pv.per_sample_jacobian(model, X, output=centred, strategy="hooks", verify=False)
+    probes = []
+    made = probe._make_plan
+    try:
+        probe._make_plan = lambda *a, **k: probes.append(1) or made(*a, **k)
+
+        def fresh():
+            index = torch.tensor([0, 2])
+            return lambda o: o.index_select(1, index)
+
+        for _ in range(5):
+            pv.per_sample_jacobian(model, X, output=fresh())
+    finally:
+        probe._make_plan = made
+    assert len(probes) <= 1
