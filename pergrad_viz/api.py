@@ -36,6 +36,7 @@ from pergrad_viz.core.validate import (
 )
 from pergrad_viz.engine.capture import check_supported
 from pergrad_viz.engine.certify import check_grads, check_jacobian
+from pergrad_viz.engine.observe import forked_random
 from pergrad_viz.engine.probe import plan_for
 from pergrad_viz.engine.schedule import Race, race_for, schedule_for, seen_graphs, unseen_graphs
 from pergrad_viz.errors import (
@@ -336,8 +337,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
 
 def output_size(trainable: Trainable, inputs: Batch) -> int:
     """Y, the number of output elements per sample, from a forward pass of the first sample (no grad)."""
-    devices = [trainable.device] if trainable.device.type == "cuda" else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):  # a random forward is refused later, RNG untouched
+    with torch.no_grad(), forked_random(trainable.device):  # a random forward is refused later, RNG untouched
         output = trainable.outputs(inputs.sample(0))
     if not isinstance(output, torch.Tensor):
         raise TypeError(

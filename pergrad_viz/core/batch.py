@@ -121,6 +121,18 @@ class Batch:
             raise ValueError(f"empty batch: inputs has shape {tuple(first.shape)}; pass at least one sample (B >= 1)")
         return cls(args, kwargs, size)
 
+    def sharing_as(self, other: Batch) -> Batch:
+        """This call with the tensors ``other`` (a call of the same form) passes whole passed whole here too, whatever
+        their first dimension (the NTK's x2 beside x1: a shared (4, 4) mask is not 4 samples of x2)."""
+        flat, spec = tree_flatten((self.args, self.kwargs))
+        theirs, their_spec = tree_flatten((other.args, other.kwargs))
+        if str(spec) != str(their_spec):
+            return self
+        whole = [k for k, (t, b) in enumerate(zip(theirs, other._batched(theirs), strict=True))
+                 if isinstance(t, torch.Tensor) and not b]
+        return dataclasses.replace(self, shared=self.shared | frozenset(k for k in whole if _is_batched(flat[k],
+                                                                                                       self.size)))
+
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """The same call with ``fn`` applied to every tensor."""
         t = self.tensor

@@ -39,6 +39,7 @@ from pergrad_viz.engine.capture import Layer
 from pergrad_viz.engine.certify import check_ntk
 from pergrad_viz.engine.cotangents import has_fallback_layers, refuse_wrong_nesting
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
+from pergrad_viz.engine.observe import forked_random
 from pergrad_viz.rules import ghost_rule_for
 from pergrad_viz.strategies import hooks
 
@@ -111,7 +112,7 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
     trainable, strategy, x1, chunk = api.prepare(model, x1, None, "auto", chunk_size, verify=verify,
                                                 offers_randomness=False, output=output)
     if x2 is not None:
-        x2 = batch_of(trainable, x2)
+        x2 = batch_of(trainable, x2).sharing_as(x1)
         if x2.signature() != x1.signature():
             raise ValueError(
                 "x1 and x2 must hold samples of the same kind (the same shapes past the batch dimension, dtypes and "
@@ -127,7 +128,7 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
                  working=0, max_bytes=max_bytes, allocate_result=True, device=trainable.device, batch=n1,
                  chunk=chunk)
     if y_count == 0:  # no output element: an empty kernel (a sum over no outputs: zeros, for the trace)
-        with restoring_modes(trainable), torch.no_grad():  # where every sample alone has none
+        with restoring_modes(trainable), torch.no_grad(), forked_random(trainable.device):  # every sample: none
             for x in (x1,) if x2 is None else (x1, x2):
                 for i in range(x.size):
                     check_output_count(f"sample {i} alone", trainable.outputs(x.sample(i)).numel(), 0)

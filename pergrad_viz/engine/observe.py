@@ -161,16 +161,18 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
     uses: dict = {}
+    host_drawn = None  # numpy's or Python's generator's state after a forward that moved it (SpecAugment's masks)
     try:
         with torch.enable_grad():  # the same code paths as the real capture (no inference fast paths)
             if randomness is not None:
                 host = _host_random_states()
                 with randomness:
                     _note_selected(record, trainable, inputs(trainable.model))
-                if randomness.first is None and _host_random_states() != host:  # numpy's draws (SpecAugment's masks)
-                    randomness.first = ""
-                return record, randomness.first
-            if mode is None:
+                if randomness.first is None and (end := _host_random_states()) != host:
+                    host_drawn = end
+                else:
+                    return record, randomness.first
+            elif mode is None:
                 _note_selected(record, trainable, inputs(trainable.model))
             else:
                 start = _sequence_number()
@@ -184,7 +186,22 @@ def observe(trainable: Trainable, inputs: Batch, watch: dict[int, str] | None,
     finally:
         for h in handles:
             h.remove()
+    if host_drawn is not None:  # random, unless the forward seeds them itself: it then ends alike from elsewhere
+        return record, None if _ends_alike(trainable, inputs, host, host_drawn) else ""
     return record, uses
+
+
+def _ends_alike(trainable: Trainable, inputs: Batch, start: tuple, end: tuple) -> bool:
+    """Whether a forward started from other states of the generators it moved (Python's, numpy's) leaves them at
+    ``end`` again (``np.random.seed(0)`` before its draws: deterministic); the caller restores them
+    (:func:`forked_random`)."""
+    if start[0] != end[0]:
+        random.seed(0x5EED)
+    if start[1] != end[1]:
+        sys.modules["numpy"].random.seed(0x5EED)
+    with torch.no_grad():
+        inputs(trainable.model)
+    return _host_random_states() == end
 
 
 def _host_random_states() -> tuple:

@@ -10,7 +10,7 @@ from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.guards import REENTRANT_CHECKPOINT, noting_reentrant_layers
 from pergrad_viz.core.randomness import random_fix
 from pergrad_viz.core.trainable import Trainable, restoring_modes
-from pergrad_viz.engine.observe import observe
+from pergrad_viz.engine.observe import forked_random, observe
 from pergrad_viz.errors import UndefinedPerSampleError, UnsupportedModelError
 
 
@@ -52,9 +52,7 @@ def refuse_random_forward(trainable: Trainable, inputs: Batch) -> None:
         return
     if any(isinstance(m, torch.jit.ScriptModule) for _, m in trainable.modules):
         return  # TorchScript takes no hooks to watch it with (and runs in the loop only)
-    device = trainable.device
-    with restoring_modes(trainable, keep_parameters=True), torch.no_grad(), \
-            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with restoring_modes(trainable, keep_parameters=True), torch.no_grad(), forked_random(trainable.device):
         _, drew = observe(trainable, inputs.sample(0), None, random_ops=True)
     if drew is not None:
         module = dict(trainable.modules)[drew]

@@ -154,6 +154,25 @@ def test_a_chunk_as_long_as_a_shared_tensor_passes_it_whole(call):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
 
 
+def test_the_ntks_x2_passes_whole_what_x1_passes_whole():
+    """Found by a review: x2 of 4 samples beside x1's shared (4, 4) bias cut the bias per sample (refused as another
+    kind of input)."""
+    model, g = MaskedEncoder().to(DT), torch.Generator().manual_seed(6)
+    ids1, ids2, bias = torch.randint(1, 11, (8, 4), generator=g), torch.randint(1, 11, (4, 4), generator=g), \
+        torch.randn(4, 4, generator=g, dtype=DT)
+    params = list(model.parameters())
+
+    def jac(ids, i):
+        out = model(ids[i:i + 1], torch.ones(1, 4, dtype=torch.long), bias)[0]
+        return torch.stack([torch.cat([t.reshape(-1) for t in torch.autograd.grad(out[k], params, retain_graph=True)])
+                            for k in range(3)])
+
+    j1, j2 = torch.stack([jac(ids1, i) for i in range(8)]), torch.stack([jac(ids2, i) for i in range(4)])
+    got = pv.empirical_ntk(model, (ids1, torch.ones(8, 4, dtype=torch.long), bias),
+                           (ids2, torch.ones(4, 4, dtype=torch.long), bias), mode="trace")
+    torch.testing.assert_close(got, torch.einsum("iyp,jyp->ij", j1, j2), rtol=1e-6, atol=1e-9)
+
+
 def test_auto_keeps_the_fast_path_with_a_mask():
     model = MaskedEncoder().to(DT)
     ids, mask, bias, _ = _data()

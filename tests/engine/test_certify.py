@@ -436,3 +436,32 @@ def test_a_forward_drawing_from_numpy_is_refused_even_where_two_runs_agree():
             pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
         assert np_random.get_state()[2] == state[2]  # a refusal draws nothing from numpy's generator either
         assert (np_random.get_state()[1] == state[1]).all()
+
+
+class _SeedsNumpy(nn.Module):
+    """A fixed mask from numpy, which the forward seeds itself: deterministic."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3).to(DT)
+
+    def forward(self, x):
+        np_random = __import__("numpy").random
+        np_random.seed(0)
+        return self.fc(x * torch.as_tensor(np_random.rand(x.shape[1]) > 0.5, dtype=x.dtype))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop", "hooks"])
+def test_a_forward_that_seeds_numpy_itself_is_not_random_and_a_refusal_leaves_numpy_alone(strategy):
+    """Found by a review: the numpy check refused a forward that seeds numpy before drawing (deterministic), and the
+    loop's refusal of a numpy-drawing forward moved the caller's numpy generator."""
+    np_random = __import__("numpy").random
+    (x, y), loss = _data(), nn.CrossEntropyLoss()
+    np_random.seed(123)
+    model = _SeedsNumpy()
+    _close(pv.per_sample_grads(model, loss, x, y, strategy=strategy), ref_grads(model, loss, x, y))
+    np_random.seed(5)
+    state = np_random.get_state()
+    with pytest.raises(pv.UndefinedPerSampleError, match="draws random numbers"):
+        pv.per_sample_grads(_NumpyMasked().train(), loss, x, y, strategy=strategy)
+    assert (np_random.get_state()[1] == state[1]).all() and np_random.get_state()[2] == state[2]
