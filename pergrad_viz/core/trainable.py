@@ -297,9 +297,13 @@ def _equal_values(new: object, old: object) -> bool:
     ``inv_freq`` again on every forward below its longest length, the same values)."""
     if new is old:
         return True
-    if not (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)) or new.is_meta or old.is_meta:
+    if not (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)) or any(
+            t.is_meta or t.layout != torch.strided or t.is_quantized for t in (new, old)):
         return False
-    return (new.shape, new.dtype, new.device) == (old.shape, old.dtype, old.device) and torch.equal(new, old)
+    if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
+        return False
+    floating = new.is_floating_point() or new.is_complex()
+    return torch.equal(new, old) or floating and bool(torch.isclose(new, old, rtol=0, atol=0, equal_nan=True).all())
 
 
 def _device(model: object) -> torch.device:

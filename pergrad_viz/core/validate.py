@@ -50,9 +50,9 @@ def check_model(model: object, named_parameters: Sequence[tuple[str, nn.Paramete
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if named_parameters is None:
-        named_parameters = model.named_parameters()
+        named_parameters = tuple(model.named_parameters())
     named = [(n, p) for n, p in named_parameters if p.requires_grad]
-    check_parameter_kinds(named)
+    check_parameter_kinds(named, named_parameters)
     lazy = next((n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)), None)
     if lazy is not None:
         raise ValueError(

@@ -444,6 +444,9 @@ def test_complex_and_meta_parameters_are_refused_naming_a_fix_that_works(call):
         made_there = nn.Linear(4, 3)
     with pytest.raises(ValueError, match="'weight' was created under torch.inference_mode.*outside inference_mode"):
         CALLS[call](made_there, x, y)
+    frozen = nn.Sequential(nn.Linear(4, 4), made_there)  # a frozen one the backward passes through (a review)
+    with pytest.raises(ValueError, match="'1.weight' was created under torch.inference_mode"):
+        CALLS[call](frozen, x, y)
     if call in ("loop", "hooks", "auto"):
         model = _ViewAsComplex()
         got = CALLS[call](model, x, y)["w"]
@@ -522,8 +525,21 @@ class _RegistersItsMask(nn.Module):
         return self.lin(x) @ self.mask
 
 
+class _RegistersSparse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("table", torch.eye(3).to_sparse())
+
+    def forward(self, x):
+        self.register_buffer("table", torch.eye(3).to_sparse())
+        return self.lin(x) @ self.table.to_dense()
+
+
 @pytest.mark.parametrize("strategy", ["auto", "loop", "hooks"])
 def test_a_buffer_registered_again_with_the_same_values_is_no_change(strategy):
+    with pytest.raises(pv.UndefinedPerSampleError, match="registered buffer 'table'"):  # not torch.equal's raw error
+        pv.per_sample_grads(_RegistersSparse(), nn.CrossEntropyLoss(), torch.randn(5, 4), torch.zeros(5).long())
     model = _RegistersItsMask()
     x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
     before, mask = snapshot(model), model.mask
