@@ -61,7 +61,7 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
         output = trainable.outputs(inputs.sample(i)).reshape(-1)
         y_count = output.numel()
         if wanted is not None:
-            check_output_count(f"sample {i} alone", y_count, wanted)
+            check_output_count("another sample alone", y_count, wanted)  # (i counts within a chunk)
         took_part |= output.requires_grad
         for j in range(y_count):
             g = _grad(output[j], trainable.params, retain_graph=j < y_count - 1) if output.requires_grad else unused

@@ -190,7 +190,7 @@ def test_outputs_whose_size_depends_on_the_data_are_refused(call, first):
                                                          "output size depends on the data"):
         run(model)
     if not first:
-        with pytest.raises(pv.UndefinedPerSampleError, match="sample 3 alone gives 1 output elements but sample 0 "
+        with pytest.raises(pv.UndefinedPerSampleError, match="sample (3 )?alone gives 1 output elements but sample 0 "
                                                              "alone gives 0"):
             run(_Ragged(cut=0).double())
         for strategy in ("hooks", "autograd_stack", "batched_grad", "loop"):
