@@ -63,3 +63,19 @@ def test_where_the_nesting_is_right_torch_func_still_runs():
     x = torch.randn(5, 4, dtype=torch.float64)
     got = pv.per_sample_jacobian(model, x, strategy="torch_func", verify=False)
     assert_dict_close(got, ref_jacobian(model, x), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("norm", [lambda: nn.GroupNorm(8, 8), lambda: nn.InstanceNorm2d(8, affine=True)])
+def test_float32_rounding_of_a_zero_jacobian_is_no_wrong_nesting(norm):
+    """Found by a probe: a conv's bias before a GroupNorm / InstanceNorm has a Jacobian of exactly 0, float32 noise of
+    3e-7 beside a whole Jacobian of 10, unlike alone and together: torch_func was refused as PyTorch's wrong batching
+    rule (its result as close to float64 as the float32 loop's). The cdist case above is still caught in float32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), norm(), nn.Tanh(), nn.Flatten(), nn.Linear(8 * 4 * 4, 3))
+    x = torch.randn(4, 3, 6, 6)
+    got = pv.per_sample_jacobian(model, x, strategy="torch_func", flat=True)
+    want = pv.per_sample_jacobian(model.double(), x.double(), strategy="loop", flat=True)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-5
+    cdist, near = Prototypes().float(), torch.randn(5, 4)
+    with pytest.raises(HandOverError, match=r"torch\.cdist"):
+        pv.per_sample_jacobian(cdist, near, strategy="torch_func", verify=False)
