@@ -109,9 +109,16 @@ def _replayed(module: nn.Module, replay) -> None:
         raise HandOverError(
             f"the per-layer fallback cannot run {type(module).__name__} one sample at a time ({type(e).__name__}: "
             f"{first}), although the batched forward ran: its call may hold state of the whole batch (a cache "
-            "object). Use strategy='auto' or 'torch_func' (each sample of the whole model alone) or 'loop'; for a "
-            "Hugging Face model, model_kwargs={'use_cache': False} may let this layer be replayed",
+            f"object among its arguments, or a tensor of the batch it keeps in an attribute{_kept(module)}). Use "
+            "strategy='auto' or 'torch_func' (each sample of the whole model alone) or 'loop'; for a Hugging Face "
+            "model with a cache, model_kwargs={'use_cache': False} may let this layer be replayed",
             reason=f"the per-layer fallback cannot replay {type(module).__name__}") from e
+
+
+def _kept(module: nn.Module) -> str:
+    """``": self.x (4, 32)"``: the tensors a layer keeps in plain attributes (RecurrentGemma's recurrent_states)."""
+    kept = [f"self.{k} {tuple(v.shape)}" for k, v in vars(module).items() if isinstance(v, torch.Tensor) and v.dim()]
+    return f": {', '.join(kept[:3])}" if kept else ""
 
 
 # {layer: {call signature: whether its parameters enter only elementwise (the short path gives the vmap rows)}}

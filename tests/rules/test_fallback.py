@@ -149,3 +149,19 @@ def test_a_layer_whose_inputs_hold_no_samples_gives_each_sample_its_own_rows_gra
     # the code's layer took the masked form: gradients, Jacobians (and their once-per-plan trial of the fallback's
     # nested vmap, engine.cotangents: 2 samples together, then each alone), the clipped sum
     assert len(calls) == 6
+
+
+def test_a_replay_that_fails_names_the_tensors_the_layer_keeps():
+    """Found by a probe: RecurrentGemma's layer keeps the batch's recurrent_states (4, 32) in an attribute, and the
+    refusal named only a cache object and use_cache=False, which was already set."""
+    from pergrad_viz.errors import HandOverError
+    from pergrad_viz.rules.fallback import _replayed
+
+    layer = torch.nn.Linear(5, 5)
+    layer.recurrent_states = torch.zeros(4, 32)
+
+    def replay():
+        raise RuntimeError("The expanded size of the tensor (1) must match the existing size (4)")
+
+    with pytest.raises(HandOverError, match=r"keeps in an attribute: self.recurrent_states \(4, 32\)"):
+        _replayed(layer, replay)
