@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import operator
 import types
 from collections import OrderedDict
 
@@ -117,24 +118,39 @@ def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
 
 def selection_key(select: object, depth: int = 0) -> object:
     """What identifies an ``output=`` function across calls, as the plan sees a model (by structure): a function by its
-    code and what its closure holds (plain values as they are, a tensor by its shape, dtype and device, other objects
-    by their type), a ``functools.partial`` by its function and arguments alike; other callables by their type. Never
-    an ``id``: a new lambda each call is the same selection, and a freed one's address is reused by the next."""
+    code, default arguments, the plain globals it names and what its closure holds; a bound method by its function and
+    its object; any other object by its type and its plain fields (a dict by its items, a ``functools.partial`` or
+    ``operator.itemgetter`` by what it was made of); plain values as they are, a tensor by its shape, dtype and device.
+    Never an ``id``: a new lambda each call is the same selection, and a freed one's address is reused by the next."""
     if select is None or type(select) in _EXACTLY_PLAIN:
         return select
-    if isinstance(select, torch.Tensor):
-        return "tensor", tuple(select.shape), select.dtype, select.device
+    if isinstance(select, torch.Tensor):  # a small one (a scale, a few indices) by its values too
+        small = tuple(select.detach().flatten().tolist()) if select.numel() <= _SMALL else None
+        return "tensor", tuple(select.shape), select.dtype, select.device, small
     if depth > 3:
         return type(select)
-    if isinstance(select, (tuple, list)):
-        return tuple(selection_key(v, depth + 1) for v in select)
+    deeper = functools.partial(selection_key, depth=depth + 1)
+    if isinstance(select, (tuple, list)):  # a long one by its length and first items: keyed on every call
+        return type(select), len(select), tuple(map(deeper, select[:_SMALL]))
+    if isinstance(select, dict):
+        return tuple((k, deeper(v)) for k, v in list(select.items())[:_SMALL] if type(k) in _EXACTLY_PLAIN)
     if isinstance(select, functools.partial):
-        return (functools.partial, selection_key(select.func, depth + 1), selection_key(select.args, depth + 1),
-                tuple((k, selection_key(v, depth + 1)) for k, v in sorted(select.keywords.items())))
-    code = getattr(select, "__code__", None)
-    if code is None:
-        return type(select)
-    return code, tuple(selection_key(_contents(cell), depth + 1) for cell in (select.__closure__ or ()))
+        return functools.partial, deeper(select.func), deeper(select.args), deeper(dict(select.keywords))
+    if isinstance(select, types.MethodType):
+        return types.MethodType, deeper(select.__func__), deeper(select.__self__)
+    if isinstance(select, types.FunctionType):  # (not any object answering __code__: a config's __getattr__)
+        code, named = select.__code__, select.__globals__
+        return (code, tuple(deeper(_contents(cell)) for cell in (select.__closure__ or ())),
+                deeper(select.__defaults__ or ()), deeper(select.__kwdefaults__ or {}),
+                tuple((n, named[n]) for n in code.co_names if n in named and type(named[n]) in _EXACTLY_PLAIN))
+    if isinstance(select, nn.Module):
+        return type(select), _plain_attributes(select, {})
+    made = select.__reduce__() if isinstance(select, (operator.itemgetter, operator.attrgetter)) else None
+    fields = vars(select) if isinstance(getattr(select, "__dict__", None), dict) else {}
+    return type(select), deeper(made[1] if made else ()), deeper(fields)
+
+
+_SMALL = 16  # the items of a container (or values of a tensor) a selection's key reads
 
 
 def _contents(cell: object) -> object:

@@ -105,3 +105,43 @@ def test_a_selection_is_keyed_by_what_it_does_not_by_its_address():
     finally:
         probe._make_plan = made
     assert len(probes) <= 1
+
+
+class _Picker:
+    def __init__(self, normalise: bool):
+        self.normalise = normalise
+
+    def pick(self, o):
+        return o / o.norm() if self.normalise else o
+
+    __call__ = pick
+
+
+NORMALISE = False  # a module global an output= reads
+
+
+def _by_global(o):
+    return o / o.norm() if NORMALISE else o
+
+
+MAKERS = {"default argument": lambda flag: (lambda o, n=flag: o / o.norm() if n else o),
+          "bound method": lambda flag: _Picker(flag).pick,
+          "callable object": _Picker,
+          "dict in the closure": lambda flag: (lambda o, d={"n": flag}: o / o.norm() if d["n"] else o)}
+
+
+@pytest.mark.parametrize("make", [*MAKERS, "module global"])
+def test_a_selection_switched_by_what_it_holds_gets_its_own_plan(make, monkeypatch):
+    """Found by a probe: output= was keyed by its code and closure only, so one that mixes the samples by a default
+    argument, a bound method's object, a callable's attribute, a dict or a module global reused the plan of its
+    per-sample twin (verify=False: Jacobians 0.6 off)."""
+    model = _model()
+    if make == "module global":
+        pv.per_sample_jacobian(model, X, output=_by_global, verify=False)
+        monkeypatch.setattr(__import__(__name__), "NORMALISE", True)
+        select = _by_global
+    else:
+        pv.per_sample_jacobian(model, X, output=MAKERS[make](False), verify=False)
+        select = MAKERS[make](True)
+    got = pv.per_sample_jacobian(model, X, flat=True, output=select, verify=False)
+    torch.testing.assert_close(got, _loop(model, X, select), rtol=1e-9, atol=1e-12)
