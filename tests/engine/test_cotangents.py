@@ -79,3 +79,29 @@ def test_float32_rounding_of_a_zero_jacobian_is_no_wrong_nesting(norm):
     cdist, near = Prototypes().float(), torch.randn(5, 4)
     with pytest.raises(HandOverError, match=r"torch\.cdist"):
         pv.per_sample_jacobian(cdist, near, strategy="torch_func", verify=False)
+
+
+class _BesideALargeBranch(nn.Module):
+    """Prototypes on normalised pixels beside a linear branch on the raw 0..255 ones (a large Jacobian)."""
+
+    def __init__(self, features: int = 3 * 64 * 64):
+        super().__init__()
+        self.embed, self.c, self.side = nn.Linear(features, 3), nn.Parameter(torch.randn(2, 3)), nn.Linear(features, 2)
+
+    def forward(self, x):
+        h = self.embed(x / 255)[:, None]
+        return torch.cdist(h, self.c[None].expand(x.shape[0], -1, -1))[:, 0] + self.side(x)
+
+
+def test_a_large_branch_elsewhere_does_not_cover_a_wrong_batching_rule():
+    """Found by a review: the rounding allowed was the whole model's Jacobian's, so a branch on raw pixels beside the
+    prototypes let the wrong cdist batching rule through (auto's prototype rows 100% off, verify=False)."""
+    torch.manual_seed(0)
+    model, x = _BesideALargeBranch(), torch.rand(5, 3 * 64 * 64) * 255
+    twin = _BesideALargeBranch()
+    twin.load_state_dict(model.state_dict())
+    want = pv.per_sample_jacobian(twin.double(), x.double(), strategy="loop")["c"]
+    got = pv.per_sample_jacobian(model, x, verify=False)["c"]
+    assert float((got.double() - want).norm() / want.norm()) < 1e-5
+    with pytest.raises(HandOverError, match=r"torch\.cdist"):
+        pv.per_sample_jacobian(model, x, strategy="torch_func", verify=False)
