@@ -294,18 +294,18 @@ def check_apart_from_parameters(trainable: Trainable, named: Sequence[tuple[str,
                 "(the input as a constant), or compute it inside the model's forward")
 
 
-def check_parameter_kinds(named: Sequence[tuple[str, torch.Tensor]], every: Sequence[tuple[str, torch.Tensor]] = ()
-                          ) -> None:
-    """Refuse trainable parameters ``[(name, parameter)]`` that hold no values (the meta device) or complex numbers
-    (the rules, norms and clip factors are written for real ones: ``hooks`` gave rows 2.7 off), and inference tensors
-    among them or ``every`` parameter (a frozen one the backward passes through)."""
+def check_parameter_kinds(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Refuse trainable parameters ``[(name, parameter)]`` that hold no values (the meta device), inference tensors, or
+    complex numbers (the rules, norms and clip factors are written for real ones: ``hooks`` gave rows 2.7 off). A
+    frozen inference tensor is fine where the backward does not pass through it (``core.users`` names it where it
+    does)."""
     meta = next((n for n, p in named if p.is_meta), None)
     if meta is not None:
         raise ValueError(
             f"parameter '{meta}' is on the meta device: it has a shape but no values (a model built under "
             "torch.device('meta') or an empty-weights context), so there is nothing to differentiate. Give it values "
             "first, e.g. model.to_empty(device='cpu') then model.load_state_dict(state_dict)")
-    inference = next((n for n, p in (*named, *every)
+    inference = next((n for n, p in named
                       if not isinstance(p, torch.nn.parameter.UninitializedTensorMixin) and p.is_inference()), None)
     if inference is not None:
         raise ValueError(

@@ -233,7 +233,8 @@ def sequence_classification_loss(output: object, labels: torch.Tensor, reduction
     float labels (B, C) of several classes at once: the binary cross-entropy, its mean over the C classes. So the
     loss of sample i is its own. ``reduction`` as for :func:`causal_lm_loss`."""
     logits = logits_of(output)
-    wide = torch.promote_types(logits.dtype, labels.dtype)  # float32 labels of a bfloat16 head are not rounded
+    # labels not rounded to a bfloat16 head's precision (float32 labels; integers, which would promote to bfloat16)
+    wide = torch.promote_types(torch.promote_types(logits.dtype, labels.dtype), torch.float32)
     if logits.dim() == 2 and logits.shape[1] == 1 and labels.numel() == logits.shape[0]:  # num_labels=1: regression
         per_sample = (logits.reshape(-1).to(wide) - labels.reshape(-1).to(wide)).square()
     elif labels.is_floating_point() and labels.shape == logits.shape and logits.dim() == 2:  # multi-label

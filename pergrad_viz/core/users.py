@@ -64,6 +64,11 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
             and targets.shape[1] == 1 and ("target" in text or "multi-target" in text):
         return ("the targets have shape (B, 1): cross-entropy takes class indices of shape (B,); pass "
                 "targets.squeeze(1) (or targets.view(-1))")
+    if "Inference tensors cannot be saved for backward" in text:
+        made = [f"'{n}'" for n, t in (*inputs.named_leaves(),) if t.is_inference()]
+        return ("a tensor the backward passes through was created under torch.inference_mode() (a frozen "
+                "parameter or a buffer of a model built or loaded there" + (f"; or {made[0]}" if made else "") +
+                "): build or load the model outside inference_mode (torch.no_grad() is fine there)")
     if "backward through the graph a second time" in text:
         return ("the model's forward reuses a tensor that an earlier forward computed from the parameters and kept "
                 "(a cache across calls, such as the attention_bias_cache of timm's LeViT and EfficientViT in eval "

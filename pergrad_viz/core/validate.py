@@ -52,7 +52,7 @@ def check_model(model: object, named_parameters: Sequence[tuple[str, nn.Paramete
     if named_parameters is None:
         named_parameters = tuple(model.named_parameters())
     named = [(n, p) for n, p in named_parameters if p.requires_grad]
-    check_parameter_kinds(named, named_parameters)
+    check_parameter_kinds(named)
     lazy = next((n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)), None)
     if lazy is not None:
         raise ValueError(

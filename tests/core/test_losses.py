@@ -362,5 +362,8 @@ def test_sequence_classification_loss_keeps_the_labels_precision_and_names_float
     labels = torch.tensor([1003.0, 201.7])
     want = (logits.float().reshape(-1) - labels).square()
     torch.testing.assert_close(pv.sequence_classification_loss(logits, labels, reduction="none"), want)
+    integers = pv.sequence_classification_loss(torch.tensor([[256.0]], dtype=torch.bfloat16), torch.tensor([257]),
+                                               reduction="none")
+    assert float(integers) == 1.0  # integer labels of a bfloat16 head were rounded too (257 -> 256: loss 0)
     with pytest.raises(ValueError, match=r"class indices \(B,\) \(integers: labels.long\(\)\)"):
         pv.sequence_classification_loss(torch.randn(2, 3), torch.tensor([0.0, 2.0]))

@@ -444,9 +444,14 @@ def test_complex_and_meta_parameters_are_refused_naming_a_fix_that_works(call):
         made_there = nn.Linear(4, 3)
     with pytest.raises(ValueError, match="'weight' was created under torch.inference_mode.*outside inference_mode"):
         CALLS[call](made_there, x, y)
-    frozen = nn.Sequential(nn.Linear(4, 4), made_there)  # a frozen one the backward passes through (a review)
-    with pytest.raises(ValueError, match="'1.weight' was created under torch.inference_mode"):
-        CALLS[call](frozen, x, y)
+    made_there.requires_grad_(False)  # frozen, the backward passing through it: PyTorch's error, with a note
+    with pytest.raises(RuntimeError, match="Inference tensors") as info:
+        CALLS[call](nn.Sequential(nn.Linear(4, 4), made_there), x, y)
+    assert "created under torch.inference_mode() (a frozen parameter or a buffer" in "".join(info.value.__notes__)
+    head = nn.Linear(3, 3)  # frozen where the backward does not pass (a backbone before the trainable head): fine
+    with torch.inference_mode():
+        backbone = nn.Linear(4, 3).requires_grad_(False)
+    assert CALLS[call](nn.Sequential(backbone, head), x, y) is not None
     if call in ("loop", "hooks", "auto"):
         model = _ViewAsComplex()
         got = CALLS[call](model, x, y)["w"]
