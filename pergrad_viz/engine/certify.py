@@ -41,7 +41,6 @@ the caller's state is untouched.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import os
 import random
@@ -73,7 +72,7 @@ from pergrad_viz.engine.references import (
     weighted_grads,
     weighted_outputs,
 )
-from pergrad_viz.engine.verdict import fails, tolerance, unless_rounding, verdict
+from pergrad_viz.engine.verdict import fails, tolerance, verdict
 from pergrad_viz.errors import CheckFailedError
 
 __all__ = ["CheckFailedError", "check_grads", "check_jacobian", "check_norms", "check_ntk", "draw"]
@@ -156,10 +155,6 @@ class _Float64:
         """``compute`` again in float64, for :func:`verdict`'s ``exact`` (asked only on a suspicion)."""
         return lambda: self.run(compute)
 
-    def both(self, compute: Callable[..., Tensors]) -> tuple[Tensors, Tensors | None]:
-        """``compute`` in the result's precision and in float64 (None where it cannot be had)."""
-        return compute(*self.call), self.run(compute)
-
     def in_batch(self, compute: Callable[..., Tensors]) -> Callable[[], tuple[Tensors, Tensors] | None]:
         """``compute`` (a sample's value from a forward of its whole batch) in the result's precision and in float64,
         for :func:`verdict`'s ``in_batch``."""
@@ -190,11 +185,8 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
                "a random combination of the rows (the same random draws)", strategy)
         return  # a sample alone would draw other numbers: couplings are the probe's, with the draws held fixed
     want = weighted_grads(trainable, inputs, targets, loss_fn, w)
-    copies = _Float64(trainable, inputs, targets, loss_fn)
-    found = verdict(trainable.names, got, want, trainable.dtype, copies.again(
-        lambda t, x, y, f: weighted_grads(t, x, y, f, w)))
-    found = unless_rounding(found, trainable.names, trainable.dtype, lambda _: copies.both(
-        functools.partial(weighted_grads, w=_randn((inputs.size,), lead))))
+    again = _Float64(trainable, inputs, targets, loss_fn).again(lambda t, x, y, f: weighted_grads(t, x, y, f, w))
+    found = verdict(trainable.names, got, want, trainable.dtype, again)
     alone = lambda: _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, draw(inputs.size))  # noqa: E731
     if found is not None and not own_forward and (_batch_coupled(trainable, alone()) or _every_row_alone(
             trainable, lambda: _check_directional(trainable, loss_fn, inputs, targets, rows, strategy))):
@@ -235,14 +227,9 @@ def _check_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     copies = _Float64(trainable, inputs, targets, loss_fn)
     in_batch = copies.in_batch(alone_grads(i, in_batch=True))
     coupled = _coupled(trainable, want, in_batch)
-
-    def floor() -> float:
-        return 1e-3 * float(torch.stack([rows[n].flatten(1).norm(dim=1) for n in trainable.names]).norm(dim=0).max())
-
-    found = unless_rounding(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch,
-                                    floor), trainable.names, trainable.dtype,
-                            lambda k: copies.both(alone_grads((i + 1 + k) % inputs.size)), floor)
-    _raise(found, f"sample {i}'s gradient", strategy, coupled)
+    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch, lambda: 1e-3 * float(
+        torch.stack([rows[name].flatten(1).norm(dim=1) for name in trainable.names]).norm(dim=0).max())),
+           f"sample {i}'s gradient", strategy, coupled)
     return coupled
 
 
@@ -365,10 +352,8 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     def floor() -> float:
         return 1e-3 * float(sum(squared[name] for name in trainable.names).clamp_min(0).max().sqrt())
 
-    found = unless_rounding(verdict(trainable.names, got, want, trainable.dtype, copies.again(norms_of), in_batch,
-                                    floor), trainable.names, trainable.dtype, lambda k: copies.both(
-        lambda t, x, y, f: norms_of_grads(alone_loss((i + 1 + k) % inputs.size)(t, x, y, f), t.params)), floor)
-    _raise(found, f"sample {i}'s gradient norm", strategy, _coupled(trainable, want, in_batch))
+    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(norms_of), in_batch, floor),
+           f"sample {i}'s gradient norm", strategy, _coupled(trainable, want, in_batch))
 
 
 def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:

@@ -101,29 +101,3 @@ def _beyond_the_batch_rounding(failed: list[tuple[int, float, float]], exact: Te
         if not (coupling <= tolerances.DOUBLE.check * size and off <= max(rtol * size, AGAIN * rounding)):
             kept.append((k, off, size))
     return kept
-
-
-OTHER_DRAWS = 2  # the rounding of the same quantity looked at elsewhere, before a float32 failure is called one
-
-
-def unless_rounding(found: tuple[str, float] | None, names: tuple[str, ...], dtype: torch.dtype,
-                    elsewhere: Callable[[int], tuple[Tensors, Tensors | None]],
-                    floor: Callable[[], float] | None = None) -> tuple[str, float] | None:
-    """``found`` (a verdict's failure below float64) unless its relative difference is within AGAIN times the
-    rounding of the same quantity for other draws (``elsewhere(k)``: (the reference in the result's precision, in
-    float64) for another sample, or another random combination of the rows): where the plain computation's own float32
-    rounding varies from draw to draw (LayerNorm of inputs with a relative variance of 1e-12, features offset by 1e4:
-    the float32 loop 10-100% off), one draw that happened to be exact is no yardstick. ``floor()``: as
-    :func:`verdict`'s (a sample at its loss's minimum: its rounding against the batch's rows, not against 0)."""
-    if found is None or dtype == torch.float64 or not math.isfinite(found[1]):
-        return found
-    k, least = names.index(found[0]), 0.0 if floor is None else floor()
-    worst = 0.0
-    for draw in range(OTHER_DRAWS):
-        low, high = elsewhere(draw)
-        if high is None:
-            return found
-        total = math.sqrt(sum(a * a for a in float_norms(high, torch.float64)))
-        off, size = float_norms([low[k].double() - high[k], high[k]], torch.float64)
-        worst = max(worst, off / max(size, 1e-3 * total, least, 1e-300))
-    return None if found[1] <= AGAIN * worst else found

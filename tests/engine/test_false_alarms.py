@@ -69,36 +69,3 @@ def test_no_false_alarm_on_samples_whose_gradient_is_zero(dtype):
             with restoring_modes(trainable):
                 certify.check_grads(trainable, loss, inputs, y, wrong, "hooks", batched=False)
     assert len(pv.per_sample_grads(model, loss, x, y, strategy="hooks")) == 4  # and the call itself passes
-
-
-class _AttentionPool(torch.nn.Module):
-    def __init__(self, d: int = 16):
-        super().__init__()
-        self.lin, self.score, self.out = torch.nn.Linear(d, d), torch.nn.Linear(d, 1), torch.nn.Linear(d, 5)
-
-    def forward(self, x):
-        h = self.lin(x)
-        return self.out((torch.softmax(self.score(h), dim=1) * h).sum(1))
-
-
-def test_no_false_alarm_where_float32_rounding_varies_from_draw_to_draw():
-    """Found by a probe: attention pooling of features offset by 1e4 (the float32 loop 2300% off) failed checks of
-    hooks' rows, as close to float64 as the loop's, when the combination the check drew had an exact float32 reference
-    by chance (LayerNorm of 3 + 1e-6 randn, the loop 0.04-8% off sample by sample, 5-14 of 60 alike). The rounding is
-    now also looked at for other draws (verdict.unless_rounding); the tests above show a wrong row still fails."""
-    torch.manual_seed(2)
-    model, x = _AttentionPool(), 1e4 + torch.randn(16, 64, 16)
-    y, loss = torch.randint(0, 5, (16,)), torch.nn.CrossEntropyLoss()
-    norms = pv.per_sample_grad_norms(model, loss, x, y, strategy="hooks", verify=False, per_parameter=True)
-    squared = {n: v.double().square() for n, v in norms.items()}
-    rows = pv.per_sample_grads(model, loss, x, y, strategy="hooks", verify=False)
-    trainable, inputs, alarms = Trainable.of(model), Batch.of(x), []
-    for k in range(60):
-        try:
-            with restoring_modes(trainable):
-                certify.check_grads(trainable, loss, inputs, y, rows, "hooks", batched=k % 2 == 0)
-                if k % 3 == 0:
-                    certify.check_norms(trainable, loss, inputs, y, squared, "hooks")
-        except certify.CheckFailedError as e:
-            alarms.append(e.reason)
-    assert not alarms, f"{len(alarms)} false alarms: {alarms[0]}"
