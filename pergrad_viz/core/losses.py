@@ -226,23 +226,40 @@ def causal_lm_loss(output: object, labels: torch.Tensor, reduction: str = "mean"
     return _reduce(terms.sum(1) / counts, reduction)
 
 
-def sequence_classification_loss(output: object, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """The loss of a Hugging Face ``...ForSequenceClassification`` head, one term per sample, chosen as its own is:
-    logits (B, C) (or a model output holding them, see :func:`logits_of`) against class indices (B,): cross-entropy;
-    a regression head's logits (B, 1) (``num_labels=1``) against values (B,) or (B, 1): the squared error; against
-    float labels (B, C) of several classes at once: the binary cross-entropy, its mean over the C classes. So the
-    loss of sample i is its own. ``reduction`` as for :func:`causal_lm_loss`."""
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def sequence_classification_loss(output: object, labels: torch.Tensor, reduction: str = "mean",
+                                 problem_type: str | None = None) -> torch.Tensor:
+    """The loss of a Hugging Face ``...ForSequenceClassification`` head, one term per sample, chosen as its own is
+    (its ``config.problem_type``; where that is unset, by Hugging Face's rule: ``num_labels=1`` is a regression,
+    integer labels one class, float labels several): ``"regression"``, the squared error of logits (B, C) (or a model
+    output holding them, see :func:`logits_of`) against values of the same size ((B,) for C = 1), its mean over the
+    C outputs; ``"single_label_classification"``, the cross-entropy against class indices (B,);
+    ``"multi_label_classification"``, the binary cross-entropy against float labels (B, C), its mean over the C
+    classes. So the loss of sample i is its own. A head whose config names another problem type than that rule
+    gives: pass it, ``loss_fn=functools.partial(pv.sequence_classification_loss, problem_type=config.problem_type)``.
+    ``reduction`` as for :func:`causal_lm_loss`."""
     logits = logits_of(output)
+    if problem_type is None:
+        problem_type = PROBLEM_TYPES[0 if logits.dim() == 2 and logits.shape[1] == 1 else
+                                     2 if labels.is_floating_point() else 1]
+    if problem_type not in PROBLEM_TYPES:
+        raise ValueError(f"problem_type must be one of {PROBLEM_TYPES} (a head's config.problem_type), got "
+                         f"{problem_type!r}")
     # labels not rounded to a bfloat16 head's precision (float32 labels; integers, which would promote to bfloat16)
     wide = torch.promote_types(torch.promote_types(logits.dtype, labels.dtype), torch.float32)
-    if logits.dim() == 2 and logits.shape[1] == 1 and labels.numel() == logits.shape[0]:  # num_labels=1: regression
-        per_sample = (logits.reshape(-1).to(wide) - labels.reshape(-1).to(wide)).square()
-    elif labels.is_floating_point() and labels.shape == logits.shape and logits.dim() == 2:  # multi-label
-        per_sample = F.binary_cross_entropy_with_logits(logits.to(wide), labels.to(wide), reduction="none").mean(1)
-    elif logits.dim() != 2 or labels.shape != logits.shape[:1] or labels.is_floating_point():
-        raise ValueError(f"sequence_classification_loss needs logits (B, C) and class indices (B,) (integers: "
-                         f"labels.long()), or (B, C) floats for several labels a sample, got {tuple(logits.shape)} "
-                         f"and {tuple(labels.shape)} {labels.dtype}")
+    if logits.dim() == 2 and problem_type != PROBLEM_TYPES[1] and labels.numel() == logits.numel():
+        pairs = logits.to(wide), labels.reshape(logits.shape).to(wide)
+        if problem_type == PROBLEM_TYPES[0]:  # Hugging Face's MSELoss: the mean over all B x C values
+            per_sample = (pairs[0] - pairs[1]).square().mean(1)
+        else:
+            per_sample = F.binary_cross_entropy_with_logits(*pairs, reduction="none").mean(1)
+    elif (logits.dim() != 2 or labels.shape != logits.shape[:1] or labels.is_floating_point()
+          or problem_type != PROBLEM_TYPES[1]):
+        raise ValueError(f"sequence_classification_loss ({problem_type}) needs logits (B, C) and class indices (B,) "
+                         f"(integers: labels.long()), or labels of the logits' size for a regression or several "
+                         f"labels a sample, got {tuple(logits.shape)} and {tuple(labels.shape)} {labels.dtype}")
     else:
         per_sample = F.cross_entropy(logits, labels, reduction="none")
     return _reduce(per_sample, reduction)

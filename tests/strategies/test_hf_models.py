@@ -5,6 +5,7 @@ pixel_values); flat=False (flat=True on some of these is the engine's, tested el
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -192,3 +193,25 @@ def test_sequence_classification_loss_is_the_heads_own_for_regression_and_severa
         want = torch.autograd.grad(model(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss, params)
         torch.testing.assert_close(got[i], torch.cat([g.reshape(-1) for g in want]), rtol=1e-9, atol=1e-12)
     assert got.norm(dim=1).min() > 0
+
+
+@pytest.mark.parametrize(("classes", "problem"), [(1, "multi_label_classification"), (3, "regression")])
+def test_sequence_classification_loss_takes_the_heads_problem_type(classes, problem):
+    """Found by a probe: a head whose config names another problem type than Hugging Face's rule by shapes gives
+    (one multi-label class, a regression of three values) got the other loss; problem_type= names it."""
+    t = need("transformers")
+    torch.manual_seed(0)
+    model = t.BertForSequenceClassification(t.BertConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=50,
+        max_position_embeddings=16, num_labels=classes, problem_type=problem)).eval().double()
+    ids = torch.randint(1, 50, (4, 6))
+    labels = torch.randn(4, classes, dtype=torch.float64) if problem == "regression" else \
+        (torch.rand(4, classes) > 0.5).double()
+    loss_fn = functools.partial(pv.sequence_classification_loss, problem_type=model.config.problem_type)
+    got = pv.per_sample_grads(model, loss_fn, {"input_ids": ids}, labels, flat=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for i in range(4):
+        want = torch.autograd.grad(model(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss, params)
+        torch.testing.assert_close(got[i], torch.cat([g.reshape(-1) for g in want]), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="problem_type must be one of"):
+        pv.sequence_classification_loss(torch.zeros(2, 3), torch.zeros(2, 3), problem_type="multi")
