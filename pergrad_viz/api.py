@@ -15,7 +15,13 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
-from pergrad_viz.core.guards import check_apart_from_parameters, check_autocast, check_one_dtype, special_model_strategy
+from pergrad_viz.core.guards import (
+    check_apart_from_parameters,
+    check_autocast,
+    check_differentiated,
+    check_one_dtype,
+    special_model_strategy,
+)
 from pergrad_viz.core.layout import flat_views
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import check_budget, empty_result, result_bytes
@@ -338,21 +344,11 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
 def output_size(trainable: Trainable, inputs: Batch) -> int:
     """Y, the number of output elements per sample, from a forward pass of the first sample (no grad)."""
     with torch.no_grad(), forked_random(trainable.device):  # a random forward is refused later, RNG untouched
-        output = trainable.outputs(inputs.sample(0))
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(
-            f"per_sample_jacobian and empirical_ntk differentiate one output tensor, but this model returns a "
-            f"{type(output).__name__}: say which tensor with output=, e.g. output=lambda out: out.logits (or out[0])"
-        )
-    if output.is_complex():
-        raise TypeError(
-            f"per_sample_jacobian differentiates real floating outputs, but this model returns {output.dtype}: pass "
-            "output=lambda out: torch.view_as_real(out) (its real and imaginary parts as outputs)")
-    if not output.is_floating_point():
-        raise TypeError(
-            f"per_sample_jacobian differentiates real floating outputs, but this model returns {output.dtype}, which "
-            "has no gradient (an argmax, a count): differentiate a floating tensor before it, e.g. "
-            "output=lambda out: out.logits, or return the scores")
+        output = inputs.sample(0)(trainable.model)
+    if trainable.select is not None:
+        with torch.enable_grad():  # of an output made without grad: what needs grad, output= made of parameters
+            output = trainable.select(output)
+    check_differentiated(output, trainable.select is not None)
     return output.numel()
 
 

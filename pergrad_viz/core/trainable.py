@@ -58,7 +58,11 @@ class Trainable:
     named_parameters: tuple[tuple[str, nn.Parameter], ...] = ()  # all of them, frozen ones too, read by of()
 
     def selecting(self, select: Callable[[object], torch.Tensor]) -> Trainable:
-        """The same trainable parameters, with Jacobians of ``select(model output)``."""
+        """The same trainable parameters, with Jacobians of ``select(model output)``; TypeError where it is not
+        callable (``output="logits"``)."""
+        if not callable(select):
+            raise TypeError(f"output= must be a function of what the model returns, e.g. output=lambda out: "
+                            f"out.logits or operator.itemgetter('logits'), got {type(select).__name__} {select!r:.40}")
         kept = CallState(input_versions=self.call.input_versions, offers_randomness=self.call.offers_randomness)
         return dataclasses.replace(self, select=select, call=kept)
 

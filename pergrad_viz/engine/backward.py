@@ -68,6 +68,7 @@ def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], l
     """
     output, calls = capture(trainable, inputs)
     outputs = flat_outputs(output if trainable.select is None else trainable.select(output), inputs.size)  # (B, Y)
+    check_takes_part(trainable, outputs, "model output")  # output=lambda out: out.detach()
     batch, y_count = outputs.shape
     tensors, where = _grad_targets(calls)
     refuse_outside_uses(trainable, calls, [outputs.grad_fn])

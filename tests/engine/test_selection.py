@@ -145,3 +145,20 @@ def test_a_selection_switched_by_what_it_holds_gets_its_own_plan(make, monkeypat
         select = MAKERS[make](True)
     got = pv.per_sample_jacobian(model, X, flat=True, output=select, verify=False)
     torch.testing.assert_close(got, _loop(model, X, select), rtol=1e-9, atol=1e-12)
+
+
+def test_a_selection_made_of_parameters_detached_or_not_callable_is_refused_naming_it():
+    """Found by a probe: output=lambda o: model.head(o) (a layer of the model applied to its output) gave auto's and
+    torch_func's Jacobians without that layer's part (0.74 off, verify=False); o.detach() a raw autograd error from
+    auto, hooks and the NTK; output="logits" a raw 'str' object is not callable from the probe."""
+    model = _model()
+    head = model.head = nn.Linear(3, 3).double()  # trainable parameters of the model, used by output= alone
+    for strategy in ("auto", "torch_func", "hooks"):
+        with pytest.raises(ValueError, match="output= computes with trainable parameters itself"):
+            pv.per_sample_jacobian(model, X, output=lambda o: head(o), strategy=strategy, verify=False)
+        with pytest.raises(ValueError, match="no trainable parameter takes part in the model output"):
+            pv.per_sample_jacobian(model, X, output=lambda o: o.detach(), strategy=strategy)
+    with pytest.raises(ValueError, match="no trainable parameter takes part"):
+        pv.empirical_ntk(model, X, output=lambda o: o.detach())
+    with pytest.raises(TypeError, match="output= must be a function of what the model returns"):
+        pv.per_sample_jacobian(model, X, output="logits")
