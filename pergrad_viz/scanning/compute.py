@@ -87,7 +87,9 @@ def _losses(loss_fn: LossFn, output: object, y: object) -> tuple[object, torch.T
 def _batch_losses(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.Tensor) -> tuple[object, torch.Tensor]:
     """(the outputs, the (B,) losses) of the batch: from one forward where the samples are apart, else (the probe
     found them interact: a batch statistic) each example's alone, as its loss is defined."""
-    if not (trainable.params and _interacting(trainable, inputs)):
+    loss, select = _split(loss_fn)
+    probed = trainable if loss is loss_fn else trainable.selecting(select)  # output= mixing the samples: seen
+    if not (trainable.params and _interacting(probed, inputs)):
         with torch.no_grad():
             return _losses(loss_fn, inputs(trainable.model), y)
     outputs, losses = [], []

@@ -760,3 +760,20 @@ def test_a_scan_refused_on_one_process_before_the_first_exchange_reaches_the_oth
     assert isinstance(info.value.__cause__, remote.RemoteTraceback)
     assert sent[-1][0]["qualname"] == "UndefinedPerSampleError"  # and told the other processes
     assert not (tmp_path / "t").exists()  # refused before rank 0 prepared anything
+
+
+def test_a_mixing_output_selection_is_scanned_example_by_example(tmp_path):
+    """Found by a probe: a scan's output= that mixes the examples of a batch (5 * o / o.norm()) gave its loss and
+    EL2N columns from the whole batch (0.072 for 0.012); the probe now sees the selection."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).eval()
+    x, y = torch.randn(12, 4), torch.randint(0, 3, (12,))
+    select, ce = (lambda o: 5 * o / o.norm()), nn.CrossEntropyLoss()
+    got = pv.scan(model, ce, torch.utils.data.TensorDataset(x, y), quantities=("loss", "el2n"), batch_size=4,
+                  out=tmp_path / "scan", progress=False, output=select)
+    with torch.no_grad():
+        outs = [select(model(x[i:i + 1])) for i in range(12)]
+    want = torch.stack([ce(o, y[i:i + 1]) for i, o in enumerate(outs)])
+    torch.testing.assert_close(torch.as_tensor(got["loss"]), want)
+    el2n = torch.stack([(o.softmax(-1) - nn.functional.one_hot(y[i:i + 1], 3)).norm() for i, o in enumerate(outs)])
+    torch.testing.assert_close(torch.as_tensor(got["el2n"]), el2n)
