@@ -105,3 +105,29 @@ def test_a_large_branch_elsewhere_does_not_cover_a_wrong_batching_rule():
     assert float((got.double() - want).norm() / want.norm()) < 1e-5
     with pytest.raises(HandOverError, match=r"torch\.cdist"):
         pv.per_sample_jacobian(model, x, strategy="torch_func", verify=False)
+
+
+class _RootBias(nn.Module):
+    """A per-channel bias directly on the root before GroupNorm(8, 8), which removes it: a layer alone, Jacobian 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.b = nn.Conv2d(3, 8, 3, bias=False), nn.Parameter(torch.randn(8, 1, 1))
+        self.gn, self.fc = nn.GroupNorm(8, 8), nn.Linear(8 * 6 * 6, 4)
+
+    def forward(self, x):
+        return self.fc(self.gn(self.conv(x) + self.b).flatten(1))
+
+
+@pytest.mark.parametrize("strategy", ["torch_func", "hooks"])
+def test_a_zero_jacobian_alone_in_its_layer_is_settled_in_float64(strategy):
+    """Found by a review: with the rounding floor of the parameter's own layer, a bias that is a layer alone had a
+    floor of 0, and its float32 noise was called PyTorch's wrong batching rule; a difference in float32 is now settled
+    on a float64 copy (cdist's wrong rule is wrong there too: the tests above)."""
+    torch.manual_seed(0)
+    model, x = _RootBias(), torch.randn(4, 3, 8, 8)
+    twin = _RootBias()
+    twin.load_state_dict(model.state_dict())
+    want = pv.per_sample_jacobian(twin.double(), x.double(), strategy="loop", flat=True)
+    got = pv.per_sample_jacobian(model, x, strategy=strategy, flat=True, verify=False)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-5
