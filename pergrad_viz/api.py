@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
 from pergrad_viz.core.guards import (
@@ -345,10 +345,14 @@ def output_size(trainable: Trainable, inputs: Batch) -> int:
     """Y, the number of output elements per sample, from a forward pass of the first sample (no grad)."""
     with torch.no_grad(), forked_random(trainable.device):  # a random forward is refused later, RNG untouched
         output = inputs.sample(0)(trainable.model)
+    made = False  # whether output= computes with the model's parameters itself (of an output made without grad)
     if trainable.select is not None:
-        with torch.enable_grad():  # of an output made without grad: what needs grad, output= made of parameters
-            output = trainable.select(output)
-    check_differentiated(output, trainable.select is not None)
+        with torch.enable_grad():
+            raw, output = output, trainable.select(output)
+            made = (isinstance(output, torch.Tensor) and output.requires_grad and not any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(raw)[0]) and any(
+                g is not None for g in torch.autograd.grad(output.sum(), trainable.params, allow_unused=True)))
+    check_differentiated(output, trainable.select is not None, made)
     return output.numel()
 
 

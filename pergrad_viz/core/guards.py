@@ -339,10 +339,10 @@ def check_output_count(what: str, count: int, wanted: int, against: str = "sampl
             "(B, Y, P) tensor; make the output's size fixed (pad or mask it), or call once per sample")
 
 
-def check_differentiated(output: object, selected: bool) -> None:
-    """Refuse what a Jacobian would differentiate (one sample's output, or what ``output=`` selects from it, made
-    without grad) where it is not one real floating tensor, or where ``output=`` computes with tensors that need grad
-    itself (a layer of the model applied to its hidden states: those parameters would be missed)."""
+def check_differentiated(output: object, selected: bool, made_of_parameters: bool = False) -> None:
+    """Refuse what a Jacobian would differentiate (one sample's output, or what ``output=`` selects from it) where it
+    is not one real floating tensor, or where ``output=`` computes with the model's trainable parameters itself
+    (``made_of_parameters``: a layer of the model applied to its hidden states, whose parameters would be missed)."""
     what = "what output= selects is" if selected else "this model returns"
     if not isinstance(output, torch.Tensor):
         fix = "return one tensor from output=" if selected else "say which tensor with output="
@@ -355,7 +355,7 @@ def check_differentiated(output: object, selected: bool) -> None:
         raise TypeError(f"per_sample_jacobian differentiates real floating outputs, but {what} {output.dtype}, "
                         "which has no gradient (an argmax, a count): differentiate a floating tensor before it, e.g. "
                         "output=lambda out: out.logits, or return the scores")
-    if selected and output.requires_grad:
+    if made_of_parameters:
         raise ValueError("output= computes with trainable parameters itself (a layer of the model applied to what the "
                          "model returns): put that computation inside the model's forward (a wrapper module whose "
                          "forward returns it), so that its parameters are differentiated as the model's")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import operator
+import sys
 import types
 from collections import OrderedDict
 
@@ -118,22 +120,27 @@ def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
 
 def selection_key(select: object, depth: int = 0) -> object:
     """What identifies an ``output=`` function across calls, as the plan sees a model (by structure): a function by its
-    code, default arguments, the plain globals it names and what its closure holds; a bound method by its function and
-    its object; any other object by its type and its plain fields (a dict by its items, a ``functools.partial`` or
-    ``operator.itemgetter`` by what it was made of); plain values as they are, a tensor by its shape, dtype and device.
-    Never an ``id``: a new lambda each call is the same selection, and a freed one's address is reused by the next."""
+    code, default arguments, the values it names (globals: plain ones, tensors, arrays, containers) and what its
+    closure holds; a bound method by its function and its object; any other object by its type and its fields (a
+    dict by its items, a ``functools.partial`` or ``operator.itemgetter`` by what it was made of); plain values as
+    they are, a tensor or array by its shape, dtype and (small) values. Never an ``id``: a new lambda each call is
+    the same selection, and a freed one's address is reused by the next. Long containers: their first items."""
     if select is None or type(select) in _EXACTLY_PLAIN:
         return select
     if isinstance(select, torch.Tensor):  # a small one (a scale, a few indices) by its values too
-        small = tuple(select.detach().flatten().tolist()) if select.numel() <= _SMALL else None
+        readable = select.layout == torch.strided and not (select.is_meta or select.is_quantized)
+        small = _values(select.detach().flatten().tolist()) if readable and select.numel() <= _SMALL else None
         return "tensor", tuple(select.shape), select.dtype, select.device, small
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(select, (numpy.ndarray, numpy.generic)):
+        return "array", select.shape, str(select.dtype), _values(select.ravel()[:_SMALL].tolist())
     if depth > 3:
         return type(select)
     deeper = functools.partial(selection_key, depth=depth + 1)
     if isinstance(select, (tuple, list)):  # a long one by its length and first items: keyed on every call
         return type(select), len(select), tuple(map(deeper, select[:_SMALL]))
     if isinstance(select, dict):
-        return tuple((k, deeper(v)) for k, v in list(select.items())[:_SMALL] if type(k) in _EXACTLY_PLAIN)
+        return tuple((k, deeper(v)) for k, v in itertools.islice(select.items(), _SMALL) if type(k) in _EXACTLY_PLAIN)
     if isinstance(select, functools.partial):
         return functools.partial, deeper(select.func), deeper(select.args), deeper(dict(select.keywords))
     if isinstance(select, types.MethodType):
@@ -142,15 +149,42 @@ def selection_key(select: object, depth: int = 0) -> object:
         code, named = select.__code__, select.__globals__
         return (code, tuple(deeper(_contents(cell)) for cell in (select.__closure__ or ())),
                 deeper(select.__defaults__ or ()), deeper(select.__kwdefaults__ or {}),
-                tuple((n, named[n]) for n in code.co_names if n in named and type(named[n]) in _EXACTLY_PLAIN))
+                tuple((n, deeper(named[n])) for n in code.co_names if n in named and _valued(named[n])))
     if isinstance(select, nn.Module):
         return type(select), _plain_attributes(select, {})
+    if isinstance(select, (type, types.ModuleType, types.BuiltinFunctionType)):  # long-lived: itself (held here)
+        return select
     made = select.__reduce__() if isinstance(select, (operator.itemgetter, operator.attrgetter)) else None
-    fields = vars(select) if isinstance(getattr(select, "__dict__", None), dict) else {}
-    return type(select), deeper(made[1] if made else ()), deeper(fields)
+    return type(select), deeper(made[1] if made else ()), deeper(_fields(select))
 
 
 _SMALL = 16  # the items of a container (or values of a tensor) a selection's key reads
+
+
+def _values(values: list) -> tuple:
+    """Numbers as a key: NaN as a string (NaN equals nothing, not even the same key's)."""
+    return tuple("nan" if v != v else v for v in values)
+
+
+def _valued(value: object) -> bool:
+    """Whether a global a selection names is a value it may switch on (not a module, class or function)."""
+    return not isinstance(value, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType))
+
+
+def _fields(select: object) -> dict:
+    """An object's fields: its ``__dict__`` and ``__slots__`` (a ``__getattr__`` that raises reads nothing)."""
+    fields = {}
+    try:
+        own = object.__getattribute__(select, "__dict__")
+        fields.update(own if isinstance(own, dict) else {})
+    except Exception:  # no __dict__ (slots), or one that cannot be read
+        pass
+    for slot in getattr(type(select), "__slots__", ()):
+        try:
+            fields[slot] = object.__getattribute__(select, slot)
+        except Exception:
+            pass
+    return fields
 
 
 def _contents(cell: object) -> object:

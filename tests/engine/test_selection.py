@@ -4,6 +4,9 @@ calls came before; against the definition written here, one sample at a time."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -124,13 +127,34 @@ def _by_global(o):
     return o / o.norm() if NORMALISE else o
 
 
+@dataclasses.dataclass(slots=True)
+class _Slotted:
+    normalise: bool
+
+    def __call__(self, o):
+        return o / o.norm() if self.normalise else o
+
+
+def _numpy_switched(value):
+    return lambda o: o / o.norm() if value else o
+
+
+CONFIG = {"normalise": False}  # a module global dict an output= reads
+
+
+def _by_config(o):
+    return o / o.norm() if CONFIG["normalise"] else o
+
+
 MAKERS = {"default argument": lambda flag: (lambda o, n=flag: o / o.norm() if n else o),
+          "numpy value": lambda flag: _numpy_switched(np.float64(flag)),
+          "slots dataclass": _Slotted,
           "bound method": lambda flag: _Picker(flag).pick,
           "callable object": _Picker,
           "dict in the closure": lambda flag: (lambda o, d={"n": flag}: o / o.norm() if d["n"] else o)}
 
 
-@pytest.mark.parametrize("make", [*MAKERS, "module global"])
+@pytest.mark.parametrize("make", [*MAKERS, "module global", "global dict"])
 def test_a_selection_switched_by_what_it_holds_gets_its_own_plan(make, monkeypatch):
     """Found by a probe: output= was keyed by its code and closure only, so one that mixes the samples by a default
     argument, a bound method's object, a callable's attribute, a dict or a module global reused the plan of its
@@ -140,6 +164,10 @@ def test_a_selection_switched_by_what_it_holds_gets_its_own_plan(make, monkeypat
         pv.per_sample_jacobian(model, X, output=_by_global, verify=False)
         monkeypatch.setattr(__import__(__name__), "NORMALISE", True)
         select = _by_global
+    elif make == "global dict":
+        pv.per_sample_jacobian(model, X, output=_by_config, verify=False)
+        monkeypatch.setitem(CONFIG, "normalise", True)
+        select = _by_config
     else:
         pv.per_sample_jacobian(model, X, output=MAKERS[make](False), verify=False)
         select = MAKERS[make](True)
@@ -162,3 +190,28 @@ def test_a_selection_made_of_parameters_detached_or_not_callable_is_refused_nami
         pv.empirical_ntk(model, X, output=lambda o: o.detach())
     with pytest.raises(TypeError, match="output= must be a function of what the model returns"):
         pv.per_sample_jacobian(model, X, output="logits")
+
+
+def test_a_selection_with_a_parameter_of_its_own_is_no_use_of_the_models():
+    """Found by a review: the refusal above took any selection that needs grad (a calibration temperature, an
+    nn.Parameter outside the model) for one made of the model's parameters."""
+    model, temperature = _model(), nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+    got = pv.per_sample_jacobian(model, X, flat=True, output=lambda o: o / temperature)
+    torch.testing.assert_close(got, _loop(model, X, lambda o: o / temperature), rtol=1e-9, atol=1e-12)
+
+
+def test_odd_values_in_a_selection_are_keyed_without_error_or_a_new_plan_each_call():
+    """Found by a review: a small sparse tensor in output='s closure raised from its key; one holding NaN never equalled
+    its own key (a new probe on every call)."""
+    from pergrad_viz.engine import probe
+
+    model, table, nan = _model(), torch.eye(3, dtype=torch.float64).to_sparse(), torch.tensor([float("nan")])
+    made, probes = probe._make_plan, []
+    try:
+        probe._make_plan = lambda *a, **k: probes.append(1) or made(*a, **k)
+        for _ in range(3):
+            got = pv.per_sample_jacobian(model, X, flat=True, output=lambda o: o @ table.to_dense() + 0 * nan.sum())
+    finally:
+        probe._make_plan = made
+    assert len(probes) == 1
+    torch.testing.assert_close(got, _loop(model, X, lambda o: o), rtol=1e-9, atol=1e-12)  # a NaN constant: no part
