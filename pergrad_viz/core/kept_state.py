@@ -75,6 +75,20 @@ def values_changed(tensors: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]
     return changed
 
 
+def same_values(new: object, old: object) -> bool:
+    """Whether ``new`` (a buffer a forward registered again) holds what ``old`` held: the same shape, dtype, device and
+    values (a NaN equals itself); sparse, quantised and meta tensors never (Hugging Face's dynamic RoPE registers its
+    ``inv_freq`` again on every forward below its longest length, the same values)."""
+    if new is old:
+        return True
+    if not (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)) or any(
+            t.is_meta or t.layout != torch.strided or t.is_quantized for t in (new, old)):
+        return False
+    if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
+        return False
+    return torch.equal(new, old) or torch.equal(_bits(new), _bits(old))
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes (1-D, uint8), whatever its dtype (complex, float8, bool too) and strides (a view)."""
     return t.detach().reshape(-1).contiguous().view(torch.uint8)

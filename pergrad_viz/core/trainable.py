@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pergrad_viz.core.kept_state import copies, has_user_hooks, values_changed
+from pergrad_viz.core.kept_state import copies, has_user_hooks, same_values, values_changed
 from pergrad_viz.core.randomness import random_state, set_random_state
 from pergrad_viz.core.users import drop_package_frames, is_package_error
 from pergrad_viz.core.validate import check_model
@@ -210,7 +210,7 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
                 m._parameters.update(params)
             if not _same_objects(m._buffers, bufs):
                 replaced += [f"{name}.{k}" if name else k for k in m._buffers.keys() | bufs.keys()
-                             if not _equal_values(m._buffers.get(k), bufs.get(k))]  # the same values: no change
+                             if not same_values(m._buffers.get(k), bufs.get(k))]  # the same values: no change
                 m._buffers.clear()
                 m._buffers.update(bufs)
         entries = list(buffers.values())
@@ -294,20 +294,6 @@ def computing_gradients(fn: Callable) -> Callable:
             raise
 
     return wrapper
-
-
-def _equal_values(new: object, old: object) -> bool:
-    """Whether a buffer replaced by ``new`` holds what ``old`` held (Hugging Face's dynamic RoPE registers its
-    ``inv_freq`` again on every forward below its longest length, the same values)."""
-    if new is old:
-        return True
-    if not (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)) or any(
-            t.is_meta or t.layout != torch.strided or t.is_quantized for t in (new, old)):
-        return False
-    if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
-        return False
-    floating = new.is_floating_point() or new.is_complex()
-    return torch.equal(new, old) or floating and bool(torch.isclose(new, old, rtol=0, atol=0, equal_nan=True).all())
 
 
 def _device(model: object) -> torch.device:
