@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch
-from pergrad_viz.core.guards import check_no_reentrant_checkpoint, check_output_count, check_takes_part
+from pergrad_viz.core.guards import check_no_reentrant_checkpoint, check_takes_part
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies import loop
-from pergrad_viz.strategies.outputs import mark_draws, refuse_reentrant_forward, write
+from pergrad_viz.strategies.outputs import check_batch_output_count, mark_draws, refuse_reentrant_forward, write
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -44,7 +44,7 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
     check_takes_part(trainable, outputs, "model output")
     check_no_reentrant_checkpoint([outputs])
     batch, y_count = outputs.shape
-    check_output_count("a sample in the batch", y_count, next(iter(out.values())).shape[1], "sample 0 alone")
+    check_batch_output_count(y_count, out)
     one_hot = torch.eye(batch * y_count, dtype=outputs.dtype, device=outputs.device)
     g = _batched_backward(outputs, trainable.params, one_hot.view(-1, batch, y_count))
     g = [None if t is None else t.view(batch, y_count, *t.shape[1:]) for t in g]

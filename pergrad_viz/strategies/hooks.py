@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch
-from pergrad_viz.core.guards import check_output_count, check_reached
+from pergrad_viz.core.guards import check_reached
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.backward import loss_gradients, output_gradients
 from pergrad_viz.engine.capture import describe
 from pergrad_viz.engine.cotangents import has_fallback_layers, refuse_wrong_nesting
 from pergrad_viz.engine.grouping import apply_rules
+from pergrad_viz.strategies.outputs import check_batch_output_count
 
 __all__ = ["describe", "grads", "jacobian", "jacobian_untried", "working_bytes"]  # describe: the explorer's
 
@@ -46,7 +47,7 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
 def jacobian_untried(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """:func:`jacobian` without its trial of the per-layer fallback's nested ``vmap`` (engine.cotangents)."""
     calls, g, y_count = output_gradients(trainable, inputs)
-    check_output_count("a sample in the batch", y_count, next(iter(out.values())).shape[1], "sample 0 alone")
+    check_batch_output_count(y_count, out)
     check_reached(trainable, calls, "model output")
     apply_rules(trainable, calls, g, {n: t.transpose(0, 1) for n, t in out.items()})
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from pergrad_viz.core.batch import Batch
-from pergrad_viz.core.guards import REENTRANT_CHECKPOINT, noting_reentrant_layers
+from pergrad_viz.core.guards import REENTRANT_CHECKPOINT, check_output_count, noting_reentrant_layers
 from pergrad_viz.core.randomness import random_fix
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.engine.observe import forked_random, observe
@@ -73,3 +73,9 @@ def refuse_reentrant_forward(trainable: Trainable, sample: Batch) -> None:
         sample(trainable.model)
     if any(p.requires_grad for m in found for p in m.parameters()):
         raise UnsupportedModelError(REENTRANT_CHECKPOINT)
+
+
+def check_batch_output_count(y_count: int, out: dict[str, torch.Tensor]) -> None:
+    """Refuse a batched forward giving ``y_count`` output elements a sample where sample 0 alone gave the Y of ``out``
+    ({name: (B, Y, ...)}, sized by ``api.output_size``)."""
+    check_output_count("a sample in the batch", y_count, next(iter(out.values())).shape[1], "sample 0 alone")
