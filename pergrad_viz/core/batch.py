@@ -128,10 +128,9 @@ class Batch:
         theirs, their_spec = tree_flatten((other.args, other.kwargs))
         if str(spec) != str(their_spec):
             return self
-        whole = [k for k, (t, b) in enumerate(zip(theirs, other._batched(theirs), strict=True))
-                 if isinstance(t, torch.Tensor) and not b]
-        return dataclasses.replace(self, shared=self.shared | frozenset(k for k in whole if _is_batched(flat[k],
-                                                                                                       self.size)))
+        whole = frozenset(k for k, (t, b) in enumerate(zip(theirs, other._batched(theirs), strict=True))
+                          if isinstance(t, torch.Tensor) and not b and _is_batched(flat[k], self.size))
+        return dataclasses.replace(self, shared=self.shared | whole)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """The same call with ``fn`` applied to every tensor."""
@@ -165,7 +164,7 @@ class Batch:
         if t is not None and not self.shared:
             batched = _is_batched(t, self.size)
             part = t[rows] if batched else t
-            return Batch((part,), {}, n, frozenset() if batched or not _is_batched(t, n) else frozenset((0,)))
+            return _one_tensor(part, batched, n)
         flat, spec = tree_flatten((self.args, self.kwargs))
         batched = self._batched(flat)
         return self._part([t[rows] if b else t for t, b in zip(flat, batched, strict=True)], batched, spec, n)
@@ -211,7 +210,7 @@ class Batch:
         if t is not None and not self.shared:
             batched = _is_batched(t, self.size)
             (new,) = leaves if batched else (t,)
-            return Batch((new,), {}, 1, frozenset() if batched or not _is_batched(t, 1) else frozenset((0,)))
+            return _one_tensor(new, batched, 1)
         flat, spec = tree_flatten((self.args, self.kwargs))
         batched, it = self._batched(flat), iter(leaves)
         return self._part([next(it) if b else t for t, b in zip(flat, batched, strict=True)], batched, spec, 1)
@@ -238,6 +237,11 @@ class Batch:
         if t is not None:
             return t.device
         return first_tensor((self.args, self.kwargs)).device
+
+
+def _one_tensor(t: torch.Tensor, batched: bool, size: int) -> Batch:
+    """:meth:`Batch._part` of a call ``model(x)`` without the pytree (the fast path): a shared ``t`` stays shared."""
+    return Batch((t,), {}, size, frozenset() if batched or not _is_batched(t, size) else frozenset((0,)))
 
 
 def differs(batch: Batch, i: int, j: int) -> bool:

@@ -65,7 +65,7 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
         return ("the targets have shape (B, 1): cross-entropy takes class indices of shape (B,); pass "
                 "targets.squeeze(1) (or targets.view(-1))")
     if "Inference tensors cannot be saved for backward" in text:
-        made = [f"'{n}'" for n, t in (*inputs.named_leaves(),) if t.is_inference()]
+        made = [f"'{n}'" for n, t in inputs.named_leaves() if t.is_inference()]
         return ("a tensor the backward passes through was created under torch.inference_mode() (a frozen "
                 "parameter or a buffer of a model built or loaded there" + (f"; or {made[0]}" if made else "") +
                 "): build or load the model outside inference_mode (torch.no_grad() is fine there)")
@@ -105,11 +105,13 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
     if whole and len(whole) < len(inputs.named_leaves()):
         names = ", ".join(repr(n) for n, _ in whole)
         second = next(((n, t) for n, t in whole if t.dim() >= 2 and t.shape[1] == inputs.size), None)
-        why = (f"; '{second[0]}' {tuple(second[1].shape)} has the samples along dimension 1 (an RNN's (layers, B, H) "
-               "state, a time-major (T, B, F) sequence): pass it batch-first (h0.transpose(0, 1).contiguous(), "
-               "batch_first=True) and transpose it back inside the forward") if second is not None else (
-            "; targets=None, so B was read from the first input tensor: put the samples' tensor first") \
-            if targets is None and inputs.size == 1 else ""
+        why = ""
+        if second is not None:
+            why = (f"; '{second[0]}' {tuple(second[1].shape)} has the samples along dimension 1 (an RNN's (layers, B, "
+                   "H) state, a time-major (T, B, F) sequence): pass it batch-first (h0.transpose(0, 1).contiguous(), "
+                   "batch_first=True) and transpose it back inside the forward")
+        elif targets is None and inputs.size == 1:
+            why = "; targets=None, so B was read from the first input tensor: put the samples' tensor first"
         return (f"B = {inputs.size}, and {names} (first dimension not {inputs.size}) went "
                 "whole to every sample's run while the others were cut: a tensor that belongs to the samples but is "
                 "not batch-first (EmbeddingBag's flat token ids with offsets, an attention mask of shape (B * heads, "

@@ -204,27 +204,30 @@ def _ends_alike(trainable: Trainable, inputs: Batch, start: tuple, end: tuple) -
     return _host_random_states() == end
 
 
-def _host_random_states() -> tuple:
-    """Python's and numpy's global generators' states: a forward that draws from them is random too."""
+def _host_generators() -> tuple:
+    """Python's and numpy's global generators' states (numpy's None where it is not imported)."""
     numpy = sys.modules.get("numpy")
-    state = None if numpy is None else numpy.random.get_state()
-    return random.getstate(), None if state is None else (state[1].tobytes(), *state[2:])
+    return random.getstate(), None if numpy is None else numpy.random.get_state()
+
+
+def _host_random_states() -> tuple:
+    """:func:`_host_generators` as values to compare: a forward that draws from them is random too."""
+    host, state = _host_generators()
+    return host, None if state is None else (state[1].tobytes(), *state[2:])
 
 
 @contextmanager
 def forked_random(device: torch.device) -> Iterator[None]:
     """torch's generators (the CPU's, ``device``'s where a GPU), Python's and numpy's as they were after the block:
     the probe's runs draw nothing from the caller's random state."""
-    host = random.getstate()
-    numpy = sys.modules.get("numpy")
-    state = None if numpy is None else numpy.random.get_state()
+    host, state = _host_generators()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             yield
     finally:
         random.setstate(host)
         if state is not None:
-            numpy.random.set_state(state)
+            sys.modules["numpy"].random.set_state(state)
 
 
 def _note_selected(record: Record, trainable: Trainable, output: object) -> None:
