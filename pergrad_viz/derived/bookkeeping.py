@@ -52,7 +52,7 @@ from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.lowest import StaleLowest, asked, reached
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.engine.unplanned import refuse_outside_uses, refuse_unplanned, unplanned
-from pergrad_viz.rules import Captured, linear_views_for, weighted_sum_rule_for
+from pergrad_viz.rules import Captured, linear_views_for, positions, weighted_sum_rule_for
 from pergrad_viz.rules.doubts import Doubts, doubts_for
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 
@@ -236,7 +236,7 @@ def _call_layer(layer: Layer, seen: Seen, norms: Callable[[Callable[[], dict]], 
     for a, g, names in views:
         full = {role: local[ln] for role, ln in names.items() if ln in local}
         if full:
-            a3, g3 = a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+            a3, g3 = positions(a, a.shape[0]), positions(g, g.shape[0])
             pairs.append((a3, g3, full))
     if {n for *_, full in pairs for n in full.values()} != set(local.values()):
         return None  # a parameter of the layer outside its Linear maps (bias_k, bias_v)

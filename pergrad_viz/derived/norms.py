@@ -52,7 +52,7 @@ from pergrad_viz.engine.capture import Layer
 from pergrad_viz.engine.certify import check_norms
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.plan import LayerKind
-from pergrad_viz.rules import GhostRule, ghost_rule_for
+from pergrad_viz.rules import GhostRule, ghost_rule_for, positions
 from pergrad_viz.rules.doubts import deferring, doubts_for
 from pergrad_viz.rules.linear import LinearGhost, below_rounding, gram_is_faster, guarded
 from pergrad_viz.rules.scaling import products_fit, sample_maxima, sample_scaled, wide_row_norms
@@ -370,8 +370,7 @@ def one_linear_call_norms(ghost: GhostRule, module: nn.Module | None, a: torch.T
                           ) -> dict[str, torch.Tensor]:
     """``ghost.squared_norms`` of a Linear's one call (activation (B, ..., in), grad_output (B, ..., out)): its rows
     as they are, (B, T, width), without the stacking of several calls (no N dimension added and taken off)."""
-    return ghost.squared_norms(module, a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1]),
-                               local)
+    return ghost.squared_norms(module, positions(a, a.shape[0]), positions(g, g.shape[0]), local)
 
 
 def _linear_temporaries(seen_first) -> int:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pergrad_viz.core.numbers import wide_square
-from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum
+from pergrad_viz.rules.registry import join_positions, positions, register, register_ghost, register_weighted_sum
 from pergrad_viz.rules.scaling import row_norms
 
 
@@ -16,9 +16,8 @@ def embedding(module: nn.Module, activation: torch.Tensor, grad_output: torch.Te
     if "weight" not in out:
         return
     n, batch = grad_output.shape[:2]
-    dim = module.embedding_dim
     idx = activation.reshape(batch, -1)  # (B, T)
-    g = grad_output.reshape(n, batch, -1, dim)  # (N, B, T, D)
+    g = positions(grad_output, n, batch)  # (N, B, T, D)
     if module.padding_idx is not None:
         g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
     weight = out["weight"]  # (N, B, V, D), possibly a strided view into the caller's result: written in place
@@ -58,7 +57,7 @@ class EmbeddingGhost:
         vocab = module.num_embeddings
         pairs = (a + vocab * torch.arange(a.shape[0], device=a.device).unsqueeze(1)).reshape(-1)  # (sample, token)
         unique, inverse = torch.unique(pairs, return_inverse=True)
-        rows = g.new_zeros(unique.numel(), g.shape[-1]).index_add_(0, inverse, g.reshape(-1, g.shape[-1]))
+        rows = g.new_zeros(unique.numel(), g.shape[-1]).index_add_(0, inverse, g.reshape(pairs.numel(), g.shape[-1]))
         squared = wide_square(row_norms(rows))  # per row: float64, no overflow in the squares
         return {"weight": squared.new_zeros(a.shape[0]).index_add_(0, unique // vocab, squared)}
 
@@ -85,8 +84,8 @@ def embedding_weighted_sum(module, seen, weights, out):
     c = weights["weight"]
     for a, g in seen:
         idx = a.reshape(-1)  # (B * T,)
-        rows = g.reshape(a.shape[0], -1, module.embedding_dim) * c.view(-1, 1, 1)
-        rows = rows.reshape(-1, module.embedding_dim)
+        rows = positions(g, a.shape[0]) * c.view(-1, 1, 1)
+        rows = rows.reshape(idx.numel(), module.embedding_dim)
         if module.padding_idx is not None:
             rows = rows * (idx != module.padding_idx).unsqueeze(1).to(rows.dtype)
         out["weight"].index_add_(0, idx, rows)

@@ -12,7 +12,7 @@ from torch import nn
 
 from pergrad_viz.core.numbers import row_dots, wide_square
 from pergrad_viz.rules.doubts import deferring, note_grams, tops_fit
-from pergrad_viz.rules.registry import join_positions, register, register_ghost, register_weighted_sum
+from pergrad_viz.rules.registry import join_positions, positions, register, register_ghost, register_weighted_sum
 from pergrad_viz.rules.scaling import scaled_unless_fit, wide_row_norms
 
 
@@ -26,8 +26,8 @@ def linear(module: nn.Module, activation: torch.Tensor, grad_output: torch.Tenso
         if "bias" in out:
             out["bias"].copy_(grad_output)
         return
-    a = activation.reshape(batch, -1, activation.shape[-1])  # (B, T, in)
-    g = grad_output.reshape(n, batch, -1, grad_output.shape[-1])  # (N, B, T, out)
+    a = positions(activation, batch)  # (B, T, in)
+    g = positions(grad_output, n, batch)  # (N, B, T, out)
     if "weight" in out:
         token_outer_sum(g, a, out["weight"])
     if "bias" in out:
@@ -64,8 +64,8 @@ def linear_in_out(module: nn.Module, activation: torch.Tensor, grad_output: torc
     """A Linear whose weight is stored (in, out), y = x W + b: activation (B, *, in), grad_output (N, B, *, out),
     out["weight"] (N, B, in, out) = sum over positions of outer(a_t, g_t), out["bias"] (N, B, out)."""
     n, batch = grad_output.shape[:2]
-    a = activation.reshape(batch, -1, activation.shape[-1])  # (B, T, in)
-    g = grad_output.reshape(n, batch, -1, grad_output.shape[-1])  # (N, B, T, out)
+    a = positions(activation, batch)  # (B, T, in)
+    g = positions(grad_output, n, batch)  # (N, B, T, out)
     if "weight" in out:
         token_outer_sum(g, a, out["weight"], in_out=True)
     if "bias" in out:
@@ -127,8 +127,8 @@ class LinearGhost:
         acts, grads = [], []
         for a, g in seen:
             n, batch = g.shape[:2]
-            acts.append(a.reshape(batch, -1, a.shape[-1]))
-            grads.append(g.reshape(n, batch, -1, g.shape[-1]))
+            acts.append(positions(a, batch))
+            grads.append(positions(g, n, batch))
         return join_positions(acts, grads)
 
     @staticmethod
@@ -296,7 +296,7 @@ def _linear_sums(seen, weights: dict[str, torch.Tensor], out: dict[str, torch.Te
             beta = 0 if ln in fresh else 1
             fresh.discard(ln)
             if ln == "bias":
-                per_sample = rows_g if rows_g.shape[0] == batch else g.reshape(batch, -1, g.shape[-1]).sum(1)
+                per_sample = rows_g if rows_g.shape[0] == batch else positions(g, batch).sum(1)
                 out[ln].addmv_(per_sample.mT, c, beta=beta)
                 continue
             if rows_a.shape[1] <= rows_g.shape[1]:

@@ -5,6 +5,7 @@ through it). What a rule is and may assume: see :mod:`pergrad_viz.rules`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -262,6 +263,13 @@ def ghost_rule_for(module: nn.Module) -> GhostRule | None:
     """The :class:`GhostRule` for ``module``, or None (also where it does not apply to this configuration)."""
     ghost = _lookup(_GHOST_RULES, module)
     return ghost if ghost is not None and ghost.applies(module) else None
+
+
+def positions(t: torch.Tensor, *lead: int) -> torch.Tensor:
+    """``t`` (*lead, *, width) as (*lead, T, width), T the product of the middle dimensions (1 where there are none);
+    unlike ``reshape(*lead, -1, width)`` also where ``width`` or T is 0 (a zero-width layer)."""
+    width = t.shape[-1]
+    return t.reshape(*lead, math.prod(t.shape[len(lead):-1]), width)
 
 
 def join_positions(acts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
