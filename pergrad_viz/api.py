@@ -319,6 +319,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             strategy cannot handle; :class:`MemoryBudgetError` before allocating a result over ``max_bytes``.
     """
     requested = strategy
+    check_loss(loss_fn)  # None too (prepare takes None for a Jacobian)
     targets = normal_tensor(targets) if isinstance(targets, torch.Tensor) else tree_map(normal_tensor, targets)
     trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs,
                                                   out, flat, randomness, verify)

@@ -178,7 +178,12 @@ def _check_special(name: str, m: nn.Module, random_ok: bool, model: object) -> N
 
 def check_loss(loss_fn: object) -> None:
     """Refuse what cannot give one scalar loss per sample: a loss class instead of an instance, and
-    ``reduction='none'`` (one loss per element). The same rule for every strategy."""
+    ``reduction='none'`` (one loss per element), and None (the outputs' own gradients are a Jacobian). The same rule
+    for every strategy."""
+    if loss_fn is None:
+        raise TypeError("loss_fn is None: pass a loss callable as loss_fn(output, targets) -> scalar, e.g. "
+                        "nn.CrossEntropyLoss(); for the gradients of the model's outputs themselves, use "
+                        "pv.per_sample_jacobian(model, inputs)")
     if isinstance(loss_fn, type):
         raise TypeError(
             f"loss_fn is the class {loss_fn.__name__}, not a loss: pass an instance, e.g. {loss_fn.__name__}() "

@@ -25,7 +25,7 @@ from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.numbers import real_number, whole_number
 from pergrad_viz.core.randomness import check_randomness
 from pergrad_viz.core.trainable import Trainable, computing_gradients
-from pergrad_viz.core.validate import check_flags, check_strategy_name
+from pergrad_viz.core.validate import check_flags, check_loss, check_strategy_name
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
 from pergrad_viz.derived.clipping import Groups, PerLayer, clipping_groups, noise_std
 from pergrad_viz.derived.privacy import forget_noise, new_noise, warn_own_size
@@ -121,6 +121,7 @@ def clipped_grad_sum(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
     with failing_together(distributed):  # the others told, not left to pair their next call with this one's
         max_norm, noise_multiplier, per_layer = check_dp_arguments(max_norm, noise_multiplier, generator, per_layer)
         check_flags(verify=verify, return_norms=return_norms)
+        check_loss(loss_fn)
     if not distributed and _empty(inputs):
         raise ValueError("empty batch: clipped_grad_sum got no sample (Poisson sampling draws empty batches), and "
                          "the clipped sum of none is 0. For a DP step pv.dp_step takes it (the noise alone into .grad, "
@@ -266,6 +267,7 @@ def dp_step(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets: object, 
             raise TypeError(f"dp_step() got unexpected keyword argument(s) {sorted(unknown)}; it takes "
                             f"{sorted(_OPTIONS)} as clipped_grad_sum does")
         check_flags(verify=options.get("verify", True))
+        check_loss(loss_fn)
         if _empty(inputs) and not distributed:  # Poisson sampling's empty batch: noise alone
             if expected_batch_size is None:
                 raise ValueError(_EMPTY)

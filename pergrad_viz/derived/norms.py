@@ -47,6 +47,7 @@ from pergrad_viz.core.memory import default_budget, result_bytes
 from pergrad_viz.core.numbers import SQUARES
 from pergrad_viz.core.randomness import randomness_of
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
+from pergrad_viz.core.validate import check_flags, check_loss
 from pergrad_viz.engine.backward import loss_gradients
 from pergrad_viz.engine.capture import Layer
 from pergrad_viz.engine.certify import check_norms
@@ -98,8 +99,8 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
             BatchNorm or Dropout in training mode, or ``strategy="hooks"`` where it cannot be trusted.
         TypeError: ``per_parameter`` is not a bool.
     """
-    if not isinstance(per_parameter, bool):
-        raise TypeError(f"per_parameter must be True or False, got {per_parameter!r}")
+    check_flags(per_parameter=per_parameter)
+    check_loss(loss_fn)  # None too (api.prepare takes None for a Jacobian)
     targets = tree_map(normal_tensor, targets)
     trainable, resolved, inputs, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
                                                       model_kwargs, randomness=randomness, verify=verify)

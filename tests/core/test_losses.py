@@ -173,6 +173,23 @@ def test_a_loss_class_or_reduction_none_is_refused_with_the_fix():
         per_sample_losses(lambda o, t: (o - t).pow(2).sum(0), randn(B, 3), randn(B, 3))
 
 
+@pytest.mark.parametrize("call", ["grads", "norms", "clipped_sum", "dp_step"])
+def test_no_loss_is_refused_before_the_model_runs_naming_the_jacobian(call):
+    """loss_fn=None (a Jacobian, inside the package) was taken for a Jacobian's call by the gradients' ones: the
+    model ran, then 'NoneType' object is not callable."""
+    model = nn.Linear(3, 2)
+    ran = []
+    model.register_forward_hook(lambda *_: ran.append(1))
+    x, y = randn(B, 3), torch.randint(0, 2, (B,))
+    calls = {"grads": lambda: pv.per_sample_grads(model, None, x, y),
+             "norms": lambda: pv.per_sample_grad_norms(model, None, x, y),
+             "clipped_sum": lambda: pv.clipped_grad_sum(model, None, x, y, 1.0),
+             "dp_step": lambda: pv.dp_step(model, None, x, y, 1.0, noise_multiplier=0.0, expected_batch_size=B)}
+    with pytest.raises(TypeError, match=r"loss_fn is None: pass a loss .*pv\.per_sample_jacobian\(model, inputs\)"):
+        calls[call]()
+    assert not ran
+
+
 def test_the_users_loss_is_not_modified():
     loss = nn.MSELoss(reduction="sum")
     per_sample_losses(loss, randn(B, 2), randn(B, 2))
