@@ -383,6 +383,26 @@ def test_the_targets_report_reads_every_goal_from_its_own_table(monkeypatch):
     assert "explorer B=256 / hidden 512" in text
 
 
+def test_the_targets_skip_a_model_whose_library_is_missing_and_measure_the_rest(monkeypatch):
+    """Without the bench extra (torchvision), ``bench --targets`` timed for 20 s and then failed on ResNet-18."""
+    from pergrad_viz.bench import targets as bt
+    from pergrad_viz.core.extras import missing_extra
+
+    real = bt.bench_models.problem
+
+    def problem(name, batch, **kw):
+        if name == "resnet18":
+            raise missing_extra("torchvision", "the benchmark model 'resnet18'", extra="bench")
+        return real(name, batch, **kw)
+
+    monkeypatch.setattr(bt.bench_models, "problem", problem)
+    monkeypatch.setattr(bt, "compare", lambda *args, **kw: [_record("auto", 1.0)])
+    emitted = []
+    tables = bt.measure_tables(0.01, scan_examples=0, models=("resnet18", "mlp"), emit=emitted.append)
+    assert "mlp grads B=32" in tables and not any(s.startswith("resnet18") for s in tables)
+    assert any(e.startswith("## resnet18: skipped (") and "pergrad-viz[bench]" in e for e in emitted)
+
+
 def test_the_targets_cover_every_model_of_bench_model_and_issue_21s_rows():
     from pergrad_viz.bench import problems as bench_models
     from pergrad_viz.bench import targets as bt
