@@ -1,9 +1,13 @@
 """pergrad_viz: per-sample gradients (B, P) and per-sample output Jacobians (B, Y, P) in PyTorch,
 without Python loops, each equal to what a loop over the samples gives (or a clear error naming the fix).
 
->>> import pergrad_viz as pv
->>> grads = pv.per_sample_grads(model, loss_fn, x, y)          # {name: (B, *param.shape)}
->>> J = pv.per_sample_jacobian(model, x, flat=True)           # (B, Y, P)
+>>> import torch, pergrad_viz as pv
+>>> model, x, y = torch.nn.Linear(4, 3), torch.randn(8, 4), torch.randint(0, 3, (8,))
+>>> grads = pv.per_sample_grads(model, torch.nn.CrossEntropyLoss(), x, y)   # {name: (B, *param.shape)}
+>>> grads["weight"].shape
+torch.Size([8, 3, 4])
+>>> pv.per_sample_jacobian(model, x, flat=True).shape                       # (B, Y, P)
+torch.Size([8, 3, 15])
 
 Per sample (B samples, P trainable parameters, Y outputs a sample):
     per_sample_grads          the gradient of each sample's loss: {name: (B, *shape)}, or (B, P) with flat=True
