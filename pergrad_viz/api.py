@@ -285,10 +285,9 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
                      model_kwargs: Mapping | None = None, randomness: str = "error") -> Result:
     """The gradient of each sample's loss with respect to every trainable parameter.
 
-    The per-sample gradient of sample i is the gradient of
-    ``loss_fn(model(inputs[i:i+1]), targets[i:i+1])``: what the naive loop computes, whatever
-    ``loss_fn``'s reduction. With several inputs, sample i is cut from every tensor whose first dimension is the
-    batch (``pergrad_viz.core.batch``): ``model(ids[i:i+1], attention_mask=mask[i:i+1])``.
+    The per-sample gradient of sample i is the gradient of ``loss_fn(model(inputs[i:i+1]), targets[i:i+1])``: what
+    the naive loop computes, whatever ``loss_fn``'s reduction. With several inputs, sample i is cut from every tensor
+    whose first dimension is the batch (``pergrad_viz.core.batch``): ``model(ids[i:i+1], attention_mask=mask[i:i+1])``.
 
     Args:
         model: any ``nn.Module``; left exactly as it was (no hooks, same parameters, ``.grad`` and modes).

@@ -177,26 +177,19 @@ def _check_special(name: str, m: nn.Module, random_ok: bool, model: object) -> N
 
 
 def check_loss(loss_fn: object) -> None:
-    """Refuse what cannot give one scalar loss per sample: a loss class instead of an instance, and
-    ``reduction='none'`` (one loss per element), and None (the outputs' own gradients are a Jacobian). The same rule
-    for every strategy."""
-    if loss_fn is None:
-        raise TypeError("loss_fn is None: pass a loss callable as loss_fn(output, targets) -> scalar, e.g. "
-                        "nn.CrossEntropyLoss(); for the gradients of the model's outputs themselves, use "
-                        "pv.per_sample_jacobian(model, inputs)")
+    """Refuse what cannot give one scalar loss per sample: a loss class instead of an instance, None, and
+    ``reduction='none'`` (one loss per element). The same rule for every strategy."""
     if isinstance(loss_fn, type):
-        raise TypeError(
-            f"loss_fn is the class {loss_fn.__name__}, not a loss: pass an instance, e.g. {loss_fn.__name__}() "
-            f"or {loss_fn.__name__}(reduction='sum')"
-        )
+        raise TypeError(f"loss_fn is the class {loss_fn.__name__}, not a loss: pass an instance, e.g. "
+                        f"{loss_fn.__name__}() or {loss_fn.__name__}(reduction='sum')")
     if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {type(loss_fn).__name__}")
+        outputs = "; for the gradients of the model's outputs themselves: pv.per_sample_jacobian(model, inputs)"
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, targets) -> scalar, got {type(loss_fn).__name__}"
+                        + (outputs if loss_fn is None else ""))
     if getattr(loss_fn, "reduction", None) == "none":
-        raise ValueError(
-            f"{type(loss_fn).__name__}(reduction='none') returns one loss per element, but a per-sample gradient "
-            "needs one scalar loss per sample: use reduction='sum' or reduction='mean' (the per-sample gradient is "
-            "the gradient of loss_fn(model(x[i:i+1]), y[i:i+1]))"
-        )
+        raise ValueError(f"{type(loss_fn).__name__}(reduction='none') returns one loss per element, but a per-sample "
+                         "gradient needs one scalar loss per sample: use reduction='sum' or reduction='mean' (the "
+                         "per-sample gradient is the gradient of loss_fn(model(x[i:i+1]), y[i:i+1]))")
 
 
 def check_strategy_name(strategy: str, valid: Sequence[str]) -> None:
