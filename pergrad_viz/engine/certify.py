@@ -123,7 +123,8 @@ _BATCHED_WHY = ("this model's forward does not keep the samples apart in a way t
                 "in a custom backward, or a model changed since its plan was made)")
 _OWN_WHY = ("the {strategy} strategy computes something else than a plain backward of the batch does here (an "
            "operation whose batched backward under torch.func is wrong, such as PyTorch's vmap of cdist's, on a layer "
-           "taking the per-layer fallback; or a layer rule that does not fit this layer)")
+           "taking the per-layer fallback; a layer rule that does not fit this layer; under randomness='different', a "
+           "layer whose random draws it cannot replay, such as the dropout inside nn.LSTM or nn.MultiheadAttention)")
 
 
 # --------------------------------------------------------------------------------------- float64 references
@@ -353,7 +354,7 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
         return 1e-3 * float(sum(squared[name] for name in trainable.names).clamp_min(0).max().sqrt())
 
     _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(norms_of), in_batch, floor),
-           f"sample {i}'s gradient norm", strategy, _coupled(trainable, want, in_batch))
+           f"sample {i}'s gradient norm", strategy, draws is None and _coupled(trainable, want, in_batch))
 
 
 def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:

@@ -192,6 +192,23 @@ def test_norms_and_the_clipped_sum_under_the_same_draws(case):
         torch.testing.assert_close(sums[name], torch.einsum("b,b...->...", factors, g), rtol=1e-7, atol=1e-9)
 
 
+def test_hooks_failing_on_draws_it_cannot_replay_says_so_and_leaves_the_batched_strategies():
+    """The norms' check under randomness='different' compares with the sample in its batch under the same draws: a
+    failure there is the strategy's own (the dropout inside nn.MultiheadAttention, which hooks' call rule draws
+    otherwise), not the samples interacting, which refused the batched strategies and named a coupling."""
+    model, x, y = _problem(CASES[IDS.index("dropout-transformer")])
+    loss = nn.CrossEntropyLoss()
+    torch.manual_seed(5)
+    with pytest.raises(CheckFailedError, match="random draws it cannot replay") as info:
+        pv.per_sample_grad_norms(model, loss, x, y, strategy="hooks", randomness="different")
+    assert "keep the samples apart" not in str(info.value)
+    want = in_batch_reference(model, loss, x, y, seed=9, chunk=x.shape[0])  # the masks of one batched forward
+    torch.manual_seed(9)
+    norms = pv.per_sample_grad_norms(model, loss, x, y, strategy="autograd_stack", randomness="different")
+    torch.testing.assert_close(norms, sum(g.flatten(1).square().sum(1) for g in want.values()).sqrt(), rtol=1e-7,
+                               atol=1e-9)
+
+
 def test_dp_step_takes_randomness():
     model, x, y = _problem(CASES[0])
     torch.manual_seed(2)
