@@ -222,7 +222,7 @@ print("projected dot products correlate with the exact ones (> 0.9):", corr > 0.
 # ```
 #
 # Each process scans its own chunks and writes its rows into the shared files; the result is one table in
-# dataset order, identical to one process's. The README gives the measured times.
+# dataset order, identical to one process's. docs/scan.md gives the measured times.
 
 # %%
 workdir.cleanup()

@@ -26,7 +26,7 @@
 #    accountant for a target epsilon, and epsilon printed epoch by epoch;
 # 3. measures what one DP step costs next to a plain step, in time and peak memory, and next to the two other
 #    ways to get the same numbers: materialised per-sample gradients, and Opacus' ghost clipping;
-# 4. trains LoRA adapters instead with the same call, and ends with a padded batch of text on a tiny GPT-2.
+# 4. takes the same DP step on LoRA adapters alone, and ends with a padded batch of text on a tiny GPT-2.
 #
 # It needs `transformers` and `peft` (the `hf` extra) and Opacus' accountant (the `dp` extra):
 # `pip install -e '.[hf,dp]'`.
