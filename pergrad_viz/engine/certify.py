@@ -91,20 +91,21 @@ def _randn(shape: tuple, like: torch.Tensor) -> torch.Tensor:
 
 
 def _raise(found: tuple[str, float] | None, where: str, strategy: str,
-           coupled: Callable[[], bool] | bool = False) -> None:
+           coupled: Callable[[], bool] | bool = False, random: bool = False) -> None:
     """Raise :class:`CheckFailedError` where ``found`` (the verdict). ``coupled``: whether the failure shows the
     samples interacting in a batched forward (asked only on failure); else the strategy is wrong on its own (its
-    result is not the plain batched backward's, or that backward keeps the sample apart), and only it is demoted."""
+    result is not the plain batched backward's, or that backward keeps the sample apart), and only it is demoted.
+    ``random``: under ``randomness='different'``, where a coupling and draws the strategy cannot replay look alike."""
     if found is None:
         return
     name, relative = found
     coupled = coupled() if callable(coupled) else coupled
     reason = (f"the per-call check found that {where} from the {strategy} strategy differs from the definition "
               f"(parameter '{name}': relative difference {relative:.1e}, beyond rounding)")
-    what = _BATCHED_WHY if coupled else _OWN_WHY.format(strategy=strategy)
-    raise CheckFailedError(
-        f"{reason}: {what}. Use strategy='auto' (which then computes each sample alone) or 'torch_func' / 'loop'.",
-        reason=reason, coupled=coupled)
+    what = _RANDOM_WHY if random and coupled else _BATCHED_WHY if coupled else _OWN_WHY.format(strategy=strategy)
+    fix = ("strategy='auto' or 'loop' (each sample alone, under its own draws)" if random else
+           "strategy='auto' (which then computes each sample alone) or 'torch_func' / 'loop'")
+    raise CheckFailedError(f"{reason}: {what}. Use {fix}.", reason=reason, coupled=coupled)
 
 
 def _coupled(trainable: Trainable, want: Tensors, in_batch: Callable[[], tuple[Tensors, Tensors] | None] | None
@@ -123,8 +124,10 @@ _BATCHED_WHY = ("this model's forward does not keep the samples apart in a way t
                 "in a custom backward, or a model changed since its plan was made)")
 _OWN_WHY = ("the {strategy} strategy computes something else than a plain backward of the batch does here (an "
            "operation whose batched backward under torch.func is wrong, such as PyTorch's vmap of cdist's, on a layer "
-           "taking the per-layer fallback; a layer rule that does not fit this layer; under randomness='different', a "
-           "layer whose random draws it cannot replay, such as the dropout inside nn.LSTM or nn.MultiheadAttention)")
+           "taking the per-layer fallback; or a layer rule that does not fit this layer)")
+_RANDOM_WHY = ("under randomness='different' the check, which draws the batch's random numbers again, cannot tell a "
+               "layer whose draws this strategy makes otherwise (the dropout inside nn.MultiheadAttention or nn.LSTM) "
+               "from samples that interact")
 
 
 # --------------------------------------------------------------------------------------- float64 references
@@ -354,7 +357,7 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
         return 1e-3 * float(sum(squared[name] for name in trainable.names).clamp_min(0).max().sqrt())
 
     _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(norms_of), in_batch, floor),
-           f"sample {i}'s gradient norm", strategy, draws is None and _coupled(trainable, want, in_batch))
+           f"sample {i}'s gradient norm", strategy, _coupled(trainable, want, in_batch), random=draws is not None)
 
 
 def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:
