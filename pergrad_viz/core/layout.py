@@ -35,6 +35,12 @@ def param_boundaries(model_or_named_shapes: Any, *, lead: int = 0) -> list[tuple
     return out
 
 
+def sample_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, *shape) as (B, n), n = prod(shape) the numbers of one sample (1 for shape (), also 0, where
+    ``reshape(B, -1)`` is ambiguous: a zero-width layer's gradient)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
+
+
 def flat_outputs(output: torch.Tensor, batch: int) -> torch.Tensor:
     """(B, *out) -> (B, Y) with Y = prod(out); :class:`~pergrad_viz.errors.HandOverError` where ``output`` (what
     ``output=`` selected from a batched forward) does not hold the ``batch`` samples first (``o.sum()``: 0-dim)."""

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from pergrad_viz.core.layout import sample_rows
 from pergrad_viz.core.numbers import real_number, wide_square
 from pergrad_viz.rules.scaling import row_norms
 
@@ -174,7 +175,7 @@ def _norms(grads: Grads) -> torch.Tensor:
                 f"({first.shape[0]}, ...) {first.dtype} on {first.device}: every entry needs the same samples "
                 "first, one dtype and one device (as per_sample_grads returns them)"
             )
-    squared = torch.stack([wide_square(row_norms(g.reshape(g.shape[0], -1))) for g in grads.values()])  # float64
+    squared = torch.stack([wide_square(row_norms(sample_rows(g))) for g in grads.values()])  # float64
     return squared.sum(0).sqrt().to(first.dtype)
 
 

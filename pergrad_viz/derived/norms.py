@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_map
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, Inputs, cut, normal_tensor
 from pergrad_viz.core.guards import check_reached, refusing_reentrant_checkpoints
+from pergrad_viz.core.layout import sample_rows
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.memory import default_budget, result_bytes
 from pergrad_viz.core.numbers import SQUARES
@@ -210,9 +211,8 @@ def materialised_chunks(trainable: Trainable, resolved: str, strategy: str, loss
 
 
 def row_squared_norms(g: torch.Tensor) -> torch.Tensor:
-    """(B,) squared L2 norms of the rows of a (B, *shape) per-sample gradient; ``shape`` may be () (a 0-dim
-    parameter such as a learnable temperature gives (B,), where ``flatten(1)`` would fail)."""
-    return wide_row_norms(g.reshape(g.shape[0], -1)).square()  # float64: no overflow in the square
+    """(B,) squared L2 norms of the rows of a (B, *shape) per-sample gradient (``core.layout.sample_rows``)."""
+    return wide_row_norms(sample_rows(g)).square()  # float64: no overflow in the square
 
 
 # A layer's share of a tied weight's per-sample gradient: (left, right, own) with the gradient read as the matrix

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from pergrad_viz.core.layout import sample_rows
 from pergrad_viz.rules import writes_fresh
 
 
@@ -57,7 +58,7 @@ class LazySums(dict):
         it (written, not added, where :meth:`destination` hands it out unwritten), in the sum's dtype (a model of
         several dtypes: the per-sample gradients come in one)."""
         dest, fresh = self.destination(name)
-        dest.view(1, -1).addmm_(c.to(dest.dtype).unsqueeze(0), g.reshape(g.shape[0], -1).to(dest.dtype),
+        dest.view(1, -1).addmm_(c.to(dest.dtype).unsqueeze(0), sample_rows(g).to(dest.dtype),
                                 beta=0 if fresh else 1)
 
     def add_share(self, rule: Callable, module, seen, weights: dict[str, torch.Tensor],

@@ -277,7 +277,7 @@ class LinearInOutGhost(LinearGhost):
 
 def _scaled(t: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """t (B, *, width) with sample b's rows times weights[b], as (B * T, width)."""
-    return (t * weights.view(-1, *(1,) * (t.dim() - 1))).reshape(-1, t.shape[-1])
+    return positions(t * weights.view(-1, *(1,) * (t.dim() - 1)))
 
 
 def _linear_sums(seen, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor], in_out: bool,
@@ -290,7 +290,7 @@ def _linear_sums(seen, weights: dict[str, torch.Tensor], out: dict[str, torch.Te
     converted: dict[int, torch.Tensor] = {}  # a weight and its bias share c (flat clipping): converted once
     for a, g in seen:
         batch = g.shape[0]
-        rows_a, rows_g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])  # (B * T, in), (B * T, out)
+        rows_a, rows_g = positions(a), positions(g)  # (B * T, in), (B * T, out)
         for ln, c in weights.items():
             c = converted[id(c)] if id(c) in converted else converted.setdefault(id(c), c.to(g.dtype))
             beta = 0 if ln in fresh else 1

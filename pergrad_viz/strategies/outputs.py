@@ -8,6 +8,7 @@ import torch
 
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.guards import REENTRANT_CHECKPOINT, check_output_count, noting_reentrant_layers
+from pergrad_viz.core.layout import sample_rows
 from pergrad_viz.core.randomness import random_fix
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.engine.observe import forked_random, observe
@@ -30,7 +31,7 @@ def non_finite_rows(out: dict[str, torch.Tensor]) -> list[int]:
     batched strategies recompute them alone."""
     rows = None
     for t in out.values():
-        finite = t.reshape(t.shape[0], -1).isfinite().all(1)
+        finite = sample_rows(t).isfinite().all(1)
         rows = finite if rows is None else rows & finite
     return [] if rows is None else (~rows).nonzero().flatten().tolist()
 

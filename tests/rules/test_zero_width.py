@@ -17,8 +17,8 @@ TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
 class ZeroWidth(nn.Module):
-    """An empty output layer, a layer fed no features and an embedding of no dimensions beside the usual path; on
-    (B, 4) or (B, T, 4)."""
+    """An empty output layer, a layer fed no features (each called twice) and an embedding of no dimensions beside
+    the usual path; on (B, 4) or (B, T, 4)."""
 
     def __init__(self):
         super().__init__()
@@ -31,7 +31,8 @@ class ZeroWidth(nn.Module):
         self.head = nn.Linear(3, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.fc(x) + self.empty_in(x[..., :0])) + self.empty_out(x).sum(-1, keepdim=True)
+        h = torch.tanh(self.fc(x) + self.empty_in(x[..., :0]) + self.empty_in(2 * x[..., :0]))  # called twice
+        h = h + self.empty_out(x).sum(-1, keepdim=True) + self.empty_out(-x).sum(-1, keepdim=True)
         ids = (x[..., :2] > 0).long()  # (B, [T,] 2)
         h = h + self.empty_embedding(ids).sum((-1, -2)).unsqueeze(-1)
         h = h.mean(1) if h.dim() == 3 else h
@@ -58,8 +59,10 @@ def test_grads_norms_and_clipped_sum_equal_the_loop(problem, strategy):
     torch.testing.assert_close(pv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy), norms, **TOL)
     factors = (1.0 / (norms + 1e-6)).clamp(max=1.0)
     summed = pv.clipped_grad_sum(model, loss_fn, x, y, 1.0, strategy=strategy)
+    clipped, _ = pv.clip_per_sample(got, 1.0)  # the materialised route
     for name, g in want.items():
         torch.testing.assert_close(summed[name], torch.einsum("b,b...->...", factors, g), **TOL)
+        torch.testing.assert_close(clipped[name], factors.view(-1, *(1,) * (g.dim() - 1)) * g, **TOL)
 
 
 def test_jacobian_equals_the_loop(problem):
