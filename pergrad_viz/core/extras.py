@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-import warnings
 from types import ModuleType
 
-from pergrad_viz.core.users import FILTERS
 from pergrad_viz.errors import MissingExtraError
 
 EXTRAS: dict[str, tuple[str, str]] = {  # module -> (the package pip installs, the extra that brings it)
@@ -52,14 +49,3 @@ def available(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # ValueError: sys.modules[module] is None
         return False
-
-
-def imported_quietly(module: str) -> None:
-    """Import ``module`` where it is installed and not imported yet, the process's warnings filters kept as they were.
-    PyTorch imports sympy lazily under its first batched backward (``is_grads_batched``), and sympy's import adds a
-    filter (``'once'`` for its deprecation warning) that would stay in the user's process: importing it first here
-    leaves none."""
-    if module in sys.modules or importlib.util.find_spec(module) is None:
-        return
-    with FILTERS, warnings.catch_warnings():
-        importlib.import_module(module)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pergrad_viz.core.kept_state import copies, has_user_hooks, same_values, values_changed
+from pergrad_viz.core.process import leaving_process_as_found
 from pergrad_viz.core.randomness import random_state, set_random_state
 from pergrad_viz.core.users import drop_package_frames, is_package_error
 from pergrad_viz.core.validate import check_model
@@ -274,10 +275,6 @@ def _stateless(kind: type) -> bool:
     return kind.__module__.startswith("torch.")
 
 
-# Set by PyTorch when torch.func's first grad imports torch._dynamo (its cache directory, read again where needed).
-INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
-
-
 def computing_gradients(fn: Callable) -> Callable:
     """Decorator for a public entry point: its body runs with gradients recorded and outside inference mode, whatever
     the caller's mode, so that what it allocates (results, norms) are normal tensors it may write into; one call at a
@@ -287,9 +284,9 @@ def computing_gradients(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         model = args[0] if args else kwargs.get("model")
         drawn = random_state(_device(model)) if kwargs.get("randomness") == "different" else None
-        cache = os.environ.get(INDUCTOR_CACHE)
         try:
-            with _one_thread_at_a_time(model), torch.inference_mode(False), torch.enable_grad():
+            with leaving_process_as_found(), _one_thread_at_a_time(model), torch.inference_mode(False), \
+                    torch.enable_grad():
                 return fn(*args, **kwargs)
         except Exception as e:
             if drawn is not None:  # a refusal after a forward drew its masks: the caller's generator as it was
@@ -297,9 +294,6 @@ def computing_gradients(fn: Callable) -> Callable:
             if not is_package_error(e):  # the model's or the loss's own error: shown from the user's frames
                 drop_package_frames(e)
             raise
-        finally:
-            if cache is None and INDUCTOR_CACHE in os.environ:  # set by torch._dynamo's import under torch.func
-                del os.environ[INDUCTOR_CACHE]
 
     return wrapper
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch
-from pergrad_viz.core.extras import imported_quietly
 from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.loss_reads import loss_of_output
@@ -80,7 +79,6 @@ def output_gradients(trainable: Trainable, inputs: Batch) -> tuple[list[Call], l
     asked = tensors + extra
     grads = None
     if not torch.is_anomaly_enabled():  # anomaly mode has no batching rule (and would report the attempt's failure)
-        imported_quietly("sympy")  # imported by the batched backward, whose import adds a warnings filter
         try:
             grads = torch.autograd.grad(outputs, asked, grad_outputs=one_hot, is_grads_batched=True,
                                         allow_unused=True, retain_graph=True)

@@ -31,7 +31,6 @@ from torch.func import vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pergrad_viz.core.batch import as_pytree
-from pergrad_viz.core.extras import imported_quietly
 from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.tolerances import tolerance
 from pergrad_viz.errors import HandOverError
@@ -163,7 +162,6 @@ def _expanded(layer, params: dict[str, torch.Tensor], tensors: list[torch.Tensor
             elif torch.is_anomaly_enabled():  # no batching rule there: the attempt would fail, reported as an error
                 return False
             else:
-                imported_quietly("sympy")  # imported by the batched backward, whose import adds a warnings filter
                 grads = torch.autograd.grad(outputs, list(copies.values()), cotangents, is_grads_batched=True,
                                             allow_unused=True)
     except (RuntimeError, NotImplementedError, ValueError, TypeError, IndexError):

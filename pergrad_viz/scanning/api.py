@@ -46,6 +46,7 @@ from torch import nn
 
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.numbers import whole_number
+from pergrad_viz.core.process import leaves_process_as_found
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.core.validate import check_loss, check_modes
 from pergrad_viz.scanning import remote, runner, store
@@ -197,6 +198,7 @@ def _arguments(model, loss_fn, dataset, quantities, batch_size, proj_dim, out, s
     return wanted, batch_size, n, chunk_size, out, trainable, sketch, new, num_workers
 
 
+@leaves_process_as_found
 def scan(model: nn.Module, loss_fn: LossFn, dataset: torch.utils.data.Dataset, *,
          quantities: Sequence[str] | str = ("loss", "grad_norm"), batch_size: int = 256, proj_dim: int | None = None,
          out: str | Path, seed: int = 0, chunk_size: int | None = None, num_workers: int = 0,

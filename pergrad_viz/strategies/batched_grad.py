@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch
-from pergrad_viz.core.extras import imported_quietly
 from pergrad_viz.core.guards import check_no_reentrant_checkpoint, check_takes_part
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
@@ -61,7 +60,6 @@ def _batched_backward(output: torch.Tensor, params: tuple, one_hot: torch.Tensor
     reads a value: "Batching rule not implemented for aten::item"; sparse gradients, ``nn.Embedding(sparse=True)``),
     one backward per row, the same numbers (a sparse gradient made dense)."""
     if not torch.is_anomaly_enabled():  # which would report the batched attempt's failure as the model's error
-        imported_quietly("sympy")  # imported by the batched backward, whose import adds a warnings filter
         try:
             return torch.autograd.grad(output, params, grad_outputs=one_hot, is_grads_batched=True,
                                        allow_unused=True, retain_graph=True)  # kept for the fallback; freed with output

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad_viz.core.extras import imported_quietly
 from pergrad_viz.rules.normalization import layer_norm, layer_normalised, per_channel, running_normalised
 from pergrad_viz.rules.registry import register
 
@@ -121,7 +120,6 @@ def batch_norm_act_2d(module: nn.Module, activation: torch.Tensor, grad_output: 
         if grad_output.shape[0] == 1 or torch.is_anomaly_enabled():  # anomaly mode: no batching rule
             g = torch.stack([torch.autograd.grad(post, pre, row, retain_graph=True)[0] for row in grad_output])
         else:
-            imported_quietly("sympy")  # imported by the batched backward, whose import adds a warnings filter
             g = torch.autograd.grad(post, pre, grad_output, is_grads_batched=True)[0]
     per_channel(xhat, g, out)
 
