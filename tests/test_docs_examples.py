@@ -1,10 +1,11 @@
 """The README's and docs/api.md's Python examples run as a reader runs them: each document's ```python blocks in
-order, in one fresh interpreter, in an empty folder (a scan writes there). A block that used a name no block of its
-document defines (README's scan used `dataset`, api.md's DP block `loss_fn`, `dataset`, `q` and `steps`) failed with
-a NameError."""
+order, in one fresh interpreter, in an empty folder (a scan writes there); and the package docstring's, as a
+doctest. A block that used a name no block of its document defines (README's scan used `dataset`, api.md's DP block
+`loss_fn`, `dataset`, `q` and `steps`) failed with a NameError."""
 
 from __future__ import annotations
 
+import doctest
 import os
 import re
 import subprocess
@@ -29,3 +30,10 @@ def test_a_documents_examples_run_in_order(document, tmp_path):
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_package_docstrings_example_runs():
+    import pergrad_viz
+
+    result = doctest.testmod(pergrad_viz)
+    assert result.attempted and not result.failed

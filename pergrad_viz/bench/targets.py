@@ -22,6 +22,7 @@ import torch
 from pergrad_viz.bench import problems as bench_models
 from pergrad_viz.bench.records import FORWARD_BACKWARD, FRESH, MEMORY_FLOOR, Record, check_cost, format_table
 from pergrad_viz.bench.sweeps import compare
+from pergrad_viz.errors import MissingExtraError
 
 
 @dataclass
@@ -90,7 +91,7 @@ def measure_tables(min_run_time: float, scan_examples: int = 2048, models: tuple
     for name in bench_models.MODELS if models is None else models:
         try:
             model, loss, x, y = bench_models.problem(name, 16)
-        except ImportError as e:  # its library not installed (torchvision, transformers): its goals not measured
+        except MissingExtraError as e:  # its library not installed (torchvision, transformers): its goals not measured
             if emit is not None:
                 emit(f"## {name}: skipped ({e})\n")
             continue
