@@ -167,10 +167,10 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
     script = torch.jit.ScriptModule  # TorchScript keeps its own
     hooked = has_user_hooks(named)  # a user's hook may keep a count on any module (self.calls += 1)
     kept = [(n, m, dict(m._parameters), dict(m._buffers),
-             None if _stateless(type(m)) and not hooked else dict(m.__dict__))
+             None if _stateless(type(m)) and not hooked else dict(m.__dict__), dict(m._modules))
             for n, m in named if not isinstance(m, script)]
     found = {}  # id -> (name, tensor, version)
-    for name, _m, _params, bufs, _attributes in kept:
+    for name, _m, _params, bufs, _attributes, _modules in kept:
         for bname, b in bufs.items():
             if b is not None and id(b) not in found and not b.is_inference():
                 found[id(b)] = (f"{name}.{bname}" if name else bname, b, b._version)
@@ -200,15 +200,17 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
         for (_, m), flag in zip(named, flags, strict=True):
             if m.training != flag:
                 m.training = flag
-        replaced = []
-        for name, m, params, bufs, attributes in kept:
+        replaced, made = [], []  # made: layers and parameters the forward created (self.fc = nn.Linear(...))
+        for name, m, params, bufs, attributes, modules in kept:
             if attributes is not None and not _same_objects(m.__dict__, attributes):  # self.h = h.detach()
                 for added in m.__dict__.keys() - attributes.keys():
                     del m.__dict__[added]
                 m.__dict__.update(attributes)
-            if not _same_objects(m._parameters, params):
-                m._parameters.clear()
-                m._parameters.update(params)
+            for now, before in ((m._parameters, params), (m._modules, modules)):
+                if not _same_objects(now, before):
+                    made += [f"{name}.{k}" if name else k for k in now.keys() - before.keys() if now[k] is not None]
+                    now.clear()
+                    now.update(before)
             if not _same_objects(m._buffers, bufs):
                 replaced += [f"{name}.{k}" if name else k for k in m._buffers.keys() | bufs.keys()
                              if not same_values(m._buffers.get(k), bufs.get(k))]  # the same values: no change
@@ -232,6 +234,12 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
                     p.copy_(value)
     error = failed  # a refusal of the probe (outputs that differ between runs) gives way to the write that caused it
     failed = failed if isinstance(failed, UndefinedPerSampleError) and (written or replaced) else failed is not None
+    if made and failed is not True:
+        raise UndefinedPerSampleError(
+            f"the forward pass creates '{made[0]}' as it runs (self.fc = nn.Linear(...) or nn.Parameter(...) inside "
+            "forward), so each run would make another one and per-sample gradients would be of parameters your model "
+            "does not have. It was taken out again. Create it in __init__, or run one forward pass before the call."
+        ) from (failed or None)
     if changed and not failed:
         name, _, value = changed[0]
         raise UndefinedPerSampleError(

@@ -517,6 +517,41 @@ def test_a_buffer_the_forward_replaces_is_named_with_a_fix_that_is_not_eval():
     assert_state_unchanged(model, before)
 
 
+class _MakesItsHead(nn.Module):
+    """A layer (or a parameter) made at the first forward, as lazy code does: ``self.head = None`` in __init__."""
+
+    def __init__(self, parameter: bool):
+        super().__init__()
+        self.parameter = parameter
+        self.lin = nn.Linear(4, 5)
+        self.head = None
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        if self.parameter:
+            self.scale = nn.Parameter(torch.ones(5))
+            return (h * self.scale)[:, :3]
+        if self.head is None:
+            self.head = nn.Linear(5, 3)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("parameter", [False, True], ids=["layer", "parameter"])
+@pytest.mark.parametrize("strategy", ["auto", "loop", "hooks"])
+def test_a_layer_the_forward_creates_is_named_and_taken_out_again(strategy, parameter):
+    """Found by a probe: the probe's forward made the layer, the restore put ``head = None`` back in __dict__ but left
+    the new Linear in _modules (state_dict and named_parameters listing it, model.head reading None), and the message
+    blamed random numbers."""
+    model = _MakesItsHead(parameter)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    before = snapshot(model)
+    with pytest.raises(pv.UndefinedPerSampleError, match=r"creates '(head|scale)' as it runs.*in __init__") as info:
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    assert "random" not in str(info.value)
+    assert_state_unchanged(model, before)
+    assert list(model.state_dict()) == ["lin.weight", "lin.bias"] and model.head is None
+
+
 class _RegistersItsMask(nn.Module):
     """A causal mask registered again by every forward, the same values (as dynamic RoPE's inv_freq below its limit)."""
 
