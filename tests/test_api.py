@@ -443,6 +443,10 @@ def test_targets_on_another_device_are_refused_before_allocating():
     model = nn.Linear(4, 3)
     with pytest.raises(ValueError, match=r"targets are on meta but inputs are on cpu.*targets\.to\('cpu'\)"):
         pv.per_sample_grads(model, nn.MSELoss(), torch.randn(2, 4), torch.empty(2, 3, device="meta"))
+    # inputs away from targets and the model: the inputs are named (it said targets.to('meta'), found by a probe)
+    with pytest.raises(ValueError, match=r"inputs are on meta but targets and the model's parameters are on cpu.*"
+                                         r"inputs\.to\('cpu'\)"):
+        pv.per_sample_grads(model, nn.MSELoss(), torch.randn(2, 4, device="meta"), torch.randn(2, 3))
 
 
 def test_trainable_parameters_of_two_dtypes_give_the_loop_or_a_refusal_naming_it():

@@ -250,11 +250,13 @@ def batch_of(trainable: TrainableLike, inputs: Inputs, targets: object = None, m
             f"batch sizes differ: targets hold {size} samples but no input tensor has {size} as its first dimension "
             f"({firsts}); pass one target per input sample (same first dimension)"
         )
-    if targets is not None and tensors and tensors[0][1].device != target_tensors[0].device:
-        inputs_device = tensors[0][1].device
-        raise ValueError(f"targets are on {target_tensors[0].device} but inputs are on {inputs_device}; move them "
-                         f"with targets.to({str(inputs_device)!r})")
     device = trainable.device
+    on = {"inputs": tensors[0][1].device, "targets": target_tensors[0].device} if tensors and target_tensors else {}
+    if on and on["inputs"] != on["targets"] and device in on.values():  # the one not on the model's device is named
+        odd = "targets" if on["inputs"] == device else "inputs"
+        other = "inputs" if odd == "targets" else "targets and the model's parameters"
+        raise ValueError(f"{odd} are on {on[odd]} but {other} are on {device}; move them with "
+                         f"{odd}.to({str(device)!r})")
     for name, t in tensors + [("targets", t) for t in target_tensors]:
         if t.device != device:
             are = "are" if name in ("inputs", "targets") else "is"
