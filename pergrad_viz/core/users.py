@@ -84,6 +84,23 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
     if "must be Tensor, not" in text and "Output" in text:  # a Hugging Face ModelOutput handed to a torch.nn loss
         return ("the model returns a ModelOutput, not a tensor: use loss_fn=pv.sequence_classification_loss or "
                 "pv.causal_lm_loss, or one that reads its logits, lambda out, y: F.cross_entropy(out.logits, y)")
+    if "must be Tensor, not NoneType" in text and targets is None:
+        return ("targets=None, so the loss was called as loss_fn(output, None): pass the targets (targets=None is for "
+                "a loss of the output alone, loss_fn=lambda out, _: out.square().sum())")
+    container = next((kind for kind in ("tuple", "dict", "list") if f"must be Tensor, not {kind}" in text), None)
+    if container is not None:  # a model's output of several tensors handed to a torch.nn loss
+        pick = "out['logits']" if container == "dict" else "out[0]"
+        return (f"the model returns a {container}, not a tensor: give the loss the tensor it reads, e.g. "
+                f"loss_fn=lambda out, y: F.cross_entropy({pick}, y)")
+    if "target with class probabilities, got Long" in text or "target with class probabilities, got Int" in text:
+        return ("the targets hold integers of shape (B, classes), one-hot labels: cross-entropy takes class indices "
+                "(B,) as integers, targets.argmax(1), or class probabilities as floats, targets.float()")
+    floats = [name for name, t in inputs.named_leaves() if t.is_floating_point()]
+    if floats and "'indices'" in text and "Long, Int" in text:  # token ids in a float tensor, into an Embedding
+        return f"'{floats[0]}' holds floating-point numbers but an Embedding takes integer ids: pass it as .long()"
+    if "takes 1 positional argument but 2 were given" in text and len(inputs.args) == 1 and not inputs.kwargs:
+        return ("the model was called as model(x), and its forward takes keyword arguments only: pass a dict, "
+                "inputs={'x': x}, which is called as model(**inputs)")
     if "expected target dtype to be Long" in text or ("target" in text and "Float" in text and "Long" in text):
         return ("cross-entropy takes class indices as integers: pass targets.long() (or class probabilities of shape "
                 "(B, classes))")

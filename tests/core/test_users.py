@@ -282,3 +282,53 @@ def test_a_shared_vector_as_long_as_the_batch_is_the_one_named():
     with pytest.raises(RuntimeError) as info:
         pv.per_sample_grads(_SharedVector(), nn.CrossEntropyLoss(), (x, v), y, strategy="hooks")
     assert "'inputs[1]' has the batch size (4) first" in _notes(info.value)
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = self.lin(x)
+        return (out, out.detach()) if self.kind == "tuple" else {"logits": out}
+
+
+class _KeywordsOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, **kwargs):
+        return self.lin(kwargs["x"])
+
+
+class _Embeds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+def test_a_third_round_of_newcomers_mistakes_names_the_fix():
+    """Found by a probe of newcomers' mistakes (the model's or the loss's own errors, which had only the note on the
+    inputs): one-hot integer targets, a model returning a tuple or a dict into a torch.nn loss, targets=None for a
+    loss that needs them, a keyword-only forward given a tensor, token ids as floats."""
+    torch.manual_seed(0)
+    loss = nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    model = nn.Linear(4, 3)
+    one_hot = nn.functional.one_hot(y, 3)
+    assert "targets.argmax(1)" in _message_and_notes(lambda: pv.per_sample_grads(model, loss, x, one_hot))
+    assert "cross_entropy(out[0], y)" in _message_and_notes(
+        lambda: pv.per_sample_grads(_TwoOutputs("tuple"), loss, x, y))
+    assert "cross_entropy(out['logits'], y)" in _message_and_notes(
+        lambda: pv.per_sample_grads(_TwoOutputs("dict"), loss, x, y))
+    assert "pass the targets" in _message_and_notes(lambda: pv.per_sample_grads(model, loss, x, None))
+    assert "inputs={'x': x}" in _message_and_notes(lambda: pv.per_sample_grads(_KeywordsOnly(), loss, x, y))
+    ids = torch.randint(0, 10, (5, 6)).float()
+    assert "'inputs' holds floating-point numbers" in _message_and_notes(
+        lambda: pv.per_sample_grads(_Embeds(), loss, ids, y))
