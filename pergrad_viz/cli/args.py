@@ -38,6 +38,17 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+def non_negative_int(text: str) -> int:
+    """``"0"`` -> 0; a negative number or anything else is an ``argparse`` error (a seed, a count of workers)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        _refuse(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """``"32"`` -> 32; zero, a negative number or anything else is an ``argparse`` error."""
     try:

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from pergrad_viz.cli.args import HelpFormatter, device, positive_int, positive_ints
+from pergrad_viz.cli.args import HelpFormatter, device, non_negative_int, positive_int, positive_ints
 from pergrad_viz.scanning.api import QUANTITIES
 from pergrad_viz.tutorial.networks import load_model
 
@@ -93,21 +93,22 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--checkpoint", metavar="FILE",
                    help="a state_dict of the --model saved with torch.save(model.state_dict(), FILE) (default: a "
                         "seeded, untrained model)")
-    s.add_argument("--model-seed", type=int, default=0, metavar="SEED",
+    s.add_argument("--model-seed", type=non_negative_int, default=0, metavar="SEED",
                    help="torch.manual_seed for the model without --checkpoint (default: 0)")
     s.add_argument("--quantities", type=_quantities, default=_quantities(DEFAULT_QUANTITIES), metavar="Q1,Q2,...",
                    help=f"comma-separated from {', '.join(QUANTITIES)} (default: {DEFAULT_QUANTITIES})")
     s.add_argument("--proj-dim", type=positive_int, default=None, metavar="K",
                    help="also a sketch of each example's gradient, K numbers (adds 'projection'; default: none)")
-    s.add_argument("--seed", type=int, default=0, help="seed of the projection (default: 0)")
+    s.add_argument("--seed", type=non_negative_int, default=0, help="seed of the projection (default: 0)")
     s.add_argument("--chunk-size", type=positive_int, default=None, metavar="N",
-                   help="examples per resumable chunk, a multiple of --batch-size (default: 16 batches)")
+                   help="examples per resumable chunk, a multiple of --batch-size (default: as many batches as make "
+                        "about 16 chunks, at most 64 batches)")
     s.add_argument("--out", required=True, metavar="DIR", help="the scan's directory, created or continued "
                                                                "(required)")
     s.add_argument("--device", type=device, default=None,
                    help="cpu or cuda; under torchrun each process takes cuda:LOCAL_RANK (default: cuda if available, "
                         "else cpu)")
-    s.add_argument("--num-workers", type=int, default=0, metavar="N",
+    s.add_argument("--num-workers", type=non_negative_int, default=0, metavar="N",
                    help="DataLoader worker processes per process (default: 0, load in the process)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar (default: a bar on stderr)")
     s.set_defaults(run=run_scan)

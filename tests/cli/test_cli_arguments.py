@@ -15,6 +15,9 @@ BAD = [
     (["scan", "--model", "mlp", "--hidden", "0"], "--hidden: expected a positive integer"),
     (["scan", "--batch-size", "0"], "--batch-size: expected a positive integer"),
     (["scan", "--device", "gpu0"], "--device: expected a device such as cpu or cuda"),
+    (["scan", "--seed", "-1"], "--seed: expected an integer >= 0"),  # these three: found late, by their Python names
+    (["scan", "--model-seed", "-1"], "--model-seed: expected an integer >= 0"),
+    (["scan", "--num-workers", "-1"], "--num-workers: expected an integer >= 0"),
     (["scan-bench", "--rounds", "0"], "--rounds: expected a positive integer"),
     (["bench", "--min-run-time", "-1"], "--min-run-time: expected a positive number"),
     (["bench", "--min-run-time", "nan"], "--min-run-time: expected a positive number"),
@@ -58,3 +61,10 @@ def test_the_projection_without_its_width_names_the_option(tmp_path, capsys):
                  "--out", str(tmp_path / "scan"), "--no-progress", "--model", "mlp"])
     assert code == 2
     assert "pass --proj-dim K" in capsys.readouterr().err
+
+
+def test_the_chunk_size_help_states_the_default_it_uses(capsys):
+    """It said 16 batches; pv.scan makes about 16 chunks, of at most 64 batches (found by a probe)."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["scan", "--help"])
+    assert "about 16 chunks, at most 64 batches" in " ".join(capsys.readouterr().out.split())
