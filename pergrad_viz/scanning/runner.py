@@ -198,15 +198,27 @@ def data_loader(dataset: torch.utils.data.Dataset, batches: list[list[int]], num
     ``num_workers`` a batch whose loading failed arrives as a :class:`~pergrad_viz.scanning.remote.WorkerFailure`
     (its ``reraise()`` raises the worker's exception as itself), not as torch's ``type(message)``."""
     plain = torch.utils.data.TensorDataset
-    served, collate = dataset, None  # None: torch's default collate
+    served, collate = dataset, stacked
     if isinstance(dataset, plain) and type(dataset).__getitem__ is plain.__getitem__:
         served, collate = _Batches(dataset.tensors), remote.first
     if num_workers > 0:
-        served = remote.GuardedBatches(served, collate or torch.utils.data.default_collate)
+        served = remote.GuardedBatches(served, collate)
         collate = remote.first
     # its own generator: a DataLoader draws its workers' base seed from the global RNG, which is the caller's
     return torch.utils.data.DataLoader(served, batch_sampler=batches, num_workers=num_workers, collate_fn=collate,
                                        pin_memory=pin_memory, generator=torch.Generator().manual_seed(0))
+
+
+def stacked(items: list) -> object:
+    """torch's default collate; where the examples differ in length, its error with a note naming the fix."""
+    try:
+        return torch.utils.data.default_collate(items)
+    except RuntimeError as e:
+        if "stack expects each tensor to be equal size" in str(e):
+            e.add_note("pergrad_viz: pv.scan stacks a batch's examples as they are (torch's default collate), and "
+                       "these differ in length: pad every example to one length in the dataset (with an attention_mask "
+                       "where the model reads one), or pass batch_size=1")
+        raise
 
 
 class _Batches(torch.utils.data.Dataset):

@@ -92,3 +92,34 @@ def test_scan_does_not_draw_from_the_global_rng(tmp_path, num_workers):
     pv.scan(model, case.loss_fn, case.dataset(), quantities=["loss", "grad_norm"], batch_size=2,
             out=tmp_path / "s", progress=False, num_workers=num_workers)
     assert torch.equal(torch.get_rng_state(), rng), "the scan drew from the caller's global RNG"
+
+
+class _Lengths(torch.utils.data.Dataset):
+    """Examples of 3, 4 and 5 features: they cannot be stacked into one batch."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return torch.randn(3 + i % 3), torch.tensor(i % 2)
+
+
+class _MeanLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(1, 2)
+
+    def forward(self, x):
+        return self.lin(x.mean(1, keepdim=True))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_examples_of_different_lengths_name_padding_or_batches_of_one(tmp_path, num_workers):
+    """Found by a probe: torch's raw collate error ("stack expects each tensor to be equal size"), no word of the
+    fix; the same examples one at a time scan fine."""
+    model, loss = _MeanLinear(), torch.nn.CrossEntropyLoss()
+    with pytest.raises(RuntimeError, match="equal size") as info:
+        pv.scan(model, loss, _Lengths(), batch_size=3, out=tmp_path / "a", progress=False, num_workers=num_workers)
+    assert "pad every example to one length" in " ".join(getattr(info.value, "__notes__", ()))
+    scan = pv.scan(model, loss, _Lengths(), batch_size=1, out=tmp_path / "b", progress=False)
+    assert scan["loss"].shape == (6,)
