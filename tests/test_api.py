@@ -124,7 +124,7 @@ def test_batchnorm_without_running_stats(quantity):
 def test_dropout_in_training_mode(quantity):
     model = small_model(nn.Dropout(0.3)).train()
     x, y = data()
-    with pytest.raises(pv.UnsupportedModelError, match=r"1 \(Dropout\) is in training mode.*model\.eval\(\)"):
+    with pytest.raises(pv.UnsupportedModelError, match=r"layer '1' \(Dropout\) is in training mode.*model\.eval\(\)"):
         run(quantity, model, x, y)
     # eval mode, or p=0 in training mode, is fine and deterministic
     for m in (small_model(nn.Dropout(0.3)).eval(), small_model(nn.Dropout(0.0)).train()):
@@ -151,7 +151,7 @@ def test_embedding_bag_refused_as_embedding_is(kw, call):
     x, y = torch.tensor([[0, 1], [1, 1]]), torch.tensor([0, 1])
     weight = model[0].weight.detach().clone()
     fix = "max_norm=None" if "max_norm" in kw else "scale_grad_by_freq=False"
-    with pytest.raises(pv.UnsupportedModelError, match=rf"0 \(EmbeddingBag\) has .*EmbeddingBag with {fix}"):
+    with pytest.raises(pv.UnsupportedModelError, match=rf"layer '0' \(EmbeddingBag\) has .*EmbeddingBag with {fix}"):
         if call == "clipped_grad_sum":
             pv.clipped_grad_sum(model, nn.CrossEntropyLoss(reduction="sum"), x, y, 1.0)
         else:
@@ -164,7 +164,7 @@ def test_embedding_bag_refused_as_embedding_is(kw, call):
 def test_embedding_scaling_gradients_by_batch_frequency(quantity, strategy):
     model = nn.Sequential(nn.Embedding(5, 6, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(12, 3)).double()
     x = torch.tensor([[0, 1], [1, 1]])
-    with pytest.raises(pv.UnsupportedModelError, match=r"0 \(Embedding\) has scale_grad_by_freq=True.*other samples"):
+    with pytest.raises(pv.UnsupportedModelError, match=r"layer '0' \(Embedding\) has scale_grad_by_freq=True.*other samples"):
         run(quantity, model, x, torch.tensor([0, 1]), strategy=strategy)
 
 
@@ -433,7 +433,7 @@ def test_resolve_strategy_checks_modes_before_running_the_model():
 
 def test_rrelu_in_training_mode_is_refused():
     model = nn.Sequential(nn.Linear(4, 4), nn.RReLU(), nn.Linear(4, 3)).train()
-    with pytest.raises(pv.UnsupportedModelError, match=r"1 \(RReLU\) is in training mode.*model\.eval\(\)"):
+    with pytest.raises(pv.UnsupportedModelError, match=r"layer '1' \(RReLU\) is in training mode.*model\.eval\(\)"):
         pv.per_sample_grads(model, nn.CrossEntropyLoss(), torch.randn(3, 4), torch.tensor([0, 1, 2]))
     model.eval()
     assert pv.per_sample_grads(model, nn.CrossEntropyLoss(), torch.randn(3, 4), torch.tensor([0, 1, 2]))

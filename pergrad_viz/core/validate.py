@@ -120,7 +120,7 @@ def _checkpointing(m: nn.Module) -> bool:
 
 
 def _label(name: str, m: nn.Module) -> str:
-    return f"{name or 'model'} ({type(m).__name__})"
+    return f"layer '{name}' ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
 
 
 def _check_special(name: str, m: nn.Module, random_ok: bool, model: object) -> None:

@@ -234,6 +234,11 @@ def _take(data: object, most: int) -> tuple[object, object]:
         raise TypeError(f"data must be (inputs, targets), a Dataset of (input, target) pairs or a DataLoader, got "
                         f"{type(data).__name__}")
     size = Batch.of(inputs).size
+    other = next((t.shape[0] for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor) and t.dim()
+                  and t.shape[0] != size), None)
+    if other is not None:  # cut to B each, the inputs' and targets' counts would not be the user's own
+        raise ValueError(f"data's inputs hold {size} samples but its targets {other}: pass one target per input sample "
+                         "(the same first dimension)")
     keep = min(size, most)
     return cut(inputs, slice(0, keep), size), cut(targets, slice(0, keep), size)
 

@@ -55,7 +55,7 @@ class _MyDropout(nn.Dropout):
 
 def test_a_subclass_of_a_refused_type_is_refused_and_a_flag_change_is_seen():
     model = nn.Sequential(nn.Linear(3, 3), _MyDropout(0.5), nn.Linear(3, 2))
-    with pytest.raises(pv.UndefinedPerSampleError, match=r"1 \(_MyDropout\) is in training mode"):
+    with pytest.raises(pv.UndefinedPerSampleError, match=r"layer '1' \(_MyDropout\) is in training mode"):
         check_modes(model)
     check_modes(model, "different")
     model.eval()

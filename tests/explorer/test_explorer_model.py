@@ -781,6 +781,19 @@ def test_an_empty_dataset_and_the_menus_seeded_models_leave_the_user_alone():
     assert torch.equal(torch.rand(3), want)
 
 
+def test_data_whose_inputs_and_targets_differ_in_length_is_refused_with_the_users_counts():
+    """Found by a probe: (x[:16], y[:12]) was taken, and each batch size's error quoted counts of the cut inputs
+    against the whole targets (inputs has 8 samples, targets has 12)."""
+    import pytest
+    import torch
+
+    from pergrad_viz.explorer import specs
+
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (12,))
+    with pytest.raises(ValueError, match="inputs hold 16 samples but its targets 12"):
+        specs._take((x, y), 256)
+
+
 def test_the_error_box_on_a_network_in_training_mode_names_what_the_explorer_can_do():
     """Found by a probe: the refusal named randomness='different', which the explorer has no control for."""
     from pergrad_viz.explorer.specs import user_spec
