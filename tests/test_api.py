@@ -164,7 +164,8 @@ def test_embedding_bag_refused_as_embedding_is(kw, call):
 def test_embedding_scaling_gradients_by_batch_frequency(quantity, strategy):
     model = nn.Sequential(nn.Embedding(5, 6, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(12, 3)).double()
     x = torch.tensor([[0, 1], [1, 1]])
-    with pytest.raises(pv.UnsupportedModelError, match=r"layer '0' \(Embedding\) has scale_grad_by_freq=True.*other samples"):
+    with pytest.raises(pv.UnsupportedModelError,
+                       match=r"layer '0' \(Embedding\) has scale_grad_by_freq=True.*other samples"):
         run(quantity, model, x, torch.tensor([0, 1]), strategy=strategy)
 
 

@@ -9,7 +9,9 @@ of shape (B, 1) for cross-entropy, integer inputs to a float model).
 from __future__ import annotations
 
 import os
+import re
 import threading
+import traceback
 import types
 
 import torch
@@ -58,6 +60,18 @@ def describe_inputs(inputs: Batch) -> str:
                      for name, t in inputs.named_leaves())
 
 
+_LOSS_ARGUMENT = re.compile(r"(\w+)\(\): argument '(input|target)' \(position \d\) must be Tensor, not (\w+)")
+_MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
+
+
+def _at_the_models_call(error: BaseException) -> bool:
+    """Whether ``error`` was raised calling the model itself: no frame of the model's own code between the package's
+    last frame and the raise (a layer inside it that is called wrongly has its caller's frame there)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    last = max((k for k, f in enumerate(frames) if f.filename.startswith(_PACKAGE)), default=None)
+    return last is not None and all(f.filename.endswith(_MODULE_CALL) for f in frames[last + 1:])
+
+
 def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
     text = str(error)
     if isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dim() == 2 \
@@ -84,21 +98,27 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
     if "must be Tensor, not" in text and "Output" in text:  # a Hugging Face ModelOutput handed to a torch.nn loss
         return ("the model returns a ModelOutput, not a tensor: use loss_fn=pv.sequence_classification_loss or "
                 "pv.causal_lm_loss, or one that reads its logits, lambda out, y: F.cross_entropy(out.logits, y)")
-    if "must be Tensor, not NoneType" in text and targets is None:
+    argument = _LOSS_ARGUMENT.search(text)  # a torch.nn loss's own argument check (not a layer's inside the model)
+    loss = argument is not None and any(w in argument[1] for w in ("loss", "entropy", "kl_div"))
+    if loss and argument.group(2, 3) == ("target", "NoneType") and targets is None:
         return ("targets=None, so the loss was called as loss_fn(output, None): pass the targets (targets=None is for "
                 "a loss of the output alone, loss_fn=lambda out, _: out.square().sum())")
-    container = next((kind for kind in ("tuple", "dict", "list") if f"must be Tensor, not {kind}" in text), None)
-    if container is not None:  # a model's output of several tensors handed to a torch.nn loss
-        pick = "out['logits']" if container == "dict" else "out[0]"
-        return (f"the model returns a {container}, not a tensor: give the loss the tensor it reads, e.g. "
+    if loss and argument[2] == "input" and argument[3] in ("tuple", "dict", "list"):  # the model's several outputs
+        pick = "out['logits']" if argument[3] == "dict" else "out[0]"
+        return (f"the model returns a {argument[3]}, not a tensor: give the loss the tensor it reads, e.g. "
                 f"loss_fn=lambda out, y: F.cross_entropy({pick}, y)")
+    if argument is not None and not loss and argument.group(2, 3) == ("input", "tuple"):  # inside the model
+        return (f"a layer inside the model ({argument[1]}) was given a tuple: nn.LSTM, nn.GRU and nn.RNN return "
+                "(output, state) and nn.MultiheadAttention (output, weights); take [0] of it in the forward")
     if "target with class probabilities, got Long" in text or "target with class probabilities, got Int" in text:
         return ("the targets hold integers of shape (B, classes), one-hot labels: cross-entropy takes class indices "
                 "(B,) as integers, targets.argmax(1), or class probabilities as floats, targets.float()")
-    floats = [name for name, t in inputs.named_leaves() if t.is_floating_point()]
+    floats = [name for name, t in inputs.named_leaves()  # whole numbers >= 0 in a float tensor: ids, not features
+              if t.is_floating_point() and t.numel() and bool(((t == t.round()) & (t >= 0)).all())]
     if floats and "'indices'" in text and "Long, Int" in text:  # token ids in a float tensor, into an Embedding
         return f"'{floats[0]}' holds floating-point numbers but an Embedding takes integer ids: pass it as .long()"
-    if "takes 1 positional argument but 2 were given" in text and len(inputs.args) == 1 and not inputs.kwargs:
+    if "takes 1 positional argument but 2 were given" in text and len(inputs.args) == 1 and not inputs.kwargs \
+            and _at_the_models_call(error):
         return ("the model was called as model(x), and its forward takes keyword arguments only: pass a dict, "
                 "inputs={'x': x}, which is called as model(**inputs)")
     if "expected target dtype to be Long" in text or ("target" in text and "Float" in text and "Long" in text):

@@ -332,3 +332,59 @@ def test_a_third_round_of_newcomers_mistakes_names_the_fix():
     ids = torch.randint(0, 10, (5, 6)).float()
     assert "'inputs' holds floating-point numbers" in _message_and_notes(
         lambda: pv.per_sample_grads(_Embeds(), loss, ids, y))
+
+
+class _LstmIntoHead(nn.Module):
+    """The classic slip: nn.LSTM's (output, state) handed to a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(4, 5, batch_first=True), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x))
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, **kwargs):
+        return self.lin(kwargs["x"])
+
+
+class _CallsItsBlockWrongly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Block()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+class _OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.mask = None
+
+    def forward(self, x):
+        return torch.mul(self.lin(x), self.mask)
+
+
+def test_the_loss_hints_stay_off_errors_inside_the_model():
+    """Found by a review: the model's own tuple, None and keyword slips inside its forward got the hints for a loss
+    given the model's tuple output, for targets=None and for a keyword-only forward, each naming a wrong fix."""
+    torch.manual_seed(0)
+    loss = nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    lstm = _message_and_notes(lambda: pv.per_sample_grads(_LstmIntoHead(), loss, x.view(5, 1, 4), y))
+    assert "take [0] of it in the forward" in lstm and "loss_fn=lambda" not in lstm
+    inner = _message_and_notes(lambda: pv.per_sample_grads(_CallsItsBlockWrongly(), loss, x, y))
+    assert "Block.forward() takes 1 positional argument" in inner and "inputs={'x': x}" not in inner
+    for call in (lambda: pv.per_sample_jacobian(_OptionalMask(), x),
+                 lambda: pv.per_sample_grads(_OptionalMask(), lambda out, _: out.sum(), x, None)):
+        assert "pass the targets" not in _message_and_notes(call)
+    targets = _message_and_notes(lambda: pv.per_sample_grads(nn.Linear(4, 3), loss, x, (y, y)))
+    assert "the model returns" not in targets
