@@ -346,8 +346,8 @@ def check_differentiated(output: object, selected: bool, made_of_parameters: boo
     what = "what output= selects is" if selected else "this model returns"
     if not isinstance(output, torch.Tensor):
         fix = "return one tensor from output=" if selected else "say which tensor with output="
-        plain = type(output) is dict  # no attributes, where a ModelOutput has them
-        key = ("logits" if "logits" in output else next(iter(output), None)) if plain else None
+        keyed = isinstance(output, dict) and not hasattr(output, "logits") and not selected  # no out.logits there
+        key = ("logits" if "logits" in output else next(iter(output), None)) if keyed else None
         pick = "out.logits (or out[0])" if key is None else f"out[{key!r}]"
         raise TypeError(f"per_sample_jacobian and empirical_ntk differentiate one output tensor, but {what} a "
                         f"{type(output).__name__}: {fix}, e.g. output=lambda out: {pick}")

@@ -183,6 +183,7 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
     else:
         every = tuple(model.named_parameters())
     owned = [(name, p, p._version) for name, p in every if not p.is_inference()]
+    known = {id(p) for _, p in every}
     kept_values: list = [None] * len(owned)
     if keep_parameters:  # all of a small model's; of a large one the small tensors (running statistics, norms' scales)
         small = sum(p.nbytes for _, p, _ in owned) <= KEPT_PARAMETER_BYTES
@@ -208,7 +209,8 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
                 m.__dict__.update(attributes)
             for now, before in ((m._parameters, params), (m._modules, modules)):
                 if not _same_objects(now, before):
-                    made += [f"{name}.{k}" if name else k for k in now.keys() - before.keys() if now[k] is not None]
+                    made += [f"{name}.{k}" if name else k for k, v in now.items()
+                             if v is not before.get(k) and _new_trainable(v, known)]
                     now.clear()
                     now.update(before)
             if not _same_objects(m._buffers, bufs):
@@ -275,6 +277,14 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
 # else the parameters of at most this many elements (a large model's weights are not doubled in memory).
 KEPT_PARAMETER_BYTES = 64 << 20
 KEPT_PARAMETER_ELEMENTS = 1 << 16
+
+
+def _new_trainable(value: object, known: set[int]) -> bool:
+    """Whether a module or parameter the forward registered holds a trainable parameter the model did not have (not
+    a cache of parameter-free layers, a buffer-only module, a frozen tensor or an alias of one of its own layers)."""
+    params = [value] if isinstance(value, nn.Parameter) else list(value.parameters()) if isinstance(value, nn.Module) \
+        else []
+    return any(p.requires_grad and id(p) not in known for p in params)
 
 
 @functools.cache

@@ -256,7 +256,7 @@ def batch_of(trainable: TrainableLike, inputs: Inputs, targets: object = None, m
         odd = "targets" if on["inputs"] == device else "inputs"
         other = "inputs" if odd == "targets" else "targets and the model's parameters"
         raise ValueError(f"{odd} are on {on[odd]} but {other} are on {device}; move them with "
-                         f"{odd}.to({str(device)!r})")
+                         f"{tensors[0][0] if odd == 'inputs' else odd}.to({str(device)!r})")  # inputs[0].to(...)
     for name, t in tensors + [("targets", t) for t in target_tensors]:
         if t.device != device:
             are = "are" if name in ("inputs", "targets") else "is"

@@ -552,6 +552,55 @@ def test_a_layer_the_forward_creates_is_named_and_taken_out_again(strategy, para
     assert list(model.state_dict()) == ["lin.weight", "lin.bias"] and model.head is None
 
 
+class _MadeLazily(nn.Module):
+    """What a forward may make as it runs: a registered-as-None head, a fresh parameter under an existing name, or
+    (fine) a cache of parameter-free layers, a buffer-only module, a frozen tensor."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(4, 3)
+        self.register_module("head", None)
+        self.scale = nn.Parameter(torch.ones(3))
+        self.cache = nn.ModuleDict()
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.kind == "registered-none":
+            if self.head is None:
+                self.head = nn.Linear(3, 3)
+            return self.head(h)
+        if self.kind == "fresh-parameter":
+            self.scale = nn.Parameter(torch.ones(3))
+            return h * self.scale
+        if self.kind == "identity-cache":
+            if "w3" not in self.cache:
+                self.cache["w3"] = nn.Identity()
+            return self.cache["w3"](h)
+        if not hasattr(self, "offset"):  # "frozen": a frozen tensor made at the first forward
+            self.offset = nn.Parameter(torch.full((3,), 0.5), requires_grad=False)
+        return h + self.offset
+
+
+@pytest.mark.parametrize("kind", ["registered-none", "fresh-parameter", "identity-cache", "frozen"])
+def test_only_what_would_take_part_untracked_is_refused(kind):
+    """Found by a review: a head registered as None, and a fresh parameter under an existing name, still got the
+    message about random numbers (or silently zero rows); a cache of nn.Identity, a buffer-only module or a frozen
+    tensor made in forward was refused, where its results had been exact."""
+    model = _MadeLazily(kind)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    before = snapshot(model)
+    if kind in ("registered-none", "fresh-parameter"):
+        with pytest.raises(pv.UndefinedPerSampleError, match=r"creates '(head|scale)' as it runs"):
+            pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+        assert_state_unchanged(model, before)
+        return
+    got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    assert_state_unchanged(model, before)  # made and taken out again (the loop below makes them for good)
+    for name, want in ref_grads(model, nn.CrossEntropyLoss(), x, y).items():
+        torch.testing.assert_close(got[name], want)
+
+
 class _RegistersItsMask(nn.Module):
     """A causal mask registered again by every forward, the same values (as dynamic RoPE's inv_freq below its limit)."""
 
