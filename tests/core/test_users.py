@@ -345,19 +345,10 @@ class _LstmIntoHead(nn.Module):
         return self.head(self.rnn(x))
 
 
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 3)
-
-    def forward(self, **kwargs):
-        return self.lin(kwargs["x"])
-
-
 class _CallsItsBlockWrongly(nn.Module):
     def __init__(self):
         super().__init__()
-        self.block = _Block()
+        self.block = _KeywordsOnly()  # called with a tensor below
 
     def forward(self, x):
         return self.block(x)
@@ -382,7 +373,7 @@ def test_the_loss_hints_stay_off_errors_inside_the_model():
     lstm = _message_and_notes(lambda: pv.per_sample_grads(_LstmIntoHead(), loss, x.view(5, 1, 4), y))
     assert "take [0] of it in the forward" in lstm and "loss_fn=lambda" not in lstm
     inner = _message_and_notes(lambda: pv.per_sample_grads(_CallsItsBlockWrongly(), loss, x, y))
-    assert "Block.forward() takes 1 positional argument" in inner and "inputs={'x': x}" not in inner
+    assert "_KeywordsOnly.forward() takes 1 positional argument" in inner and "inputs={'x': x}" not in inner
     for call in (lambda: pv.per_sample_jacobian(_OptionalMask(), x),
                  lambda: pv.per_sample_grads(_OptionalMask(), lambda out, _: out.sum(), x, None)):
         assert "pass the targets" not in _message_and_notes(call)
