@@ -35,7 +35,8 @@ def check_finite(squared: torch.Tensor, first: int = 0) -> None:
     rows = [first + i for i in bad.nonzero().flatten().tolist()]
     raise ValueError(
         f"sample(s) {rows[:8]}{' ...' if len(rows) > 8 else ''} of this batch have a gradient that is not finite (inf "
-        "or NaN: an input or target holding inf / NaN, or a loss that overflows), so their clip factor is undefined "
+        "or NaN: an input or target holding inf / NaN, a loss that overflows, or a forward that makes a NaN, as some "
+        "attention does on a left-padded sample), so their clip factor is undefined "
         "and the clipped sum would be NaN in every entry. Drop those samples (e.g. keep the rows where "
         "torch.isfinite(x).flatten(1).all(1)), or find what overflows with pv.per_sample_grad_norms. A loss that is "
         "0 / 0 for one sample alone (reduction='mean' with a class weight of 0 for its label, or every target of "
