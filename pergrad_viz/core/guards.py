@@ -347,7 +347,8 @@ def check_differentiated(output: object, selected: bool, made_of_parameters: boo
     if not isinstance(output, torch.Tensor):
         fix = "return one tensor from output=" if selected else "say which tensor with output="
         keyed = isinstance(output, dict) and not hasattr(output, "logits") and not selected  # no out.logits there
-        key = ("logits" if "logits" in output else next(iter(output), None)) if keyed else None
+        tensors = [k for k, v in output.items() if isinstance(v, torch.Tensor)] if keyed else []
+        key = "logits" if "logits" in tensors else next(iter(tensors), None)
         pick = "out.logits (or out[0])" if key is None else f"out[{key!r}]"
         raise TypeError(f"per_sample_jacobian and empirical_ntk differentiate one output tensor, but {what} a "
                         f"{type(output).__name__}: {fix}, e.g. output=lambda out: {pick}")

@@ -281,10 +281,14 @@ KEPT_PARAMETER_ELEMENTS = 1 << 16
 
 def _new_trainable(value: object, known: set[int]) -> bool:
     """Whether a module or parameter the forward registered holds a trainable parameter the model did not have (not
-    a cache of parameter-free layers, a buffer-only module, a frozen tensor or an alias of one of its own layers)."""
-    params = [value] if isinstance(value, nn.Parameter) else list(value.parameters()) if isinstance(value, nn.Module) \
-        else []
-    return any(p.requires_grad and id(p) not in known for p in params)
+    a cache of parameter-free layers, a buffer-only module, a frozen tensor or an alias of one of its own layers);
+    True where that cannot be read (a module whose parameters() fails: the restore goes on, the refusal names it)."""
+    try:
+        params = [value] if isinstance(value, nn.Parameter) else list(value.parameters()) \
+            if isinstance(value, nn.Module) else []
+        return any(p.requires_grad and id(p) not in known for p in params)
+    except Exception:  # noqa: BLE001 - inside the restore: nothing may stop it halfway
+        return True
 
 
 @functools.cache

@@ -64,12 +64,22 @@ _LOSS_ARGUMENT = re.compile(r"(\w+)\(\): argument '(input|target)' \(position \d
 _MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
 
 
-def _at_the_models_call(error: BaseException) -> bool:
-    """Whether ``error`` was raised calling the model itself: no frame of the model's own code between the package's
-    last frame and the raise (a layer inside it that is called wrongly has its caller's frame there)."""
+_MODEL_CALLERS = ("batch.py", "functional.py")  # the package's files that call the model (Batch, functional_call)
+_LOSS_CALLERS = ("losses.py", "loss_reads.py")  # and the loss
+
+
+def _failed_in(error: BaseException) -> tuple[str | None, list]:
+    """(the file name of the package's last frame in ``error``'s traceback, or None; the frames after it)."""
     frames = traceback.extract_tb(error.__traceback__)
     last = max((k for k, f in enumerate(frames) if f.filename.startswith(_PACKAGE)), default=None)
-    return last is not None and all(f.filename.endswith(_MODULE_CALL) for f in frames[last + 1:])
+    return (None, []) if last is None else (os.path.basename(frames[last].filename), frames[last + 1:])
+
+
+def _at_the_models_call(error: BaseException) -> bool:
+    """Whether ``error`` was raised calling the model itself: the package's call of the model, then torch's Module
+    call alone (a layer inside it called wrongly has its caller's frame there; a loss of one argument, none)."""
+    caller, after = _failed_in(error)
+    return caller in _MODEL_CALLERS and bool(after) and all(f.filename.endswith(_MODULE_CALL) for f in after)
 
 
 def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
@@ -98,29 +108,32 @@ def _hint(error: BaseException, inputs: Batch, targets: object) -> str | None:
     if "must be Tensor, not" in text and "Output" in text:  # a Hugging Face ModelOutput handed to a torch.nn loss
         return ("the model returns a ModelOutput, not a tensor: use loss_fn=pv.sequence_classification_loss or "
                 "pv.causal_lm_loss, or one that reads its logits, lambda out, y: F.cross_entropy(out.logits, y)")
-    argument = _LOSS_ARGUMENT.search(text)  # a torch.nn loss's own argument check (not a layer's inside the model)
-    loss = argument is not None and any(w in argument[1] for w in ("loss", "entropy", "kl_div"))
+    argument = _LOSS_ARGUMENT.search(text) if "must be Tensor, not" in text else None  # a torch function's own check
+    caller = _failed_in(error)[0] if argument is not None else None
+    loss = caller in _LOSS_CALLERS  # in the loss's call (a torch.nn loss, or the user's own), not the model's
     if loss and argument.group(2, 3) == ("target", "NoneType") and targets is None:
         return ("targets=None, so the loss was called as loss_fn(output, None): pass the targets (targets=None is for "
                 "a loss of the output alone, loss_fn=lambda out, _: out.square().sum())")
     if loss and argument[2] == "input" and argument[3] in ("tuple", "dict", "list"):  # the model's several outputs
         pick = "out['logits']" if argument[3] == "dict" else "out[0]"
         return (f"the model returns a {argument[3]}, not a tensor: give the loss the tensor it reads, e.g. "
-                f"loss_fn=lambda out, y: F.cross_entropy({pick}, y)")
-    if argument is not None and not loss and argument.group(2, 3) == ("input", "tuple"):  # inside the model
+                f"loss_fn=lambda out, y: F.cross_entropy({pick}, y) (with the key or index of yours)")
+    if caller in _MODEL_CALLERS and argument.group(2, 3) == ("input", "tuple"):  # inside the model
         return (f"a layer inside the model ({argument[1]}) was given a tuple: nn.LSTM, nn.GRU and nn.RNN return "
                 "(output, state) and nn.MultiheadAttention (output, weights); take [0] of it in the forward")
     if "target with class probabilities, got Long" in text or "target with class probabilities, got Int" in text:
         return ("the targets hold integers of shape (B, classes), one-hot labels: cross-entropy takes class indices "
                 "(B,) as integers, targets.argmax(1), or class probabilities as floats, targets.float()")
-    floats = [name for name, t in inputs.named_leaves()  # whole numbers >= 0 in a float tensor: ids, not features
-              if t.is_floating_point() and t.numel() and bool(((t == t.round()) & (t >= 0)).all())]
-    if floats and "'indices'" in text and "Long, Int" in text:  # token ids in a float tensor, into an Embedding
-        return f"'{floats[0]}' holds floating-point numbers but an Embedding takes integer ids: pass it as .long()"
-    if "takes 1 positional argument but 2 were given" in text and len(inputs.args) == 1 and not inputs.kwargs \
-            and _at_the_models_call(error):
-        return ("the model was called as model(x), and its forward takes keyword arguments only: pass a dict, "
-                "inputs={'x': x}, which is called as model(**inputs)")
+    if "'indices'" in text and "Long, Int" in text:  # token ids in a float tensor, into an Embedding
+        floats = [name for name, t in inputs.named_leaves()  # whole numbers >= 0 in a float tensor: ids, not features
+                  if t.is_floating_point() and t.layout == torch.strided and t.device.type == "cpu" and t.numel()
+                  and bool(((t == t.round()) & (t >= 0)).all())]
+        if floats:
+            return f"'{floats[0]}' holds floating-point numbers but an Embedding takes integer ids: pass it as .long()"
+    if ".forward() takes 1 positional argument but 2 were given" in text and len(inputs.args) == 1 \
+            and not inputs.kwargs and _at_the_models_call(error):
+        return ("the model was called as model(x), and its forward takes no positional input (keyword arguments "
+                "only?): pass a dict, inputs={'x': x}, which is called as model(**inputs)")
     if "expected target dtype to be Long" in text or ("target" in text and "Float" in text and "Long" in text):
         return ("cross-entropy takes class indices as integers: pass targets.long() (or class probabilities of shape "
                 "(B, classes))")
@@ -167,7 +180,10 @@ def users_error(error: BaseException, inputs: Batch, targets: object = None) -> 
     error.add_note(f"{_NOTE}the call's inputs: {describe_inputs(inputs)} (the model runs on them whole, on one or "
                    "two samples (the probe), or one sample at a time: every tensor whose first dimension is the batch "
                    "size cut alike)")
-    hint = _hint(error, inputs, targets)
+    try:
+        hint = _hint(error, inputs, targets)
+    except Exception:  # noqa: BLE001 - a hint is a courtesy: it never replaces the user's own error
+        hint = None
     if hint is not None:
         error.add_note(_NOTE + hint)
     return error

@@ -778,3 +778,34 @@ def test_a_pruned_layer_is_named_as_a_pre_hooks_use_and_auto_gives_the_loop():
     got = pv.per_sample_grads(model, loss_fn, x, y)
     for name, want in ref_grads(model, loss_fn, x, y).items():
         torch.testing.assert_close(got[name], want)
+
+
+class _BrokenParameters(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def parameters(self, recurse: bool = True):
+        raise RuntimeError("parameters() of a user's module that fails")
+
+
+class _MakesABrokenModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        self.extra = _BrokenParameters()
+        return self.lin(x) * self.extra.w
+
+
+def test_a_made_module_that_cannot_be_read_does_not_stop_the_restore():
+    """Found by a review: a made module whose parameters() raised stopped restoring_modes halfway (the model kept it;
+    that error replaced the refusal)."""
+    model = _MakesABrokenModule()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    before = snapshot(model)
+    with pytest.raises(pv.UndefinedPerSampleError, match="creates 'extra' as it runs"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    assert_state_unchanged(model, before)
+    assert "extra" not in model._modules

@@ -379,3 +379,24 @@ def test_the_loss_hints_stay_off_errors_inside_the_model():
         assert "pass the targets" not in _message_and_notes(call)
     targets = _message_and_notes(lambda: pv.per_sample_grads(nn.Linear(4, 3), loss, x, (y, y)))
     assert "the model returns" not in targets
+
+
+def test_a_hint_never_fires_on_the_losss_own_signature_nor_replaces_the_error():
+    """Found by a review: a loss of one argument (lambda out: ...) got the keyword-only forward's hint; a hint that
+    raised while reading the inputs (a sparse input) replaced the user's own error."""
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    one = _message_and_notes(lambda: pv.per_sample_grads(nn.Linear(4, 3), lambda out: out.sum(), x, y))
+    assert "takes 1 positional argument" in one and "inputs={'x': x}" not in one
+
+    class FloatIds(nn.Module):  # an Embedding given floats, beside a shared float8 input the hint cannot round
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 3)
+
+        def forward(self, extra, ids):
+            return self.emb(ids).mean(1)
+
+    extra = torch.ones(3).to(torch.float8_e4m3fn)  # round() has no float8 kernel
+    ids = torch.randint(0, 10, (5, 2)).float()
+    message = _message_and_notes(lambda: pv.per_sample_grads(FloatIds(), nn.CrossEntropyLoss(), (extra, ids), y))
+    assert "'indices'" in message  # the user's own error, not one raised by the hint
