@@ -60,7 +60,7 @@ def describe_inputs(inputs: Batch) -> str:
                      for name, t in inputs.named_leaves())
 
 
-_LOSS_ARGUMENT = re.compile(r"(\w+)\(\): argument '(input|target)' \(position \d\) must be Tensor, not (\w+)")
+_LOSS_ARGUMENT = re.compile(r"\b(\w+)\(\): argument '(input|target)' \(position \d\) must be Tensor, not (\w+)")
 _MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
 
 
