@@ -183,7 +183,6 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
     else:
         every = tuple(model.named_parameters())
     owned = [(name, p, p._version) for name, p in every if not p.is_inference()]
-    known = {id(p) for _, p in every}
     kept_values: list = [None] * len(owned)
     if keep_parameters:  # all of a small model's; of a large one the small tensors (running statistics, norms' scales)
         small = sum(p.nbytes for _, p, _ in owned) <= KEPT_PARAMETER_BYTES
@@ -202,6 +201,7 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
             if m.training != flag:
                 m.training = flag
         replaced, made = [], []  # made: layers and parameters the forward created (self.fc = nn.Linear(...))
+        known: set[int] | None = None  # the model's parameters before the call, read only where one was registered
         for name, m, params, bufs, attributes, modules in kept:
             if attributes is not None and not _same_objects(m.__dict__, attributes):  # self.h = h.detach()
                 for added in m.__dict__.keys() - attributes.keys():
@@ -209,6 +209,7 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
                 m.__dict__.update(attributes)
             for now, before in ((m._parameters, params), (m._modules, modules)):
                 if not _same_objects(now, before):
+                    known = {id(p) for _, p in every} if known is None else known
                     made += [f"{name}.{k}" if name else k for k, v in now.items()
                              if v is not before.get(k) and _new_trainable(v, known)]
                     now.clear()
