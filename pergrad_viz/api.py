@@ -162,10 +162,9 @@ def prepare(model: nn.Module, inputs: Inputs, targets: object, strategy: str, ch
     """A call checked (``pergrad_viz.core.validate``) and planned: ``(trainable, resolved strategy, batch (B, ...),
     samples per chunk)``; raises before anything runs or is allocated (but the probe, for ``auto``).
     ``offers_randomness``: the public call takes ``randomness=`` (its refusals may name it); ``output``: a
-    Jacobian's ``output=`` (the probe sees what it selects)."""
+    Jacobian's ``output=`` (the probe sees what it selects); ``loss_fn``: None for a Jacobian, else checked by the
+    public call first (``check_loss``, which refuses None)."""
     check_flags(flat=flat, verify=verify)
-    if loss_fn is not None:
-        check_loss(loss_fn)
     check_strategy_name(strategy, STRATEGIES)  # before anything is checked or run
     check_randomness(randomness)
     trainable = Trainable.of(model) if output is None else Trainable.of(model).selecting(output)
@@ -318,7 +317,7 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
             strategy cannot handle; :class:`MemoryBudgetError` before allocating a result over ``max_bytes``.
     """
     requested = strategy
-    check_loss(loss_fn)  # None too (prepare takes None for a Jacobian)
+    check_loss(loss_fn)  # None too: prepare takes None for a Jacobian
     targets = normal_tensor(targets) if isinstance(targets, torch.Tensor) else tree_map(normal_tensor, targets)
     trainable, strategy, inputs, chunk = prepare(model, inputs, targets, strategy, chunk_size, loss_fn, model_kwargs,
                                                   out, flat, randomness, verify)

@@ -101,7 +101,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
         TypeError: ``per_parameter`` is not a bool.
     """
     check_flags(per_parameter=per_parameter)
-    check_loss(loss_fn)  # None too (api.prepare takes None for a Jacobian)
+    check_loss(loss_fn)  # None too: api.prepare takes None for a Jacobian
     targets = tree_map(normal_tensor, targets)
     trainable, resolved, inputs, chunk = api.prepare(model, inputs, targets, strategy, chunk_size, loss_fn,
                                                       model_kwargs, randomness=randomness, verify=verify)
