@@ -55,6 +55,11 @@ def test_grads_norms_and_clipped_sum_equal_the_loop(problem, strategy):
     got = pv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, **TOL)
+    flat, out = flatten_ref(want, 1), torch.empty(x.shape[0], sum(g[0].numel() for g in want.values()),
+                                                  dtype=torch.float64)
+    torch.testing.assert_close(pv.per_sample_grads(model, loss_fn, x, y, strategy=strategy, flat=True), flat, **TOL)
+    assert pv.per_sample_grads(model, loss_fn, x, y, strategy=strategy, flat=True, out=out) is out
+    torch.testing.assert_close(out, flat, **TOL)
     norms = flatten_ref(want, 1).norm(dim=1)
     torch.testing.assert_close(pv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy), norms, **TOL)
     factors = (1.0 / (norms + 1e-6)).clamp(max=1.0)
