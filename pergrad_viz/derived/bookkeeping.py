@@ -38,23 +38,23 @@ from pergrad_viz.derived.clipping import Groups, check_finite, clip_factors
 from pergrad_viz.derived.norms import (
     TiedPart,
     dense_part,
-    ghost_rule,
     ghost_squared_norms,
     materialised_chunks,
-    norm_step,
     one_linear_call_norms,
     row_squared_norms,
     tied_squared_norms,
 )
+from pergrad_viz.derived.routes import Form, booked_rules, route, with_others
 from pergrad_viz.derived.sums import LazySums
 from pergrad_viz.engine.capture import Call, Layer, capture, shape_only
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.lowest import StaleLowest, asked, reached
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.engine.unplanned import refuse_outside_uses, refuse_unplanned, unplanned
-from pergrad_viz.rules import Captured, linear_views_for, positions, weighted_sum_rule_for
+from pergrad_viz.rules import Captured, linear_views_for, positions
 from pergrad_viz.rules.doubts import Doubts, doubts_for
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
+from pergrad_viz.rules.linear_batch import LinearCall, linear_gram_norms
 
 # One layer's share of the clipped sum once the clip factors {full name: (B,)} are known, added into the sums
 # {full name: (*shape)} (its ``destination(name)`` may hand a tensor out unwritten).
@@ -74,6 +74,7 @@ class _Book:
         self.dense: list[tuple[str, torch.Tensor]] = []
         self.parts: dict[str, list[TiedPart]] = {}
         self.later: list[tuple[Layer, Seen]] = []  # layers whose rules replay them (torch.func): after the backward
+        self.linears: list[LinearCall] = []  # Linear calls whose Gram norms are taken together after the backward
 
     def add(self, layer: Layer, arrived: Seen, now: bool = True) -> None:
         """Book one layer whose output gradients are all known (``now``: during the backward); ``arrived``: per call,
@@ -84,7 +85,7 @@ class _Book:
             return
         seen = _with_n(arrived) if entry is None else None
         if entry is None and self.tied.isdisjoint(layer.local.values()):
-            entry = _call_layer(layer, seen, self._norms)
+            entry = _call_layer(layer, seen, self)
         if entry is not None:
             self.squared.update(entry[0])
             self.shares.append(entry[1])
@@ -105,6 +106,8 @@ class _Book:
         computed again), then the tied weights' norms from their parts."""
         if self.doubts is not None:
             self.doubts.settle()
+        self.squared.update(linear_gram_norms(self.linears))
+        self.linears = []
         for layer, seen in self.later:
             self.add(layer, seen, now=False)
         self.later = []
@@ -128,7 +131,7 @@ class _Book:
             return self._routed(layer, seen[0])
         module, local = layer.module, layer.local
         seen_first = [(call.activation, call.sample_grad(gs[0])) for call, gs in seen]
-        rules = _rules(layer, seen_first, self.tied.isdisjoint(local.values()))
+        rules = booked_rules(layer, seen_first, self.tied.isdisjoint(local.values()))
         if rules is None:
             return None
         ghost, rule = rules
@@ -158,21 +161,19 @@ class _Book:
         return squared, share
 
     def _routed(self, layer: Layer, arrived: tuple) -> tuple[dict[str, torch.Tensor], SumOf] | None:
-        """:meth:`_ghost` of an untied layer called once, on a CPU: what it decides from the call's shapes alone
-        (:func:`_route`) kept in the layer's plan from the first call of these shapes."""
+        """:meth:`_ghost` of an untied layer called once, on a CPU, the way :func:`~pergrad_viz.derived.routes.route`
+        decides from the call's shapes."""
         call, gs = arrived
         a, g = call.activation, call.sample_grad(gs[0])
-        key = (layer.kind, a.shape, g.shape, a.dtype, g.dtype, a.device)
-        route = layer.plan.memo.get(key, _UNSEEN)
-        if route is _UNSEEN:
-            if len(layer.plan.memo) >= _ROUTES:  # batch sizes change (Poisson sampling): the memo stays small
-                layer.plan.memo.clear()
-            route = layer.plan.memo[key] = _route(layer, [(a, g)])
-        if route is None:
+        found = route(layer, a, g)
+        if found is None:
             return None
-        ghost, rule, single = route
+        ghost, rule, form = found
         module, local = layer.module, layer.local
-        if single:
+        if form is Form.WITH_OTHERS:  # its norms taken in finish(), with the other Linears'
+            self.linears.append((positions(a, a.shape[0]), positions(g, g.shape[0]), local))
+            own = {}
+        elif form is Form.ONE_LINEAR:
             own = one_linear_call_norms(ghost, module, a, g, local)
         else:
             own = ghost_squared_norms(ghost, module, [(a, g)], local)
@@ -184,45 +185,15 @@ class _Book:
         return squared, share
 
 
-_UNSEEN = object()  # a route not made yet
-_ROUTES = 64  # the shapes remembered per layer
-
-
-def _route(layer: Layer, seen_first: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple | None:
-    """(ghost rule, weighted-sum rule, whether its norms are one Linear's in one piece) of a layer booked by its
-    ghost norm and weighted sum for calls of these shapes; None where its rules are others, or where its per-sample
-    gradients are the cheaper (``GhostRule.instantiates``)."""
-    rules = _rules(layer, seen_first, untied=True)
-    if rules is None:
-        return None
-    ghost = rules[0]
-    step, direct = norm_step(ghost, layer.module, seen_first)
-    return *rules, direct is None and step >= seen_first[0][0].shape[0] and ghost.stack is LinearGhost.stack
-
-
-def _rules(layer: Layer, seen_first: list[tuple[torch.Tensor, torch.Tensor]], untied: bool) -> tuple | None:
-    """(ghost rule, weighted-sum rule) of a layer booked by them; None where it has none, or where it is ``untied``
-    and its per-sample gradients are the cheaper (a ViT's layers on 197 tokens, LoRA adapters)."""
-    ghost = ghost_rule(layer)
-    rule = weighted_sum_rule_for(layer.module) if ghost is not None else None
-    if rule is None:
-        return None
-    cheaper = getattr(ghost, "instantiates", None)
-    if untied and cheaper is not None and cheaper(layer.module, seen_first):
-        return None
-    return ghost, rule
-
-
 def _with_n(arrived: Seen) -> Seen:
     """Each call's output gradients as the rules take them, (N = 1, *output.shape)."""
     return [(call, [None if g is None else g.unsqueeze(0) for g in gs]) for call, gs in arrived]
 
 
-def _call_layer(layer: Layer, seen: Seen, norms: Callable[[Callable[[], dict]], dict]
-                ) -> tuple[dict[str, torch.Tensor], SumOf] | None:
+def _call_layer(layer: Layer, seen: Seen, book: _Book) -> tuple[dict[str, torch.Tensor], SumOf] | None:
     """A call layer made of Linear maps (``register_linear_views``), called once: each map's ghost norm (through
-    ``norms``, :meth:`_Book._norms`) and book-keeping; None where the layer's rule must give its per-sample
-    gradients."""
+    :meth:`_Book._norms`, or on a CPU with the other Linears') and book-keeping; None where the layer's rule must
+    give its per-sample gradients."""
     views_rule = linear_views_for(layer.module) if layer.kind is LayerKind.CALL else None
     if views_rule is None or len(seen) != 1:
         return None
@@ -242,7 +213,10 @@ def _call_layer(layer: Layer, seen: Seen, norms: Callable[[Callable[[], dict]], 
         return None  # a parameter of the layer outside its Linear maps (bias_k, bias_v)
     squared = {}
     for a, g, full in pairs:
-        squared.update(norms(lambda a=a, g=g, full=full: {full[role]: sq for role, sq in ghost_squared_norms(
+        if book.doubts is None and with_others(a, g, full):
+            book.linears.append((a, g, full))  # taken in finish()
+            continue
+        squared.update(book._norms(lambda a=a, g=g, full=full: {full[role]: sq for role, sq in ghost_squared_norms(
             LinearGhost, None, [(a, g)], full).items()}))
 
     def share(factors: Mapping[str, torch.Tensor], sums: LazySums) -> None:
@@ -319,7 +293,6 @@ def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targe
     with torch.no_grad():
         book.finish()
     return book
-
 
 
 def hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, chunk: int, groups: Groups,
