@@ -245,13 +245,15 @@ def _checked(strategy: str, trainable: Trainable, inputs: Batch, run: Callable[[
     if trainable.call.draws is not None:  # from the call's first random state (core.randomness.Draws)
         trainable.call.draws.begin()
     trainable.call.checked = check is not None and strategy != "loop"  # the loop is the definition; capture reads it
+    schedule = schedule_for(trainable, inputs, quantity, strategy) if trainable.call.checked else None
+    trainable.call.due, trainable.call.combination = schedule is not None and schedule.due(), None
     start = time.perf_counter()
     result = run(strategy)
     seconds = time.perf_counter() - start
     if race is not None:
         race.ran(strategy, seconds)
-    if trainable.call.checked:
-        schedule, unseen = schedule_for(trainable, inputs, quantity, strategy), unseen_graphs(trainable)
+    if schedule is not None:
+        unseen = unseen_graphs(trainable)
         if schedule.due() or unseen:
             with restoring_modes(trainable), schedule.checking():
                 check(result, strategy)

@@ -42,6 +42,8 @@ class CallState:
     draws: object = None  # core.randomness.Draws under randomness='different', else None (refused)
     graphs: set = field(default_factory=set)  # the graphs between the layers this call's backwards took
     checked: bool = False  # the per-call check may run on this call (verify=True): api._checked sets it
+    due: bool = False  # the check's schedule checks this call (api._checked, before the strategy runs)
+    combination: tuple | None = None  # (w (B,), {name: sum_i w_i g_i}): engine.combination's, formed in the pass
     input_versions: tuple = ()  # the inputs' version counters as the call found them (validate.check_inputs_kept)
     offers_randomness: bool = False  # the call takes randomness= (its refusals of random forwards may name it)
 

@@ -45,13 +45,14 @@ from pergrad_viz.derived.norms import (
     tied_squared_norms,
 )
 from pergrad_viz.derived.routes import Form, booked_rules, route, with_others
-from pergrad_viz.derived.sums import LazySums
+from pergrad_viz.derived.sums import LazySums, linear_view_pairs, zero_sums
 from pergrad_viz.engine.capture import Call, Layer, capture, shape_only
+from pergrad_viz.engine.combination import combination_weights, keep_combination
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.lowest import StaleLowest, asked, reached
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.engine.unplanned import refuse_outside_uses, refuse_unplanned, unplanned
-from pergrad_viz.rules import Captured, linear_views_for, positions
+from pergrad_viz.rules import Captured, positions
 from pergrad_viz.rules.doubts import Doubts, doubts_for
 from pergrad_viz.rules.linear import LinearGhost, linear_weighted_sum
 from pergrad_viz.rules.linear_batch import LinearCall, linear_gram_norms
@@ -194,23 +195,9 @@ def _call_layer(layer: Layer, seen: Seen, book: _Book) -> tuple[dict[str, torch.
     """A call layer made of Linear maps (``register_linear_views``), called once: each map's ghost norm (through
     :meth:`_Book._norms`, or on a CPU with the other Linears') and book-keeping; None where the layer's rule must
     give its per-sample gradients."""
-    views_rule = linear_views_for(layer.module) if layer.kind is LayerKind.CALL else None
-    if views_rule is None or len(seen) != 1:
+    pairs = linear_view_pairs(layer, seen)
+    if pairs is None:
         return None
-    call, gs = seen[0]
-    outputs = len(call.outputs)
-    views = views_rule(layer.module, call.inputs, gs[:outputs], call.captured, gs[outputs:])
-    if views is None:
-        return None
-    local = layer.local
-    pairs = []  # (a (B, T, in), g (B, T, out), {"weight" / "bias": full name}) of the trainable ones
-    for a, g, names in views:
-        full = {role: local[ln] for role, ln in names.items() if ln in local}
-        if full:
-            a3, g3 = positions(a, a.shape[0]), positions(g, g.shape[0])
-            pairs.append((a3, g3, full))
-    if {n for *_, full in pairs for n in full.values()} != set(local.values()):
-        return None  # a parameter of the layer outside its Linear maps (bias_k, bias_v)
     squared = {}
     for a, g, full in pairs:
         if book.doubts is None and with_others(a, g, full):
@@ -313,7 +300,7 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
                  start: Callable[[], LazySums], fresh: bool) -> tuple[LazySums, dict[str, torch.Tensor]]:
     batch = inputs.size
     squared: dict[str, torch.Tensor] = {}
-    sums = None
+    sums = w = combined = None
 
     def zeros() -> torch.Tensor:
         return torch.zeros(batch, dtype=SQUARES, device=trainable.device)
@@ -340,14 +327,32 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
             factors = clip_factors(squared if whole else {n: s[rows] for n, s in squared.items()}, groups,
                                    trainable.dtype)
             sums = start() if sums is None else sums
+            if first == 0:  # a call the check looks at: sum_i w_i g_i from the same shares (engine/combination.py)
+                w = combination_weights(trainable, batch)
+                combined = None if w is None else zero_sums(trainable)
+            weights = None if combined is None else dict.fromkeys(trainable.names, w[rows].to(trainable.dtype))
             with torch.no_grad():
-                while book.shares:  # each layer's captures let go once its share is added
-                    book.shares.pop()(factors, sums)
-                while book.dense:
-                    name, g = book.dense.pop()
-                    sums.add_weighted(name, g, factors[name])
+                _add_book(book, factors, sums, weights, combined)
             del book
+    if combined is not None:
+        keep_combination(trainable, w, combined.complete())
     return sums, squared
+
+
+def _add_book(book: _Book, factors: Mapping[str, torch.Tensor], sums: LazySums,
+              weights: Mapping[str, torch.Tensor] | None, combined: LazySums | None) -> None:
+    """Each layer's share (its per-sample gradients' for the others) added into ``sums`` with the clip factors
+    {name: (B,)}, and where ``combined`` also with ``weights`` into it; each layer's captures let go once added."""
+    while book.shares:
+        share = book.shares.pop()
+        share(factors, sums)
+        if combined is not None:
+            share(weights, combined)
+    while book.dense:
+        name, g = book.dense.pop()
+        sums.add_weighted(name, g, factors[name])
+        if combined is not None:
+            combined.add_weighted(name, g, weights[name])
 
 
 def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, inputs: Batch,

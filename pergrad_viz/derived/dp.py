@@ -32,6 +32,7 @@ from pergrad_viz.derived.privacy import forget_noise, new_noise, warn_own_size
 from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed, failing_together
 from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
+from pergrad_viz.engine.combination import check_combination
 from pergrad_viz.strategies import STRATEGIES
 
 
@@ -225,7 +226,8 @@ def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, b
 
     def check(result: tuple[dict, dict], used: str) -> None:
         if used == "hooks":  # the other strategies' gradients were checked as they were computed
-            check_norms(trainable, loss_fn, batch, targets, result[1], used)
+            check_combination(trainable, loss_fn, batch, targets, used)  # every row at once
+            check_norms(trainable, loss_fn, batch, targets, result[1], used)  # one sample alone
 
     return api.hand_over(strategy, resolved, trainable, batch, run, check if verify else None, "clipped_sum", targets,
                          may_race=False)  # book-keeping never builds (B, P); torch_func would

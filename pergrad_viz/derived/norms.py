@@ -5,25 +5,16 @@ times a shared layer is called), ``in`` / ``out`` a Linear layer's features, V x
 
 With the ``hooks`` strategy (what ``"auto"`` picks unless the probe of the model says it cannot be trusted)
 the norms come from one forward pass that captures each layer's input and one backward pass to the layer
-outputs, then, per layer:
+outputs, then, per layer, a few samples at a time within a budget (:func:`ghost_squared_norms`):
 
-* ``nn.Linear`` on (B, in): ``||dL/dW_i||^2 = ||g_i||^2 ||a_i||^2`` and ``||dL/db_i||^2 = ||g_i||^2``
-  (the "ghost norm": the outer product g_i a_i^T is never formed);
-* ``nn.Linear`` on (B, T, in), or called T times: ``sum_{t,s} (a_t . a_s)(g_t . g_s)`` from two (B, T, T)
-  Gram matrices when ``T * T < in * out``, else the layer's own (B, out, in) gradient;
-* ``nn.Embedding``: the rows a sample touches, summed per (sample, token) with ``index_add`` and squared:
-  O(B T D) work and memory, never the (B, V, D) gradient (``padding_idx`` rows are zero);
-* ``nn.Conv1d`` / ``nn.Conv2d`` (groups=1): as a Linear from each patch's C_in * k values to C_out at the L
-  output positions (the Gram form when ``L * L`` is the cheaper, from the input's pixels where that is cheaper than
-  im2col: ``GhostRule.direct_norms``);
-* every ghost layer a few samples at a time, its temporaries within a budget (:func:`ghost_squared_norms`);
-* every other layer (closed-form rules: norms, recurrent, attention; the per-layer fallback): that layer's
-  per-sample gradient (B, *param.shape) from its rule, summed over calls, then its norm. Still never the
-  whole (B, P);
-* a parameter tied between layers (e.g. an Embedding and an output Linear sharing one weight): the layers'
-  own squared norms plus twice their cross inner products (:func:`tied_squared_norms`), from each layer's
-  ghost factors (``GhostRule.factors``; the Linear's output gradient gathered at the token ids), or from its
-  per-sample gradient where it has none: never the (B, V, D) gradient of a ghost layer.
+* ``nn.Linear``: on (B, in) ``||g_i||^2 ||a_i||^2`` (the "ghost norm"); on (B, T, in) ``sum_{t,s} (a_t . a_s)
+  (g_t . g_s)`` from two (B, T, T) Grams where ``T * T < in * out``, else its own (B, out, in) gradient;
+* ``nn.Embedding``: the rows a sample touches, summed per (sample, token): never the (B, V, D) gradient;
+* ``nn.Conv1d`` / ``nn.Conv2d`` (groups=1): a Linear from each patch's C_in * k values to C_out at the L output
+  positions (or from the input's pixels' Gram where cheaper than im2col: ``GhostRule.direct_norms``);
+* every other layer: that layer's per-sample gradient (B, *param.shape) from its rule, then its norm;
+* a parameter tied between layers: the layers' own squared norms plus twice their cross inner products
+  (:func:`tied_squared_norms`), from each layer's ghost factors (``GhostRule.factors``) or its per-sample gradient.
 
 Other strategies (and ``"auto"`` where the probe refuses ``hooks``) materialise the per-sample gradients
 with :func:`pergrad_viz.per_sample_grads` one chunk of samples at a time and take their norms.
@@ -49,9 +40,11 @@ from pergrad_viz.core.numbers import SQUARES
 from pergrad_viz.core.randomness import randomness_of
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.core.validate import check_flags, check_loss
+from pergrad_viz.derived.sums import add_layer, zero_sums
 from pergrad_viz.engine.backward import loss_gradients
 from pergrad_viz.engine.capture import Layer
 from pergrad_viz.engine.certify import check_norms
+from pergrad_viz.engine.combination import check_combination, combination_weights, keep_combination
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for, positions
@@ -113,7 +106,8 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
 
     def check(squared: dict[str, torch.Tensor], used: str) -> None:
         if used == "hooks":  # the other strategies' gradients were checked as they were computed
-            check_norms(trainable, loss_fn, inputs, targets, squared, used)
+            check_combination(trainable, loss_fn, inputs, targets, used)  # every row at once
+            check_norms(trainable, loss_fn, inputs, targets, squared, used)  # one sample alone
 
     squared = api.hand_over(strategy, resolved, trainable, inputs, run, check if verify else None, "norms", targets,
                             may_race=False)  # ghost norms never build (B, P); torch_func would
@@ -125,20 +119,23 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
 def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
                          chunk: int) -> dict[str, torch.Tensor]:
     """{name: (B,) squared norms}: per chunk 1 forward with hooks, 1 backward to the layer outputs."""
-    batch = inputs.size
+    batch, w, combined = inputs.size, None, None
     squared = {n: torch.zeros(batch, dtype=SQUARES, device=trainable.device) for n in trainable.names}
-    # hooks remove their hooks; autograd.grad leaves .grad alone
     with restoring_modes(trainable), refusing_reentrant_checkpoints():
         for start in range(0, batch, chunk):
             rows = slice(start, min(start + chunk, batch))
             calls, grads = loss_gradients(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
             check_reached(trainable, calls)
+            if start == 0:  # a call the check looks at: sum_i w_i g_i from the same captures (engine/combination.py)
+                w = combination_weights(trainable, batch)
+                combined = None if w is None else zero_sums(trainable)
             tied = tied_names(calls)
             parts: dict[str, list[TiedPart]] = {}  # tied parameters: each layer's share of their norm
             doubts = doubts_for(trainable.device)  # a GPU: the Grams' range read once, below
             for layer, seen in group_calls(calls, grads).values():
-                local = layer.local
-                if tied.isdisjoint(local.values()):
+                if combined is not None:
+                    add_layer(combined, layer, seen, w[rows].to(trainable.dtype))
+                if tied.isdisjoint(layer.local.values()):
                     def write(layer: Layer = layer, seen: Seen = seen, rows: slice = rows) -> None:
                         for local_name, sq in layer_squared_norms(layer, seen).items():
                             squared[layer.local[local_name]][rows] = sq
@@ -155,6 +152,8 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, t
                 doubts.settle()
             for name, p in parts.items():
                 squared[name][rows] = tied_squared_norms(p)
+    if combined is not None:
+        keep_combination(trainable, w, combined.complete())
     return squared
 
 

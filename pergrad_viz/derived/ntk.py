@@ -37,6 +37,7 @@ from pergrad_viz.derived.norms import ghost_rule, stack_calls
 from pergrad_viz.engine.backward import output_gradients
 from pergrad_viz.engine.capture import Layer
 from pergrad_viz.engine.certify import check_ntk
+from pergrad_viz.engine.combination import check_ntk_rows
 from pergrad_viz.engine.cotangents import has_fallback_layers, refuse_wrong_nesting
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.observe import forked_random
@@ -91,9 +92,9 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
         chunk_size: at most this many samples per forward/backward pass and per block of K.
         max_bytes: memory budget for the kernel (default: half of the memory available on the device);
             :class:`~pergrad_viz.MemoryBudgetError` is raised before computing when K alone exceeds it.
-        verify: check one random entry K[i, j] against the two samples' Jacobians computed alone
-            (``pergrad_viz.engine.certify``; on a mismatch K is computed from per-sample Jacobians instead); ``False``
-            skips it.
+        verify: check every row of K times a random vector against plain autograd on the batch
+            (``pergrad_viz.engine.combination``) and one random entry K[i, j] against the two samples' Jacobians
+            computed alone (on a mismatch K is computed from per-sample Jacobians instead); ``False`` skips it.
         output: picks the tensor whose Jacobians form K from what the model returns, as in
             :func:`pergrad_viz.per_sample_jacobian`: ``output=lambda out: out.logits`` for a Hugging Face model
             (default: the output itself).
@@ -149,7 +150,8 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
 
     def check(kernel: torch.Tensor, used: str) -> None:
         if used == "hooks":  # the per-sample Jacobians of the others were checked as they were computed
-            check_ntk(trainable, x1, x2, kernel, full)
+            check_ntk_rows(trainable, x1, x2, kernel, full, y_count)  # every row at once, where it can
+            check_ntk(trainable, x1, x2, kernel, full)  # one entry, against the two samples alone
 
     return api.hand_over("auto", strategy, trainable, x1, run, check if verify else None, "ntk", may_race=False)
 

@@ -10,7 +10,12 @@ from collections.abc import Callable, Mapping
 import torch
 
 from pergrad_viz.core.layout import sample_rows
-from pergrad_viz.rules import writes_fresh
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.capture import Layer
+from pergrad_viz.engine.grouping import Seen, dense_grads
+from pergrad_viz.engine.plan import LayerKind
+from pergrad_viz.rules import ghost_rule_for, linear_views_for, positions, weighted_sum_rule_for, writes_fresh
+from pergrad_viz.rules.linear import linear_weighted_sum
 
 
 class LazySums(dict):
@@ -83,7 +88,56 @@ class LazySums(dict):
         return {name: self[name] for name in self._shapes}
 
 
+def zero_sums(trainable: Trainable) -> LazySums:
+    """:class:`LazySums` of every trainable parameter without noise (zeros where nothing is added)."""
+    return LazySums([(n, p.shape, p.dtype, p.device) for n, p in zip(trainable.names, trainable.params, strict=True)],
+                    0.0, None)
+
+
 def initial_sums(shapes, std: float, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
     """{name: (*shape)}: every tensor of :class:`LazySums` made at once (noise drawn parameter by parameter in
     order, or zeros); the clipped gradients are then added into these (no temporary)."""
     return LazySums(shapes, std, generator).complete()
+
+
+def linear_view_pairs(layer: Layer, seen: Seen) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, str]]] | None:
+    """A call layer made of Linear maps (``register_linear_views``: attention's projections), called once (``seen``:
+    N = 1): [(a (B, T, in), g (B, T, out), {"weight" / "bias": full name})] of its trainable maps; None where it has
+    no such rule, or a parameter outside its maps (``bias_k``, ``bias_v``)."""
+    views_rule = linear_views_for(layer.module) if layer.kind is LayerKind.CALL else None
+    if views_rule is None or len(seen) != 1:
+        return None
+    call, gs = seen[0]
+    outputs = len(call.outputs)
+    views = views_rule(layer.module, call.inputs, gs[:outputs], call.captured, gs[outputs:])
+    if views is None:
+        return None
+    local = layer.local
+    pairs = []
+    for a, g, names in views:
+        full = {role: local[ln] for role, ln in names.items() if ln in local}
+        if full:
+            pairs.append((positions(a, a.shape[0]), positions(g, g.shape[0]), full))
+    if {n for *_, full in pairs for n in full.values()} != set(local.values()):
+        return None
+    return pairs
+
+
+@torch.no_grad()
+def add_layer(sums: LazySums, layer: Layer, seen: Seen, weights: torch.Tensor) -> None:
+    """``sums += sum_i w_i g_i`` of one layer's per-sample gradients (``seen``: its calls, N = 1; ``weights`` (B,)):
+    by its weighted-sum rule or its Linear maps where it has them (never its (B, *shape) gradients), else from its
+    per-sample gradients."""
+    ghost = ghost_rule_for(layer.module) if layer.kind is LayerKind.RULE else None
+    rule = weighted_sum_rule_for(layer.module) if ghost is not None else None
+    if rule is not None:
+        seen_first = [(call.activation, call.rule_grad(gs[0])[0]) for call, gs in seen]
+        sums.add_share(rule, layer.module, seen_first, dict.fromkeys(layer.local, weights), layer.local)
+        return
+    pairs = linear_view_pairs(layer, seen)
+    if pairs is not None:
+        for a, g, full in pairs:
+            sums.add_share(linear_weighted_sum, None, [(a, g)], dict.fromkeys(full, weights), full)
+        return
+    for ln, g in dense_grads(layer, seen).items():
+        sums.add_weighted(layer.local[ln], g[0], weights)

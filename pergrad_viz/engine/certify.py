@@ -75,7 +75,8 @@ from pergrad_viz.engine.references import (
 from pergrad_viz.engine.verdict import fails, tolerance, verdict
 from pergrad_viz.errors import CheckFailedError
 
-__all__ = ["CheckFailedError", "check_grads", "check_jacobian", "check_norms", "check_ntk", "draw"]
+__all__ = ["CheckFailedError", "Float64Copies", "check_grads", "check_jacobian", "check_norms", "check_ntk", "draw",
+           "raise_if_failed", "random_normal"]
 
 _DRAW = random.Random(int.from_bytes(os.urandom(8), "little"))  # private: the caller's random state is not touched
 
@@ -85,24 +86,26 @@ def draw(batch: int) -> int:
     return _DRAW.randrange(batch)
 
 
-def _randn(shape: tuple, like: torch.Tensor) -> torch.Tensor:
+def random_normal(shape: tuple, like: torch.Tensor) -> torch.Tensor:
     gen = torch.Generator(device=like.device).manual_seed(_DRAW.getrandbits(62))
     return torch.randn(shape, generator=gen, dtype=like.dtype, device=like.device)
 
 
-def _raise(found: tuple[str, float] | None, where: str, strategy: str,
-           coupled: Callable[[], bool] | bool = False, random: bool = False) -> None:
+def raise_if_failed(found: tuple[str, float] | None, where: str, strategy: str,
+                    coupled: Callable[[], bool] | bool = False, random: bool = False, why: str | None = None) -> None:
     """Raise :class:`CheckFailedError` where ``found`` (the verdict). ``coupled``: whether the failure shows the
     samples interacting in a batched forward (asked only on failure); else the strategy is wrong on its own (its
     result is not the plain batched backward's, or that backward keeps the sample apart), and only it is demoted.
-    ``random``: under ``randomness='different'``, where a coupling and draws the strategy cannot replay look alike."""
+    ``random``: under ``randomness='different'``, where a coupling and draws the strategy cannot replay look alike.
+    ``why``: the message's explanation where the caller knows it better (else one of the three above)."""
     if found is None:
         return
     name, relative = found
     coupled = coupled() if callable(coupled) else coupled
     reason = (f"the per-call check found that {where} from the {strategy} strategy differs from the definition "
               f"(parameter '{name}': relative difference {relative:.1e}, beyond rounding)")
-    what = _RANDOM_WHY if random and coupled else _BATCHED_WHY if coupled else _OWN_WHY.format(strategy=strategy)
+    what = why or (_RANDOM_WHY if random and coupled else _BATCHED_WHY if coupled else
+                   _OWN_WHY.format(strategy=strategy))
     fix = ("strategy='auto' or 'loop' (each sample alone, under its own draws)" if random else
            "strategy='auto' (which then computes each sample alone) or 'torch_func' / 'loop'")
     raise CheckFailedError(f"{reason}: {what}. Use {fix}.", reason=reason, coupled=coupled)
@@ -133,7 +136,7 @@ _RANDOM_WHY = ("under randomness='different' the check, which draws the batch's 
 # --------------------------------------------------------------------------------------- float64 references
 
 
-class _Float64:
+class Float64Copies:
     """A check's call (model, inputs, targets, loss) and its float64 copies, made once, at the first reference asked
     in float64 (a sample-alone check may ask for two: the sample alone and in its batch)."""
 
@@ -178,24 +181,24 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
         _check_directional(trainable, loss_fn, inputs, targets, rows, strategy)
         return
     lead = trainable.params[0]
-    w = _randn((inputs.size,), lead)
+    w = random_normal((inputs.size,), lead)
     got = [torch.tensordot(w, rows[name], dims=1) for name in trainable.names]
     draws = trainable.call.draws
     if draws is not None:  # randomness='different': the reference draws the strategy's random numbers again
         want = replayed_weighted_grads(draws, trainable, inputs, targets, loss_fn, w)
-        again = _Float64(trainable, inputs, targets, loss_fn).again(
+        again = Float64Copies(trainable, inputs, targets, loss_fn).again(
             lambda t, x, y, f: replayed_weighted_grads(draws, t, x, y, f, w))
-        _raise(verdict(trainable.names, got, want, trainable.dtype, again),
-               "a random combination of the rows (the same random draws)", strategy)
+        raise_if_failed(verdict(trainable.names, got, want, trainable.dtype, again),
+                        "a random combination of the rows (the same random draws)", strategy)
         return  # a sample alone would draw other numbers: couplings are the probe's, with the draws held fixed
     want = weighted_grads(trainable, inputs, targets, loss_fn, w)
-    again = _Float64(trainable, inputs, targets, loss_fn).again(lambda t, x, y, f: weighted_grads(t, x, y, f, w))
+    again = Float64Copies(trainable, inputs, targets, loss_fn).again(lambda t, x, y, f: weighted_grads(t, x, y, f, w))
     found = verdict(trainable.names, got, want, trainable.dtype, again)
     alone = lambda: _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, draw(inputs.size))  # noqa: E731
     if found is not None and not own_forward and (_batch_coupled(trainable, alone()) or _every_row_alone(
             trainable, lambda: _check_directional(trainable, loss_fn, inputs, targets, rows, strategy))):
         return
-    _raise(found, "a random combination of the rows", strategy)
+    raise_if_failed(found, "a random combination of the rows", strategy)
     alone()
 
 
@@ -228,12 +231,13 @@ def _check_alone(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     compute = alone_grads(i)
     want = compute(trainable, inputs, targets, loss_fn)
     got = [rows[name][i] for name in trainable.names]
-    copies = _Float64(trainable, inputs, targets, loss_fn)
+    copies = Float64Copies(trainable, inputs, targets, loss_fn)
     in_batch = copies.in_batch(alone_grads(i, in_batch=True))
     coupled = _coupled(trainable, want, in_batch)
-    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch, lambda: 1e-3 * float(
-        torch.stack([rows[name].flatten(1).norm(dim=1) for name in trainable.names]).norm(dim=0).max())),
-           f"sample {i}'s gradient", strategy, coupled)
+    raise_if_failed(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch,
+                            lambda: 1e-3 * float(torch.stack([rows[name].flatten(1).norm(dim=1)
+                                                              for name in trainable.names]).norm(dim=0).max())),
+                    f"sample {i}'s gradient", strategy, coupled)
     return coupled
 
 
@@ -244,31 +248,31 @@ def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch
         _check_directional(trainable, None, inputs, None, rows, strategy)
         return
     first = rows[trainable.names[0]]
-    w = _randn(tuple(first.shape[:2]), first)
+    w = random_normal(tuple(first.shape[:2]), first)
     got = [torch.tensordot(w, rows[name], dims=2) for name in trainable.names]
     want = weighted_outputs(trainable, inputs, None, None, w)
-    again = _Float64(trainable, inputs, None, None).again(lambda t, x, y, f: weighted_outputs(t, x, y, f, w))
+    again = Float64Copies(trainable, inputs, None, None).again(lambda t, x, y, f: weighted_outputs(t, x, y, f, w))
     found = verdict(trainable.names, got, want, trainable.dtype, again)
     alone = lambda: _check_alone_jacobian(trainable, inputs, rows, strategy, draw(inputs.size))  # noqa: E731
     if found is not None and not own_forward and (_batch_coupled(trainable, alone()) or _every_row_alone(
             trainable, lambda: _check_directional(trainable, None, inputs, None, rows, strategy))):
         return
-    _raise(found, "a random combination of the Jacobians' rows", strategy)
+    raise_if_failed(found, "a random combination of the Jacobians' rows", strategy)
     alone()
 
 
 def _check_alone_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch.Tensor], strategy: str,
                           i: int) -> Callable[[], bool]:
     first = rows[trainable.names[0]]
-    u = _randn((first.shape[1],), first)
+    u = random_normal((first.shape[1],), first)
     compute = alone_combination(i, u)
     want = compute(trainable, inputs, None, None)
     got = [torch.tensordot(u, rows[name][i], dims=1) for name in trainable.names]
-    copies = _Float64(trainable, inputs, None, None)
+    copies = Float64Copies(trainable, inputs, None, None)
     in_batch = copies.in_batch(alone_combination(i, u, in_batch=True))
     coupled = _coupled(trainable, want, in_batch)
-    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch),
-           f"sample {i}'s Jacobian (a random combination of its rows)", strategy, coupled)
+    raise_if_failed(verdict(trainable.names, got, want, trainable.dtype, copies.again(compute), in_batch),
+                    f"sample {i}'s Jacobian (a random combination of its rows)", strategy, coupled)
     return coupled
 
 
@@ -284,7 +288,7 @@ def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Bat
     block_norms = torch.stack([b.flatten(1).norm(dim=1) for b in blocks], 1)  # (B, K)
     typical = (block_norms.square().mean(0)).sqrt().clamp_min(torch.finfo(block_norms.dtype).tiny)
     scale = 1 / typical  # (K,): each parameter tensor's part of the direction, relative to its size in the result
-    tangents = {name: _randn(tuple(p.shape), p) * scale[k]
+    tangents = {name: random_normal(tuple(p.shape), p) * scale[k]
                 for k, (name, p) in enumerate(zip(trainable.names, trainable.params, strict=True))}
     try:
         derivative = _jvp_each(trainable, loss_fn, inputs, targets, tangents)  # (B,) or (B, Y)
@@ -350,14 +354,15 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     want = norms_of(trainable, inputs, targets, loss_fn)
     got = [squared[name][i].clamp_min(0).sqrt().reshape(1).to(w.dtype) for name, w in zip(trainable.names, want,
                                                                                           strict=True)]
-    copies = _Float64(trainable, inputs, targets, loss_fn)
+    copies = Float64Copies(trainable, inputs, targets, loss_fn)
     in_batch = None if draws is not None else copies.in_batch(
         lambda t, x, y, f: norms_of_grads(alone_loss(i, in_batch=True)(t, x, y, f), t.params))
     def floor() -> float:
         return 1e-3 * float(sum(squared[name] for name in trainable.names).clamp_min(0).max().sqrt())
 
-    _raise(verdict(trainable.names, got, want, trainable.dtype, copies.again(norms_of), in_batch, floor),
-           f"sample {i}'s gradient norm", strategy, _coupled(trainable, want, in_batch), random=draws is not None)
+    raise_if_failed(verdict(trainable.names, got, want, trainable.dtype, copies.again(norms_of), in_batch, floor),
+                    f"sample {i}'s gradient norm", strategy, _coupled(trainable, want, in_batch),
+                    random=draws is not None)
 
 
 def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:

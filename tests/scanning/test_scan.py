@@ -138,6 +138,32 @@ def test_a_coupling_found_by_the_check_hands_the_rest_of_the_scan_over(tmp_path)
     torch.testing.assert_close(res["grad_norm"], flatten_ref(ref, 1).norm(dim=1), rtol=1e-5, atol=1e-6)
 
 
+class _LastSeesPrevious(nn.Module):
+    """From 3 samples on, the last sample's hidden layer adds half the previous sample's: it touches one row of a
+    batch (the sample checked alone is another one most of the time); the check of every row at once finds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if h.shape[0] > 2:
+            h = torch.cat([h[:-1], h[-1:] + 0.5 * h[-2:-1]])
+        return self.b(h)
+
+
+def test_a_coupling_of_one_row_found_by_the_check_of_every_row(tmp_path):
+    torch.manual_seed(0)
+    model = _LastSeesPrevious().double()
+    x, y = torch.randn(32, 4, dtype=torch.float64), torch.randint(0, 3, (32,))
+    loss_fn = nn.CrossEntropyLoss()
+    res = pv.scan(model, loss_fn, torch.utils.data.TensorDataset(x, y), quantities=("loss", "grad_norm"),
+                  batch_size=16, out=tmp_path / "s", progress=False)
+    losses, ref = _reference(model, loss_fn, x, y)
+    torch.testing.assert_close(res["grad_norm"], flatten_ref(ref, 1).norm(dim=1), rtol=1e-9, atol=1e-12)
+
+
 class _Tokens(nn.Module):
     """Embedding -> Linear on (B, T, d) -> Linear without bias, a frozen bias, GroupNorm: every kind of block."""
 

@@ -1,0 +1,130 @@
+"""The every-row check of results formed without the per-sample gradients (book-keeping's clipped sum, the ghost
+norms): the strategy, on a call the check will look at, also forms the random combination ``sum_i w_i g_i`` of
+the rows it never builds, from the same captures and rules in the same pass (each layer's weighted sum with weights
+w instead of clip factors); the check compares it with the gradient of ``sum_i w_i L_i`` from one plain forward and
+backward of the batch (:func:`pergrad_viz.engine.certify.check_grads`' reference). A coupling between samples that
+the probe of a few samples missed (a forward that mixes rows only in larger batches) puts other samples' terms into
+the rows, and shows here whatever sample it touches, as it does for ``per_sample_grads``; the one sample alone
+(``check_norms``) still covers the rest."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.layout import flat_outputs
+from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.certify import Float64Copies, raise_if_failed, random_normal
+from pergrad_viz.engine.references import replayed_weighted_grads, weighted_grads, weighted_outputs
+from pergrad_viz.engine.schedule import unseen_graphs
+from pergrad_viz.engine.verdict import tolerance, verdict
+from pergrad_viz.errors import CheckFailedError
+
+
+def combination_weights(trainable: Trainable, batch: int) -> torch.Tensor | None:
+    """(B,) random weights (the check's own generator) where this call will be checked (its schedule says it is
+    due, or it took a graph between the layers no check saw; ask after the capture), else None."""
+    call = trainable.call
+    if not call.checked or not (call.due or unseen_graphs(trainable)):
+        return None
+    return random_normal((batch,), trainable.params[0])
+
+
+def keep_combination(trainable: Trainable, weights: torch.Tensor, combined: dict[str, torch.Tensor]) -> None:
+    """Hand the combination formed, ``{name: sum_i w_i g_i}`` of every trainable parameter, to the check."""
+    trainable.call.combination = (weights, combined)
+
+
+def check_combination(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, strategy: str) -> None:
+    """Raise :class:`~pergrad_viz.errors.CheckFailedError` unless the combination the strategy formed equals the
+    gradient of ``sum_i w_i L_i`` from one plain backward of the batch (under ``randomness="different"`` the batch's
+    draws replayed); nothing where the strategy formed none."""
+    made, trainable.call.combination = trainable.call.combination, None
+    if made is None:
+        return
+    w, combined = made
+    got = [combined[name] for name in trainable.names]
+    draws = trainable.call.draws
+    if draws is None:
+        want = weighted_grads(trainable, inputs, targets, loss_fn, w)
+        again = Float64Copies(trainable, inputs, targets, loss_fn).again(
+            lambda t, x, y, f: weighted_grads(t, x, y, f, w))
+    else:
+        want = replayed_weighted_grads(draws, trainable, inputs, targets, loss_fn, w)
+        again = Float64Copies(trainable, inputs, targets, loss_fn).again(
+            lambda t, x, y, f: replayed_weighted_grads(draws, t, x, y, f, w))
+    random = draws is not None  # as check_norms: a layer drawing otherwise looks like a coupling (the safe side)
+    raise_if_failed(verdict(trainable.names, got, want, trainable.dtype, again),
+                    "a random combination of the per-sample gradients (formed without them)", strategy,
+                    coupled=random, random=random, why=None if random else _WHY)
+
+
+_WHY = ("the samples interact in this model's forward in a way the probe of a few samples could not see (rows mixed "
+        "only in larger batches, a batch statistic, code that depends on the batch size, a coupling in a custom "
+        "backward), or a layer rule does not fit one of its layers")
+
+
+# The trace kernel's every-row check takes two backward passes per output; above this many outputs a sample (a
+# language model's logits) only one random entry is checked (certify.check_ntk).
+TRACE_OUTPUTS = 16
+
+
+def check_ntk_rows(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: torch.Tensor, full: bool,
+                   outputs: int) -> bool:
+    """Every row of an NTK at once: with random u over x2's samples (and outputs, ``full``), ``K u`` from the result
+    against ``J_1 v`` with ``v = J_2^T u``, both by plain reverse mode on each batch (v one backward of ``u . f``,
+    then ``J_1 v`` its double backward; per output for the trace). A coupling between samples that the probe
+    missed puts other samples' terms into the result's rows and shows here, as in :func:`check_combination`; one
+    entry against the samples alone (``certify.check_ntk``) still covers the rest. Raise
+    :class:`~pergrad_viz.errors.CheckFailedError` where a row differs beyond rounding (the size of its terms, ``|K|
+    |u|``); False where the model has no double backward or the trace has too many outputs (then only that
+    entry is checked), True where every row passed; the caller checks that entry either way."""
+    other = x1 if x2 is None else x2
+    if not full and outputs > TRACE_OUTPUTS:
+        return False
+    u = random_normal((other.size, outputs) if full else (other.size,), kernel)
+    try:
+        if full:
+            want = _jacobian_times(trainable, x1, weighted_outputs(trainable, other, None, None, u))  # (N1, Y)
+            got, size = torch.einsum("ijyz,jz->iy", kernel, u), torch.einsum("ijyz,jz->iy", kernel.abs(), u.abs())
+        else:
+            want = sum(_jacobian_times(trainable, x1, weighted_outputs(trainable, other, None, None, _column(
+                u, y, outputs)))[:, y] for y in range(outputs))
+            got, size = kernel @ u, kernel.abs() @ u.abs()
+    except (RuntimeError, NotImplementedError):  # an operation without a double backward
+        return False
+    diff = (got.double() - want.double()).reshape(x1.size, -1).norm(dim=1)
+    size = size.double().reshape(x1.size, -1).norm(dim=1)
+    size = torch.maximum(size, 1e-3 * size.max())
+    excess = diff / (tolerance(trainable.dtype, trainable.device) * size)
+    worst = int(torch.nan_to_num(excess, nan=math.inf).argmax())
+    if bool(excess[worst] <= 1):
+        return True
+    reason = (f"the per-call check found that row {worst} of the kernel times a random vector differs from the "
+              f"definition, J_1 J_2^T u by plain autograd (difference {float(diff[worst]):.2e} against terms of "
+              f"{float(size[worst]):.2e})")
+    raise CheckFailedError(f"{reason}: {_WHY}.", reason=reason, coupled=False)
+
+
+def _jacobian_times(trainable: Trainable, x: Batch, direction: list[torch.Tensor]) -> torch.Tensor:
+    """(N, Y): the Jacobian of every sample's outputs in the batch ``x`` times ``direction`` (per parameter), as the
+    gradient with respect to output weights w of ``grad(w . f) . direction`` (reverse mode twice: the backward's own
+    conventions, such as an Embedding's padding row, which forward mode does not share)."""
+    out = flat_outputs(trainable.outputs(x), x.size)
+    w = torch.zeros_like(out, requires_grad=True)
+    grads = torch.autograd.grad((out * w).sum(), trainable.params, create_graph=True, allow_unused=True)
+    dot = sum((g * d).sum() for g, d in zip(grads, direction, strict=True) if g is not None)
+    if not isinstance(dot, torch.Tensor) or not dot.requires_grad:  # the outputs reach no parameter linearly
+        return torch.zeros_like(out)
+    times = torch.autograd.grad(dot, w, allow_unused=True)[0]
+    return torch.zeros_like(out) if times is None else times
+
+
+def _column(u: torch.Tensor, y: int, outputs: int) -> torch.Tensor:
+    """(N, Y) weights: ``u`` (N,) on output y, zero elsewhere."""
+    w = u.new_zeros(u.shape[0], outputs)
+    w[:, y] = u
+    return w
