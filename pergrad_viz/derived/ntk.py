@@ -36,8 +36,7 @@ from pergrad_viz.core.validate import batch_of
 from pergrad_viz.derived.norms import ghost_rule, stack_calls
 from pergrad_viz.engine.backward import output_gradients
 from pergrad_viz.engine.capture import Layer
-from pergrad_viz.engine.certify import check_ntk
-from pergrad_viz.engine.combination import check_ntk_rows
+from pergrad_viz.engine.combination import check_ntk, check_ntk_rows
 from pergrad_viz.engine.cotangents import has_fallback_layers, refuse_wrong_nesting
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.observe import forked_random

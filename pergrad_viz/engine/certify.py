@@ -54,7 +54,6 @@ from torch.utils._pytree import tree_map
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.float64 import float64_copy, to_float64
 from pergrad_viz.core.functional import functional_call_once
-from pergrad_viz.core.guards import check_output_count
 from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
@@ -64,18 +63,16 @@ from pergrad_viz.engine.references import (
     alone_combination,
     alone_grads,
     alone_loss,
-    dense,
-    grad_of,
     in_its_batch_loss,
     norms_of_grads,
     replayed_weighted_grads,
     weighted_grads,
     weighted_outputs,
 )
-from pergrad_viz.engine.verdict import fails, tolerance, verdict
+from pergrad_viz.engine.verdict import tolerance, verdict
 from pergrad_viz.errors import CheckFailedError
 
-__all__ = ["CheckFailedError", "Float64Copies", "check_grads", "check_jacobian", "check_norms", "check_ntk", "draw",
+__all__ = ["CheckFailedError", "Float64Copies", "check_grads", "check_jacobian", "check_norms", "draw",
            "raise_if_failed", "random_normal"]
 
 _DRAW = random.Random(int.from_bytes(os.urandom(8), "little"))  # private: the caller's random state is not touched
@@ -363,32 +360,3 @@ def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     raise_if_failed(verdict(trainable.names, got, want, trainable.dtype, copies.again(norms_of), in_batch, floor),
                     f"sample {i}'s gradient norm", strategy, _coupled(trainable, want, in_batch),
                     random=draws is not None)
-
-
-def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:
-    """(Y, P): one sample's Jacobian by the definition, one backward per output."""
-    output = trainable.outputs(x).reshape(-1)
-    rows = []
-    for j in range(output.numel()):
-        grads = grad_of(output[j], trainable.params, retain_graph=True)
-        rows.append(torch.cat([g.reshape(-1) for g in dense(grads, trainable.params)]))
-    return torch.stack(rows)
-
-
-def check_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: torch.Tensor, full: bool) -> None:
-    """Raise :class:`CheckFailedError` unless the block K[i, j] of ``kernel`` ((N1, N2, Y, Y) if ``full``, else
-    (N1, N2)) for one random pair equals ``J_i J_j^T`` (or its trace) from the two samples computed alone."""
-    i = draw(x1.size)
-    other = x1 if x2 is None else x2
-    j = draw(other.size)
-    j1, j2 = _jacobian_alone(trainable, x1.sample(i)), _jacobian_alone(trainable, other.sample(j))
-    check_output_count(f"sample {j} alone", j2.shape[0], j1.shape[0], f"sample {i} alone")
-    check_output_count(f"sample {i} alone", j1.shape[0], kernel.shape[-1] if full else j1.shape[0], "the kernel")
-    want = j1 @ j2.T if full else (j1 * j2).sum()
-    diff = float((kernel[i, j].double() - want.double()).norm())
-    scale = float(j1.double().norm() * j2.double().norm())
-    if fails(diff, max(scale, 1e-300), tolerance(trainable.dtype, trainable.device)):
-        reason = (f"the per-call check found that the kernel entry K[{i}, {j}] differs from J_{i} J_{j}^T computed "
-                  f"from the two samples alone (difference {diff:.2e} against a scale of {scale:.2e})")
-        raise CheckFailedError(f"{reason}: the model's forward does not keep the samples apart in a way the probe "
-                               "could see.", reason=reason)

@@ -14,13 +14,14 @@ import math
 import torch
 
 from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.guards import check_output_count
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.engine.certify import Float64Copies, raise_if_failed, random_normal
-from pergrad_viz.engine.references import replayed_weighted_grads, weighted_grads, weighted_outputs
+from pergrad_viz.engine.certify import Float64Copies, draw, raise_if_failed, random_normal
+from pergrad_viz.engine.references import dense, grad_of, replayed_weighted_grads, weighted_grads, weighted_outputs
 from pergrad_viz.engine.schedule import unseen_graphs
-from pergrad_viz.engine.verdict import tolerance, verdict
+from pergrad_viz.engine.verdict import fails, tolerance, verdict
 from pergrad_viz.errors import CheckFailedError
 
 
@@ -68,7 +69,7 @@ _WHY = ("the samples interact in this model's forward in a way the probe of a fe
 
 
 # The trace kernel's every-row check takes two backward passes per output; above this many outputs a sample (a
-# language model's logits) only one random entry is checked (certify.check_ntk).
+# language model's logits) only one random entry is checked (:func:`check_ntk`).
 TRACE_OUTPUTS = 16
 
 
@@ -78,7 +79,7 @@ def check_ntk_rows(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: to
     against ``J_1 v`` with ``v = J_2^T u``, both by plain reverse mode on each batch (v one backward of ``u . f``,
     then ``J_1 v`` its double backward; per output for the trace). A coupling between samples that the probe
     missed puts other samples' terms into the result's rows and shows here, as in :func:`check_combination`; one
-    entry against the samples alone (``certify.check_ntk``) still covers the rest. Raise
+    entry against the samples alone (:func:`check_ntk`) still covers the rest. Raise
     :class:`~pergrad_viz.errors.CheckFailedError` where a row differs beyond rounding (the size of its terms, ``|K|
     |u|``); False where the model has no double backward or the trace has too many outputs (then only that
     entry is checked), True where every row passed; the caller checks that entry either way."""
@@ -128,3 +129,32 @@ def _column(u: torch.Tensor, y: int, outputs: int) -> torch.Tensor:
     w = u.new_zeros(u.shape[0], outputs)
     w[:, y] = u
     return w
+
+
+def _jacobian_alone(trainable: Trainable, x: Batch) -> torch.Tensor:
+    """(Y, P): one sample's Jacobian by the definition, one backward per output."""
+    output = trainable.outputs(x).reshape(-1)
+    rows = []
+    for j in range(output.numel()):
+        grads = grad_of(output[j], trainable.params, retain_graph=True)
+        rows.append(torch.cat([g.reshape(-1) for g in dense(grads, trainable.params)]))
+    return torch.stack(rows)
+
+
+def check_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: torch.Tensor, full: bool) -> None:
+    """Raise :class:`CheckFailedError` unless the block K[i, j] of ``kernel`` ((N1, N2, Y, Y) if ``full``, else
+    (N1, N2)) for one random pair equals ``J_i J_j^T`` (or its trace) from the two samples computed alone."""
+    i = draw(x1.size)
+    other = x1 if x2 is None else x2
+    j = draw(other.size)
+    j1, j2 = _jacobian_alone(trainable, x1.sample(i)), _jacobian_alone(trainable, other.sample(j))
+    check_output_count(f"sample {j} alone", j2.shape[0], j1.shape[0], f"sample {i} alone")
+    check_output_count(f"sample {i} alone", j1.shape[0], kernel.shape[-1] if full else j1.shape[0], "the kernel")
+    want = j1 @ j2.T if full else (j1 * j2).sum()
+    diff = float((kernel[i, j].double() - want.double()).norm())
+    scale = float(j1.double().norm() * j2.double().norm())
+    if fails(diff, max(scale, 1e-300), tolerance(trainable.dtype, trainable.device)):
+        reason = (f"the per-call check found that the kernel entry K[{i}, {j}] differs from J_{i} J_{j}^T computed "
+                  f"from the two samples alone (difference {diff:.2e} against a scale of {scale:.2e})")
+        raise CheckFailedError(f"{reason}: the model's forward does not keep the samples apart in a way the probe "
+                               "could see.", reason=reason)
