@@ -2,13 +2,15 @@
 sympy's warnings filter (``('once', SymPyDeprecationWarning)``, added by its import, which torch._dynamo's import
 under torch.func's first grad or a first batched backward brings) and ``TORCHINDUCTOR_CACHE_DIR`` (set by
 torch._dynamo's import to its cache directory, made absolute). Only PyTorch's own settings are taken back: a value
-the user sets meanwhile (another thread) is kept."""
+the user sets meanwhile (another thread) is kept. And the warnings the package's checks keep quiet (:func:`quiet`)
+without touching the process's filters, whose change makes Python forget which warnings it has shown."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -70,3 +72,23 @@ def _drop_sympy_filters(before: list) -> None:
             warnings.filters.remove(f)
         if added:
             getattr(warnings, "_filters_mutated", lambda: None)()  # the module's caches read the list anew
+
+
+@contextlib.contextmanager
+def quiet(*messages: str) -> Iterator[None]:
+    """Warnings whose text matches one of ``messages`` (regexes; none given: every warning) are not shown while the
+    body runs, the process's filters untouched: ``warnings.catch_warnings`` puts the filter list back on exit, and
+    any change to it makes Python forget which warnings it has shown, so that the user's own (a loss's note on
+    broadcast shapes) would show again after every checked call. A warning the filters make an error still is."""
+    with FILTERS:
+        show = warnings.showwarning
+
+        def shown(message, category, filename, lineno, file=None, line=None):
+            if messages and not any(re.search(m, str(message)) for m in messages):
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = shown
+        try:
+            yield
+        finally:
+            warnings.showwarning = show

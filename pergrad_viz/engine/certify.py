@@ -40,14 +40,15 @@ the caller's state is untouched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
 import random
-import warnings
 from collections.abc import Callable, Mapping
 
 import torch
+from torch import nn
 from torch.func import jvp, vmap
 from torch.utils._pytree import tree_map
 
@@ -56,8 +57,8 @@ from pergrad_viz.core.float64 import float64_copy, to_float64
 from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
+from pergrad_viz.core.process import quiet
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.core.users import FILTERS
 from pergrad_viz.engine.references import (
     Tensors,
     alone_combination,
@@ -197,6 +198,8 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
         return
     raise_if_failed(found, "a random combination of the rows", strategy)
     alone()
+    if own_forward:  # every row alone by forward mode: a coupling that moves a few rows without a cross term
+        _check_directional(trainable, loss_fn, inputs, targets, rows, strategy, screen=True)
 
 
 def _batch_coupled(trainable: Trainable, coupled: Callable[[], bool]) -> bool:
@@ -256,6 +259,8 @@ def check_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch
         return
     raise_if_failed(found, "a random combination of the Jacobians' rows", strategy)
     alone()
+    if own_forward:
+        _check_directional(trainable, None, inputs, None, rows, strategy, screen=True)
 
 
 def _check_alone_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str, torch.Tensor], strategy: str,
@@ -274,10 +279,11 @@ def _check_alone_jacobian(trainable: Trainable, inputs: Batch, rows: Mapping[str
 
 
 def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
-                       rows: Mapping[str, torch.Tensor], strategy: str) -> bool:
+                       rows: Mapping[str, torch.Tensor], strategy: str, screen: bool = False) -> bool:
     """Every row against a forward-mode directional derivative of that sample alone (``vmap`` of ``jvp``); the worst
     row beyond the tolerance, if any, is then checked alone. Where forward mode cannot run the model, one random
-    row is checked alone. Returns whether every row passed by forward mode."""
+    row is checked alone (``screen``: none, and nothing it raises or warns reaches the caller). Returns whether
+    every row passed by forward mode."""
     jacobian = loss_fn is None
     lead = 2 if jacobian else 1
     batch = inputs.size
@@ -285,12 +291,16 @@ def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Bat
     block_norms = torch.stack([b.flatten(1).norm(dim=1) for b in blocks], 1)  # (B, K)
     typical = (block_norms.square().mean(0)).sqrt().clamp_min(torch.finfo(block_norms.dtype).tiny)
     scale = 1 / typical  # (K,): each parameter tensor's part of the direction, relative to its size in the result
-    tangents = {name: random_normal(tuple(p.shape), p) * scale[k]
-                for k, (name, p) in enumerate(zip(trainable.names, trainable.params, strict=True))}
+    tangents = _without_padding_rows(trainable, {name: random_normal(tuple(p.shape), p) * scale[k] for k, (name, p)
+                                                 in enumerate(zip(trainable.names, trainable.params, strict=True))})
+    unavailable = (Exception,) if screen else (RuntimeError, NotImplementedError)  # no forward-mode formula, no vmap
     try:
-        derivative = _jvp_each(trainable, loss_fn, inputs, targets, tangents)  # (B,) or (B, Y)
-    except (RuntimeError, NotImplementedError):  # no forward-mode formula, or vmap cannot run the model
+        with quiet() if screen else contextlib.nullcontext():  # vmap's notes on its slow paths: not the user's
+            derivative = _jvp_each(trainable, loss_fn, inputs, targets, tangents)  # (B,) or (B, Y)
+    except unavailable:
         derivative = None
+    if derivative is None and screen:
+        return False
     i = draw(batch)
     if derivative is not None:
         got = sum(torch.einsum("b...p,p->b...", b, tangents[n].reshape(-1)) for b, n in zip(blocks, trainable.names,
@@ -309,6 +319,18 @@ def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Bat
     else:
         _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, i)
     return False
+
+
+def _without_padding_rows(trainable: Trainable, tangents: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tangents`` with an Embedding's padding row 0: its backward leaves that row's gradient 0 while its forward
+    reads the row (a weight tied to an output layer would move it), so the two modes would differ there."""
+    names = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
+    for _, module in trainable.modules:
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.padding_idx is not None:
+            name = names.get(id(module.weight))
+            if name is not None:
+                tangents[name][module.padding_idx] = 0
+    return tangents
 
 
 def _jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
@@ -330,8 +352,7 @@ def _jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targe
 
         return jvp(value, (params,), (tangents,))[1]
 
-    with FILTERS, warnings.catch_warnings():  # forward mode's first use loads PyTorch's jvp decompositions, which warn
-        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*deprecated", category=FutureWarning)
+    with quiet(r"torch\.jit\.script.*deprecated"):  # forward mode's first use loads PyTorch's jvp decompositions
         if loss_fn is None or targets is None:  # a Jacobian's outputs; a loss of the output alone (targets=None)
             return vmap(lambda xs: one(xs, None))(inputs.leaves())
         return vmap(one)(inputs.leaves(), targets)

@@ -11,7 +11,6 @@ float64 in some PyTorch versions; data-dependent shapes such as an RNN on a ``Pa
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable
 
@@ -25,8 +24,8 @@ from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
+from pergrad_viz.core.process import quiet
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.core.users import FILTERS
 from pergrad_viz.engine.cotangents import refuse_wrong_nesting
 from pergrad_viz.engine.observe import tensors_of
 from pergrad_viz.engine.plan_key import call_key
@@ -52,8 +51,7 @@ def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Call
     failing run: the call that works pays nothing. PyTorch's note that an operation runs without a batching rule
     (slower, not wrong: "please file us an issue") is not shown to the caller."""
     try:
-        with FILTERS, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+        with quiet("There is a performance drop because we have not yet"):
             return batched()
     except (RuntimeError, NotImplementedError) as e:
         if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):

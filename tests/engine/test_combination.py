@@ -121,3 +121,44 @@ def test_ntk_rows_checked_with_x2_and_no_false_alarm_on_a_tied_padding_embedding
     got = pv.empirical_ntk(model, tokens[:5], tokens[5:])
     assert passed == [True]
     torch.testing.assert_close(got, torch.einsum("iyp,jzp->ijyz", j1, j2), rtol=1e-9, atol=1e-12)
+
+
+class _FirstOrderTanh(torch.autograd.Function):
+    """tanh whose backward is detached (a hand-written kernel's wrapper): no double backward through it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return (g * (1 - torch.tanh(x) ** 2)).detach()
+
+
+def test_ntk_rows_not_checked_through_a_backward_without_a_graph(monkeypatch):
+    """The double backward would lose the first layer's terms there: the rows are not checked (no false alarm that
+    would send every later call to the loop), the one entry alone is."""
+    results = []
+
+    def spy(*args):
+        results.append(check_ntk_rows(*args))
+        return results[-1]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(10, 20), nn.Linear(20, 3)
+
+        def forward(self, x):
+            return self.b(_FirstOrderTanh.apply(self.a(x)))
+
+    monkeypatch.setattr(ntk, "check_ntk_rows", spy)
+    torch.manual_seed(0)
+    model, x = Net().double(), torch.randn(6, 10, dtype=torch.float64)
+    j = _jacobians(model, x)
+    for mode in ("full", "trace"):
+        want = torch.einsum("iyp,jzp->ijyz" if mode == "full" else "iyp,jyp->ij", j, j)
+        torch.testing.assert_close(pv.empirical_ntk(model, x, mode=mode), want, rtol=1e-9, atol=1e-12)
+    assert results == [False, False]

@@ -1,0 +1,78 @@
+"""The per-call check of a batched strategy's rows also compares every row with its sample alone by forward mode
+(``certify._check_directional`` as a screen: ``vmap`` over the samples of a ``jvp``, the worst row beyond the
+tolerance then checked alone by reverse mode). A forward that moves one row by another sample's values without a
+cross term (detached), only from 3 samples on, escapes the weighted backward (which shares it) and the one random
+sample alone (1/B): it gave a wrong row on every default call before. References: a loop written here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from zoo.nets import DoublyTiedNet
+
+import pergrad_viz as pv
+from pergrad_viz.engine import certify
+from pergrad_viz.errors import CheckFailedError
+
+
+class LastMovedByPrevious(nn.Module):
+    """From 3 samples on, the last sample's hidden layer adds half the previous sample's, detached."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if h.shape[0] > 2:
+            h = torch.cat([h[:-1], h[-1:] + 0.5 * h[-2:-1].detach()])
+        return self.b(h)
+
+
+def _problem(seed: int):
+    torch.manual_seed(seed)
+    return LastMovedByPrevious().double(), torch.randn(16, 5, dtype=torch.float64), torch.randint(0, 3, (16,))
+
+
+def _loop(model, loss_fn, x, y):
+    params = list(model.parameters())
+    return torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss_fn(model(x[i:i + 1]),
+                                                                                      y[i:i + 1]), params)])
+                        for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_default_per_sample_grads_and_jacobian_equal_the_loop(seed):
+    model, x, y = _problem(seed)
+    loss_fn = nn.CrossEntropyLoss()
+    torch.testing.assert_close(pv.per_sample_grads(model, loss_fn, x, y, flat=True), _loop(model, loss_fn, x, y),
+                               rtol=1e-9, atol=1e-12)
+    params = list(model.parameters())
+    want = torch.stack([torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params,
+                                                                                           retain_graph=True)])
+                                     for o in model(x[i:i + 1])[0]]) for i in range(x.shape[0])])
+    torch.testing.assert_close(pv.per_sample_jacobian(model, x, flat=True), want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["hooks", "autograd_stack", "batched_grad"])
+def test_batched_strategies_asked_for_refuse(strategy):
+    model, x, y = _problem(0)
+    with pytest.raises(CheckFailedError, match="sample 15"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+
+
+def test_no_false_alarm_at_a_tied_embeddings_padding_row(monkeypatch):
+    """The backward leaves an Embedding's padding row 0, the forward reads it: with the row tied to an output layer
+    a random direction there would part the two modes on every sample with a padding token; the screen's direction
+    is 0 on that row, so it passes (no sample is checked alone)."""
+    alone = []
+    real = certify._check_alone
+    monkeypatch.setattr(certify, "_check_alone", lambda *a: alone.append(a[-1]) or real(*a))
+    torch.manual_seed(0)
+    model, tokens = DoublyTiedNet(vocab=6).double(), torch.randint(0, 6, (8, 7))
+    tokens[:, 0] = 1  # the padding index in every sample
+    y = torch.randint(0, 6, (8,))
+    got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), tokens, y, strategy="hooks", flat=True)
+    assert len(alone) == 1  # the check's one random sample alone, no suspect row
+    torch.testing.assert_close(got, _loop(model, nn.CrossEntropyLoss(), tokens, y), rtol=1e-9, atol=1e-12)
