@@ -35,6 +35,7 @@ from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.numbers import SQUARES
 from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.clipping import Groups, check_finite, clip_factors
+from pergrad_viz.derived.directions import layer_directions
 from pergrad_viz.derived.norms import (
     TiedPart,
     dense_part,
@@ -47,7 +48,7 @@ from pergrad_viz.derived.norms import (
 from pergrad_viz.derived.routes import Form, booked_rules, route, with_others
 from pergrad_viz.derived.sums import LazySums, linear_view_pairs, zero_sums
 from pergrad_viz.engine.capture import Call, Layer, capture, shape_only
-from pergrad_viz.engine.combination import combination_weights, keep_combination
+from pergrad_viz.engine.combination import check_direction, combination_weights, keep_combination
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.lowest import StaleLowest, asked, reached
 from pergrad_viz.engine.plan import LayerKind
@@ -67,8 +68,9 @@ class _Book:
     norms {full name: (B,)}, the shares formed from captures, the per-sample gradients [(full name, (B, *shape))] of
     the other layers, and the parts of each tied weight's norm."""
 
-    def __init__(self, tied: set[str], doubts: Doubts | None = None):
-        self.tied = tied
+    def __init__(self, tied: set[str], doubts: Doubts | None = None, direction: dict | None = None):
+        self.tied, self.direction = tied, direction  # a checked call's: each row's g_i . v into dots (directions.py)
+        self.dots: dict[str, torch.Tensor] = {}
         self.doubts = doubts  # on a GPU: the layers' norms unscaled, their range read once in finish()
         self.squared: dict[str, torch.Tensor] = {}
         self.shares: list[SumOf] = []
@@ -92,6 +94,7 @@ class _Book:
             self.shares.append(entry[1])
         elif now and layer.kind is not LayerKind.RULE:
             self.later.append((layer, arrived))
+            return
         else:
             for ln, g in dense_grads(layer, seen).items():
                 name = layer.local[ln]
@@ -101,6 +104,8 @@ class _Book:
                 else:
                     self.squared[name] = own
                 self.dense.append((name, g[0]))
+        for name, d in (layer_directions(layer, _with_n(arrived), self.direction) if self.direction else {}).items():
+            self.dots[name] = d if name not in self.dots else self.dots[name] + d
 
     def finish(self) -> None:
         """The layers left for after the backward, the unscaled norms' range read (a layer with extreme values
@@ -213,14 +218,15 @@ def _call_layer(layer: Layer, seen: Seen, book: _Book) -> tuple[dict[str, torch.
     return squared, share
 
 
-def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, fresh: bool) -> _Book:
+def _booked_backward(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, fresh: bool,
+                     direction: dict | None = None) -> _Book:
     """1 forward with hooks, 1 backward of the summed per-sample losses, each layer booked as its output gradients
     (N = 1 first) arrive; the captured outputs kept as shapes only. Autograd is asked for the outputs the plan's
     earlier calls found lowest (unless ``fresh``); where an output's gradient then never arrives although the loss
     reaches it, :class:`~pergrad_viz.engine.lowest.StaleLowest` is raised."""
     output, calls = capture(trainable, inputs)
     check_reached(trainable, calls)  # a merged adapter, a forward under no_grad: refused, as per_sample_grads does
-    book = _Book(tied_names(calls), doubts_for(trainable.device))
+    book = _Book(tied_names(calls), doubts_for(trainable.device), direction)
     wanted = [(i, k, t) for i, c in enumerate(calls) for k, t in enumerate((*c.outputs, *c.internals))
               if t.requires_grad]  # not empty: check_reached refused that
     layers: dict[int, tuple[Layer, list[int]]] = {}
@@ -301,6 +307,8 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     batch = inputs.size
     squared: dict[str, torch.Tensor] = {}
     sums = w = combined = None
+    direction = check_direction(trainable)  # a checked call: each row's g_i . v too (derived/directions.py)
+    dots = {n: torch.zeros(batch, dtype=SQUARES, device=trainable.device) for n in trainable.names} if direction else {}
 
     def zeros() -> torch.Tensor:
         return torch.zeros(batch, dtype=SQUARES, device=trainable.device)
@@ -309,7 +317,9 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     with restoring_modes(trainable), refusing_reentrant_checkpoints():
         for first in range(0, batch, chunk):
             rows = slice(first, min(first + chunk, batch))
-            book = _booked_backward(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), fresh)
+            book = _booked_backward(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), fresh, direction)
+            for name, d in book.dots.items():
+                dots[name][rows] += d
             whole = rows.stop - rows.start == batch
             if whole:  # one chunk: the book's norms as they are, in float64 (one stack, not a conversion each)
                 present = [n for n in trainable.names if n in book.squared]
@@ -335,7 +345,7 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
                 _add_book(book, factors, sums, weights, combined)
             del book
     if combined is not None:
-        keep_combination(trainable, w, combined.complete())
+        keep_combination(trainable, w, combined.complete(), direction, dots)
     return sums, squared
 
 

@@ -226,7 +226,7 @@ def _sums(trainable: Trainable, resolved: str, strategy: str, loss_fn: LossFn, b
 
     def check(result: tuple[dict, dict], used: str) -> None:
         if used == "hooks":  # the other strategies' gradients were checked as they were computed
-            check_combination(trainable, loss_fn, batch, targets, used)  # every row at once
+            check_combination(trainable, loss_fn, batch, targets, used, result[1])  # every row at once
             check_norms(trainable, loss_fn, batch, targets, result[1], used)  # one sample alone
 
     return api.hand_over(strategy, resolved, trainable, batch, run, check if verify else None, "clipped_sum", targets,

@@ -40,11 +40,12 @@ from pergrad_viz.core.numbers import SQUARES
 from pergrad_viz.core.randomness import randomness_of
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.core.validate import check_flags, check_loss
+from pergrad_viz.derived.directions import layer_directions
 from pergrad_viz.derived.sums import add_layer, zero_sums
 from pergrad_viz.engine.backward import loss_gradients
 from pergrad_viz.engine.capture import Layer
 from pergrad_viz.engine.certify import check_norms
-from pergrad_viz.engine.combination import check_combination, combination_weights, keep_combination
+from pergrad_viz.engine.combination import check_combination, check_direction, combination_weights, keep_combination
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for, positions
@@ -77,9 +78,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
         per_parameter: return ``{name: (B,)}`` norms per trainable parameter instead of the total (B,).
         chunk_size: process at most this many samples at a time.
         model_kwargs: more keyword arguments for the model, cut like the inputs (see ``pergrad_viz.core.batch``).
-        verify: check one randomly drawn sample's norms against that sample computed alone (the ghost norms;
-            materialised gradients are checked as :func:`pergrad_viz.per_sample_grads` checks them), amortised as
-            there (``pergrad_viz.engine.schedule``); ``False`` skips it.
+        verify: the per-call check, as :func:`pergrad_viz.per_sample_grads` (docs/api.md); ``False`` skips it.
         randomness: ``"error"`` or ``"different"`` (each sample's gradient under its own dropout mask), as
             :func:`pergrad_viz.per_sample_grads`.
 
@@ -106,7 +105,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
 
     def check(squared: dict[str, torch.Tensor], used: str) -> None:
         if used == "hooks":  # the other strategies' gradients were checked as they were computed
-            check_combination(trainable, loss_fn, inputs, targets, used)  # every row at once
+            check_combination(trainable, loss_fn, inputs, targets, used, squared)  # every row at once
             check_norms(trainable, loss_fn, inputs, targets, squared, used)  # one sample alone
 
     squared = api.hand_over(strategy, resolved, trainable, inputs, run, check if verify else None, "norms", targets,
@@ -119,8 +118,9 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
 def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
                          chunk: int) -> dict[str, torch.Tensor]:
     """{name: (B,) squared norms}: per chunk 1 forward with hooks, 1 backward to the layer outputs."""
-    batch, w, combined = inputs.size, None, None
+    batch, w, combined, direction = inputs.size, None, None, check_direction(trainable)
     squared = {n: torch.zeros(batch, dtype=SQUARES, device=trainable.device) for n in trainable.names}
+    dots = {n: s.clone() for n, s in squared.items()} if direction else None  # g_i . v (derived/directions.py)
     with restoring_modes(trainable), refusing_reentrant_checkpoints():
         for start in range(0, batch, chunk):
             rows = slice(start, min(start + chunk, batch))
@@ -129,12 +129,13 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, t
             if start == 0:  # a call the check looks at: sum_i w_i g_i from the same captures (engine/combination.py)
                 w = combination_weights(trainable, batch)
                 combined = None if w is None else zero_sums(trainable)
-            tied = tied_names(calls)
-            parts: dict[str, list[TiedPart]] = {}  # tied parameters: each layer's share of their norm
+            tied, parts = tied_names(calls), {}  # parts: each layer's share of a tied parameter's norm
             doubts = doubts_for(trainable.device)  # a GPU: the Grams' range read once, below
             for layer, seen in group_calls(calls, grads).values():
                 if combined is not None:
                     add_layer(combined, layer, seen, w[rows].to(trainable.dtype))
+                for name, d in (layer_directions(layer, seen, direction) if direction else {}).items():
+                    dots[name][rows] += d
                 if tied.isdisjoint(layer.local.values()):
                     def write(layer: Layer = layer, seen: Seen = seen, rows: slice = rows) -> None:
                         for local_name, sq in layer_squared_norms(layer, seen).items():
@@ -153,7 +154,7 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, t
             for name, p in parts.items():
                 squared[name][rows] = tied_squared_norms(p)
     if combined is not None:
-        keep_combination(trainable, w, combined.complete())
+        keep_combination(trainable, w, combined.complete(), direction, dots)
     return squared
 
 

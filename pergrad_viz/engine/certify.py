@@ -73,8 +73,8 @@ from pergrad_viz.engine.references import (
 from pergrad_viz.engine.verdict import tolerance, verdict
 from pergrad_viz.errors import CheckFailedError
 
-__all__ = ["CheckFailedError", "Float64Copies", "check_grads", "check_jacobian", "check_norms", "draw",
-           "raise_if_failed", "random_normal"]
+__all__ = ["CheckFailedError", "Float64Copies", "check_grads", "check_jacobian", "check_norms", "draw", "jvp_each",
+           "raise_if_failed", "random_normal", "without_padding_rows"]
 
 _DRAW = random.Random(int.from_bytes(os.urandom(8), "little"))  # private: the caller's random state is not touched
 
@@ -291,12 +291,12 @@ def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Bat
     block_norms = torch.stack([b.flatten(1).norm(dim=1) for b in blocks], 1)  # (B, K)
     typical = (block_norms.square().mean(0)).sqrt().clamp_min(torch.finfo(block_norms.dtype).tiny)
     scale = 1 / typical  # (K,): each parameter tensor's part of the direction, relative to its size in the result
-    tangents = _without_padding_rows(trainable, {name: random_normal(tuple(p.shape), p) * scale[k] for k, (name, p)
+    tangents = without_padding_rows(trainable, {name: random_normal(tuple(p.shape), p) * scale[k] for k, (name, p)
                                                  in enumerate(zip(trainable.names, trainable.params, strict=True))})
     unavailable = (Exception,) if screen else (RuntimeError, NotImplementedError)  # no forward-mode formula, no vmap
     try:
         with quiet() if screen else contextlib.nullcontext():  # vmap's notes on its slow paths: not the user's
-            derivative = _jvp_each(trainable, loss_fn, inputs, targets, tangents)  # (B,) or (B, Y)
+            derivative = jvp_each(trainable, loss_fn, inputs, targets, tangents)  # (B,) or (B, Y)
     except unavailable:
         derivative = None
     if derivative is None and screen:
@@ -321,7 +321,7 @@ def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Bat
     return False
 
 
-def _without_padding_rows(trainable: Trainable, tangents: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def without_padding_rows(trainable: Trainable, tangents: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tangents`` with an Embedding's padding row 0: its backward leaves that row's gradient 0 while its forward
     reads the row (a weight tied to an output layer would move it), so the two modes would differ there."""
     names = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
@@ -333,7 +333,7 @@ def _without_padding_rows(trainable: Trainable, tangents: dict[str, torch.Tensor
     return tangents
 
 
-def _jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
+def jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
               tangents: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per sample, alone: the derivative of its loss (of its outputs (Y,)) along ``tangents``; (B,) or (B, Y)."""
     params = {n: p.detach() for n, p in zip(trainable.names, trainable.params, strict=True)}
@@ -359,10 +359,10 @@ def _jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targe
 
 
 def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
-                squared: Mapping[str, torch.Tensor], strategy: str) -> None:
+                squared: Mapping[str, torch.Tensor], strategy: str, i: int | None = None) -> None:
     """Raise :class:`CheckFailedError` unless entry i of ``squared`` {name: (B,)} is the squared norm of sample i's
-    gradient, per parameter, for one random sample i."""
-    i = draw(inputs.size)
+    gradient, per parameter, for sample i (by default a random one)."""
+    i = draw(inputs.size) if i is None else i
     draws = trainable.call.draws
     loss_of = alone_loss(i) if draws is None else in_its_batch_loss(draws, i)
 

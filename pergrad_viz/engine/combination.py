@@ -18,8 +18,17 @@ from pergrad_viz.core.float64 import to_float64
 from pergrad_viz.core.guards import check_output_count
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn
+from pergrad_viz.core.process import quiet
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.engine.certify import Float64Copies, draw, raise_if_failed, random_normal
+from pergrad_viz.engine.certify import (
+    Float64Copies,
+    check_norms,
+    draw,
+    jvp_each,
+    raise_if_failed,
+    random_normal,
+    without_padding_rows,
+)
 from pergrad_viz.engine.references import dense, grad_of, replayed_weighted_grads, weighted_grads, weighted_outputs
 from pergrad_viz.engine.schedule import unseen_graphs
 from pergrad_viz.engine.verdict import fails, tolerance, verdict
@@ -35,19 +44,36 @@ def combination_weights(trainable: Trainable, batch: int) -> torch.Tensor | None
     return random_normal((batch,), trainable.params[0])
 
 
-def keep_combination(trainable: Trainable, weights: torch.Tensor, combined: dict[str, torch.Tensor]) -> None:
-    """Hand the combination formed, ``{name: sum_i w_i g_i}`` of every trainable parameter, to the check."""
-    trainable.call.combination = (weights, combined)
+def check_direction(trainable: Trainable) -> dict[str, torch.Tensor] | None:
+    """A random direction {name: like the parameter} (an Embedding's padding row 0) where this call's check is due
+    (known before the pass) and draws no random numbers: the strategy then also forms ``g_i . v`` per sample
+    (``derived/directions.py``), screened against each sample alone by forward mode; else None."""
+    call = trainable.call
+    if not call.checked or not call.due or call.draws is not None:
+        return None
+    return without_padding_rows(trainable, {n: random_normal(tuple(p.shape), p) for n, p in zip(
+        trainable.names, trainable.params, strict=True)})
 
 
-def check_combination(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, strategy: str) -> None:
+def keep_combination(trainable: Trainable, weights: torch.Tensor, combined: dict[str, torch.Tensor],
+                     direction: dict[str, torch.Tensor] | None = None, dots: dict[str, torch.Tensor] | None = None
+                     ) -> None:
+    """Hand the combination formed, ``{name: sum_i w_i g_i}`` of every trainable parameter, to the check; with the
+    direction of :func:`check_direction` and ``{name: (B,) g_i . v}`` where they were formed too."""
+    trainable.call.combination = (weights, combined, direction, dots)
+
+
+def check_combination(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, strategy: str,
+                      squared: dict[str, torch.Tensor] | None = None) -> None:
     """Raise :class:`~pergrad_viz.errors.CheckFailedError` unless the combination the strategy formed equals the
     gradient of ``sum_i w_i L_i`` from one plain backward of the batch (under ``randomness="different"`` the batch's
-    draws replayed); nothing where the strategy formed none."""
+    draws replayed); nothing where the strategy formed none. Where it formed ``g_i . v`` too, every row is screened
+    against its sample alone by forward mode, the worst row beyond rounding checked alone (``squared``: the
+    result's (B,) squared norms per parameter, for the scale)."""
     made, trainable.call.combination = trainable.call.combination, None
     if made is None:
         return
-    w, combined = made
+    w, combined, direction, dots = made
     got = [combined[name] for name in trainable.names]
     draws = trainable.call.draws
     if draws is None:
@@ -62,6 +88,32 @@ def check_combination(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targ
     raise_if_failed(verdict(trainable.names, got, want, trainable.dtype, again),
                     "a random combination of the per-sample gradients (formed without them)", strategy,
                     coupled=random, random=random, why=None if random else _WHY)
+    if direction is not None and squared is not None:
+        _screen(trainable, loss_fn, inputs, targets, strategy, squared, direction, dots)
+
+
+def _screen(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, strategy: str,
+            squared: dict[str, torch.Tensor], direction: dict[str, torch.Tensor], dots: dict[str, torch.Tensor]
+            ) -> None:
+    """Every row's ``g_i . v`` against the derivative of sample i's loss alone along v (``vmap`` of ``jvp``), each
+    parameter's part of v scaled by that parameter's typical norm; the worst row beyond the tolerance checked alone
+    (:func:`~pergrad_viz.engine.certify.check_norms`). Nothing where forward mode cannot run the model."""
+    names = trainable.names
+    scale = {n: 1 / squared[n].mean().sqrt().clamp_min(torch.finfo(torch.float64).tiny) for n in names}
+    try:
+        with quiet():  # vmap's notes on its slow paths: not the user's
+            want = jvp_each(trainable, loss_fn, inputs, targets, {
+                n: direction[n] * scale[n].to(direction[n].dtype) for n in names}).double()
+    except Exception:  # no forward-mode formula, or vmap cannot run the model: the sample alone stays
+        return
+    zero = torch.zeros(inputs.size, dtype=torch.float64, device=trainable.device)
+    got = sum((dots[n].double() * scale[n] if n in dots else zero for n in names), zero)
+    size = torch.stack([squared[n] * scale[n].square() for n in names]).sum(0).sqrt()
+    excess = (got - want).abs() / (tolerance(trainable.dtype, trainable.device) * torch.maximum(size,
+                                                                                                1e-3 * size.max()))
+    worst = int(torch.nan_to_num(excess, nan=math.inf).argmax())
+    if not bool(excess[worst] <= 1):
+        check_norms(trainable, loss_fn, inputs, targets, squared, strategy, worst)
 
 
 _WHY = ("the samples interact in this model's forward in a way the probe of a few samples could not see (rows mixed "

@@ -73,7 +73,7 @@ def test_hooks_asked_for_is_refused_naming_the_interaction(quantity):
 def test_unchecked_calls_form_no_combination(monkeypatch):
     """verify=False (and calls the schedule does not check) pay nothing for it: no weights drawn."""
     drawn = []
-    monkeypatch.setattr(combination, "random_normal", lambda *a: drawn.append(a) or torch.zeros(a[0]))
+    monkeypatch.setattr(combination, "random_normal", lambda *a: drawn.append(a) or torch.zeros(a[0], dtype=a[1].dtype))
     model, x, y = _problem(0)
     pv.clipped_grad_sum(model, nn.CrossEntropyLoss(), x[:2], y[:2], 1.0, verify=False)
     pv.per_sample_grad_norms(model, nn.CrossEntropyLoss(), x[:2], y[:2], verify=False)

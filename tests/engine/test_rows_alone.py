@@ -76,3 +76,67 @@ def test_no_false_alarm_at_a_tied_embeddings_padding_row(monkeypatch):
     got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), tokens, y, strategy="hooks", flat=True)
     assert len(alone) == 1  # the check's one random sample alone, no suspect row
     torch.testing.assert_close(got, _loop(model, nn.CrossEntropyLoss(), tokens, y), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_default_norms_and_clipped_sum_equal_the_loop(seed):
+    """The same screen for the results never built as rows: each row's g_i . v formed from the captures."""
+    model, x, y = _problem(seed)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    rows = _loop(model, loss_fn, x, y)
+    norms = rows.norm(dim=1)
+    torch.testing.assert_close(pv.per_sample_grad_norms(model, loss_fn, x, y), norms, rtol=1e-9, atol=0)
+    bound = float(norms.median())
+    flat = torch.cat([t.reshape(-1) for t in pv.clipped_grad_sum(model, loss_fn, x, y, bound).values()])
+    torch.testing.assert_close(flat, ((bound / (norms + 1e-6)).clamp(max=1)[:, None] * rows).sum(0), rtol=1e-9,
+                               atol=1e-12)
+
+
+class EveryKind(nn.Module):
+    """An Embedding with a padding row, a Linear on tokens, packed self-attention, a LayerNorm, a grouped Conv1d with
+    'same' padding and a stride-2 Conv1d over the tokens, a ConvTranspose1d, a head tied to the Embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8, padding_idx=0)
+        self.mix = nn.Linear(8, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.norm = nn.LayerNorm(8)
+        self.conv = nn.Conv1d(8, 8, 3, padding="same", groups=2)
+        self.down = nn.Conv1d(8, 8, 3, stride=2)
+        self.up = nn.ConvTranspose1d(8, 8, 2, stride=2)
+        self.head = nn.Linear(8, 11)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.emb(ids)))
+        h = self.norm(h + self.attn(h, h, h, need_weights=False)[0])
+        c = self.up(torch.tanh(self.down(torch.tanh(self.conv(h.mT)))))
+        return self.head(c.mean(2))
+
+
+@pytest.mark.parametrize("quantity", ["norms", "clipped_sum"])
+def test_each_layer_kind_forms_its_rows_dot_the_direction(monkeypatch, quantity):
+    """derived/directions.py against the loop's rows: sum over parameters of g_i . v, formed from the captures."""
+    from pergrad_viz.engine import combination
+
+    kept = []
+    monkeypatch.setattr(combination, "keep_combination", lambda *a: kept.append(a))
+    for module in ("pergrad_viz.derived.norms", "pergrad_viz.derived.bookkeeping"):
+        monkeypatch.setattr(f"{module}.keep_combination", lambda *a: kept.append(a))
+    torch.manual_seed(0)
+    model = EveryKind().double()
+    ids = torch.randint(0, 11, (6, 7))
+    ids[:, -1] = 0  # a padding token in every sample
+    y = torch.randint(0, 11, (6,))
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    if quantity == "norms":
+        pv.per_sample_grad_norms(model, loss_fn, ids, y, strategy="hooks")
+    else:
+        pv.clipped_grad_sum(model, loss_fn, ids, y, 1.0, strategy="hooks")
+    (_, _, _, direction, dots), = kept
+    names = [n for n, _ in model.named_parameters()]
+    rows = _loop(model, loss_fn, ids, y)
+    want = rows @ torch.cat([direction[n].reshape(-1) for n in names])
+    got = sum(dots[n] for n in names)
+    torch.testing.assert_close(got.double(), want, rtol=1e-9, atol=1e-12)
