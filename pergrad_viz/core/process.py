@@ -12,6 +12,7 @@ import functools
 import os
 import re
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -81,11 +82,11 @@ def quiet(*messages: str) -> Iterator[None]:
     any change to it makes Python forget which warnings it has shown, so that the user's own (a loss's note on
     broadcast shapes) would show again after every checked call. A warning the filters make an error still is."""
     with FILTERS:
-        show = warnings.showwarning
+        show, here = warnings.showwarning, threading.get_ident()
 
         def shown(message, category, filename, lineno, file=None, line=None):
-            if messages and not any(re.search(m, str(message)) for m in messages):
-                show(message, category, filename, lineno, file, line)
+            if threading.get_ident() != here or (messages and not any(re.search(m, str(message)) for m in messages)):
+                show(message, category, filename, lineno, file, line)  # another thread's, or not one to keep quiet
 
         warnings.showwarning = shown
         try:

@@ -40,7 +40,6 @@ the caller's state is untouched.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os
@@ -48,17 +47,12 @@ import random
 from collections.abc import Callable, Mapping
 
 import torch
-from torch import nn
-from torch.func import jvp, vmap
-from torch.utils._pytree import tree_map
 
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.float64 import float64_copy, to_float64
-from pergrad_viz.core.functional import functional_call_once
-from pergrad_viz.core.loss_reads import functional_loss
-from pergrad_viz.core.losses import LossFn, scalar_loss
-from pergrad_viz.core.process import quiet
+from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.forward_mode import direction_scale, jvp_each, screened_jvp, without_padding_rows
 from pergrad_viz.engine.references import (
     Tensors,
     alone_combination,
@@ -73,8 +67,8 @@ from pergrad_viz.engine.references import (
 from pergrad_viz.engine.verdict import tolerance, verdict
 from pergrad_viz.errors import CheckFailedError
 
-__all__ = ["CheckFailedError", "Float64Copies", "check_grads", "check_jacobian", "check_norms", "draw", "jvp_each",
-           "raise_if_failed", "random_normal", "without_padding_rows"]
+__all__ = ["CheckFailedError", "Float64Copies", "check_grads", "check_jacobian", "check_norms", "draw",
+           "raise_if_failed", "random_normal"]
 
 _DRAW = random.Random(int.from_bytes(os.urandom(8), "little"))  # private: the caller's random state is not touched
 
@@ -289,18 +283,18 @@ def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Bat
     batch = inputs.size
     blocks = [rows[name].reshape(*rows[name].shape[:lead], -1) for name in trainable.names]  # (B, [Y,] n_k)
     block_norms = torch.stack([b.flatten(1).norm(dim=1) for b in blocks], 1)  # (B, K)
-    typical = (block_norms.square().mean(0)).sqrt().clamp_min(torch.finfo(block_norms.dtype).tiny)
-    scale = 1 / typical  # (K,): each parameter tensor's part of the direction, relative to its size in the result
+    scale = direction_scale(block_norms.square().mean(0))  # (K,): each tensor's part relative to its size
     tangents = without_padding_rows(trainable, {name: random_normal(tuple(p.shape), p) * scale[k] for k, (name, p)
                                                  in enumerate(zip(trainable.names, trainable.params, strict=True))})
-    unavailable = (Exception,) if screen else (RuntimeError, NotImplementedError)  # no forward-mode formula, no vmap
-    try:
-        with quiet() if screen else contextlib.nullcontext():  # vmap's notes on its slow paths: not the user's
+    if screen:
+        derivative = screened_jvp(trainable, loss_fn, inputs, targets, tangents)
+        if derivative is None:
+            return False
+    else:
+        try:
             derivative = jvp_each(trainable, loss_fn, inputs, targets, tangents)  # (B,) or (B, Y)
-    except unavailable:
-        derivative = None
-    if derivative is None and screen:
-        return False
+        except (RuntimeError, NotImplementedError):  # no forward-mode formula, or vmap cannot run the model
+            derivative = None
     i = draw(batch)
     if derivative is not None:
         got = sum(torch.einsum("b...p,p->b...", b, tangents[n].reshape(-1)) for b, n in zip(blocks, trainable.names,
@@ -319,43 +313,6 @@ def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Bat
     else:
         _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, i)
     return False
-
-
-def without_padding_rows(trainable: Trainable, tangents: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tangents`` with an Embedding's padding row 0: its backward leaves that row's gradient 0 while its forward
-    reads the row (a weight tied to an output layer would move it), so the two modes would differ there."""
-    names = {id(p): n for n, p in zip(trainable.names, trainable.params, strict=True)}
-    for _, module in trainable.modules:
-        if isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.padding_idx is not None:
-            name = names.get(id(module.weight))
-            if name is not None:
-                tangents[name][module.padding_idx] = 0
-    return tangents
-
-
-def jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
-              tangents: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per sample, alone: the derivative of its loss (of its outputs (Y,)) along ``tangents``; (B,) or (B, Y)."""
-    params = {n: p.detach() for n, p in zip(trainable.names, trainable.params, strict=True)}
-    frozen = trainable.frozen_state()
-    select = trainable.select or (lambda o: o)
-
-    def one(xs: list[torch.Tensor], y: object) -> torch.Tensor:
-        sample = inputs.with_leaves([x.unsqueeze(0) for x in xs])
-
-        def value(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            if loss_fn is None:
-                output = functional_call_once(trainable.model, {**p, **frozen}, sample.args, sample.kwargs)
-                return select(output).reshape(-1)
-            return scalar_loss(functional_loss(trainable.model, {**p, **frozen}, sample.args, sample.kwargs, loss_fn,
-                                               None if y is None else tree_map(lambda t: t.unsqueeze(0), y)))
-
-        return jvp(value, (params,), (tangents,))[1]
-
-    with quiet(r"torch\.jit\.script.*deprecated"):  # forward mode's first use loads PyTorch's jvp decompositions
-        if loss_fn is None or targets is None:  # a Jacobian's outputs; a loss of the output alone (targets=None)
-            return vmap(lambda xs: one(xs, None))(inputs.leaves())
-        return vmap(one)(inputs.leaves(), targets)
 
 
 def check_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,

@@ -18,17 +18,9 @@ from pergrad_viz.core.float64 import to_float64
 from pergrad_viz.core.guards import check_output_count
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn
-from pergrad_viz.core.process import quiet
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.engine.certify import (
-    Float64Copies,
-    check_norms,
-    draw,
-    jvp_each,
-    raise_if_failed,
-    random_normal,
-    without_padding_rows,
-)
+from pergrad_viz.engine.certify import Float64Copies, check_norms, draw, raise_if_failed, random_normal
+from pergrad_viz.engine.forward_mode import direction_scale, screened_jvp, without_padding_rows
 from pergrad_viz.engine.references import dense, grad_of, replayed_weighted_grads, weighted_grads, weighted_outputs
 from pergrad_viz.engine.schedule import unseen_graphs
 from pergrad_viz.engine.verdict import fails, tolerance, verdict
@@ -99,13 +91,12 @@ def _screen(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: objec
     parameter's part of v scaled by that parameter's typical norm; the worst row beyond the tolerance checked alone
     (:func:`~pergrad_viz.engine.certify.check_norms`). Nothing where forward mode cannot run the model."""
     names = trainable.names
-    scale = {n: 1 / squared[n].mean().sqrt().clamp_min(torch.finfo(torch.float64).tiny) for n in names}
-    try:
-        with quiet():  # vmap's notes on its slow paths: not the user's
-            want = jvp_each(trainable, loss_fn, inputs, targets, {
-                n: direction[n] * scale[n].to(direction[n].dtype) for n in names}).double()
-    except Exception:  # no forward-mode formula, or vmap cannot run the model: the sample alone stays
+    scale = dict(zip(names, direction_scale(torch.stack([squared[n].mean() for n in names])), strict=True))
+    want = screened_jvp(trainable, loss_fn, inputs, targets, {n: direction[n] * scale[n].to(direction[n].dtype)
+                                                              for n in names})
+    if want is None:  # forward mode cannot run the model: the sample alone stays
         return
+    want = want.double()
     zero = torch.zeros(inputs.size, dtype=torch.float64, device=trainable.device)
     got = sum((dots[n].double() * scale[n] if n in dots else zero for n in names), zero)
     size = torch.stack([squared[n] * scale[n].square() for n in names]).sum(0).sqrt()

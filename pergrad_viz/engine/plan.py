@@ -78,6 +78,7 @@ class Plan:
     arguments_kept: bool = False  # a hooked pass found no layer changing a tensor it was called with
     changed_in_place: str | None = None  # why an unchecked hooked pass was refused (a layer changed its argument)
     lower_precision: str | None = None  # a layer computing below the parameters' precision (autocast in the forward)
+    no_forward_mode: set = field(default_factory=set)  # what forward mode could not run (engine.forward_mode's screen)
     _planned: frozenset[str] | None = None
 
     @property

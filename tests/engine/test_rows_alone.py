@@ -140,3 +140,68 @@ def test_each_layer_kind_forms_its_rows_dot_the_direction(monkeypatch, quantity)
     want = rows @ torch.cat([direction[n].reshape(-1) for n in names])
     got = sum(dots[n] for n in names)
     torch.testing.assert_close(got.double(), want, rtol=1e-9, atol=1e-12)
+
+
+class WithUnused(LastMovedByPrevious):
+    """An unused layer: its rows are all 0, so its part of the screen's direction must be 0 (a scale of 1 / 0 made
+    every row's excess NaN, and the screen compared nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(3, 3)
+
+
+@pytest.mark.parametrize("quantity", ["grads", "norms", "clipped_sum"])
+def test_the_screen_survives_a_parameter_whose_rows_are_all_zero(quantity):
+    torch.manual_seed(0)
+    model, x, y = WithUnused().double(), torch.randn(16, 5, dtype=torch.float64), torch.randint(0, 3, (16,))
+    call = {"grads": pv.per_sample_grads, "norms": pv.per_sample_grad_norms,
+            "clipped_sum": lambda *a, **k: pv.clipped_grad_sum(*a, 1.0, **k)}[quantity]
+    with pytest.raises(CheckFailedError, match="sample 15"):
+        call(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+
+
+def test_forward_mode_that_cannot_run_the_model_is_not_tried_again(monkeypatch):
+    """The CPU's flash attention has no forward-mode formula: the screen's failure is remembered in the plan."""
+    from pergrad_viz.engine import forward_mode
+
+    tried = []
+    real = forward_mode.jvp_each
+    monkeypatch.setattr(forward_mode, "jvp_each", lambda *a: tried.append(1) or real(*a))
+
+    class Attending(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(4, 12), nn.Linear(4, 3)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return self.out(nn.functional.scaled_dot_product_attention(q, k, v).mean(1))
+
+    torch.manual_seed(0)
+    model, x, y = Attending(), torch.randn(8, 5, 4), torch.randint(0, 3, (8,))
+    for _ in range(3):  # the first 2 calls are checked
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+    assert len(tried) == 1
+
+
+def test_quiet_keeps_only_its_own_threads_warnings_quiet():
+    import threading
+    import warnings
+
+    from pergrad_viz.core.process import quiet
+
+    shown = []
+    real = warnings.showwarning
+    warnings.showwarning = lambda message, *a, **k: shown.append(str(message))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            with quiet():
+                warnings.warn("ours", stacklevel=1)
+                other = threading.Thread(target=lambda: warnings.warn("another thread's", stacklevel=1))
+                other.start()
+                other.join()
+    finally:
+        warnings.showwarning = real
+    assert shown == ["another thread's"]
