@@ -40,12 +40,11 @@ from pergrad_viz.core.numbers import SQUARES
 from pergrad_viz.core.randomness import randomness_of
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.core.validate import check_flags, check_loss
-from pergrad_viz.derived.directions import layer_directions
-from pergrad_viz.derived.sums import add_layer, zero_sums
+from pergrad_viz.derived.checked_pass import CheckedPass
 from pergrad_viz.engine.backward import loss_gradients
 from pergrad_viz.engine.capture import Layer
 from pergrad_viz.engine.certify import check_norms
-from pergrad_viz.engine.combination import check_combination, check_direction, combination_weights, keep_combination
+from pergrad_viz.engine.combination import check_combination
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for, positions
@@ -118,24 +117,20 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: Inputs, tar
 def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
                          chunk: int) -> dict[str, torch.Tensor]:
     """{name: (B,) squared norms}: per chunk 1 forward with hooks, 1 backward to the layer outputs."""
-    batch, w, combined, direction = inputs.size, None, None, check_direction(trainable)
+    batch, checked = inputs.size, CheckedPass(trainable, inputs.size)  # what a checked call forms too
     squared = {n: torch.zeros(batch, dtype=SQUARES, device=trainable.device) for n in trainable.names}
-    dots = {n: s.clone() for n, s in squared.items()} if direction else None  # g_i . v (derived/directions.py)
     with restoring_modes(trainable), refusing_reentrant_checkpoints():
         for start in range(0, batch, chunk):
             rows = slice(start, min(start + chunk, batch))
             calls, grads = loss_gradients(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch))
             check_reached(trainable, calls)
-            if start == 0:  # a call the check looks at: sum_i w_i g_i from the same captures (engine/combination.py)
-                w = combination_weights(trainable, batch)
-                combined = None if w is None else zero_sums(trainable)
-            tied, parts = tied_names(calls), {}  # parts: each layer's share of a tied parameter's norm
+            if start == 0:
+                checked.begin()
+            tied = tied_names(calls)
+            parts: dict[str, list[TiedPart]] = {}  # tied parameters: each layer's share of their norm
             doubts = doubts_for(trainable.device)  # a GPU: the Grams' range read once, below
             for layer, seen in group_calls(calls, grads).values():
-                if combined is not None:
-                    add_layer(combined, layer, seen, w[rows].to(trainable.dtype))
-                for name, d in (layer_directions(layer, seen, direction) if direction else {}).items():
-                    dots[name][rows] += d
+                checked.layer(layer, seen, rows)
                 if tied.isdisjoint(layer.local.values()):
                     def write(layer: Layer = layer, seen: Seen = seen, rows: slice = rows) -> None:
                         for local_name, sq in layer_squared_norms(layer, seen).items():
@@ -153,8 +148,7 @@ def _ghost_squared_norms(trainable: Trainable, loss_fn: LossFn, inputs: Batch, t
                 doubts.settle()
             for name, p in parts.items():
                 squared[name][rows] = tied_squared_norms(p)
-    if combined is not None:
-        keep_combination(trainable, w, combined.complete(), direction, dots)
+    checked.keep()
     return squared
 
 

@@ -29,6 +29,7 @@ from pergrad_viz.core.loss_reads import loss_reads_parameters
 from pergrad_viz.core.losses import LossFn, logits_of, per_sample_losses
 from pergrad_viz.core.numbers import SQUARES, wide_square
 from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.derived.checked_pass import CheckedPass
 from pergrad_viz.derived.norms import (
     ghost_kind,
     layer_squared_norms,
@@ -36,11 +37,10 @@ from pergrad_viz.derived.norms import (
     row_squared_norms,
     stack_calls,
 )
-from pergrad_viz.derived.sums import add_layer, zero_sums
 from pergrad_viz.engine.backward import backward_to_layers
 from pergrad_viz.engine.capture import capture
 from pergrad_viz.engine.certify import check_norms
-from pergrad_viz.engine.combination import check_combination, combination_weights, keep_combination
+from pergrad_viz.engine.combination import check_combination
 from pergrad_viz.engine.grouping import dense_grads, group_calls, tied_names
 from pergrad_viz.engine.probe import plan_for
 from pergrad_viz.errors import HandOverError, UnsupportedModelError
@@ -163,7 +163,7 @@ def batch_quantities(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
 
     def check(result: tuple, used: str) -> None:
         if used == "hooks":  # materialised gradients were checked as they were computed
-            check_combination(trainable, loss_fn, inputs, y, used)  # every row at once
+            check_combination(trainable, loss_fn, inputs, y, used, result[1])  # every row at once, and alone
             check_norms(trainable, loss_fn, inputs, y, result[1], used)  # one sample alone
 
     # The one hand-over (api.hand_over): the hooked pass, then materialised gradients where it cannot be trusted.
@@ -189,8 +189,8 @@ def _hooks_batch(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.
             raise _NeedsMaterialising("the loss reads a trainable parameter itself: the scan materialises the batch's "
                                       "gradients (each sample's loss run with the parameters)")
         per_call = backward_to_layers(trainable, calls, total)
-    w = combination_weights(trainable, batch)  # a checked call: sum_i w_i g_i too (engine/combination.py)
-    combined = None if w is None else zero_sums(trainable)
+    checked = CheckedPass(trainable, batch)  # what a checked call forms too (derived/checked_pass.py)
+    checked.begin()
     res = _outputs(want, output, losses, y)
     kw = {"dtype": trainable.dtype, "device": trainable.device}
     squared = {n: torch.zeros(batch, dtype=SQUARES, device=trainable.device) for n in trainable.names}
@@ -199,8 +199,7 @@ def _hooks_batch(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.
     want_sketch = sketch is not None and "projection" in want
     names = {id(m): n for n, m in trainable.modules}
     for layer, seen in group_calls(calls, per_call).values():
-        if combined is not None:
-            add_layer(combined, layer, seen, w.to(trainable.dtype))
+        checked.layer(layer, seen, slice(None))
         local = layer.local
         kind = ghost_kind(layer)
         index = sketch.by_module.get(names[id(layer.module)]) if want_sketch else None
@@ -217,8 +216,7 @@ def _hooks_batch(trainable: Trainable, inputs: Batch, loss_fn: LossFn, y: torch.
                 dense[local[ln]] = t[0]
                 if kind is None:
                     squared[local[ln]] = row_squared_norms(t[0])
-    if combined is not None:
-        keep_combination(trainable, w, combined.complete())
+    checked.keep()
     res.update(_from_squared(want, squared, blocks, trainable.dtype))
     if want_sketch:
         for i, bs in enumerate(sketch.blocks):

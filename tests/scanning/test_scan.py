@@ -142,20 +142,23 @@ class _LastSeesPrevious(nn.Module):
     """From 3 samples on, the last sample's hidden layer adds half the previous sample's: it touches one row of a
     batch (the sample checked alone is another one most of the time); the check of every row at once finds it."""
 
-    def __init__(self):
+    def __init__(self, detached: bool = False):
         super().__init__()
         self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.detached = detached  # no cross term: the batched backward shares it; each row alone shows it
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
         if h.shape[0] > 2:
-            h = torch.cat([h[:-1], h[-1:] + 0.5 * h[-2:-1]])
+            previous = h[-2:-1].detach() if self.detached else h[-2:-1]
+            h = torch.cat([h[:-1], h[-1:] + 0.5 * previous])
         return self.b(h)
 
 
-def test_a_coupling_of_one_row_found_by_the_check_of_every_row(tmp_path):
+@pytest.mark.parametrize("detached", [False, True])
+def test_a_coupling_of_one_row_found_by_the_check_of_every_row(tmp_path, detached):
     torch.manual_seed(0)
-    model = _LastSeesPrevious().double()
+    model = _LastSeesPrevious(detached).double()
     x, y = torch.randn(32, 4, dtype=torch.float64), torch.randint(0, 3, (32,))
     loss_fn = nn.CrossEntropyLoss()
     res = pv.scan(model, loss_fn, torch.utils.data.TensorDataset(x, y), quantities=("loss", "grad_norm"),
