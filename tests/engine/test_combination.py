@@ -9,27 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from zoo.nets import DoublyTiedNet
+from zoo.nets import DoublyTiedNet, LastSeesPrevious
 
 import pergrad_viz as pv
 from pergrad_viz.derived import ntk
 from pergrad_viz.engine import combination
 from pergrad_viz.engine.combination import check_ntk_rows
 from pergrad_viz.errors import CheckFailedError
-
-
-class LastSeesPrevious(nn.Module):
-    """From 3 samples on, the last sample's hidden layer adds half the previous sample's: a pair looks apart."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        if h.shape[0] > 2:
-            h = torch.cat([h[:-1], h[-1:] + 0.5 * h[-2:-1]])
-        return self.b(h)
 
 
 def _problem(seed: int):

@@ -9,25 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from zoo.nets import DoublyTiedNet
+from zoo.nets import DoublyTiedNet, LastSeesPrevious
 
 import pergrad_viz as pv
 from pergrad_viz.engine import certify
 from pergrad_viz.errors import CheckFailedError
 
 
-class LastMovedByPrevious(nn.Module):
+def LastMovedByPrevious() -> nn.Module:  # noqa: N802 (a model's name)
     """From 3 samples on, the last sample's hidden layer adds half the previous sample's, detached."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        if h.shape[0] > 2:
-            h = torch.cat([h[:-1], h[-1:] + 0.5 * h[-2:-1].detach()])
-        return self.b(h)
+    return LastSeesPrevious(detached=True)
 
 
 def _problem(seed: int):
@@ -142,12 +133,12 @@ def test_each_layer_kind_forms_its_rows_dot_the_direction(monkeypatch, quantity)
     torch.testing.assert_close(got.double(), want, rtol=1e-9, atol=1e-12)
 
 
-class WithUnused(LastMovedByPrevious):
+class WithUnused(LastSeesPrevious):
     """An unused layer: its rows are all 0, so its part of the screen's direction must be 0 (a scale of 1 / 0 made
     every row's excess NaN, and the screen compared nothing)."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(detached=True)
         self.unused = nn.Linear(3, 3)
 
 

@@ -18,6 +18,7 @@ import torch
 from helpers import flatten_ref, ref_grads
 from torch import nn
 from zoo.forwards import BranchOnBatchSize
+from zoo.nets import LastSeesPrevious
 
 import pergrad_viz as pv
 from pergrad_viz.bench.scans import format_table, throughput, torchrun_command
@@ -138,27 +139,10 @@ def test_a_coupling_found_by_the_check_hands_the_rest_of_the_scan_over(tmp_path)
     torch.testing.assert_close(res["grad_norm"], flatten_ref(ref, 1).norm(dim=1), rtol=1e-5, atol=1e-6)
 
 
-class _LastSeesPrevious(nn.Module):
-    """From 3 samples on, the last sample's hidden layer adds half the previous sample's: it touches one row of a
-    batch (the sample checked alone is another one most of the time); the check of every row at once finds it."""
-
-    def __init__(self, detached: bool = False):
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
-        self.detached = detached  # no cross term: the batched backward shares it; each row alone shows it
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        if h.shape[0] > 2:
-            previous = h[-2:-1].detach() if self.detached else h[-2:-1]
-            h = torch.cat([h[:-1], h[-1:] + 0.5 * previous])
-        return self.b(h)
-
-
 @pytest.mark.parametrize("detached", [False, True])
 def test_a_coupling_of_one_row_found_by_the_check_of_every_row(tmp_path, detached):
     torch.manual_seed(0)
-    model = _LastSeesPrevious(detached).double()
+    model = LastSeesPrevious(4, detached).double()
     x, y = torch.randn(32, 4, dtype=torch.float64), torch.randint(0, 3, (32,))
     loss_fn = nn.CrossEntropyLoss()
     res = pv.scan(model, loss_fn, torch.utils.data.TensorDataset(x, y), quantities=("loss", "grad_norm"),
