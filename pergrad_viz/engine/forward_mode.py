@@ -28,16 +28,18 @@ def direction_scale(mean_squares: torch.Tensor) -> torch.Tensor:
 def screened_jvp(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,
                  tangents: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """:func:`jvp_each` for a screen: None where forward mode cannot run the model (no formula, as for the CPU's
-    flash attention; data-dependent control flow under vmap), remembered in the plan so that its later checked calls
-    do not try again; nothing it raises or warns reaches the caller."""
-    plan, key = trainable.call.plan, "outputs" if loss_fn is None else "loss"
+    flash attention; data-dependent control flow under vmap), remembered in the plan for this loss (by its name) and
+    batch size so that its later checked calls do not try again (not where the failure may pass: a warning the
+    user's filters make an error, memory); nothing it raises or warns reaches the caller."""
+    what = None if loss_fn is None else getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)
+    plan, key = trainable.call.plan, (what, inputs.size)
     if plan is not None and key in plan.no_forward_mode:
         return None
     try:
         with quiet():  # vmap's notes on its slow paths: not the user's
             return jvp_each(trainable, loss_fn, inputs, targets, tangents)
-    except Exception:
-        if plan is not None:
+    except Exception as e:
+        if plan is not None and not isinstance(e, Warning | torch.OutOfMemoryError):
             plan.no_forward_mode.add(key)
         return None
 

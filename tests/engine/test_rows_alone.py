@@ -196,3 +196,41 @@ def test_quiet_keeps_only_its_own_threads_warnings_quiet():
     finally:
         warnings.showwarning = real
     assert shown == ["another thread's"]
+
+
+def test_a_loss_forward_mode_cannot_run_does_not_switch_the_screen_off_for_other_losses():
+    """Remembered per loss and batch size: a boolean-masked loss (no vmap) on 2 samples, then cross-entropy on 16."""
+
+    def masked_ce(out, y):
+        keep = y != -100
+        return nn.functional.cross_entropy(out[keep], y[keep], reduction="sum") / max(int(keep.sum()), 1)
+
+    model, x, y = _problem(0)
+    pv.per_sample_grads(model, masked_ce, x[:2], y[:2], strategy="hooks")  # 2 samples: the coupling is off
+    with pytest.raises(CheckFailedError, match="sample 15"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+
+
+def test_a_warning_made_an_error_does_not_switch_the_screen_off(monkeypatch):
+    """A warning inside forward mode (its first use warns that torch.jit.script is deprecated) that the user's
+    filters make an error stops that call's screen only: the next checked call's runs."""
+    import warnings
+
+    from pergrad_viz.engine import forward_mode
+
+    real = forward_mode.jvp_each
+
+    def warning(*args):
+        warnings.warn("a note on the way", FutureWarning, stacklevel=1)
+        return real(*args)
+
+    monkeypatch.setattr(forward_mode, "jvp_each", warning)
+    model, x, y = _problem(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+        except CheckFailedError:
+            pass  # the one sample alone drew row 15 (1 in 16)
+    with pytest.raises(CheckFailedError, match="sample 15"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")  # a plan's 2nd call: checked
