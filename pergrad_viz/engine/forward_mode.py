@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.func import jvp, vmap
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from pergrad_viz.core.batch import Batch
+from pergrad_viz.core.batch import Batch, cut
 from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.loss_reads import functional_loss
 from pergrad_viz.core.losses import LossFn, scalar_loss
@@ -37,11 +37,42 @@ def screened_jvp(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, ta
         return None
     try:
         with quiet():  # vmap's notes on its slow paths: not the user's
-            return jvp_each(trainable, loss_fn, inputs, targets, tangents)
+            if loss_fn is None:
+                return jvp_each(trainable, None, inputs, targets, tangents)
+            return _loss_along(trainable, loss_fn, inputs, targets, tangents)
     except Exception as e:
         if plan is not None and not isinstance(e, Warning | torch.OutOfMemoryError):
             plan.no_forward_mode.add(key)
         return None
+
+
+def _loss_along(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
+                tangents: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B,): :func:`jvp_each` of the loss by the chain rule, ``dL_i/do_i . (J_i v)``: forward mode through the model
+    alone (each sample's outputs o_i and their tangents), then each sample's loss of its own outputs by reverse mode
+    (no forward-mode formula of the loss: cross-entropy's would import sympy, some 0.3 s on a first call). A loss
+    that reads a parameter itself leaves that part out (the screen then suspects a row, which the sample alone
+    clears; book-keeping hands such a loss over anyway)."""
+    params = {n: p.detach() for n, p in zip(trainable.names, trainable.params, strict=True)}
+    frozen = trainable.frozen_state()
+
+    def one(xs: list[torch.Tensor]) -> tuple:
+        sample = inputs.with_leaves([x.unsqueeze(0) for x in xs])
+        return jvp(lambda p: functional_call_once(trainable.model, {**p, **frozen}, sample.args, sample.kwargs),
+                   (params,), (tangents,))
+
+    with quiet(r"torch\.jit\.script.*deprecated"):
+        outputs, moved = vmap(one)(inputs.leaves())
+    (leaves, spec), moves = tree_flatten(outputs), tree_flatten(moved)[0]
+    along = []
+    for i in range(inputs.size):  # the loss of sample i's own outputs (B small losses, no model)
+        own = [t[i].detach().requires_grad_() if t.is_floating_point() else t[i] for t in leaves]
+        loss = scalar_loss(loss_fn(tree_unflatten(own, spec),
+                                   None if targets is None else cut(targets, slice(i, i + 1), inputs.size)))
+        floats = [k for k, t in enumerate(own) if t.requires_grad]
+        grads = torch.autograd.grad(loss, [own[k] for k in floats], allow_unused=True)
+        along.append(sum((g * moves[k][i]).sum() for k, g in zip(floats, grads, strict=True) if g is not None))
+    return torch.stack([torch.as_tensor(a, dtype=params[trainable.names[0]].dtype) for a in along])
 
 
 def jvp_each(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,

@@ -157,8 +157,8 @@ def test_forward_mode_that_cannot_run_the_model_is_not_tried_again(monkeypatch):
     from pergrad_viz.engine import forward_mode
 
     tried = []
-    real = forward_mode.jvp_each
-    monkeypatch.setattr(forward_mode, "jvp_each", lambda *a: tried.append(1) or real(*a))
+    real = forward_mode._loss_along  # the screen's forward mode for a loss
+    monkeypatch.setattr(forward_mode, "_loss_along", lambda *a: tried.append(1) or real(*a))
 
     class Attending(nn.Module):
         def __init__(self):
@@ -218,13 +218,13 @@ def test_a_warning_made_an_error_does_not_switch_the_screen_off(monkeypatch):
 
     from pergrad_viz.engine import forward_mode
 
-    real = forward_mode.jvp_each
+    real = forward_mode._loss_along  # the screen's forward mode for a loss
 
     def warning(*args):
         warnings.warn("a note on the way", FutureWarning, stacklevel=1)
         return real(*args)
 
-    monkeypatch.setattr(forward_mode, "jvp_each", warning)
+    monkeypatch.setattr(forward_mode, "_loss_along", warning)
     model, x, y = _problem(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
