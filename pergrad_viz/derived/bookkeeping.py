@@ -34,8 +34,9 @@ from pergrad_viz.core.loss_reads import loss_of_output
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.numbers import SQUARES
 from pergrad_viz.core.trainable import Trainable, restoring_modes
+from pergrad_viz.derived.checked_pass import CheckedPass
 from pergrad_viz.derived.clipping import Groups, check_finite, clip_factors
-from pergrad_viz.derived.directions import layer_directions
+from pergrad_viz.derived.directions import dense_dots, layer_directions
 from pergrad_viz.derived.norms import (
     TiedPart,
     dense_part,
@@ -46,9 +47,8 @@ from pergrad_viz.derived.norms import (
     tied_squared_norms,
 )
 from pergrad_viz.derived.routes import Form, booked_rules, route, with_others
-from pergrad_viz.derived.sums import LazySums, linear_view_pairs, zero_sums
+from pergrad_viz.derived.sums import LazySums, linear_view_pairs
 from pergrad_viz.engine.capture import Call, Layer, capture, shape_only
-from pergrad_viz.engine.combination import check_direction, combination_weights, keep_combination
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.lowest import StaleLowest, asked, reached
 from pergrad_viz.engine.plan import LayerKind
@@ -96,16 +96,23 @@ class _Book:
             self.later.append((layer, arrived))
             return
         else:
-            for ln, g in dense_grads(layer, seen).items():
-                name = layer.local[ln]
-                own = row_squared_norms(g[0])
+            grads = {layer.local[ln]: g[0] for ln, g in dense_grads(layer, seen).items()}
+            for name, g in grads.items():
+                own = row_squared_norms(g)
                 if name in self.tied:
-                    self.parts.setdefault(name, []).append(dense_part(g[0], own))
+                    self.parts.setdefault(name, []).append(dense_part(g, own))
                 else:
                     self.squared[name] = own
-                self.dense.append((name, g[0]))
-        for name, d in (layer_directions(layer, _with_n(arrived), self.direction) if self.direction else {}).items():
-            self.dots[name] = d if name not in self.dots else self.dots[name] + d
+                self.dense.append((name, g))
+            self._add_dots(lambda: dense_dots(grads, self.direction))
+            return
+        self._add_dots(lambda: layer_directions(layer, _with_n(arrived), self.direction))
+
+    def _add_dots(self, dots: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """A checked call's (a ``direction``): this layer's share of each row's g_i . v, ``dots()``, added in."""
+        if self.direction is not None:
+            for name, d in dots().items():
+                self.dots[name] = d if name not in self.dots else self.dots[name] + d
 
     def finish(self) -> None:
         """The layers left for after the backward, the unscaled norms' range read (a layer with extreme values
@@ -306,9 +313,7 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
                  start: Callable[[], LazySums], fresh: bool) -> tuple[LazySums, dict[str, torch.Tensor]]:
     batch = inputs.size
     squared: dict[str, torch.Tensor] = {}
-    sums = w = combined = None
-    direction = check_direction(trainable)  # a checked call: each row's g_i . v too (derived/directions.py)
-    dots = {n: torch.zeros(batch, dtype=SQUARES, device=trainable.device) for n in trainable.names} if direction else {}
+    sums, checked = None, CheckedPass(trainable, batch)  # what a checked call forms too, from the shares here
 
     def zeros() -> torch.Tensor:
         return torch.zeros(batch, dtype=SQUARES, device=trainable.device)
@@ -317,9 +322,10 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
     with restoring_modes(trainable), refusing_reentrant_checkpoints():
         for first in range(0, batch, chunk):
             rows = slice(first, min(first + chunk, batch))
-            book = _booked_backward(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), fresh, direction)
-            for name, d in book.dots.items():
-                dots[name][rows] += d
+            book = _booked_backward(trainable, loss_fn, inputs.rows(rows), cut(targets, rows, batch), fresh,
+                                    checked.direction)
+            if checked.dots is not None:
+                checked.add_dots(book.dots, rows)
             whole = rows.stop - rows.start == batch
             if whole:  # one chunk: the book's norms as they are, in float64 (one stack, not a conversion each)
                 present = [n for n in trainable.names if n in book.squared]
@@ -337,15 +343,12 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
             factors = clip_factors(squared if whole else {n: s[rows] for n, s in squared.items()}, groups,
                                    trainable.dtype)
             sums = start() if sums is None else sums
-            if first == 0:  # a call the check looks at: sum_i w_i g_i from the same shares (engine/combination.py)
-                w = combination_weights(trainable, batch)
-                combined = None if w is None else zero_sums(trainable)
-            weights = None if combined is None else dict.fromkeys(trainable.names, w[rows].to(trainable.dtype))
+            if first == 0:
+                checked.begin()
             with torch.no_grad():
-                _add_book(book, factors, sums, weights, combined)
+                _add_book(book, factors, sums, checked.weights_for(rows), checked.combined)
             del book
-    if combined is not None:
-        keep_combination(trainable, w, combined.complete(), direction, dots)
+    checked.keep()
     return sums, squared
 
 

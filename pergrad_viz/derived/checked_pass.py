@@ -2,7 +2,7 @@
 from the same captures (the ghost norms, the scan's norms): ``sum_i w_i g_i`` for random w, and each row's
 ``g_i . v`` for a random direction v; :func:`pergrad_viz.engine.combination.check_combination` then compares them
 with a plain weighted backward and with each sample alone by forward mode. Book-keeping forms the same from its
-shares (``derived/bookkeeping.py``)."""
+shares and booked layers (``derived/bookkeeping.py``: :meth:`CheckedPass.weights_for`, :meth:`CheckedPass.add_dots`)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,19 @@ class CheckedPass:
         if self.combined is not None:
             add_layer(self.combined, layer, seen, self.weights[rows].to(self.trainable.dtype))
         if self.dots is not None:
-            for name, d in layer_directions(layer, seen, self.direction).items():
-                self.dots[name][rows] += d
+            self.add_dots(layer_directions(layer, seen, self.direction), rows)
+
+    def add_dots(self, dots: dict[str, torch.Tensor], rows: slice) -> None:
+        """{name: (rows,) g_i . v} formed elsewhere (book-keeping's layers) added in."""
+        for name, d in dots.items():
+            self.dots[name][rows] += d
+
+    def weights_for(self, rows: slice) -> dict[str, torch.Tensor] | None:
+        """{name: the weights w of the samples ``rows``} for a weighted sum of every parameter (book-keeping's
+        shares), None where no combination is formed."""
+        if self.combined is None:
+            return None
+        return dict.fromkeys(self.trainable.names, self.weights[rows].to(self.trainable.dtype))
 
     def keep(self) -> None:
         """Hand what was formed to the check."""

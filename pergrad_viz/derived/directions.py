@@ -52,8 +52,13 @@ def _layer_directions(layer: Layer, seen: Seen, direction: Mapping[str, torch.Te
         for a, g, roles in pairs:
             out.update(_linear(LinearGhost, None, a, g, roles, direction))
         return out
-    return {local[ln]: t[0].reshape(t.shape[1], -1) @ direction[local[ln]].reshape(-1)
-            for ln, t in dense_grads(layer, seen).items()}
+    return dense_dots({local[ln]: t[0] for ln, t in dense_grads(layer, seen).items()}, direction)
+
+
+def dense_dots(grads: Mapping[str, torch.Tensor], direction: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{full name: (B,) g_i . v} of per-sample gradients held {full name: (B, *shape)}."""
+    with torch.no_grad():
+        return {name: g.reshape(g.shape[0], -1) @ direction[name].reshape(-1) for name, g in grads.items()}
 
 
 def _linear(ghost, module, a: torch.Tensor, g: torch.Tensor, roles: Mapping[str, str],

@@ -41,7 +41,6 @@ the caller's state is untouched.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import random
 from collections.abc import Callable, Mapping
@@ -64,7 +63,7 @@ from pergrad_viz.engine.references import (
     weighted_grads,
     weighted_outputs,
 )
-from pergrad_viz.engine.verdict import tolerance, verdict
+from pergrad_viz.engine.verdict import tolerance, verdict, worst_row
 from pergrad_viz.errors import CheckFailedError
 
 __all__ = ["CheckFailedError", "Float64Copies", "check_grads", "check_jacobian", "check_norms", "draw",
@@ -175,17 +174,11 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     lead = trainable.params[0]
     w = random_normal((inputs.size,), lead)
     got = [torch.tensordot(w, rows[name], dims=1) for name in trainable.names]
-    draws = trainable.call.draws
-    if draws is not None:  # randomness='different': the reference draws the strategy's random numbers again
-        want = replayed_weighted_grads(draws, trainable, inputs, targets, loss_fn, w)
-        again = Float64Copies(trainable, inputs, targets, loss_fn).again(
-            lambda t, x, y, f: replayed_weighted_grads(draws, t, x, y, f, w))
-        raise_if_failed(verdict(trainable.names, got, want, trainable.dtype, again),
-                        "a random combination of the rows (the same random draws)", strategy)
-        return  # a sample alone would draw other numbers: couplings are the probe's, with the draws held fixed
-    want = weighted_grads(trainable, inputs, targets, loss_fn, w)
-    again = Float64Copies(trainable, inputs, targets, loss_fn).again(lambda t, x, y, f: weighted_grads(t, x, y, f, w))
+    want, again = weighted_reference(trainable, loss_fn, inputs, targets, w)
     found = verdict(trainable.names, got, want, trainable.dtype, again)
+    if trainable.call.draws is not None:  # randomness='different': the reference drew the strategy's numbers again
+        raise_if_failed(found, "a random combination of the rows (the same random draws)", strategy)
+        return  # a sample alone would draw other numbers: couplings are the probe's, with the draws held fixed
     alone = lambda: _check_alone(trainable, loss_fn, inputs, targets, rows, strategy, draw(inputs.size))  # noqa: E731
     if found is not None and not own_forward and (_batch_coupled(trainable, alone()) or _every_row_alone(
             trainable, lambda: _check_directional(trainable, loss_fn, inputs, targets, rows, strategy))):
@@ -194,6 +187,21 @@ def check_grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: o
     alone()
     if own_forward:  # every row alone by forward mode: a coupling that moves a few rows without a cross term
         _check_directional(trainable, loss_fn, inputs, targets, rows, strategy, screen=True)
+
+
+def weighted_reference(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object, w: torch.Tensor
+                       ) -> tuple[Tensors, Callable[[], Tensors | None]]:
+    """(the gradient of ``sum_i w_i L_i`` from one plain backward of the batch, the same in float64 on demand),
+    under ``randomness="different"`` each chunk's draws replayed: the reference of every row at once."""
+    draws = trainable.call.draws
+    if draws is None:
+        def compute(t: Trainable, x: Batch, y: object, f: LossFn | None) -> Tensors:
+            return weighted_grads(t, x, y, f, w)
+    else:
+        def compute(t: Trainable, x: Batch, y: object, f: LossFn | None) -> Tensors:
+            return replayed_weighted_grads(draws, t, x, y, f, w)
+    return compute(trainable, inputs, targets, loss_fn), Float64Copies(trainable, inputs, targets, loss_fn).again(
+        compute)
 
 
 def _batch_coupled(trainable: Trainable, coupled: Callable[[], bool]) -> bool:
@@ -299,15 +307,11 @@ def _check_directional(trainable: Trainable, loss_fn: LossFn | None, inputs: Bat
     if derivative is not None:
         got = sum(torch.einsum("b...p,p->b...", b, tangents[n].reshape(-1)) for b, n in zip(blocks, trainable.names,
                                                                                              strict=True))
-        diff = (got - derivative).reshape(batch, -1).norm(dim=1)
-        size = (block_norms * scale).square().sum(1).sqrt()
-        size = torch.maximum(size, 1e-3 * size.max())
-        excess = diff / (tolerance(trainable.dtype, trainable.device) * size)
-        worst = int(torch.nan_to_num(excess, nan=math.inf).argmax())
-        if not bool(excess[worst] <= 1):
-            i = worst
-        else:
+        worst = worst_row((got - derivative).reshape(batch, -1).norm(dim=1),
+                          (block_norms * scale).square().sum(1).sqrt(), tolerance(trainable.dtype, trainable.device))
+        if worst is None:
             return True
+        i = worst
     if jacobian:
         _check_alone_jacobian(trainable, inputs, rows, strategy, i)
     else:

@@ -19,11 +19,18 @@ from pergrad_viz.core.guards import check_output_count
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn
 from pergrad_viz.core.trainable import Trainable
-from pergrad_viz.engine.certify import Float64Copies, check_norms, draw, raise_if_failed, random_normal
+from pergrad_viz.engine.certify import (
+    Float64Copies,
+    check_norms,
+    draw,
+    raise_if_failed,
+    random_normal,
+    weighted_reference,
+)
 from pergrad_viz.engine.forward_mode import direction_scale, screened_jvp, without_padding_rows
-from pergrad_viz.engine.references import dense, grad_of, replayed_weighted_grads, weighted_grads, weighted_outputs
+from pergrad_viz.engine.references import dense, grad_of, weighted_outputs
 from pergrad_viz.engine.schedule import unseen_graphs
-from pergrad_viz.engine.verdict import fails, tolerance, verdict
+from pergrad_viz.engine.verdict import fails, tolerance, verdict, worst_row
 from pergrad_viz.errors import CheckFailedError
 
 
@@ -67,16 +74,8 @@ def check_combination(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targ
         return
     w, combined, direction, dots = made
     got = [combined[name] for name in trainable.names]
-    draws = trainable.call.draws
-    if draws is None:
-        want = weighted_grads(trainable, inputs, targets, loss_fn, w)
-        again = Float64Copies(trainable, inputs, targets, loss_fn).again(
-            lambda t, x, y, f: weighted_grads(t, x, y, f, w))
-    else:
-        want = replayed_weighted_grads(draws, trainable, inputs, targets, loss_fn, w)
-        again = Float64Copies(trainable, inputs, targets, loss_fn).again(
-            lambda t, x, y, f: replayed_weighted_grads(draws, t, x, y, f, w))
-    random = draws is not None  # as check_norms: a layer drawing otherwise looks like a coupling (the safe side)
+    want, again = weighted_reference(trainable, loss_fn, inputs, targets, w)
+    random = trainable.call.draws is not None  # as check_norms: other draws look like a coupling (the safe side)
     raise_if_failed(verdict(trainable.names, got, want, trainable.dtype, again),
                     "a random combination of the per-sample gradients (formed without them)", strategy,
                     coupled=random, random=random, why=None if random else _WHY)
@@ -100,10 +99,8 @@ def _screen(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: objec
     zero = torch.zeros(inputs.size, dtype=torch.float64, device=trainable.device)
     got = sum((dots[n].double() * scale[n] if n in dots else zero for n in names), zero)
     size = torch.stack([squared[n] * scale[n].square() for n in names]).sum(0).sqrt()
-    excess = (got - want).abs() / (tolerance(trainable.dtype, trainable.device) * torch.maximum(size,
-                                                                                                1e-3 * size.max()))
-    worst = int(torch.nan_to_num(excess, nan=math.inf).argmax())
-    if not bool(excess[worst] <= 1):
+    worst = worst_row((got - want).abs(), size, tolerance(trainable.dtype, trainable.device))
+    if worst is not None:
         check_norms(trainable, loss_fn, inputs, targets, squared, strategy, worst)
 
 
@@ -130,8 +127,8 @@ def check_ntk_rows(trainable: Trainable, x1: Batch, x2: Batch | None, kernel: to
     checked), True where every row passed; the caller checks that entry either way."""
     if not full and outputs > TRACE_OUTPUTS:
         return False
-    u = random_normal(((x1 if x2 is None else x2).size, outputs) if full else ((x1 if x2 is None else x2).size,),
-                      kernel)
+    samples = (x1 if x2 is None else x2).size
+    u = random_normal((samples, outputs) if full else (samples,), kernel)
     try:
         want = _kernel_times(trainable, x1, x2, u, full, outputs)
     except (RuntimeError, NotImplementedError):  # an operation without a double backward

@@ -36,6 +36,14 @@ def fails(got: float, size: float, rtol: float) -> bool:
     return (got > rtol * size and got > 0) or (not math.isfinite(got) and math.isfinite(size))
 
 
+def worst_row(diff: torch.Tensor, size: torch.Tensor, rtol: float) -> int | None:
+    """The row whose difference ``diff`` (B,) is the furthest beyond ``rtol`` times its size (B,) (floored at 1e-3 of
+    the largest, as a row of zeros is measured), a NaN the furthest; None where every row is within."""
+    excess = diff / (rtol * torch.maximum(size, 1e-3 * size.max()))
+    worst = int(torch.nan_to_num(excess, nan=math.inf).argmax())
+    return None if bool(excess[worst] <= 1) else worst
+
+
 def verdict(names: tuple[str, ...], got: Tensors, want: Tensors, dtype: torch.dtype,
             exact: Callable[[], Tensors | None], in_batch: Callable[[], tuple[Tensors, Tensors] | None] | None = None,
             floor: Callable[[], float] | None = None) -> tuple[str, float] | None:
