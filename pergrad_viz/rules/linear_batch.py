@@ -53,8 +53,13 @@ def _group_norms(members: list[LinearCall]) -> dict[str, torch.Tensor]:
     a0 = members[0][0]
     batch, tokens, dtype = a0.shape[0], a0.shape[1], a0.dtype
     grams = torch.empty(2, len(members), batch, tokens, tokens, dtype=dtype)
+    first: dict[tuple, int] = {}  # a layer input seen before (BERT's query, key and value read one): its Gram copied
     for i, (a, g, _) in enumerate(members):
-        torch.bmm(a, a.mT, out=grams[0, i])
+        same = first.setdefault((a.data_ptr(), a.shape, a.stride()), i)
+        if same == i:
+            torch.bmm(a, a.mT, out=grams[0, i])
+        else:
+            grams[0, i].copy_(grams[0, same])
         torch.bmm(g, g.mT, out=grams[1, i])
     weights = torch.linalg.vecdot(grams[0].view(len(members), batch, -1),
                                   grams[1].view(len(members), batch, -1)).clamp_min_(0)  # (L, B)

@@ -109,3 +109,46 @@ def test_linears_of_two_token_counts_and_frozen_weights(spied, dtype):
     assert set(sums) == set(want)
     for name, w in want.items():
         torch.testing.assert_close(sums[name].double(), w, rtol=1e-5, atol=1e-6)
+
+
+class SharedInput(nn.Module):
+    """Query, key and value maps reading one tensor (BERT's self-attention), a fourth Linear on a copy of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(32, 24), nn.Linear(32, 24), nn.Linear(32, 28)
+        self.apart = nn.Linear(32, 24)
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        q, k, v = self.query(h), self.key(h), self.value(h)
+        scores = torch.softmax(q @ k.mT, -1)
+        return self.head((scores @ v[..., :24] + self.apart(h.clone())).mean(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_input_read_by_several_linears_has_its_gram_taken_once(spied, monkeypatch, dtype):
+    """The Gram of a tensor read by query, key and value is formed once (two products fewer), a copy of it (another
+    tensor, same values) has its own; the norms and sums those of the loop."""
+    products = []
+    bmm = torch.bmm
+
+    def counting(a, b, *args, **kwargs):
+        products.append(a.shape)
+        return bmm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "bmm", counting)
+    torch.manual_seed(0)
+    model = SharedInput().to(dtype)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(5, 6, 32, generator=g, dtype=dtype), torch.randint(0, 3, (5,), generator=g)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    sums, norms = pv.clipped_grad_sum(model, loss_fn, x, y, 0.5, return_norms=True, verify=False)
+    assert spied["together"] == [4]
+    assert len(products) == 4 + 2  # four output-gradient Grams, two input Grams (the shared one and the copy's)
+    monkeypatch.setattr(torch, "bmm", bmm)
+    want, want_norms = _loop(model, loss_fn, x, y, 0.5)
+    torch.testing.assert_close(norms.double(), want_norms, rtol=1e-5, atol=0)
+    for name, w in want.items():
+        torch.testing.assert_close(sums[name].double(), w, rtol=1e-5, atol=1e-6)
