@@ -329,6 +329,9 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
     return output, record.finish(spread, made)
 
 
+_SHALLOW = (torch.Tensor, nn.Parameter, bool, int, float, str, type(None))  # what a flat output tuple may hold
+
+
 def _handed_downstream(output: object, copy: Callable[[int], bool]) -> tuple[object, list[torch.Tensor]]:
     """What the layer hands downstream instead of ``output``, and the tensors whose gradients are its call's output
     gradients: for each output tensor that requires grad, a new alias of it (``copy(k)``: then a clone of it goes
@@ -349,7 +352,10 @@ def _handed_downstream(output: object, copy: Callable[[int], bool]) -> tuple[obj
         aliases.append(alias)
         return alias.clone() if copy(len(aliases) - 1) else alias
 
-    handed = from_pytree(tree_map(hand, as_pytree(output)))
+    if type(output) in (tuple, list) and all(type(t) in _SHALLOW for t in output):  # (out, None): no pytree
+        handed = type(output)(map(hand, output))
+    else:
+        handed = from_pytree(tree_map(hand, as_pytree(output)))
     if len(aliases) != len(tensors_of(output)):  # a container pytree cannot rebuild: leave the output as it is
         return None, tensors_of(output)
     return handed, aliases

@@ -56,7 +56,32 @@ def tensors_of(obj: object) -> list[torch.Tensor]:
         return [obj]
     if type(obj) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in obj):
         return list(obj)
+    found: list[torch.Tensor] = []
+    if _plain_containers(obj, found):
+        return found
     return [t for t in tree_flatten(as_pytree(obj))[0] if isinstance(t, torch.Tensor)]
+
+
+_LEAVES = (bool, int, float, str, type(None))  # values a plain container holds besides tensors (flags, None)
+
+
+def _plain_containers(obj: object, found: list[torch.Tensor], depth: int = 0) -> bool:
+    """Whether ``obj`` is made of exact tuples, lists and str-keyed dicts (a layer's ``(args, kwargs)``, an
+    ``(output, None)`` pair) over tensors and plain values, its tensors appended to ``found`` in pytree order (a
+    dict's in its keys' order); False, ``found`` in any state, for anything else (the pytree machinery's)."""
+    kind = type(obj)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        found.append(obj)
+        return True
+    if kind in _LEAVES:
+        return True
+    if depth > 3:
+        return False
+    if kind is tuple or kind is list:
+        return all(_plain_containers(v, found, depth + 1) for v in obj)
+    if kind is dict:
+        return all(type(k) is str for k in obj) and all(_plain_containers(v, found, depth + 1) for v in obj.values())
+    return False
 
 
 @dataclass
