@@ -279,3 +279,15 @@ def test_steady_checks_start_the_check_account_afresh():
     assert fresh is not account
     assert fresh.calls == schedule.FIRST + 3 and fresh.checks >= schedule.FIRST
     assert fresh.compute_seconds < 1e3
+
+
+def test_paired_ratio_takes_each_rounds_ratio():
+    """A slow spell of the machine (every method 1.7x slower) that one method meets a round before the other moves
+    the ratio of the medians (3.4x), not the median of the rounds' own ratios (2x)."""
+    base = timing.summarize([1.0, 1.0, 1.7, 1.7, 1.7])
+    ours = timing.summarize([2.0, 2.0, 3.4, 3.4, 3.4])
+    assert ours.median_s / base.median_s == pytest.approx(2.0)
+    base = timing.summarize([1.0, 1.0, 1.0, 1.7, 1.7])
+    ours = timing.summarize([2.0, 2.0, 3.4, 3.4, 3.4])  # round 3: ours in the spell, the base not yet
+    assert ours.median_s / base.median_s == pytest.approx(3.4)
+    assert timing.paired_ratio(ours, base) == pytest.approx(2.0)
