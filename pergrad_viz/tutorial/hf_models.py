@@ -112,7 +112,9 @@ def lora(model: Logits, targets: tuple[str, ...], rank: int = 8, train_also: tup
     conv1d = "GPT2" in type(model.model).__name__  # GPT-2's Conv1D stores its weight (in, out)
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0,
                              fan_in_fan_out=conv1d, modules_to_save=list(train_also) or None)
-    model.model = peft.get_peft_model(model.model, config)
+    with FILTERS, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notices, read by peft
+        model.model = peft.get_peft_model(model.model, config)
     return model
 
 
@@ -132,9 +134,7 @@ def fashion_vit_lora(rank: int = 8, hidden: int = 64, classes: int = 10) -> Logi
     attention is the plain ("eager") one: ``torch.func.vmap`` has no batching rule for the CPU's fused attention."""
     vit = hf_vit(classes=classes, image=28, channels=1, patch=7, hidden=hidden)
     vit.model.set_attn_implementation("eager")
-    with FILTERS, warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notices, read by peft
-        model = lora(vit, ("q_proj", "v_proj"), rank, train_also=("classifier",))
+    model = lora(vit, ("q_proj", "v_proj"), rank, train_also=("classifier",))
     for name, module in model.named_modules():
         if name.endswith("lora_B.default") and isinstance(module, nn.Linear):
             module.reset_parameters()

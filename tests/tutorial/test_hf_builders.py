@@ -19,3 +19,15 @@ def test_a_builder_leaves_the_environment_as_it_was(monkeypatch, build):
     model = getattr(hf_models, build)()
     assert sum(p.numel() for p in model.parameters()) > 0
     assert "HF_HUB_OFFLINE" not in os.environ  # (torch's inductor, imported by transformers, sets its own cache dir)
+
+
+@pytest.mark.parametrize("build", ["lora_llama", "fashion_vit_lora"])
+def test_a_lora_builder_shows_no_library_deprecation(recwarn, build):
+    """peft reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model: every LoRA builder (not
+    only notebook 06's) keeps that notice from the user's output (`bench --dp` printed it for lora-llama)."""
+    pytest.importorskip("peft")
+    import warnings
+
+    warnings.simplefilter("always")
+    getattr(hf_models, build)()
+    assert not [w for w in recwarn if "is_gradient_checkpointing" in str(w.message)]
