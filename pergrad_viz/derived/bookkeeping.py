@@ -329,19 +329,19 @@ def _hooked_sums(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: 
             whole = rows.stop - rows.start == batch
             if whole:  # one chunk: the book's norms as they are, in float64 (one stack, not a conversion each)
                 present = [n for n in trainable.names if n in book.squared]
-                wide = {}
+                wide, total = {}, 0.0
                 if present:
                     stacked = torch.stack([book.squared[n] for n in present]).to(SQUARES)
-                    check_finite(stacked)
+                    total = check_finite(stacked)
                     wide = dict(zip(present, stacked.unbind(0), strict=True))
                 squared = {n: wide[n] if n in wide else zeros() for n in trainable.names}
             else:
                 squared = squared or {n: zeros() for n in trainable.names}
                 for name, sq in book.squared.items():
                     squared[name][rows] = sq
-                check_finite(torch.stack([s[rows] for s in squared.values()]), rows.start)
+                total = check_finite(torch.stack([s[rows] for s in squared.values()]), rows.start)
             factors = clip_factors(squared if whole else {n: s[rows] for n, s in squared.items()}, groups,
-                                   trainable.dtype)
+                                   trainable.dtype, total)
             sums = start() if sums is None else sums
             if first == 0:
                 checked.begin()
@@ -379,8 +379,8 @@ def materialised_sums(trainable: Trainable, resolved: str, strategy: str, loss_f
                                            verify):
         for name, g in grads.items():
             squared[name][rows] = row_squared_norms(g)
-        check_finite(torch.stack([s[rows] for s in squared.values()]), rows.start)
-        factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups, trainable.dtype)
+        total = check_finite(torch.stack([s[rows] for s in squared.values()]), rows.start)
+        factors = clip_factors({n: s[rows] for n, s in squared.items()}, groups, trainable.dtype, total)
         with torch.no_grad():
             for name, g in grads.items():
                 sums.add_weighted(name, g, factors[name])

@@ -24,13 +24,15 @@ EPS = 1e-6  # added to the norm in the scale factor, as Opacus does
 Groups = Sequence[tuple[float, tuple[str, ...]]]
 PerLayer = bool | Mapping[str, float]  # per_layer=: one bound, one per parameter, or bounds by module prefix
 
-def check_finite(squared: torch.Tensor, first: int = 0) -> None:
+def check_finite(squared: torch.Tensor, first: int = 0) -> float:
     """ValueError naming the samples whose gradient is not finite, from their squared norms ``squared`` (B,) or (K,
     B) (float64: a finite float32 gradient's square is finite; ``first``: the batch row of column 0). One such sample
     would make the whole clipped sum NaN (its clip factor is 0 or NaN, and 0 * inf is NaN), and the loop's sum of
-    the definition is NaN too: refused, naming the rows, before anything is summed. One host read of one sum."""
-    if math.isfinite(squared.sum().item()):
-        return
+    the definition is NaN too: refused, naming the rows, before anything is summed. One host read of one sum, which it
+    returns (every squared norm is at most it: :func:`clip_factors`' bound on the smallest clip factor)."""
+    total = squared.sum().item()
+    if math.isfinite(total):
+        return total
     bad = ~torch.isfinite(squared if squared.dim() == 1 else squared.sum(0))
     rows = [first + i for i in bad.nonzero().flatten().tolist()]
     raise ValueError(
@@ -44,31 +46,41 @@ def check_finite(squared: torch.Tensor, first: int = 0) -> None:
     )
 
 
-def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def clip_factors(squared: Mapping[str, torch.Tensor], groups: Groups, dtype: torch.dtype, total: float = math.inf
+                 ) -> dict[str, torch.Tensor]:
     """{name: (B,) c} in ``dtype`` with c = min(1, C_k / (||g_i||_k + 1e-6)), the norm over the parameters of name's
-    group k (from float64 squares: a float32 norm over 1.8e19 is c = C / norm, not 0)."""
+    group k (from float64 squares: a float32 norm over 1.8e19 is c = C / norm, not 0). ``total``: at least every
+    squared norm (:func:`check_finite`'s sum): where C_k / sqrt(total) is within ``dtype``'s normal range no factor
+    can leave it, and nothing is read from the device."""
     factors = {}
     for bound, names in groups:
         norm = squared[names[0]].sqrt() if len(names) == 1 else torch.stack([squared[n] for n in names]).sum(0).sqrt_()
         c = norm.add_(EPS).reciprocal_().mul_(bound).clamp_(max=1.0)  # (B,), norm's own memory
-        if dtype == torch.float16:
-            _check_half_factors(c, bound)
+        if dtype in _SUBNORMAL_FACTORS and bound / (math.sqrt(total) + EPS) < torch.finfo(dtype).tiny:
+            _check_narrow_factors(c, bound, dtype)
         factors.update(dict.fromkeys(names, c.to(dtype)))
     return factors
 
 
-def _check_half_factors(c: torch.Tensor, bound: float) -> None:
-    """ValueError where a float16 clip factor (B,) would be a subnormal number, rounded by up to 100% (a clipped
-    gradient of norm up to 2 C: the DP bound broken). One host read, float16 models only."""
-    tiny = torch.finfo(torch.float16).tiny
+_SUBNORMAL_FACTORS = (torch.float16, torch.bfloat16, torch.float32)  # float64's factors are computed in float64
+
+
+def _check_narrow_factors(c: torch.Tensor, bound: float, dtype: torch.dtype) -> None:
+    """ValueError where a clip factor (B,) would be a subnormal number of ``dtype``, rounded by up to 100% (a clipped
+    gradient of norm up to 2 C: the DP bound broken; float16 below 6e-5, float32 and bfloat16 below 1.2e-38). One
+    host read, only where :func:`clip_factors` could not rule it out."""
+    tiny = torch.finfo(dtype).tiny
     if c.min().item() >= tiny:
         return
     rows = (c < tiny).nonzero().flatten().tolist()
+    name = str(dtype).removeprefix("torch.")
+    fix = ("train in bfloat16 or float32 (model.to(torch.bfloat16)), or scale the loss down" if dtype == torch.float16
+           else "scale the loss down (its gradients are past 1e38 times max_norm)")
     raise ValueError(
         f"sample(s) {rows[:8]}{' ...' if len(rows) > 8 else ''} have a gradient norm of {bound / c.min().item():.3g} "
-        f"and max_norm is {bound:g}: the clip factor max_norm / norm is below float16's smallest normal number "
-        f"({tiny:.2g}), so float16 would round it by up to 100% and the clipped gradient could exceed max_norm. Use a "
-        "larger max_norm, or train in bfloat16 or float32 (model.to(torch.bfloat16)), or scale the loss down")
+        f"and max_norm is {bound:g}: the clip factor max_norm / norm is below {name}'s smallest normal number "
+        f"({tiny:.2g}), so {name} would round it by up to 100% and the clipped gradient could exceed max_norm. Use a "
+        f"larger max_norm, or {fix}")
 
 
 def clip_per_sample(grads: Grads, max_norm: float) -> tuple[Grads, torch.Tensor]:

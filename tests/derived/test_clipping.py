@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import pergrad_viz as pv
+from pergrad_viz.derived import clipping
 from pergrad_viz.derived.clipping import EPS
 
 
@@ -174,6 +175,29 @@ def test_float16_clip_factors_below_its_range_are_refused_or_applied_in_float32(
     _, want = _definition(model, loss_fn, x, t, 1e-3)
     got = torch.cat([s.flatten().double() for s in pv.clipped_grad_sum(model, loss_fn, x, t, 1e-3).values()])
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def test_float32_clip_factors_below_its_range_are_refused_and_ordinary_ones_read_nothing(monkeypatch):
+    """Found by a probe: max_norm=1e-44 in float32 gave a clipped sum 44% off (1e-46: all zeros), the factor C / norm
+    a subnormal number; refused now, as float16's. Where the batch's total squared norm rules it out (every ordinary
+    call) the factors are not read from the device at all."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    with pytest.raises(ValueError, match=r"below float32's smallest normal number.*larger max_norm"):
+        pv.clipped_grad_sum(model, loss_fn, x, y, 1e-44)
+    rows, want = _definition(model.double(), loss_fn, x.double(), y, 1e-30)
+    model.float()
+    got = torch.cat([s.flatten().double() for s in pv.clipped_grad_sum(model, loss_fn, x, y, 1e-30).values()])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+    def never(*args):
+        raise AssertionError("the factors were read")
+
+    monkeypatch.setattr(clipping, "_check_narrow_factors", never)
+    pv.clipped_grad_sum(model, loss_fn, x, y, 1e-30)
+    pv.clipped_grad_sum(model.half(), loss_fn, x.half(), y, 1.0)
 
 
 def test_a_sample_whose_loss_alone_is_0_over_0_is_named_with_a_fix_that_works():

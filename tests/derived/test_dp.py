@@ -148,8 +148,8 @@ def test_a_planted_wrong_clip_factor_fails(monkeypatch):
     bound = median_bound(model, loss_fn, x, y)
     right = bookkeeping.clip_factors
 
-    def wrong(squared, groups, dtype):
-        factors = right(squared, groups, dtype)
+    def wrong(squared, groups, dtype, *total):
+        factors = right(squared, groups, dtype, *total)
         return {n: c * (1 + 1e-5) for n, c in factors.items()}
 
     monkeypatch.setattr(bookkeeping, "clip_factors", wrong)
