@@ -97,13 +97,23 @@ def test_linears_of_two_token_counts_and_frozen_weights(spied, dtype):
             short = self.bias_only(torch.tanh(self.short(x[:, :4]))).mean(1)
             return self.head(torch.cat([short, self.long(x).mean(1)], 1))
 
+    model, loss_fn, x, y, sums, norms = _half_bound(TwoLengths, 2, 16, dtype)
+    assert spied["together"] == [2]
+    _agrees(model, loss_fn, x, y, sums, norms)
+
+
+def _half_bound(build, seed: int, width: int, dtype: torch.dtype):
+    """(model, loss_fn, x (5, 6, width), y, clipped sums, norms) of ``build()`` at max_norm 0.5, unchecked."""
     torch.manual_seed(0)
-    model = TwoLengths().to(dtype)
-    g = torch.Generator().manual_seed(2)
-    x, y = torch.randn(5, 6, 16, generator=g, dtype=dtype), torch.randint(0, 3, (5,), generator=g)
+    model = build().to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(5, 6, width, generator=g, dtype=dtype), torch.randint(0, 3, (5,), generator=g)
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     sums, norms = pv.clipped_grad_sum(model, loss_fn, x, y, 0.5, return_norms=True, verify=False)
-    assert spied["together"] == [2]
+    return model, loss_fn, x, y, sums, norms
+
+
+def _agrees(model, loss_fn, x, y, sums, norms) -> None:
     want, want_norms = _loop(model, loss_fn, x, y, 0.5)
     torch.testing.assert_close(norms.double(), want_norms, rtol=1e-5, atol=0)
     assert set(sums) == set(want)
@@ -139,16 +149,8 @@ def test_an_input_read_by_several_linears_has_its_gram_taken_once(spied, monkeyp
         return bmm(a, b, *args, **kwargs)
 
     monkeypatch.setattr(torch, "bmm", counting)
-    torch.manual_seed(0)
-    model = SharedInput().to(dtype)
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(5, 6, 32, generator=g, dtype=dtype), torch.randint(0, 3, (5,), generator=g)
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")
-    sums, norms = pv.clipped_grad_sum(model, loss_fn, x, y, 0.5, return_norms=True, verify=False)
+    model, loss_fn, x, y, sums, norms = _half_bound(SharedInput, 3, 32, dtype)
     assert spied["together"] == [4]
     assert len(products) == 4 + 2  # four output-gradient Grams, two input Grams (the shared one and the copy's)
     monkeypatch.setattr(torch, "bmm", bmm)
-    want, want_norms = _loop(model, loss_fn, x, y, 0.5)
-    torch.testing.assert_close(norms.double(), want_norms, rtol=1e-5, atol=0)
-    for name, w in want.items():
-        torch.testing.assert_close(sums[name].double(), w, rtol=1e-5, atol=1e-6)
+    _agrees(model, loss_fn, x, y, sums, norms)
