@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 
 from pergrad_viz.explorer.model import ExplorerModel
@@ -30,6 +31,23 @@ def _options(values: Sequence[int], default: int, what: str) -> tuple[int, ...]:
     if options[0] < 1:
         raise ValueError(f"{what} must be positive integers, got {tuple(values)}")
     return tuple(options)
+
+
+def _check_threads_and_device(threads: object, device: object, model: nn.Module | None) -> None:
+    """ValueError naming the fix for a thread count that is not a positive int, a device torch does not know or has
+    not got, or ``device=`` given with your own network (which is computed where its parameters are)."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive number of intra-op threads (None: all cores but one), got "
+                         f"{threads!r}")
+    if model is not None and device != "cpu":
+        raise ValueError(f"device={device!r} is where the menu's networks are computed; your network is computed where "
+                         "its parameters are (move it with model.to(device) first), so leave device= out")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a device torch knows ('cpu', 'cuda', 'cuda:0'), got {device!r}") from e
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but torch finds no CUDA device here: leave device= out (the CPU)")
 
 
 def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None, data: object = None,
@@ -81,7 +99,9 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
     """
     if quantity not in QUANTITIES:
         raise ValueError(f"quantity must be one of {', '.join(map(repr, QUANTITIES))}, got {quantity!r}")
+    _check_threads_and_device(threads, device, model)
     if model is not None:
+        device = str(next(model.parameters(), torch.empty(0)).device)  # yours is computed where it is
         if loss_fn is None or data is None:
             raise ValueError("explorer(model=...) needs loss_fn= and data=(inputs, targets) (or a Dataset / "
                              "DataLoader) too")
@@ -90,6 +110,9 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
         batch_sizes = tuple(sorted({b for b in batch_sizes if b <= spec.max_batch} | {spec.max_batch}))  # all of it
         default_model, default_hidden = spec.key, 0
         default_batch = default_batch if default_batch is not None else min(spec.default_batch, max(batch_sizes))
+        if default_batch > spec.max_batch:
+            raise ValueError(f"default_batch={default_batch} is more than the {spec.max_batch} samples of data= (the "
+                             f"batch-size slider runs over them): choose at most {spec.max_batch}, or pass more data")
     else:
         if loss_fn is not None or data is not None or output is not None:
             raise ValueError("loss_fn=, data= and output= go with model=: pass your network too")

@@ -41,6 +41,7 @@ from pergrad_viz.bench.sweeps import backward_work
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.layout import param_boundaries
 from pergrad_viz.core.memory import result_bytes
+from pergrad_viz.core.validate import check_modes
 from pergrad_viz.errors import UnsupportedModelError
 from pergrad_viz.explorer import compute
 from pergrad_viz.explorer.sample import inputs_of, sample_view
@@ -277,6 +278,7 @@ class ExplorerModel:
             self._keep(setting, cached, keep)
             return cached
         model, loss_fn, x, y, labels = self.problem(setting)
+        check_modes(model)  # a random forward refused naming model.eval(), not randomness=, which explorer() lacks
         sync = synchronizer(model, self.device)
         start = clock(sync)
         try:

@@ -807,7 +807,21 @@ def test_the_error_box_on_a_network_in_training_mode_names_what_the_explorer_can
     with pytest.raises(pv.UndefinedPerSampleError) as info:
         list(m.stages(setting))
     box = panels.error_html(setting, info.value, "nothing yet")
-    assert "The explorer has no randomness option: call model.eval()" in box
+    assert "model.eval()" in box and "randomness" not in box  # a Dropout module: refused before the package's calls
+
+    class Functional(torch.nn.Module):  # dropout in the forward: the package's refusal, with the explorer's note
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            return torch.nn.functional.dropout(self.fc(x), 0.1, training=self.training)
+
+    m = ExplorerModel(models={"yours": user_spec(Functional(), torch.nn.CrossEntropyLoss(reduction="sum"), (x, y))},
+                      batch_options=(2, 4), sweep_batches=1, **FAST)
+    with pytest.raises(pv.UndefinedPerSampleError) as info:
+        list(m.stages(setting))
+    assert "The explorer has no randomness option: call model.eval()" in panels.error_html(setting, info.value, "")
 
 
 def test_a_users_network_trained_between_visits_is_computed_again():

@@ -447,6 +447,29 @@ def test_explorer_on_the_users_own_model():
         widgets.explorer(model=net, compute=False)
 
 
+def test_bad_options_with_your_own_model_are_refused_before_anything_runs():
+    """Found by a probe: default_batch beyond the data, threads=0 and a device= with your own network were taken, and
+    the widget then sat on an error (torch's own for the threads); a Dropout in training mode was refused naming
+    randomness='different', an option explorer() has not got."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 3))
+    data = (torch.randn(20, 5), torch.randint(0, 3, (20,)))
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    kw = {"model": net, "loss_fn": loss_fn, "data": data, "compute": False, "background": False}
+    for bad, match in [({"default_batch": 100}, "more than the 20 samples"), ({"threads": 0}, "positive number"),
+                       ({"device": "cuda:7"}, "leave device= out")]:
+        with pytest.raises(ValueError, match=match):
+            widgets.explorer(**kw, **bad)
+    with pytest.raises(ValueError, match="torch knows"):
+        widgets.explorer(device="gpu0", compute=False)
+    ex = widgets.explorer(**{**kw, "compute": True}, threads=1, ahead=False, strategies=("hooks",), rounds=1,
+                          sweep_batches=1)
+    try:
+        assert "model.eval()" in ex.error and "randomness" not in ex.error
+    finally:
+        ex.close()
+
+
 def test_two_workers_in_one_process_take_turns():
     """Issue 19: two explorers in one kernel (the Voila dashboard shows two) must not compute and time at once, or
     each measures the other; a worker stopped while waiting for its turn drops its job."""
