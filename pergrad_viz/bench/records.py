@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -58,7 +59,10 @@ def check_cost(rows: dict[str, Record]) -> float | None:
 
 
 def fmt_seconds(s: float) -> str:
-    """A duration as people read it: ``"1.5 s"``, ``"13.7 ms"``, ``"95.7 µs"``, ``"939 ns"`` (3 digits)."""
+    """A duration as people read it: ``"1.5 s"``, ``"13.7 ms"``, ``"95.7 µs"``, ``"939 ns"`` (3 digits); a dash for a
+    time that is not one (NaN, negative)."""
+    if not s >= 0:
+        return "-"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if s >= scale:
             return f"{s / scale:.3g} {unit}"
@@ -67,6 +71,8 @@ def fmt_seconds(s: float) -> str:
 
 def fmt_ratio(r: float) -> str:
     """A ratio as people read it: ``"1,930x"``, ``"89.4x"``, ``"0.668x"`` (never ``1.93e+03x``)."""
+    if math.isnan(r):
+        return "-"
     return f"{r:,.0f}x" if r >= 100 else f"{r:.3g}x"
 
 

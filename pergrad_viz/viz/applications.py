@@ -30,8 +30,8 @@ def image_grid(images: Any, *, titles: Sequence[str] | None = None, ncols: int =
         titles: K titles.
     """
     imgs = to_numpy(images)
-    k = imgs.shape[0]
-    side = math.isqrt(imgs[0].size)
+    k = imgs.shape[0] if imgs.ndim else 0
+    side = math.isqrt(imgs[0].size) if k else 0
     if k == 0 or side * side != imgs[0].size:
         raise ValueError(f"images must be (K, H*W) or (K, H, W) square images with K >= 1, got {imgs.shape}")
     if titles is not None and len(titles) != k:
@@ -84,6 +84,8 @@ def norm_histogram(before: Any, after: Any, max_norm: float, *, bins: int = 40) 
     The bins are aligned to C = ``max_norm`` (C is a bin edge) and closed on the right, so norms clipped to
     exactly C sit in the bin left of the C line."""
     b, a = to_numpy(before).ravel(), to_numpy(after).ravel()
+    if b.size == 0 or a.size == 0:
+        raise ValueError("no norms to plot: pass the (B,) per-sample gradient norms before and after clipping")
     fig = Figure(figsize=(7, 3.2), layout="constrained")
     ax = fig.add_subplot()
     edges = aligned_edges(max(float(b.max()), float(a.max())), max_norm, bins)

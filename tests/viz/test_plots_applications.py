@@ -32,3 +32,11 @@ def test_grouped_heatmap_boundaries_and_symmetric_limits():
     assert ax.lines[0].get_ydata()[0] == 1.5  # between the two groups
     with pytest.raises(ValueError, match="sorted"):
         viz.grouped_heatmap(m, [1, 0, 0])
+
+
+def test_empty_inputs_are_refused_naming_what_to_pass():
+    """Found by a probe: no images gave numpy's IndexError, no norms its "zero-size array" error."""
+    with pytest.raises(ValueError, match="K >= 1"):
+        viz.image_grid(torch.rand(0, 28, 28))
+    with pytest.raises(ValueError, match="no norms to plot"):
+        viz.norm_histogram(torch.zeros(0), torch.zeros(0), 1.0)
