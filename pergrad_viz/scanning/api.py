@@ -118,6 +118,12 @@ def _check_quantities(quantities: Sequence[str] | str, proj_dim: int | None) -> 
 
 
 def _check_dataset(dataset: object) -> int:
+    if isinstance(dataset, torch.utils.data.DataLoader):
+        raise TypeError("scan takes the dataset, not a DataLoader (it batches the samples itself: batch_size=, "
+                        "num_workers=): pass loader.dataset")
+    if type(dataset) is tuple and len(dataset) == 2 and all(isinstance(t, torch.Tensor) for t in dataset):
+        raise TypeError("scan takes a dataset of (input, label) pairs, got a tuple of two tensors: pass "
+                        "torch.utils.data.TensorDataset(inputs, labels)")
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
         raise TypeError(
             f"scan needs a map-style dataset (len() and dataset[i]), got {type(dataset).__name__}: an iterable "

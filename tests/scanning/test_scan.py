@@ -518,6 +518,10 @@ def test_bad_inputs_get_clear_errors(tmp_path):
         pv.scan(model, loss_fn, ds, out=foreign, progress=False)
     with pytest.raises(NotADirectoryError, match="is a file"):
         pv.scan(model, loss_fn, ds, out=foreign / "notes.txt", progress=False)
+    with pytest.raises(TypeError, match="not a DataLoader.*pass loader.dataset"):  # a probe: "an iterable dataset"
+        pv.scan(model, loss_fn, torch.utils.data.DataLoader(ds, batch_size=4), out=tmp_path / "a", progress=False)
+    with pytest.raises(TypeError, match=r"tuple of two tensors.*TensorDataset\(inputs, labels\)"):
+        pv.scan(model, loss_fn, ds.tensors, out=tmp_path / "a", progress=False)
     no_labels = torch.utils.data.TensorDataset(ds.tensors[0])
     with pytest.raises(ValueError, match=r"not an \(input, label\) pair.*TensorDataset\(inputs, labels\)"):
         pv.scan(model, loss_fn, no_labels, out=tmp_path / "a", progress=False)
