@@ -21,6 +21,7 @@ probe refuses ``hooks`` fall back to :func:`pergrad_viz.per_sample_jacobian` ``(
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,7 +31,8 @@ from torch import nn
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, Inputs
 from pergrad_viz.core.guards import check_output_count, check_reached, refusing_reentrant_checkpoints
-from pergrad_viz.core.memory import check_budget, result_bytes
+from pergrad_viz.core.memory import SMALL, check_budget, default_budget, result_bytes
+from pergrad_viz.core.numbers import real_number
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.core.validate import batch_of
 from pergrad_viz.derived.norms import ghost_rule, stack_calls
@@ -40,6 +42,7 @@ from pergrad_viz.engine.combination import check_ntk, check_ntk_rows
 from pergrad_viz.engine.cotangents import has_fallback_layers, refuse_wrong_nesting
 from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_names
 from pergrad_viz.engine.observe import forked_random
+from pergrad_viz.engine.probe import plan_for
 from pergrad_viz.rules import ghost_rule_for
 from pergrad_viz.strategies import hooks
 
@@ -89,8 +92,11 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
             (then K is computed once per pair of chunks and is exactly symmetric).
         mode: ``"full"`` for the (N1, N2, Y, Y) kernel, ``"trace"`` for its trace over the outputs (N1, N2).
         chunk_size: at most this many samples per forward/backward pass and per block of K.
-        max_bytes: memory budget for the kernel (default: half of the memory available on the device);
-            :class:`~pergrad_viz.MemoryBudgetError` is raised before computing when K alone exceeds it.
+        max_bytes: memory budget (default: half of the memory available on the device) for K and the chunks'
+            features (each layer's output gradients for the Y outputs and its inputs): every chunk's kept where
+            they fit, else two chunks' at a time (x2's computed again for each chunk of x1);
+            :class:`~pergrad_viz.MemoryBudgetError`, naming a ``chunk_size`` that fits, is raised before computing
+            where even that exceeds it.
         verify: check every row of K times a random vector against plain autograd on the batch
             (``pergrad_viz.engine.combination``) and one random entry K[i, j] against the two samples' Jacobians
             computed alone (on a mismatch K is computed from per-sample Jacobians instead); ``False`` skips it.
@@ -123,10 +129,13 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
     with restoring_modes(trainable):
         y_count = api.output_size(trainable, x1)
     n1, n2 = x1.size, x1.size if x2 is None else x2.size
-    check_budget(what=f"an empirical NTK of {n1} x {n2} samples" + (f" x {y_count}^2 outputs" if full else ""),
-                 result=result_bytes(n1 * n2, 1, trainable.dtype, y_count * y_count if full else 1),
-                 working=0, max_bytes=max_bytes, allocate_result=True, device=trainable.device, batch=n1,
-                 chunk=chunk)
+    what = f"an empirical NTK of {n1} x {n2} samples" + (f" x {y_count}^2 outputs" if full else "")
+    result = result_bytes(n1 * n2, 1, trainable.dtype, y_count * y_count if full else 1)
+    per_sample = _feature_bytes(trainable, x1, y_count) if strategy == "hooks" else 0
+    held = per_sample * (n1 + (0 if x2 is None else n2))  # every chunk's features kept, each computed once
+    hold_all = result + held <= _budget(max_bytes, trainable.device, result + held)
+    check_budget(what=what, result=result, working=held if hold_all else 2 * per_sample * chunk, max_bytes=max_bytes,
+                 allocate_result=True, device=trainable.device, batch=n1, chunk=chunk)
     if y_count == 0:  # no output element: an empty kernel (a sum over no outputs: zeros, for the trace)
         with restoring_modes(trainable), torch.no_grad(), forked_random(trainable.device):  # every sample: none
             for x in (x1,) if x2 is None else (x1, x2):
@@ -144,7 +153,7 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
                           for n, p in zip(trainable.names, trainable.params, strict=True)}
                 with restoring_modes(trainable):
                     refuse_wrong_nesting(trainable, x1, "hooks", hooks.jacobian_untried, shapes)
-            return _ghost_ntk(trainable, x1, x2, full, chunk, y_count)
+            return _ghost_ntk(trainable, x1, x2, full, chunk, y_count, hold_all)
         return _jacobian_ntk(model, x1, x2, full, chunk_size, verify, used, output)
 
     def check(kernel: torch.Tensor, used: str) -> None:
@@ -180,30 +189,56 @@ def _jacobian_ntk(model: nn.Module, x1: Batch, x2: Batch | None, full: bool, chu
     return _symmetrise(kernel, full) if x2 is None else kernel
 
 
-def _ghost_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, full: bool, chunk: int, alone: int
-               ) -> torch.Tensor:
-    """K from the layers' features of each chunk; ``alone``: Y, sample 0's output elements alone."""
+def _feature_bytes(trainable: Trainable, x: Batch, y_count: int) -> int:
+    """What one sample's features (:func:`_features`) hold at least: every hooked layer call's output gradients for
+    the Y outputs (Y, N, ...) and its inputs (N, ...), from the plan's shapes (a layer's Jacobian may take more)."""
+    numbers = 0
+    for layer in plan_for(trainable, x).layers.values():
+        for spec in layer.calls:
+            numbers += y_count * sum(math.prod(r) for d, r in zip(spec.out_dims, spec.out_rest, strict=True)
+                                     if d is not None)
+            numbers += sum(math.prod(r) for d, r in zip(spec.in_dims, spec.in_rest, strict=True) if d is not None)
+    return numbers * trainable.dtype.itemsize
+
+
+def _budget(max_bytes: int | None, device: torch.device, need: int) -> int:
+    """The budget :func:`~pergrad_viz.core.memory.check_budget` holds ``need`` to (no query where it is small)."""
+    if max_bytes is not None:
+        return int(real_number("max_bytes", max_bytes, hint=" (a budget in bytes) or None"))
+    return need if need <= SMALL else default_budget(device)
+
+
+def _ghost_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, full: bool, chunk: int, alone: int,
+               hold_all: bool = True) -> torch.Tensor:
+    """K from the layers' features of each chunk; ``alone``: Y, sample 0's output elements alone. ``hold_all``:
+    every chunk's features computed once and kept; else two chunks' at a time, each x2 chunk's computed again for
+    every x1 chunk (memory bounded by the chunk, not the batch)."""
     rows1 = [slice(s, min(s + chunk, x1.size)) for s in range(0, x1.size, chunk)]
     rows2 = rows1 if x2 is None else [slice(s, min(s + chunk, x2.size)) for s in range(0, x2.size, chunk)]
+    other = x1 if x2 is None else x2
     with restoring_modes(trainable), refusing_reentrant_checkpoints():
-        f1 = [_features(trainable, x1.rows(r), full) for r in rows1]
-        f2 = f1 if x2 is None else [_features(trainable, x2.rows(r), full) for r in rows2]
-    y_count = f1[0].outputs
-    check_output_count("a sample in a batch", y_count, alone)
-    for f in f1 + f2:
-        _check_outputs(y_count, f.outputs)
-    n2 = x1.size if x2 is None else x2.size
-    shape = (x1.size, n2, y_count, y_count) if full else (x1.size, n2)
-    kernel = torch.zeros(shape, dtype=trainable.dtype, device=trainable.device)
-    for b1, (r1, a) in enumerate(zip(rows1, f1, strict=True)):
-        for b2, (r2, b) in enumerate(zip(rows2, f2, strict=True)):
-            if x2 is None and b2 < b1:  # K(x, x) is symmetric: reuse the block above the diagonal
-                block = kernel[r2, r1].transpose(0, 1)
-                kernel[r1, r2] = block.transpose(2, 3) if full else block
-            else:
+        f1 = [_features(trainable, x1.rows(r), full) for r in rows1] if hold_all else None
+        f2 = f1 if x2 is None or not hold_all else [_features(trainable, x2.rows(r), full) for r in rows2]
+        n2 = other.size
+        kernel = None
+        for b1, r1 in enumerate(rows1):
+            a = f1[b1] if hold_all else _features(trainable, x1.rows(r1), full)
+            if kernel is None:
+                check_output_count("a sample in a batch", a.outputs, alone)
+                shape = (x1.size, n2, a.outputs, a.outputs) if full else (x1.size, n2)
+                kernel = torch.zeros(shape, dtype=trainable.dtype, device=trainable.device)
+            for b2, r2 in enumerate(rows2):
+                if x2 is None and b2 < b1:  # K(x, x) is symmetric: reuse the block above the diagonal
+                    block = kernel[r2, r1].transpose(0, 1)
+                    kernel[r1, r2] = block.transpose(2, 3) if full else block
+                    continue
+                b = f2[b2] if hold_all else a if x2 is None and b2 == b1 else _features(trainable, other.rows(r2),
+                                                                                           full)
+                _check_outputs(a.outputs, b.outputs)
                 block = _kernel(a, b, full)
                 if block is not None:  # None: no layer reaches the output in both chunks, J J^T = 0
                     kernel[r1, r2] = block
+                del b
     return _symmetrise(kernel, full) if x2 is None else kernel
 
 

@@ -240,7 +240,26 @@ def test_kernel_over_the_memory_budget_is_refused_before_computing():
     model = MLP(784, 8, 10)
     with pytest.raises(pv.MemoryBudgetError, match=r"empirical NTK of 6 x 6 samples x 10\^2 outputs.*KiB"):
         pv.empirical_ntk(model, torch.randn(6, 784), mode="full", max_bytes=1000)
-    assert pv.empirical_ntk(model, torch.randn(6, 784), mode="trace", max_bytes=1000).shape == (6, 6)
+
+
+def test_the_features_of_every_chunk_count_and_a_chunk_bounds_them(monkeypatch):
+    """Found by a probe: the budget counted K alone while every chunk's features were kept (a (B, T, V) output's
+    took 6 GB past max_bytes=50 MB). Now they count; where they would not fit, two chunks' at a time (each x2 chunk
+    computed again for every x1 chunk), the same K; and where even that does not fit, refused naming chunk_size."""
+    torch.manual_seed(0)
+    model = MLP(784, 8, 10)
+    x, x2 = torch.randn(6, 784), torch.randn(4, 784)  # one sample's features: about 3.8 KiB
+    with pytest.raises(pv.MemoryBudgetError, match="pass chunk_size=2 or less"):
+        pv.empirical_ntk(model, x, mode="trace", max_bytes=20_000)
+    passes = []
+    features = ntk._features
+    monkeypatch.setattr(ntk, "_features", lambda *args: passes.append(args[1].size) or features(*args))
+    bounded = pv.empirical_ntk(model, x, mode="trace", max_bytes=20_000, chunk_size=1, verify=False)
+    assert len(passes) == 6 * 7 // 2  # the upper triangle's pairs, a chunk's own once
+    monkeypatch.setattr(ntk, "_features", features)
+    torch.testing.assert_close(bounded, pv.empirical_ntk(model, x, mode="trace", verify=False))
+    both = pv.empirical_ntk(model, x, x2, max_bytes=60_000, chunk_size=2, verify=False)
+    torch.testing.assert_close(both, reference(model, x, x2, "full"), rtol=1e-4, atol=1e-5)
 
 
 class _DictOutput(nn.Module):
