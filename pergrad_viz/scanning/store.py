@@ -51,19 +51,28 @@ def model_fingerprint(model: nn.Module) -> dict:
     too, which ``state_dict()`` leaves out). Not covered: plain Python attributes of modules (e.g. a custom
     layer's ``self.scale = 2.0``) and the code of ``forward`` (the class's name stands for it)."""
     h = hashlib.sha256(f"{type(model).__module__}.{type(model).__qualname__}".encode())
+    parts = {part: hashlib.sha256() for part in ("structure", "training flags", "requires_grad", "values")}
+
+    def add(part: str, data: bytes) -> None:
+        h.update(data)
+        parts[part].update(data)
+
     for name, m in model.named_modules():
-        h.update(f"module {name}:{type(m).__module__}.{type(m).__qualname__}:{m.training}".encode())
+        add("structure", f"module {name}:{type(m).__module__}.{type(m).__qualname__}".encode())
+        add("training flags", f":{m.training}".encode())
     for name, p in model.named_parameters():
-        h.update(f"{name}:{p.requires_grad}".encode())
+        add("requires_grad", f"{name}:{p.requires_grad}".encode())
     for name, t in model.state_dict().items():
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(_tensor_bytes(t))
+        add("values", f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        add("values", _tensor_bytes(t))
     persistent = set(model.state_dict())
     for name, b in model.named_buffers():
         if name not in persistent:  # a non-persistent buffer (e.g. a mask or rotary table computed at init)
-            h.update(f"buffer {name}:{tuple(b.shape)}:{b.dtype}".encode())
-            h.update(_tensor_bytes(b))
-    return {"class": type(model).__qualname__, "sha256": h.hexdigest()}
+            add("values", f"buffer {name}:{tuple(b.shape)}:{b.dtype}".encode())
+            add("values", _tensor_bytes(b))
+    # each part's own digest, so that a refusal names what changed (a training flag, the weights)
+    return {"class": type(model).__qualname__, "sha256": h.hexdigest(),
+            "parts": {part: d.hexdigest()[:16] for part, d in parts.items()}}
 
 
 def _item_bytes(value: object) -> bytes:
@@ -246,6 +255,8 @@ def differences(old: Mapping, new: Mapping) -> list[str]:
     diffs = []
 
     def walk(a: object, b: object, where: str) -> None:
+        if where == "fingerprint.model.parts" and (a is None or b is None):  # a scan begun before parts were kept
+            return
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b), key=str):
                 walk(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))

@@ -4,6 +4,7 @@ dense projection, resuming, refusals (fingerprints of the model and the loss), o
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import os
@@ -316,8 +317,11 @@ def test_rerun_with_other_model_data_or_settings_is_refused(tmp_path):
     before = (out / "loss.npy").read_bytes()
     pv.scan(model, nn.CrossEntropyLoss(), ds, quantities=("loss",), batch_size=10, out=out, progress=False)  # same
     other = _model(MLP, seed=1)
+    flag = copy.deepcopy(model)
+    flag.fc1.weight.requires_grad_(False)  # a probe: the refusal showed two hashes, not what had changed
     cases = [
-        (other, ds, {"quantities": ("loss",)}, r"fingerprint\.model\.sha256"),
+        (other, ds, {"quantities": ("loss",)}, r"fingerprint\.model\.parts\.values.*fingerprint\.model\.sha256"),
+        (flag, ds, {"quantities": ("loss",)}, r"fingerprint\.model\.parts\.requires_grad: '"),
         (model, _data(31, flat=True), {"quantities": ("loss",)}, r"fingerprint\.dataset"),
         (model, ds, {"quantities": ("loss", "el2n")}, r"settings\.quantities"),
         (model, ds, {"quantities": ("loss",), "chunk_size": 20}, r"settings\.chunk_size"),
@@ -330,6 +334,10 @@ def test_rerun_with_other_model_data_or_settings_is_refused(tmp_path):
         pv.scan(model, nn.CrossEntropyLoss(reduction="sum"), ds, quantities=("loss",), batch_size=10, out=out,
                 progress=False)
     assert (out / "loss.npy").read_bytes() == before  # nothing was written
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["fingerprint"]["model"]["parts"]  # a scan begun before the parts were kept goes on
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    pv.scan(model, nn.CrossEntropyLoss(), ds, quantities=("loss",), batch_size=10, out=out, progress=False)
 
 
 class _Masked(nn.Module):
