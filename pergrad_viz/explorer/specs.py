@@ -301,6 +301,9 @@ def user_spec(model: nn.Module, loss_fn: Callable, data: object, *, max_batch: i
     inputs, targets = _take(data, max_batch)
     size = Batch.of(inputs).size
     labels = _labels(targets, size)
+    if class_names is not None and len(labels) and int(labels.max()) >= len(class_names):
+        raise ValueError(f"class_names has {len(class_names)} names, but the targets hold class {int(labels.max())}: "
+                         "give one name per class (index k names class k), or leave class_names out")
     kind, _ = _sample_kind(inputs)
     length = None
     if kind == "tokens":

@@ -449,15 +449,15 @@ def test_explorer_on_the_users_own_model():
 
 def test_bad_options_with_your_own_model_are_refused_before_anything_runs():
     """Found by a probe: default_batch beyond the data, threads=0 and a device= with your own network were taken, and
-    the widget then sat on an error (torch's own for the threads); a Dropout in training mode was refused naming
-    randomness='different', an option explorer() has not got."""
+    the widget then sat on an error (torch's own for the threads), too few class_names fell back to "class k"
+    unsaid; a Dropout in training mode was refused naming randomness='different', which explorer() has not got."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 3))
     data = (torch.randn(20, 5), torch.randint(0, 3, (20,)))
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
     kw = {"model": net, "loss_fn": loss_fn, "data": data, "compute": False, "background": False}
     for bad, match in [({"default_batch": 100}, "more than the 20 samples"), ({"threads": 0}, "positive number"),
-                       ({"device": "cuda:7"}, "leave device= out")]:
+                       ({"device": "cuda:7"}, "leave device= out"), ({"class_names": ["a", "b"]}, "hold class 2")]:
         with pytest.raises(ValueError, match=match):
             widgets.explorer(**kw, **bad)
     with pytest.raises(ValueError, match="torch knows"):
