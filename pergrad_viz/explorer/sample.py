@@ -53,7 +53,10 @@ def inputs_of(batch: Batch) -> object:
 
 
 def drawn(one: Batch, kind: str) -> torch.Tensor | None:
-    """What the sample panel draws of one sample: the image (its pixels, any shape) or the (T,) token ids."""
+    """What the sample panel draws of one sample: the image (its pixels, any shape) or the (T,) token ids (a dict's
+    ``input_ids``)."""
+    if kind == "tokens" and not one.args and isinstance(one.kwargs.get("input_ids"), torch.Tensor):
+        return one.kwargs["input_ids"][0].detach().cpu()
     if kind not in ("image", "tokens") or len(one.args) != 1 or not isinstance(one.args[0], torch.Tensor):
         return None
     return one.args[0][0].detach().cpu()

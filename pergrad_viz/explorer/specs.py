@@ -258,7 +258,10 @@ def _labels(targets: object, size: int) -> torch.Tensor:
 
 def _sample_kind(inputs: object) -> tuple[str, tuple[int, int] | None]:
     """How a user's sample is drawn: an image (one tensor, a square number of at least 64 pixels per sample, or
-    (B, C in {1, 3}, H, W)), tokens (one integer (B, T) tensor) or not at all."""
+    (B, C in {1, 3}, H, W)), tokens (one integer (B, T) tensor, or a dict's ``input_ids``: a Hugging Face batch) or
+    not at all."""
+    if isinstance(inputs, Mapping) and isinstance(ids := inputs.get("input_ids"), torch.Tensor):
+        return ("tokens", None) if ids.dim() == 2 and not ids.is_floating_point() else ("other", None)
     if not isinstance(inputs, torch.Tensor):
         return "other", None
     one = inputs[0]
@@ -307,7 +310,7 @@ def user_spec(model: nn.Module, loss_fn: Callable, data: object, *, max_batch: i
     kind, _ = _sample_kind(inputs)
     length = None
     if kind == "tokens":
-        t = inputs.shape[1]
+        t = (inputs["input_ids"] if isinstance(inputs, Mapping) else inputs).shape[1]
         side = int(t ** 0.5)
         length = (side, side) if side * side == t else (1, t)
 

@@ -891,3 +891,27 @@ def test_a_users_regression_targets_and_small_vectors_are_not_classes_or_images(
     ex = explorer(model=net, loss_fn=torch.nn.MSELoss(reduction="sum"), data=(x, y), compute=False, background=False)
     assert ex.model.batch_options == (1, 2, 3)
     ex.close()
+
+
+def test_a_hugging_face_style_batch_shows_its_token_ids():
+    """Found by a probe: a dict batch's ``input_ids`` (what a Hugging Face model takes) were drawn as nothing, the
+    sample "other", though docs/explorer.md draws integer token ids as tokens."""
+    from pergrad_viz.explorer.specs import user_spec
+
+    class Ids(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(20, 4), torch.nn.Linear(4, 3)
+
+        def forward(self, input_ids, attention_mask):
+            return self.head((self.embed(input_ids) * attention_mask[..., None]).mean(1))
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(4)
+    ids, mask = torch.randint(0, 20, (6, 9), generator=gen), torch.ones(6, 9, dtype=torch.long)
+    spec = user_spec(Ids(), torch.nn.CrossEntropyLoss(reduction="sum"),
+                     ({"input_ids": ids, "attention_mask": mask}, torch.randint(0, 3, (6,), generator=gen)))
+    assert spec.sample_kind == "tokens" and spec.token_grid == (3, 3)
+    m = ExplorerModel(models={"yours": spec}, batch_options=(2, 4), sweep_batches=1, **FAST)
+    view = m.update(Setting(model="yours", batch=4, hidden=0, sample=2, strategies=("hooks",)))
+    assert view.sample.kind == "tokens" and torch.equal(view.sample.image, ids[2])
