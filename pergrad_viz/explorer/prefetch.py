@@ -1,5 +1,6 @@
 """Importing ahead, while no explorer works, the libraries a network of the menu needs (the ViT with LoRA: transformers
-and peft, seconds of imports), so that its first visit does not wait for them.
+and peft, seconds of imports), and what torch imports lazily at a Jacobian's first call, so that a first visit does not
+wait for them.
 
 The imports run in a thread of their own, started once an explorer has shown its first setting (:func:`start`).
 They give way to every explorer's work: at the start of each module it imports, the thread pauses while an explorer
@@ -27,9 +28,12 @@ import torch
 from pergrad_viz.core.memory import empty_result
 from pergrad_viz.explorer.worker import TURN
 
-__all__ = ["POLL_S", "Prefetch", "start", "warm_results"]
+__all__ = ["POLL_S", "TORCH_LAZY", "Prefetch", "start", "warm_results"]
 
 POLL_S = 0.05  # a paused import checks this often whether it may go on
+# What torch imports at its first autograd.grad given grad_outputs (sympy with it: 0.3 s here), a Jacobian's first
+# call: the first view of the Jacobian waited for it (0.35 s of MLP(784, 20, 10)'s first Jacobian at B=32, 1 thread).
+TORCH_LAZY = ("torch.fx.experimental.symbolic_shapes",)
 BOOTSTRAP = "<frozen importlib._bootstrap"  # the import system's frames (a module lock's acquire among them)
 
 

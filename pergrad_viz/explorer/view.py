@@ -264,7 +264,7 @@ class Explorer(w.VBox):
                 self.error = self.error_html.value = ""
                 self.page.progress("done", self.view.setting, self.view.progress)
                 if self._worker is not None:  # the first setting shown: import ahead what the menu needs
-                    prefetch.start(m for spec in self.specs.values() for m in spec.imports)
+                    prefetch.start([*prefetch.TORCH_LAZY, *(m for spec in self.specs.values() for m in spec.imports)])
             except Stale:
                 pass  # a newer setting is pending (the worker runs it next), or the explorer was closed
             except Exception as exc:  # shown, not swallowed: the UI must survive e.g. a MemoryBudgetError

@@ -91,3 +91,24 @@ def test_an_import_passing_through_does_not_end_the_pause(package):
             from email import message  # noqa: F401  (a package: the import system's _handle_fromlist runs)
         assert not ahead.done.is_set() and second not in sys.modules
     assert ahead.done.wait(WAIT_S)
+
+
+def test_an_explorer_imports_what_a_jacobians_first_call_would_wait_for(monkeypatch):
+    """torch imports sympy (0.3 s) at the first autograd.grad given grad_outputs: the first view of the Jacobian
+    waited for it (0.62 s to the first figure, against a 0.5 s target). The explorer imports it ahead, after its
+    first setting is shown, as it does the menu's libraries."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from pergrad_viz import widgets
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(prefetch, "start", lambda modules: started.append(list(modules)))
+    ex = widgets.explorer(models=("mlp",), strategies=("hooks",), batch_sizes=(1, 2), default_batch=2,
+                          hidden_widths=(8,), default_hidden=8, rounds=1, sweep_batches=1, threads=1, ahead=False,
+                          min_rounds=1, min_block_s=1e-4, tier_budget_s=0.05)
+    try:
+        assert ex.wait(60) and ex.view.done
+    finally:
+        ex.close()
+    assert started and started[0][0] == "torch.fx.experimental.symbolic_shapes" == prefetch.TORCH_LAZY[0]
