@@ -258,7 +258,10 @@ def test_the_features_of_every_chunk_count_and_a_chunk_bounds_them(monkeypatch):
     assert len(passes) == 6 * 7 // 2  # the upper triangle's pairs, a chunk's own once
     monkeypatch.setattr(ntk, "_features", features)
     torch.testing.assert_close(bounded, pv.empirical_ntk(model, x, mode="trace", verify=False))
-    both = pv.empirical_ntk(model, x, x2, max_bytes=60_000, chunk_size=2, verify=False)
+    passes.clear()
+    monkeypatch.setattr(ntk, "_features", lambda *args: passes.append(args[1].size) or features(*args))
+    both = pv.empirical_ntk(model, x, x2, max_bytes=30_000, chunk_size=2, verify=False)
+    assert passes == [2, 2, 2] * 3  # each x1 chunk, then x2's two chunks again for it
     torch.testing.assert_close(both, reference(model, x, x2, "full"), rtol=1e-4, atol=1e-5)
 
 
