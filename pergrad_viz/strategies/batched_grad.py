@@ -10,12 +10,18 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch
-from pergrad_viz.core.guards import check_no_reentrant_checkpoint, check_takes_part
+from pergrad_viz.core.guards import check_no_reentrant_checkpoint
 from pergrad_viz.core.layout import flat_outputs
 from pergrad_viz.core.losses import LossFn, per_sample_losses
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.strategies import loop
-from pergrad_viz.strategies.outputs import check_batch_output_count, mark_draws, refuse_reentrant_forward, write
+from pergrad_viz.strategies.outputs import (
+    check_batch_output_count,
+    check_some_take_part,
+    mark_draws,
+    refuse_reentrant_forward,
+    write,
+)
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -28,7 +34,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     """Writes (B, *param.shape) into ``out``: row i of the one-hot (B, B) picks the loss of sample i."""
     mark_draws(trainable, inputs)
     losses = per_sample_losses(loss_fn, inputs(trainable.model), targets)  # (B,)
-    check_takes_part(trainable, losses)
+    check_some_take_part(trainable, losses, inputs)
     check_no_reentrant_checkpoint([losses])  # its layers would get no gradient from autograd.grad
     one_hot = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)
     g = _batched_backward(losses, trainable.params, one_hot)
@@ -41,7 +47,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
 def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) -> None:
     """Writes (B, Y, *param.shape) into ``out`` from B x Y one-hot grad outputs of shape (B, Y)."""
     outputs = flat_outputs(trainable.outputs(inputs), inputs.size)  # (B, Y)
-    check_takes_part(trainable, outputs, "model output")
+    check_some_take_part(trainable, outputs, inputs, "model output")
     check_no_reentrant_checkpoint([outputs])
     batch, y_count = outputs.shape
     check_batch_output_count(y_count, out)

@@ -37,6 +37,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
             walked = True
         write(out, trainable.names, g, i)
     if not took_part:
+        refuse_reentrant_forward(trainable, inputs.sample(0))  # a reentrant checkpoint on no-grad inputs: named
         raise nothing_takes_part(trainable)
 
 
@@ -71,6 +72,7 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
                 walked = True
             write(out, trainable.names, g, (i, j))
     if not took_part and inputs.size:
+        refuse_reentrant_forward(trainable, inputs.sample(0))
         raise nothing_takes_part(trainable, "model output")
 
 

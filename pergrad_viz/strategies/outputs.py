@@ -7,7 +7,12 @@ from collections.abc import Sequence
 import torch
 
 from pergrad_viz.core.batch import Batch
-from pergrad_viz.core.guards import REENTRANT_CHECKPOINT, check_output_count, noting_reentrant_layers
+from pergrad_viz.core.guards import (
+    REENTRANT_CHECKPOINT,
+    check_output_count,
+    nothing_takes_part,
+    noting_reentrant_layers,
+)
 from pergrad_viz.core.layout import sample_rows
 from pergrad_viz.core.randomness import random_fix
 from pergrad_viz.core.trainable import Trainable, restoring_modes
@@ -74,6 +79,16 @@ def refuse_reentrant_forward(trainable: Trainable, sample: Batch) -> None:
         sample(trainable.model)
     if any(p.requires_grad for m in found for p in m.parameters()):
         raise UnsupportedModelError(REENTRANT_CHECKPOINT)
+
+
+def check_some_take_part(trainable: Trainable, result: torch.Tensor, inputs: Batch, what: str = "loss") -> None:
+    """:func:`~pergrad_viz.core.guards.check_takes_part` of a strategy's batched ``result``; where no parameter takes
+    part, first whether a reentrant checkpoint on inputs that require no grad hid them (one more forward of sample
+    0: :func:`refuse_reentrant_forward` names ``use_reentrant=False``, not a merged adapter)."""
+    if isinstance(result, torch.Tensor) and not result.requires_grad:
+        if inputs.size:
+            refuse_reentrant_forward(trainable, inputs.sample(0))
+        raise nothing_takes_part(trainable, what)
 
 
 def check_batch_output_count(y_count: int, out: dict[str, torch.Tensor]) -> None:

@@ -48,6 +48,27 @@ class CheckpointedFirst(CheckpointedBlock):
         return torch.tanh(self.fc(torch.cat([x, x[:, :2]], 1)))  # (B, 4) -> (B, 6)
 
 
+class AllCheckpointed(nn.Module):
+    """Every trainable layer inside one reentrant checkpoint, on inputs that require no grad: the loss then requires
+    no grad at all (a probe: the baselines said "no trainable parameter takes part", naming merged adapters)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.fc, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return checkpoint(lambda h: self.head(torch.tanh(self.fc(h))), x, use_reentrant=self.reentrant)
+
+
+def every(reentrant: bool) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return AllCheckpointed(reentrant).to(DT)
+
+    return make
+
+
 def first(reentrant: bool) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         torch.manual_seed(0)
@@ -99,6 +120,8 @@ CASES = [  # (name, maker, inputs, reentrant, optional package)
     ("custom-reentrant", custom(True), floats, True, ""),
     ("custom-non-reentrant", custom(False), floats, False, ""),
     ("first-reentrant", first(True), floats_requiring_grad, True, ""),
+    ("all-reentrant", every(True), floats, True, ""),
+    ("all-non-reentrant", every(False), floats, False, ""),
     ("first-non-reentrant", first(False), floats_requiring_grad, False, ""),
     ("hf-bert-reentrant", hf_bert(True), tokens, True, "transformers"),
     ("hf-bert-non-reentrant", hf_bert(False), tokens, False, "transformers"),
