@@ -49,7 +49,7 @@ from pergrad_viz.engine.grouping import Seen, dense_grads, group_calls, tied_nam
 from pergrad_viz.engine.plan import LayerKind
 from pergrad_viz.rules import GhostRule, ghost_rule_for, positions
 from pergrad_viz.rules.doubts import deferring, doubts_for
-from pergrad_viz.rules.linear import LinearGhost, below_rounding, gram_is_faster, guarded
+from pergrad_viz.rules.linear import LinearGhost, below_rounding, gram_is_faster
 from pergrad_viz.rules.scaling import products_fit, sample_maxima, sample_scaled, wide_row_norms
 from pergrad_viz.strategies import working_bytes
 
@@ -236,7 +236,7 @@ def tied_squared_norms(parts: Sequence[TiedPart]) -> torch.Tensor:
     all that is left) is computed again with the factors in float64."""
     own = sum(own for _, _, own in parts)
     total = _with_cross_terms(own, _scaled_parts(parts))
-    if parts[0][1].device.type != "cpu" or not guarded(parts[0][1]):  # as rules.linear.cancelling
+    if parts[0][1].device.type != "cpu" or parts[0][1].dtype != torch.float32:  # recomputed in float64: not float64
         return total.clamp_min(0)
     # the terms' usual size, sum_k sum_t |left_kt|^2 |right_kt|^2 (no copy of a (B, T, V) output gradient)
     square = lambda t: torch.linalg.vector_norm(t, dim=-1).double().square()  # noqa: E731

@@ -222,38 +222,55 @@ CANCELLATION = 1000.0
 def cancelling(weight: torch.Tensor, aa: torch.Tensor, gg: torch.Tensor, width_a: int, width_g: int) -> torch.Tensor:
     """(B,) bool: the samples whose Gram norm ``weight`` (B,), from the Grams aa, gg (B, T, T) of inputs of ``width_a``
     features and output gradients of ``width_g``, may have lost its digits to the cancellation of the tokens' terms
-    (:data:`CANCELLATION`, :func:`below_rounding`); Grams of other dtypes than float32 none (:func:`guarded`)."""
+    (:data:`CANCELLATION`, :func:`below_rounding`); Grams of float16 and bfloat16 none (:func:`guarded`)."""
     if not guarded(aa, gg):
         return torch.zeros_like(weight, dtype=torch.bool)
     usual = row_dots(aa.diagonal(dim1=1, dim2=2).to(weight.dtype), gg.diagonal(dim1=1, dim2=2).to(weight.dtype))
-    return below_rounding(weight, usual, width_a, width_g, aa.shape[-1])
+    return below_rounding(weight, usual, width_a, width_g, aa.shape[-1], aa.dtype)
 
 
 def guarded(*grams: torch.Tensor) -> bool:
-    """Whether Grams of these dtypes get the cancellation guard: float32 alone (float64 needs none; float16 and
-    bfloat16 round at 1e-3 to 1e-2 however a norm is formed, so that every sample would be computed again)."""
-    return all(t.dtype == torch.float32 for t in grams)
+    """Whether Grams of these dtypes get the cancellation guard: float32 and float64 (a Gram norm squares what
+    cancels: tokens sharing a part 1e8 times their differences, output gradients of alternating signs, left float64
+    a norm of 0 against 1.1e4; a probe); not float16 and bfloat16, which round at 1e-3 to 1e-2 however a norm is
+    formed, so that every sample would be computed again."""
+    return all(t.dtype in (torch.float32, torch.float64) for t in grams)
 
 
-def below_rounding(norms: torch.Tensor, usual: torch.Tensor, width_a: int, width_g: int, terms: int) -> torch.Tensor:
-    """(B,) bool: squared norms under :data:`CANCELLATION` times the usual size of their float32 rounding, eps
-    (sqrt(width_a) + sqrt(width_g) + terms) ``usual``, for sums over ``terms`` positions of products of Gram entries
-    over ``width_a`` and ``width_g`` features (``usual`` (B,): those sums' size where nothing cancels)."""
-    bound = CANCELLATION * torch.finfo(torch.float32).eps * (math.sqrt(width_a) + math.sqrt(width_g) + terms)
+def below_rounding(norms: torch.Tensor, usual: torch.Tensor, width_a: int, width_g: int, terms: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(B,) bool: squared norms under :data:`CANCELLATION` times the usual size of their rounding in ``dtype`` (the
+    Grams'), eps (sqrt(width_a) + sqrt(width_g) + terms) ``usual``, for sums over ``terms`` positions of products of
+    Gram entries over ``width_a`` and ``width_g`` features (``usual`` (B,): those sums' size where nothing cancels)."""
+    bound = CANCELLATION * torch.finfo(dtype).eps * (math.sqrt(width_a) + math.sqrt(width_g) + terms)
     return norms < usual * bound
+
+
+EXPLICIT_BYTES = 16 << 20  # a recomputed sample's gradient is formed this many bytes of output rows at a time
 
 
 def recompute_cancelled(weight: torch.Tensor, aa: torch.Tensor, gg: torch.Tensor, a: torch.Tensor,
                         g: torch.Tensor) -> None:
-    """Write into ``weight`` (B,) the Gram norms of the samples :func:`cancelling` picks, from a (B, T, in) and
-    g (B, T, out) in float64 (one host read: free on a CPU, rare elsewhere)."""
+    """Write into ``weight`` (B,) the norms of the samples :func:`cancelling` picks, from a (B, T, in) and g (B, T,
+    out): their gradients g^T a formed in float64 (what cancels is then rounded once, not squared as in the Grams;
+    a few output rows at a time), one host read (free on a CPU, rare elsewhere)."""
     if not guarded(aa, gg):  # none can be picked: no host read (a GPU would synchronise)
         return
     rows = cancelling(weight, aa, gg, a.shape[-1], g.shape[-1]).nonzero().flatten()
     if rows.numel():
-        wide_a, wide_g = a[rows].double(), g[rows].double()
-        exact = row_dots(torch.bmm(wide_a, wide_a.mT).flatten(1), torch.bmm(wide_g, wide_g.mT).flatten(1))
-        weight[rows] = exact.to(weight.dtype)
+        weight[rows] = explicit_squared_norms(a[rows], g[rows]).to(weight.dtype)
+
+
+def explicit_squared_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """(R,) ||g_r^T a_r||^2 in float64 from a (R, T, in) and g (R, T, out), sample by sample, a block of output rows
+    at a time (at most :data:`EXPLICIT_BYTES` of gradient)."""
+    step = max(1, EXPLICIT_BYTES // (8 * max(1, a.shape[-1])))
+    result = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
+    for r in range(a.shape[0]):
+        wide_a, wide_g = a[r].double(), g[r].double()  # (T, in), (T, out)
+        for first in range(0, wide_g.shape[-1], step):
+            result[r] += wide_g[:, first:first + step].mT.mm(wide_a).square().sum()
+    return result
 
 
 def _gram_cost(width_in: int, width_out: int, tokens: int, y_count: int, pairs: int) -> tuple[int, int]:

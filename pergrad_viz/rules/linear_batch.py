@@ -66,9 +66,9 @@ def _group_norms(members: list[LinearCall]) -> dict[str, torch.Tensor]:
     diagonals = grams.diagonal(dim1=3, dim2=4)  # (2, L, B, T)
     tops = diagonals.amax(3).tolist()  # [2][L][B]
     cancelled: list[list[int]] = [[] for _ in members]
-    if dtype == torch.float32:  # the guard of rules.linear.cancelling, every layer at once
+    if dtype in (torch.float32, torch.float64):  # the guard of rules.linear.cancelling, every layer at once
         widths = [math.sqrt(a.shape[2]) + math.sqrt(g.shape[2]) + tokens for a, g, _ in members]
-        bounds = torch.tensor(widths, dtype=dtype).mul_(CANCELLATION * torch.finfo(torch.float32).eps)
+        bounds = torch.tensor(widths, dtype=dtype).mul_(CANCELLATION * torch.finfo(dtype).eps)
         usual = torch.linalg.vecdot(diagonals[0], diagonals[1])  # (L, B)
         for layer, row in (weights < usual * bounds[:, None]).nonzero().tolist():
             cancelled[layer].append(row)

@@ -20,7 +20,7 @@ def pixel_gram(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride
     H_p, W_p), summed over the kernel's columns first, then its rows; then sum_{t,s} <col_t, col_s> (g_t . g_s) as
     for a Linear. ``noting``: both Grams noted for the open layer (:func:`~pergrad_viz.rules.doubts.note_grams`;
     a sum of at most L^2 k entries of each, L output positions, k taps), with the samples whose terms may cancel;
-    else those computed again at once in float64."""
+    else those computed again at once, their weight gradients formed in float64."""
     columns, grads, top_x = _grams(x, g, kernel, stride, dilation, noting)
     weight = (columns * grads).sum((1, 2, 3, 4)).clamp_min(0)
     cancelled = _cancelling(weight, columns, grads, x.shape[1] * kernel[0] * kernel[1], g.shape[1])
@@ -30,10 +30,22 @@ def pixel_gram(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride
                   g.shape[1], (x.dtype, g.dtype), cancelled)
         return weight
     rows = cancelled.nonzero().flatten() if guarded(columns, grads) else None  # none can be: no host read
-    if rows is not None and rows.numel():
-        again = _grams(x[rows].double(), g[rows].double(), kernel, stride, dilation, False)
-        weight[rows] = (again[0] * again[1]).sum((1, 2, 3, 4)).to(weight.dtype)
+    if rows is not None and rows.numel():  # their gradients formed in float64: what cancels rounded once, not squared
+        weight[rows] = _explicit(x[rows].double(), g[rows].double(), kernel, stride, dilation).to(weight.dtype)
     return weight
+
+
+def _explicit(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
+              dilation: tuple[int, int]) -> torch.Tensor:
+    """(R,) squared norms of the samples' weight gradients (C_out, C_in, *kernel), each its convolution's own weight
+    gradient of x (R, C_in, H_p, W_p) (padded: no padding here) and g (R, C_out, H_o, W_o), one sample at a time."""
+    weight = torch.empty(g.shape[1], x.shape[1], *kernel, dtype=x.dtype, device=x.device)
+    norms = []
+    for r in range(x.shape[0]):
+        grad = torch.ops.aten.convolution_backward(g[r:r + 1], x[r:r + 1], weight, None, stride, (0, 0), dilation,
+                                                   False, (0, 0), 1, (False, True, False))[1]
+        norms.append(grad.square().sum())
+    return torch.stack(norms)
 
 
 def _grams(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
@@ -68,11 +80,11 @@ def _cancelling(weight: torch.Tensor, columns: torch.Tensor, grads: torch.Tensor
                 width_g: int) -> torch.Tensor:
     """(B,) bool: the samples whose norm ``weight`` may have lost its digits to the positions' terms cancelling
     (:func:`~pergrad_viz.rules.linear.below_rounding` of sum_t |col_t|^2 |g_t|^2, the Grams' diagonals, over the L
-    positions); float32 only (:func:`~pergrad_viz.rules.linear.guarded`)."""
+    positions); float32 and float64 (:func:`~pergrad_viz.rules.linear.guarded`)."""
     if not guarded(columns, grads):
         return torch.zeros_like(weight, dtype=torch.bool)
     usual = (_diagonal(columns) * _diagonal(grads)).sum((1, 2)).to(weight.dtype)
-    return below_rounding(weight, usual, width_a, width_g, columns.shape[1] * columns.shape[3])
+    return below_rounding(weight, usual, width_a, width_g, columns.shape[1] * columns.shape[3], columns.dtype)
 
 
 def _diagonal(gram: torch.Tensor) -> torch.Tensor:

@@ -135,3 +135,26 @@ def test_ordinary_tokens_are_not_computed_again(dtype):
     aa, gg = torch.bmm(a, a.mT), torch.bmm(g, g.mT)
     weight = row_dots(aa.flatten(1), gg.flatten(1))
     assert not cancelling(weight, aa, gg, 64, 64).any()
+
+
+@pytest.mark.parametrize("path", ["cpu", "deferred"])
+@pytest.mark.parametrize("layer", ["linear", "conv1d", "conv2d"])
+def test_float64_terms_that_cancel_are_computed_again(monkeypatch, path, layer):
+    """Found by a probe: float64 had no guard, and a Gram norm squares what cancels: tokens sharing a part 1e8 times
+    their differences left a norm of 0 for 1.1e4 (that sample not clipped: a clipped sum of norm 1e4 where B C = 4),
+    a convolution's 7.7e4 for 2.9e4. Now such samples are computed again from their gradients, formed in float64."""
+    if path == "deferred":
+        monkeypatch.setattr(doubts, "ON_CPU", True)
+    torch.manual_seed(0)
+    model = (_Cancelling() if layer == "linear" else _CancellingPixels(layer == "conv2d")).double()
+    shape = (B, T, D) if layer == "linear" else (B, 32, 2, 2) if layer == "conv2d" else (B, 64, 4)
+    shared = torch.randn(1, 1, D) if layer == "linear" else torch.randn(1, shape[1], *(1,) * (len(shape) - 2))
+    x = shared.double().expand(*shape) * 1e4 + 1e-4 * torch.randn(*shape, dtype=torch.float64)  # the same part
+    t = torch.randn(B, shape[-1] if layer == "linear" else shape[1], dtype=torch.float64)
+    norms, sums = _loop(model, x, t, 1.0)
+    got = pv.per_sample_grad_norms(model, _loss, x, t, verify=False)
+    torch.testing.assert_close(got, norms, rtol=1e-6, atol=0)
+    clipped, got = pv.clipped_grad_sum(model, _loss, x, t, 1.0, verify=False, return_norms=True)
+    torch.testing.assert_close(got, norms, rtol=1e-6, atol=0)
+    for name, want in sums.items():
+        torch.testing.assert_close(clipped[name], want, rtol=1e-6, atol=1e-8 * want.abs().max().item())
