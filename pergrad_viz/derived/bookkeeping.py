@@ -15,7 +15,7 @@ convolution's columns are let go, as plain training lets them go. A layer's stac
 is built a few samples at a time.
 
 A weight tied between layers (GPT-2's embedding and output layer) keeps each layer's own form: its squared norm is
-the sum of the layers' own plus twice their cross inner products (:func:`pergrad_viz.derived.norms.
+the sum of the layers' own plus twice their cross inner products (:func:`pergrad_viz.derived.tied.
 tied_squared_norms`), its weighted sum the sum of the layers' shares. A layer without a weighted-sum rule gets its
 own per-sample gradients from its rule or the per-layer fallback (that layer only, never the whole model). Where
 the hooks strategy cannot run, :func:`materialised_sums` builds the per-sample gradients with
@@ -37,17 +37,10 @@ from pergrad_viz.core.trainable import Trainable, restoring_modes
 from pergrad_viz.derived.checked_pass import CheckedPass
 from pergrad_viz.derived.clipping import Groups, check_finite, clip_factors
 from pergrad_viz.derived.directions import dense_dots, layer_directions
-from pergrad_viz.derived.norms import (
-    TiedPart,
-    dense_part,
-    ghost_squared_norms,
-    materialised_chunks,
-    one_linear_call_norms,
-    row_squared_norms,
-    tied_squared_norms,
-)
+from pergrad_viz.derived.norms import ghost_squared_norms, materialised_chunks, one_linear_call_norms, row_squared_norms
 from pergrad_viz.derived.routes import Form, booked_rules, route, with_others
 from pergrad_viz.derived.sums import LazySums, linear_view_pairs
+from pergrad_viz.derived.tied import TiedPart, dense_part, tied_squared_norms
 from pergrad_viz.engine.capture import Call, Layer, capture, shape_only
 from pergrad_viz.engine.grouping import Seen, dense_grads, tied_names
 from pergrad_viz.engine.lowest import StaleLowest, asked, reached

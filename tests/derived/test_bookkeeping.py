@@ -15,7 +15,7 @@ from torch import nn
 
 import pergrad_viz as pv
 from pergrad_viz.derived import bookkeeping
-from pergrad_viz.derived.norms import dense_part, tied_squared_norms
+from pergrad_viz.derived.tied import dense_part, tied_squared_norms
 from pergrad_viz.errors import CheckFailedError
 from pergrad_viz.rules.linear import instantiating_is_cheaper
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from pergrad_viz.derived import norms
+from pergrad_viz.derived import tied
 from pergrad_viz.rules import scaling
 from pergrad_viz.rules.conv import ConvGhost
 from pergrad_viz.rules.linear import LinearGhost, grams_fit
@@ -198,5 +198,5 @@ def _tied_parts(scale_left: float, scale_right: float):
 ])
 def test_tied_cross_terms_as_they_are_only_where_they_fit(scale_left, scale_right, plain):
     parts, want = _tied_parts(scale_left, scale_right)
-    assert all((s is None) is plain for *_, s in norms._scaled_parts(parts))
-    torch.testing.assert_close(norms.tied_squared_norms(parts).double(), want, rtol=1e-4, atol=0.0)
+    assert all((s is None) is plain for *_, s in tied._scaled_parts(parts))
+    torch.testing.assert_close(tied.tied_squared_norms(parts).double(), want, rtol=1e-4, atol=0.0)
