@@ -123,7 +123,7 @@ def test_a_tied_weight_whose_uses_cancel_equals_the_loop(tokens):
         torch.testing.assert_close(clipped[name].double(), want, rtol=0, atol=1e-2 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_ordinary_tokens_are_not_computed_again(dtype):
     """The guard's false alarms cost a float64 pass: none on ordinary data, and none at all below float32 (where
     the threshold, in the dtype's own rounding, would flag every sample: a bfloat16 model's every layer again)."""
@@ -158,3 +158,43 @@ def test_float64_terms_that_cancel_are_computed_again(monkeypatch, path, layer):
     torch.testing.assert_close(got, norms, rtol=1e-6, atol=0)
     for name, want in sums.items():
         torch.testing.assert_close(clipped[name], want, rtol=1e-6, atol=1e-8 * want.abs().max().item())
+
+
+def test_a_float64_tied_weight_whose_uses_cancel_equals_the_loop():
+    """Found by a probe: the tied weight's guard was float32's alone, and in float64 two uses of one weight that nearly
+    undo each other (each 1e9 times their sum) gave norms [128, 0, 181] for [9.9, 2.0, 8.1], the clipped sum 94% off.
+    Now flagged in float64 too and formed from the gradient itself (nothing wider to compute the factors in)."""
+    torch.manual_seed(0)
+    model = _TiedCancelling().double()
+    with torch.no_grad():
+        model.shift.mul_(1e-9 / 1e-3)  # the second use's input 1e-9 away from the first's
+    x = torch.randn(B, 16, dtype=torch.float64)
+    t = torch.randn(B, 8, dtype=torch.float64) * 1e9
+    norms, sums = _loop(model, x, t, 1.0)
+    got = pv.per_sample_grad_norms(model, _loss, x, t, verify=False)
+    torch.testing.assert_close(got, norms, rtol=1e-6, atol=0)
+    clipped = pv.clipped_grad_sum(model, _loss, x, t, 1.0, verify=False)
+    for name, want in sums.items():
+        torch.testing.assert_close(clipped[name], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_a_tied_weights_gradient_formed_from_its_parts():
+    """``tied._explicit_tied``: rows a block at a time, one-hot parts (an Embedding's ids, a gradient's own rows) and
+    factor parts (a Linear's), against the per-sample gradients summed here."""
+    from pergrad_viz.derived import tied
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 7, (3, 5))
+    emb_g = torch.randn(3, 5, 4, dtype=torch.float64)
+    head_g, head_a = torch.randn(3, 6, 7, dtype=torch.float64), torch.randn(3, 6, 4, dtype=torch.float64)
+    dense = torch.randn(3, 7, 4, dtype=torch.float64)
+    parts = [(ids, emb_g, None), (head_g, head_a, None), tied.dense_part(dense, None)]
+    want = torch.zeros(3, 7, 4, dtype=torch.float64)
+    for b in range(3):
+        want[b].index_add_(0, ids[b], emb_g[b])
+    want += head_g.mT @ head_a + dense
+    expected = want.square().sum((1, 2))
+    for step in (8, 200):  # a block of one row, all rows at once
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(tied, "EXPLICIT_BYTES", step)
+            torch.testing.assert_close(tied._explicit_tied(parts, [2, 0]), expected[[2, 0]])
