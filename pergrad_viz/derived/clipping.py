@@ -42,7 +42,8 @@ def check_finite(squared: torch.Tensor, first: int = 0) -> float:
         "and the clipped sum would be NaN in every entry. Drop those samples (e.g. keep the rows where "
         "torch.isfinite(x).flatten(1).all(1)), or find what overflows with pv.per_sample_grad_norms. A loss that is "
         "0 / 0 for one sample alone (reduction='mean' with a class weight of 0 for its label, or every target of "
-        "it ignore_index) gives NaN too: use reduction='sum'"
+        "it ignore_index) gives NaN too: use reduction='sum'. (A finite gradient whose norm is past 1.3e154 has a "
+        "square beyond float64's range, where the norms are summed: scale the loss down.)"
     )
 
 

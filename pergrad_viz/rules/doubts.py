@@ -40,8 +40,9 @@ def tops_fit(top_a: list[float], top_g: list[float], dtypes: tuple[torch.dtype, 
     at most its diagonal's), is as exact unscaled as scaled: every maximum finite (no square overflowed), their
     product and each alone times ``span`` far below the dtype's largest number (no sum can overflow), and each
     sample's maximum 0 or at least ``width`` times ``tiny / eps`` (the terms lost to underflow, at most ``width *
-    tiny`` an entry, stay below the sum's own rounding), each Gram in its own dtype (``dtypes``), their products in
-    the narrower range."""
+    tiny`` an entry, stay below the sum's own rounding), each Gram in its own dtype (``dtypes``), and each sample's
+    product of its two maxima at least ``span`` times ``tiny / eps`` in the narrower range (where the products are
+    summed)."""
     if not all(map(math.isfinite, top_a + top_g)):
         return False
     left, right = torch.finfo(dtypes[0]), torch.finfo(dtypes[1])
@@ -50,8 +51,15 @@ def tops_fit(top_a: list[float], top_g: list[float], dtypes: tuple[torch.dtype, 
     if max(hi_a * hi_g, hi_a, hi_g) * span > min(left.max, right.max) / 16:
         return False
     # every nonzero entry at least width * tiny / eps (filter(None, ...) drops the zeros; no loop in Python)
-    return min(filter(None, top_a), default=math.inf) >= width_a * left.tiny / left.eps \
-        and min(filter(None, top_g), default=math.inf) >= width_g * right.tiny / right.eps
+    if min(filter(None, top_a), default=math.inf) < width_a * left.tiny / left.eps \
+            or min(filter(None, top_g), default=math.inf) < width_g * right.tiny / right.eps:
+        return False
+    # nor their products (each Gram's entries normal, their product under the narrower range: both 1e-23 in float32
+    # made every term 0; a probe), a sample's both maxima together
+    narrow = left if left.max <= right.max else right
+    low = span * narrow.tiny / narrow.eps
+    # (a sample with a 0 maximum has a norm of 0 either way; a product that is 0 in Python's float64 is no such sample)
+    return min((a * g for a, g in zip(top_a, top_g, strict=True) if a and g), default=math.inf) >= low
 
 
 def deferring(*factors: torch.Tensor) -> bool:

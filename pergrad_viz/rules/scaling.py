@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from pergrad_viz.core.numbers import wide_square
+from pergrad_viz.core.numbers import SQUARES, wide_square
 
 
 def sample_maxima(t: torch.Tensor) -> torch.Tensor:
@@ -47,9 +47,15 @@ def products_fit(left: torch.Tensor, right: torch.Tensor, terms: int) -> bool:
     values = left.tolist() + right.tolist()  # B numbers each: a read of the host's own memory
     if not all(map(math.isfinite, values)):
         return False
-    hi_a, hi_g = max(values[:left.numel()]), max(values[left.numel():])
+    n = left.numel()
+    hi_a, hi_g = max(values[:n]), max(values[n:])
     lo = min((v for v in values if v != 0), default=1.0)
-    return max(hi_a, hi_g, hi_a * hi_g) ** 2 <= top and lo * lo >= low
+    if not (max(hi_a, hi_g, hi_a * hi_g) <= math.sqrt(top) and lo * lo >= low):  # a root: float64's 1e155 squared
+        return False  # raised OverflowError in Python
+    # a sample's two maxima together: their product's square (a term of the form) kept normal too (a probe: each
+    # square normal, their product 0 in float32)
+    least = min((a * g for a, g in zip(values[:n], values[n:], strict=True) if a and g), default=1.0)
+    return least * least >= low
 
 
 def scaled_unless_fit(a: torch.Tensor, g: torch.Tensor, terms: int
@@ -63,7 +69,8 @@ def scaled_unless_fit(a: torch.Tensor, g: torch.Tensor, terms: int
         return a, g, None, None
     a, sa = sample_scaled(a, sa)  # per sample: the squares neither overflow nor underflow on their own
     g, sg = sample_scaled(g, sg)
-    return a, g, wide_square(sa) * wide_square(sg), wide_square(sg)
+    scale = wide_square(sa.to(SQUARES) * sg.to(SQUARES))  # (s_a s_g)^2: 1e200 * 1e-200 is 1, their squares inf * 0
+    return a, g, scale, wide_square(sg)
 
 
 # Float64 row norms of a narrower dtype on pieces of at most this many numbers: vector_norm(dtype=float64) converts

@@ -60,9 +60,9 @@ def spied(monkeypatch):
 
 
 @pytest.mark.parametrize("inputs, scale, redo", [(1.0, 1.0, False), (1e20, 1.0, True), (1e-22, 1.0, True),
-                                                 (1.0, 1e25, True), (1e-12, 7e19, True)],
+                                                 (1.0, 1e25, True), (1e-12, 7e19, True), (1e-12, 1e-12, True)],
                          ids=["ordinary", "huge activations", "tiny activations", "huge gradients",
-                              "a bias's huge sum"])
+                              "a bias's huge sum", "tiny activations and gradients"])
 def test_linear_norms_taken_together_equal_the_loop(spied, inputs, scale, redo):
     torch.manual_seed(0)
     model = Tokens()

@@ -71,9 +71,30 @@ def test_wide_row_norms_of_long_float32_rows_are_the_float64_norms(odd):
     ([1e-21, 1.0], [1e10, 1.0], 1, False),  # (1e-21)^2 is subnormal in float32: digits lost
     ([float("inf"), 1.0], [1.0, 1.0], 1, False),
     ([float("nan"), 1.0], [1.0, 1.0], 1, False),
+    ([1e-12, 1.0], [1e-12, 1.0], 1, False),  # each square normal, their product's square 0 in float32 (a probe)
 ])
 def test_products_fit(left, right, terms, fit):
     assert products_fit(torch.tensor(left), torch.tensor(right), terms) is fit
+
+
+def test_products_fit_of_float64_past_1e154_is_a_no_not_an_overflow_error():
+    """Found by a probe: Python's float ``** 2`` of a float64 maximum over 1.34e154 raised OverflowError."""
+    assert products_fit(torch.tensor([1e200, 1.0], dtype=torch.float64), torch.tensor([1e-200, 1.0],
+                                                                                     dtype=torch.float64), 1) is False
+
+
+def test_float64_huge_activations_with_tiny_gradients_are_scaled_not_nan():
+    """Found by a probe: the scale (s_a s_g)^2 was formed as s_a^2 s_g^2, inf * 0 for 1e200 and 1e-200 (a finite
+    gradient's norm NaN on the path a GPU takes, refused as not finite)."""
+    torch.manual_seed(4)
+    a, g = torch.randn(3, 4, 16, dtype=torch.float64), torch.randn(3, 4, 16, dtype=torch.float64)
+    a[1] *= 1e200
+    g[1] *= 1e-200
+    scaled_a, scaled_g, weight_scale, _ = scaling.scaled_unless_fit(a, g, 16)
+    got = torch.einsum("bto,bti->boi", scaled_g, scaled_a).square().sum((1, 2)) * weight_scale
+    torch.testing.assert_close(got, _reference(a, g)[0], rtol=1e-12, atol=0)
+    got = LinearGhost.squared_norms(None, a, g, {"weight": "w"})["weight"]
+    torch.testing.assert_close(got, _reference(a, g)[0], rtol=1e-12, atol=0)
 
 
 def test_products_fit_reads_no_device_memory():
@@ -129,6 +150,7 @@ def test_linear_gram_norms_of_ordinary_samples_are_taken_unscaled_and_agree():
     (1e-20, 1e10, False),  # a's squares are subnormal: digits lost
     (1e9, 1e10, False),  # each Gram fits, their products over T^2 terms do not
     (1e-14, 1e5, True),  # small, with squares that keep float32's digits
+    (1e-12, 1e-12, False),  # each Gram normal (1e-23), their products 0 in float32 (a probe: norms 0 and 3.7e-23)
 ])
 def test_grams_fit(scale_a, scale_g, fit):
     torch.manual_seed(3)
