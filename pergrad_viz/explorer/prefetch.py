@@ -31,8 +31,9 @@ from pergrad_viz.explorer.worker import TURN
 __all__ = ["POLL_S", "TORCH_LAZY", "Prefetch", "start", "warm_results"]
 
 POLL_S = 0.05  # a paused import checks this often whether it may go on
-# What torch imports at its first autograd.grad given grad_outputs (sympy with it: 0.3 s here), a Jacobian's first
-# call: the first view of the Jacobian waited for it (0.35 s of MLP(784, 20, 10)'s first Jacobian at B=32, 1 thread).
+# What torch imports at its first autograd.grad given grad_outputs (sympy with it: 0.3 s here): a Jacobian's first
+# call (320 ms of MLP(784, 20, 10)'s first Jacobian at B=32, 1 thread, against 23-34 ms with it imported), unless
+# an explorer timing batched_grad or autograd_stack (the default) has imported it with its first view already.
 TORCH_LAZY = ("torch.fx.experimental.symbolic_shapes",)
 BOOTSTRAP = "<frozen importlib._bootstrap"  # the import system's frames (a module lock's acquire among them)
 
