@@ -70,8 +70,9 @@ def fmt_seconds(s: float) -> str:
 
 
 def fmt_ratio(r: float) -> str:
-    """A ratio as people read it: ``"1,930x"``, ``"89.4x"``, ``"0.668x"`` (never ``1.93e+03x``)."""
-    if math.isnan(r):
+    """A ratio as people read it: ``"1,930x"``, ``"89.4x"``, ``"0.668x"`` (never ``1.93e+03x``); a dash for what is
+    not one (NaN, infinite, negative)."""
+    if not (math.isfinite(r) and r >= 0):
         return "-"
     return f"{r:,.0f}x" if r >= 100 else f"{r:.3g}x"
 

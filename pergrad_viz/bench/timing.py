@@ -100,8 +100,10 @@ def paired_ratio(timing: Timing, base: Timing) -> float:
     """``timing`` / ``base`` as the median of each round's own ratio (both from one :func:`time_interleaved` run, a
     sample per round): this shared machine has spells, seconds long, in which every step runs up to 1.7x slower
     (a plain transformer step 3.6-3.8 ms, then 6.2-6.5 ms, in one process), and a round's methods share its spell."""
-    pairs = [t / b for t, b in zip(timing.samples, base.samples, strict=True) if b > 0]
-    return float(np.median(pairs)) if pairs else math.inf
+    if len(timing.samples) != len(base.samples):  # not one run's rounds (prior samples): the medians' ratio
+        return timing.median_s / base.median_s if base.median_s > 0 else math.nan
+    pairs = [t / b for t, b in zip(timing.samples, base.samples, strict=True) if b > 0 and math.isfinite(t / b)]
+    return float(np.median(pairs)) if pairs else math.nan
 
 
 def summarize(samples: Sequence[float], *, number: int = 1, noise_threshold: float = NOISE_THRESHOLD) -> Timing:

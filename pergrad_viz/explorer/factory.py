@@ -9,6 +9,7 @@ data), each checked before anything is computed.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,18 +35,24 @@ def _options(values: Sequence[int], default: int, what: str) -> tuple[int, ...]:
 
 
 def _check_threads_and_device(threads: object, device: object, model: nn.Module | None) -> None:
-    """ValueError naming the fix for a thread count that is not a positive int, a device torch does not know or has
-    not got, or ``device=`` given with your own network (which is computed where its parameters are)."""
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+    """ValueError naming the fix for a thread count that is not a positive integer, a device torch does not know or
+    has not got, or ``device=`` naming another device than your own network's (computed where its parameters are)."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, numbers.Integral)
+                                or threads < 1):
         raise ValueError(f"threads must be a positive number of intra-op threads (None: all cores but one), got "
                          f"{threads!r}")
-    if model is not None and device != "cpu":
-        raise ValueError(f"device={device!r} is where the menu's networks are computed; your network is computed where "
-                         "its parameters are (move it with model.to(device) first), so leave device= out")
+    if device is None:
+        return
     try:
         kind = torch.device(device).type
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device must be a device torch knows ('cpu', 'cuda', 'cuda:0'), got {device!r}") from e
+    if model is not None:
+        own = next(model.parameters(), torch.empty(0)).device
+        if kind != own.type:
+            raise ValueError(f"device={device!r}: your network is computed where its parameters are ({own}); move it "
+                             "with model.to(device) first, or leave device= out")
+        return
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}, but torch finds no CUDA device here: leave device= out (the CPU)")
 
@@ -100,6 +107,7 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
     if quantity not in QUANTITIES:
         raise ValueError(f"quantity must be one of {', '.join(map(repr, QUANTITIES))}, got {quantity!r}")
     _check_threads_and_device(threads, device, model)
+    device = "cpu" if device is None else device
     if model is not None:
         device = str(next(model.parameters(), torch.empty(0)).device)  # yours is computed where it is
         if loss_fn is None or data is None:
@@ -111,8 +119,9 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
         default_model, default_hidden = spec.key, 0
         default_batch = default_batch if default_batch is not None else min(spec.default_batch, max(batch_sizes))
         if default_batch > spec.max_batch:
-            raise ValueError(f"default_batch={default_batch} is more than the {spec.max_batch} samples of data= (the "
-                             f"batch-size slider runs over them): choose at most {spec.max_batch}, or pass more data")
+            raise ValueError(f"default_batch={default_batch} is past the batch-size slider, which runs up to "
+                             f"{spec.max_batch} (the smaller of the data's samples and max(batch_sizes)="
+                             f"{max(batch_sizes)}): choose at most {spec.max_batch}")
     else:
         if loss_fn is not None or data is not None or output is not None:
             raise ValueError("loss_fn=, data= and output= go with model=: pass your network too")

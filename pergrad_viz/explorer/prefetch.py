@@ -87,17 +87,18 @@ class Prefetch:
             self.done.set()
 
 
-STARTED: list[Prefetch] = []  # the process's one Prefetch, once started
+STARTED: list[Prefetch] = []  # the process's Prefetch, the latest started
 STARTING = threading.Lock()
 
 
 def start(modules: Iterable[str]) -> Prefetch | None:
-    """Start importing ``modules`` ahead, unless a start came first (once per process: the explorers of a process
-    share it); returns the process's :class:`Prefetch`, None while there was nothing to import."""
+    """Start importing ``modules`` ahead, unless a start came first and is still importing (one at a time per process:
+    the explorers of a process share it; an explorer that wanted only torch's own module does not keep the menu's
+    libraries from a later one); returns the process's :class:`Prefetch`, None while there was nothing to import."""
     with STARTING:
         wanted = [m for m in modules if m not in sys.modules]
-        if not STARTED and wanted:
-            STARTED.append(Prefetch(wanted))
+        if wanted and (not STARTED or STARTED[0].done.is_set()):
+            STARTED[:] = [Prefetch(wanted)]
         return STARTED[0] if STARTED else None
 
 

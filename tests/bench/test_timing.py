@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -291,3 +293,8 @@ def test_paired_ratio_takes_each_rounds_ratio():
     ours = timing.summarize([2.0, 2.0, 3.4, 3.4, 3.4])  # round 3: ours in the spell, the base not yet
     assert ours.median_s / base.median_s == pytest.approx(3.4)
     assert timing.paired_ratio(ours, base) == pytest.approx(2.0)
+    zero = timing.summarize([0.0, 0.0, 0.0, 0.0, 0.0])  # a review: no base to divide by, NaN, another run's rounds
+    assert math.isnan(timing.paired_ratio(ours, zero))
+    ones = timing.summarize([1.0] * 5)
+    assert timing.paired_ratio(timing.summarize([2.0, float("nan"), 2.0, 2.0, 2.0]), ones) == pytest.approx(2.0)
+    assert timing.paired_ratio(timing.summarize([2.0, 2.0, 2.0]), timing.summarize([1.0, 1.0])) == pytest.approx(2.0)

@@ -20,6 +20,7 @@ matplotlib.use("Agg")
 
 import ipywidgets as w  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -456,10 +457,13 @@ def test_bad_options_with_your_own_model_are_refused_before_anything_runs():
     data = (torch.randn(20, 5), torch.randint(0, 3, (20,)))
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
     kw = {"model": net, "loss_fn": loss_fn, "data": data, "compute": False, "background": False}
-    for bad, match in [({"default_batch": 100}, "more than the 20 samples"), ({"threads": 0}, "positive number"),
-                       ({"device": "cuda:7"}, "leave device= out"), ({"class_names": ["a", "b"]}, "hold class 2")]:
+    for bad, match in [({"default_batch": 100}, "runs up to 20"), ({"threads": 0}, "positive number"),
+                       ({"device": "cuda:7"}, "leave device= out"), ({"class_names": ["a", "b"]}, "hold class 2"),
+                       ({"default_batch": 8, "batch_sizes": (1, 2, 4)}, r"runs up to 4 .*max\(batch_sizes\)=4")]:
         with pytest.raises(ValueError, match=match):
             widgets.explorer(**kw, **bad)
+    for fine in ({"device": torch.device("cpu")}, {"device": "cpu:0"}, {"device": None}, {"threads": np.int64(1)}):
+        widgets.explorer(**kw, **fine).close()  # a review: the model's own device, a numpy thread count
     with pytest.raises(ValueError, match="torch knows"):
         widgets.explorer(device="gpu0", compute=False)
     ex = widgets.explorer(**{**kw, "compute": True}, threads=1, ahead=False, strategies=("hooks",), rounds=1,

@@ -183,6 +183,7 @@ def test_durations_and_ratios_read_as_people_write_them():
     assert viz.fmt_seconds(939e-9) == "939 ns" and viz.fmt_seconds(9.57e-5) == "95.7 µs"
     assert viz.fmt_seconds(0.0137) == "13.7 ms" and viz.fmt_seconds(1.5) == "1.5 s"
     assert viz.fmt_seconds(-0.001) == viz.fmt_seconds(float("nan")) == viz.fmt_ratio(float("nan")) == "-"  # not times
+    assert viz.fmt_ratio(float("inf")) == viz.fmt_ratio(-1.0) == "-"
 
 
 def test_bar_figure_pending_rows_and_noisy_note():
