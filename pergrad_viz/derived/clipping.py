@@ -75,10 +75,12 @@ def _check_narrow_factors(c: torch.Tensor, bound: float, dtype: torch.dtype) -> 
         return
     rows = (c < tiny).nonzero().flatten().tolist()
     name = str(dtype).removeprefix("torch.")
+    least = c.min().item()  # 0 where even float64 underflowed (max_norm=1e-300 for norms of 1e30)
+    norm = f"{bound / least:.3g}" if least > 0 else "over 1e308 times max_norm"
     fix = ("train in bfloat16 or float32 (model.to(torch.bfloat16)), or scale the loss down" if dtype == torch.float16
            else "scale the loss down (its gradients are past 1e38 times max_norm)")
     raise ValueError(
-        f"sample(s) {rows[:8]}{' ...' if len(rows) > 8 else ''} have a gradient norm of {bound / c.min().item():.3g} "
+        f"sample(s) {rows[:8]}{' ...' if len(rows) > 8 else ''} have a gradient norm of {norm} "
         f"and max_norm is {bound:g}: the clip factor max_norm / norm is below {name}'s smallest normal number "
         f"({tiny:.2g}), so {name} would round it by up to 100% and the clipped gradient could exceed max_norm. Use a "
         f"larger max_norm, or {fix}")

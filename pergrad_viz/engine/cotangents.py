@@ -78,15 +78,15 @@ def _trial(trainable: Trainable, inputs: Batch, jacobian: JacobianFn, out: dict[
         # rounding of its layer's Jacobian's size is no difference: a conv's bias before a GroupNorm, exactly 0,
         # is float32 noise of 1e-8 of the conv's, twice unlike (a wrong batching rule is off by the layer's own size:
         # the layer's, not the whole model's, which a large branch elsewhere would make a cover for it)
-        layers: dict[str, float] = {}
+        layers: dict[str, float] = {}  # each layer's norm (a hypot: float64's 1e155 squared raised in Python)
         for name, t in alone.items():
             owner = name.rpartition(".")[0]
-            layers[owner] = layers.get(owner, 0.0) + float(torch.linalg.vector_norm(
-                t[0][torch.isfinite(t[0])].double())) ** 2
+            layers[owner] = math.hypot(layers.get(owner, 0.0), float(torch.linalg.vector_norm(
+                t[0][torch.isfinite(t[0])].double())))
         for name, t in alone.items():
             want, got = t[0], together[name][i]
             rtol = tolerance(want.dtype, want.device).check
-            layer = math.sqrt(layers[name.rpartition(".")[0]])
+            layer = layers[name.rpartition(".")[0]]
             if not _close(got, want, rtol, ROUNDING * torch.finfo(want.dtype).eps * layer):
                 return (f"vmap over the samples of a backward batched over output vectors gives two samples other "
                         f"Jacobians than each alone here (parameter {name!r}: a wrong batching rule in PyTorch, such "

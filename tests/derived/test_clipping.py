@@ -187,6 +187,8 @@ def test_float32_clip_factors_below_its_range_are_refused_and_ordinary_ones_read
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     with pytest.raises(ValueError, match=r"below float32's smallest normal number.*larger max_norm"):
         pv.clipped_grad_sum(model, loss_fn, x, y, 1e-44)
+    with pytest.raises(ValueError, match=r"norm of over 1e308 times max_norm"):  # a factor 0 even in float64 (a review:
+        pv.clipped_grad_sum(model, lambda o, t: loss_fn(o, t) * 1e30, x, y, 1e-300)  # ZeroDivisionError)
     rows, want = _definition(model.double(), loss_fn, x.double(), y, 1e-30)
     model.float()
     got = torch.cat([s.flatten().double() for s in pv.clipped_grad_sum(model, loss_fn, x, y, 1e-30).values()])
