@@ -68,7 +68,8 @@ def _explicit_tied(parts: Sequence[TiedPart], rows: list[int]) -> torch.Tensor:
     sum_k sum_t outer(left_kt, right_kt) (a one-hot left: its row), a block of rows at a time (at most
     :data:`~pergrad_viz.rules.linear.EXPLICIT_BYTES`: a GPT-2 head's (V, D) need not be held at once)."""
     width = parts[0][1].shape[-1]
-    height = max(left.shape[-1] if left.is_floating_point() else int(left.max()) + 1 for left, _, _ in parts)
+    height = max(left.shape[-1] if left.is_floating_point() else int(left.max()) + 1 if left.numel() else 0
+                 for left, _, _ in parts)
     step = max(1, EXPLICIT_BYTES // (8 * width))
     result = torch.zeros(len(rows), dtype=torch.float64, device=parts[0][1].device)
     for k, r in enumerate(rows):

@@ -41,8 +41,7 @@ def tops_fit(top_a: list[float], top_g: list[float], dtypes: tuple[torch.dtype, 
     product and each alone times ``span`` far below the dtype's largest number (no sum can overflow), and each
     sample's maximum 0 or at least ``width`` times ``tiny / eps`` (the terms lost to underflow, at most ``width *
     tiny`` an entry, stay below the sum's own rounding), each Gram in its own dtype (``dtypes``), and each sample's
-    product of its two maxima at least ``span`` times ``tiny / eps`` in the narrower range (where the products are
-    summed)."""
+    product of its two maxima at least ``span`` times ``tiny / eps`` of the dtype the products are summed in."""
     if not all(map(math.isfinite, top_a + top_g)):
         return False
     left, right = torch.finfo(dtypes[0]), torch.finfo(dtypes[1])
@@ -54,10 +53,10 @@ def tops_fit(top_a: list[float], top_g: list[float], dtypes: tuple[torch.dtype, 
     if min(filter(None, top_a), default=math.inf) < width_a * left.tiny / left.eps \
             or min(filter(None, top_g), default=math.inf) < width_g * right.tiny / right.eps:
         return False
-    # nor their products (each Gram's entries normal, their product under the narrower range: both 1e-23 in float32
-    # made every term 0; a probe), a sample's both maxima together
-    narrow = left if left.max <= right.max else right
-    low = span * narrow.tiny / narrow.eps
+    # nor their products (each Gram's entries normal, their product below the range: both 1e-23 in float32 made every
+    # term 0; a probe), a sample's both maxima together
+    summed = torch.finfo(torch.promote_types(*dtypes))  # the dtype the products are summed in
+    low = span * summed.tiny / summed.eps
     # (a sample with a 0 maximum has a norm of 0 either way; a product that is 0 in Python's float64 is no such sample)
     return min((a * g for a, g in zip(top_a, top_g, strict=True) if a and g), default=math.inf) >= low
 
