@@ -160,3 +160,16 @@ def test_the_ntk_under_autocast_is_contracted_in_the_parameters_dtype(mode):
     assert kernel.dtype == torch.float32
     want = torch.einsum("iyp,jzp->ijyz" if mode == "full" else "iyp,jyp->ij", jacobian, jacobian)
     torch.testing.assert_close(kernel.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("label, dtype", AUTOCAST)
+def test_resolve_strategy_under_autocast_says_the_loop_as_the_calls_run_it(label, dtype):
+    """Found by a review of docs/api.md: pv.resolve_strategy("auto", ...) under autocast raised
+    UndefinedPerSampleError blaming a tensor kept from an earlier pass (its probe ran under autocast), while the calls
+    run the loop; another strategy is refused naming autocast, as the calls refuse it."""
+    model, x = CASES[0][1](), inputs(4)[0]
+    with torch.autocast("cpu", dtype=dtype):
+        assert pv.resolve_strategy("auto", model, x) == "loop"
+        with pytest.raises(pv.UnsupportedModelError, match="autocast"):
+            pv.resolve_strategy("hooks", model, x)
+    assert pv.resolve_strategy("auto", model, x) == "hooks"
