@@ -18,7 +18,7 @@
 # neural tangent kernel, Gauss-Newton matrices and many influence methods are built from.)
 #
 # We use the tutorial's `MLP(784, 20, 10)` on real images: the first images of the Fashion-MNIST sample bundled
-# in `data/`.
+# with the package (`pergrad_viz/tutorial/sample`).
 
 # %%
 # %matplotlib inline

@@ -20,7 +20,7 @@
 # 3. **gradient similarity**: which examples pull the model the same way;
 # 4. the **empirical neural tangent kernel**, K(x, x') = J(x) J(x')^T.
 #
-# All on the tutorial `MLP(784, 20, 10)` and the Fashion-MNIST sample bundled in `data/`.
+# All on the tutorial `MLP(784, 20, 10)` and the Fashion-MNIST sample bundled with the package.
 
 # %% [markdown]
 # ## 1 · Finding mislabelled examples

@@ -27,8 +27,8 @@
 # | `projection` | (N, K) | a seeded random projection of its gradient, K = `proj_dim` columns |
 #
 # to a directory of memory-mapped `.npy` files with a JSON manifest; it resumes where it stopped and runs on
-# several processes under `torchrun` (see the end). Here: the `SmallCNN` on the 1,000 training images bundled in
-# `data/`, 10% of their labels flipped.
+# several processes under `torchrun` (see the end). Here: the `SmallCNN` on the 1,000 training images bundled with
+# the package, 10% of their labels flipped.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -213,6 +213,8 @@ print("projected dot products correlate with the exact ones (> 0.9):", corr > 0.
 # The same scan from the command line, on the full Fashion-MNIST (60,000 training images, from Debian's
 # `dataset-fashion-mnist`, which `make data` installs; without it the bundled sample, with a note), resumable:
 # a rerun with the same `--out` skips finished chunks, and a rerun with another model or settings is refused.
+# `--checkpoint` takes the weights you trained, saved with `torch.save(model.state_dict(), "cnn.pt")` (without it, the
+# seeded, untrained CNN).
 #
 # ```bash
 # python -m pergrad_viz scan --data fashion-mnist --model cnn --checkpoint cnn.pt \
