@@ -96,9 +96,12 @@ def start(modules: Iterable[str]) -> Prefetch | None:
     the explorers of a process share it; an explorer that wanted only torch's own module does not keep the menu's
     libraries from a later one); returns the process's :class:`Prefetch`, None while there was nothing to import."""
     with STARTING:
-        wanted = [m for m in modules if m not in sys.modules]
+        failed = STARTED[0].failed if STARTED else {}  # not tried again: a broken library once, not at every view
+        wanted = [m for m in modules if m not in sys.modules and m not in failed]
         if wanted and (not STARTED or STARTED[0].done.is_set()):
+            previous = dict(failed)
             STARTED[:] = [Prefetch(wanted)]
+            STARTED[0].failed.update(previous)
         return STARTED[0] if STARTED else None
 
 

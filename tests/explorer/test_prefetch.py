@@ -84,6 +84,7 @@ def test_the_process_starts_it_once_and_only_for_what_is_missing(monkeypatch, pa
     later = prefetch.start([first, "pvpre_no_such_module_either"])
     assert later is not ahead and later.modules == ("pvpre_no_such_module_either",)
     assert later.done.wait(WAIT_S)
+    assert prefetch.start([first, "pvpre_no_such_module_either"]) is later  # a module that failed: not tried again
 
 
 def test_an_import_passing_through_does_not_end_the_pause(package):
