@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from pergrad_viz.core.numbers import SQUARES
-from pergrad_viz.rules.linear import EXPLICIT_BYTES, below_rounding
+from pergrad_viz.rules.linear import below_rounding, gradient_squared_norms, guarded
 from pergrad_viz.rules.scaling import products_fit, sample_maxima, sample_scaled
 
 # One layer's part of a tied weight's norm: (left factor, right factor, its own (B,) squared norm).
@@ -44,7 +44,7 @@ def tied_squared_norms(parts: Sequence[TiedPart]) -> torch.Tensor:
     own = sum(own for _, _, own in parts)
     total = _with_cross_terms(own, _scaled_parts(parts))
     dtype = parts[0][1].dtype
-    if parts[0][1].device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+    if parts[0][1].device.type != "cpu" or not guarded(parts[0][1]):
         return total.clamp_min(0)
     # the terms' usual size, sum_k sum_t |left_kt|^2 |right_kt|^2 (no copy of a (B, T, V) output gradient)
     square = lambda t: torch.linalg.vector_norm(t, dim=-1).double().square()  # noqa: E731
@@ -54,35 +54,13 @@ def tied_squared_norms(parts: Sequence[TiedPart]) -> torch.Tensor:
                           max(r.shape[-1] for _, r, _ in parts), max(left.shape[1] for left, _, _ in parts), dtype)
     rows = rows.nonzero().flatten()
     if rows.numel() and dtype == torch.float64:  # nothing wider: the gradient itself, what cancels rounded once
-        total[rows] = _explicit_tied(parts, rows.tolist()).to(total.dtype)
+        total[rows] = gradient_squared_norms([(left[rows], right[rows]) for left, right, _ in parts]).to(total.dtype)
     elif rows.numel():
         wide = [(left[rows].double() if left.is_floating_point() else left[rows], r[rows].double(), None)
                 for left, r, _ in parts]  # the own norms again too: theirs rounded as the cross terms did
         own_wide = sum((_left_gram(left, left, torch.float64) * torch.bmm(r, r.mT)).sum((1, 2)) for left, r, _ in wide)
         total[rows] = _with_cross_terms(own_wide, [(left, r, None) for left, r, _ in wide]).to(total.dtype)
     return total.clamp_min(0)
-
-
-def _explicit_tied(parts: Sequence[TiedPart], rows: list[int]) -> torch.Tensor:
-    """(R,) squared norms of the tied weight's per-sample gradients of samples ``rows``, each formed in float64 as
-    sum_k sum_t outer(left_kt, right_kt) (a one-hot left: its row), a block of rows at a time (at most
-    :data:`~pergrad_viz.rules.linear.EXPLICIT_BYTES`: a GPT-2 head's (V, D) need not be held at once)."""
-    width = parts[0][1].shape[-1]
-    height = max(left.shape[-1] if left.is_floating_point() else int(left.max()) + 1 if left.numel() else 0
-                 for left, _, _ in parts)
-    step = max(1, EXPLICIT_BYTES // (8 * width))
-    result = torch.zeros(len(rows), dtype=torch.float64, device=parts[0][1].device)
-    for k, r in enumerate(rows):
-        for first in range(0, height, step):
-            block = torch.zeros(min(step, height - first), width, dtype=torch.float64, device=result.device)
-            for left, right, _ in parts:
-                if left.is_floating_point():
-                    block += left[r, :, first:first + step].double().mT.mm(right[r].double())
-                else:
-                    kept = (left[r] >= first) & (left[r] < first + step)
-                    block.index_add_(0, left[r][kept] - first, right[r][kept].double())
-            result[k] += block.square().sum()
-    return result
 
 
 def _with_cross_terms(own: torch.Tensor, scaled: list) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import nn
@@ -252,24 +252,37 @@ EXPLICIT_BYTES = 16 << 20  # a recomputed sample's gradient is formed this many 
 def recompute_cancelled(weight: torch.Tensor, aa: torch.Tensor, gg: torch.Tensor, a: torch.Tensor,
                         g: torch.Tensor) -> None:
     """Write into ``weight`` (B,) the norms of the samples :func:`cancelling` picks, from a (B, T, in) and g (B, T,
-    out): their gradients g^T a formed in float64 (what cancels is then rounded once, not squared as in the Grams;
-    a few output rows at a time), one host read (free on a CPU, rare elsewhere)."""
+    out): their gradients g^T a formed in float64 (:func:`gradient_squared_norms`), one host read (free on a CPU,
+    rare elsewhere)."""
     if not guarded(aa, gg):  # none can be picked: no host read (a GPU would synchronise)
         return
     rows = cancelling(weight, aa, gg, a.shape[-1], g.shape[-1]).nonzero().flatten()
     if rows.numel():
-        weight[rows] = explicit_squared_norms(a[rows], g[rows]).to(weight.dtype)
+        weight[rows] = gradient_squared_norms([(g[rows], a[rows])]).to(weight.dtype)
 
 
-def explicit_squared_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """(R,) ||g_r^T a_r||^2 in float64 from a (R, T, in) and g (R, T, out), sample by sample, a block of output rows
-    at a time (at most :data:`EXPLICIT_BYTES` of gradient)."""
-    step = max(1, EXPLICIT_BYTES // (8 * max(1, a.shape[-1])))
-    result = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
-    for r in range(a.shape[0]):
-        wide_a, wide_g = a[r].double(), g[r].double()  # (T, in), (T, out)
-        for first in range(0, wide_g.shape[-1], step):
-            result[r] += wide_g[:, first:first + step].mT.mm(wide_a).square().sum()
+def gradient_squared_norms(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """(R,) squared norms of R samples' gradients of one weight (rows, cols), each ``sum_k sum_t outer(left_kt,
+    right_kt)`` formed in float64 (what cancels is rounded once, not squared as in a Gram form): pairs of a left
+    factor (R, T_k, rows), or (R, T_k) integer rows (one-hot: an Embedding's ids), and a right factor (R, T_k, cols)
+    (a Linear's: its output gradients and inputs). A block of rows at a time, at most :data:`EXPLICIT_BYTES` (a GPT-2
+    head's (V, D) need not be held at once)."""
+    width = pairs[0][1].shape[-1]
+    height = max(left.shape[-1] if left.is_floating_point() else int(left.max()) + 1 if left.numel() else 0
+                 for left, _ in pairs)
+    step = max(1, EXPLICIT_BYTES // (8 * max(1, width)))
+    result = torch.zeros(pairs[0][1].shape[0], dtype=torch.float64, device=pairs[0][1].device)
+    for r in range(result.shape[0]):
+        wide = [(left[r], right[r].double()) for left, right in pairs]  # (T_k, rows) or (T_k,), (T_k, cols)
+        for first in range(0, height, step):
+            block = torch.zeros(min(step, height - first), width, dtype=torch.float64, device=result.device)
+            for left, right in wide:
+                if left.is_floating_point():
+                    block += left[:, first:first + step].double().mT.mm(right)
+                else:
+                    kept = (left >= first) & (left < first + step)
+                    block.index_add_(0, left[kept] - first, right[kept])
+            result[r] += block.square().sum()
     return result
 
 

@@ -13,7 +13,7 @@ import math
 import torch
 
 from pergrad_viz.rules.doubts import tops_fit
-from pergrad_viz.rules.linear import CANCELLATION, LinearGhost, gram_is_faster, recompute_cancelled
+from pergrad_viz.rules.linear import CANCELLATION, LinearGhost, gram_is_faster, guarded, recompute_cancelled
 
 # The Grams of one group, both sides, at most this many bytes (a layer whose pair is larger is a group alone).
 GROUP_BYTES = 4 << 20
@@ -66,7 +66,7 @@ def _group_norms(members: list[LinearCall]) -> dict[str, torch.Tensor]:
     diagonals = grams.diagonal(dim1=3, dim2=4)  # (2, L, B, T)
     tops = diagonals.amax(3).tolist()  # [2][L][B]
     cancelled: list[list[int]] = [[] for _ in members]
-    if dtype in (torch.float32, torch.float64):  # the guard of rules.linear.cancelling, every layer at once
+    if guarded(a0):  # the guard of rules.linear.cancelling, every layer at once
         widths = [math.sqrt(a.shape[2]) + math.sqrt(g.shape[2]) + tokens for a, g, _ in members]
         bounds = torch.tensor(widths, dtype=dtype).mul_(CANCELLATION * torch.finfo(dtype).eps)
         usual = torch.linalg.vecdot(diagonals[0], diagonals[1])  # (L, B)

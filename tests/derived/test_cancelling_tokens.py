@@ -179,9 +179,10 @@ def test_a_float64_tied_weight_whose_uses_cancel_equals_the_loop():
 
 
 def test_a_tied_weights_gradient_formed_from_its_parts():
-    """``tied._explicit_tied``: rows a block at a time, one-hot parts (an Embedding's ids, a gradient's own rows) and
-    factor parts (a Linear's), against the per-sample gradients summed here."""
+    """``rules.linear.gradient_squared_norms``: rows a block at a time, one-hot parts (an Embedding's ids, a
+    gradient's own rows) and factor parts (a Linear's), against the per-sample gradients summed here."""
     from pergrad_viz.derived import tied
+    from pergrad_viz.rules import linear
 
     torch.manual_seed(0)
     ids = torch.randint(0, 7, (3, 5))
@@ -196,5 +197,6 @@ def test_a_tied_weights_gradient_formed_from_its_parts():
     expected = want.square().sum((1, 2))
     for step in (8, 200):  # a block of one row, all rows at once
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(tied, "EXPLICIT_BYTES", step)
-            torch.testing.assert_close(tied._explicit_tied(parts, [2, 0]), expected[[2, 0]])
+            m.setattr(linear, "EXPLICIT_BYTES", step)
+            picked = [(left[[2, 0]], right[[2, 0]]) for left, right, _ in parts]
+            torch.testing.assert_close(linear.gradient_squared_norms(picked), expected[[2, 0]])
