@@ -46,14 +46,19 @@ def result_bytes(batch: int, num_params: int, dtype: torch.dtype, outputs: int =
     return batch * outputs * num_params * dtype.itemsize
 
 
+def budget_for(max_bytes: int | None, device: torch.device, need: int) -> int:
+    """The budget ``need`` bytes are held to: ``max_bytes``, else :func:`default_budget` (``need`` itself where it is
+    at most :data:`SMALL`: no look-up of the free memory)."""
+    if max_bytes is not None:
+        return int(real_number("max_bytes", max_bytes, hint=" (a budget in bytes) or None"))
+    return need if need <= SMALL else default_budget(device)
+
+
 def check_budget(*, what: str, result: int, working: int, max_bytes: int | None, allocate_result: bool,
                  device: torch.device, batch: int, chunk: int) -> None:
     """Raise :class:`MemoryBudgetError` when result (if allocated here) + working memory exceed the budget."""
     need = (result if allocate_result else 0) + working
-    if max_bytes is None and need <= SMALL:
-        return
-    budget = default_budget(device) if max_bytes is None else int(real_number("max_bytes", max_bytes,
-                                                                                hint=" (a budget in bytes) or None"))
+    budget = budget_for(max_bytes, device, need)
     if need <= budget:
         return
     raise MemoryBudgetError(_over_budget(what=what, result=result, working=working, budget=budget,

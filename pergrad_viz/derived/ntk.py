@@ -31,8 +31,7 @@ from torch import nn
 from pergrad_viz import api
 from pergrad_viz.core.batch import Batch, Inputs
 from pergrad_viz.core.guards import check_output_count, check_reached, refusing_reentrant_checkpoints
-from pergrad_viz.core.memory import SMALL, check_budget, default_budget, result_bytes
-from pergrad_viz.core.numbers import real_number
+from pergrad_viz.core.memory import budget_for, check_budget, result_bytes
 from pergrad_viz.core.trainable import Trainable, computing_gradients, restoring_modes
 from pergrad_viz.core.validate import batch_of
 from pergrad_viz.derived.norms import ghost_rule, stack_calls
@@ -133,7 +132,7 @@ def empirical_ntk(model: nn.Module, x1: Inputs, x2: Inputs | None = None, *, mod
     result = result_bytes(n1 * n2, 1, trainable.dtype, y_count * y_count if full else 1)
     per_sample = _feature_bytes(trainable, x1, y_count) if strategy == "hooks" else 0
     held = per_sample * (n1 + (0 if x2 is None else n2))  # every chunk's features kept, each computed once
-    hold_all = result + held <= _budget(max_bytes, trainable.device, result + held)
+    hold_all = result + held <= budget_for(max_bytes, trainable.device, result + held)
     check_budget(what=what, result=result, working=held if hold_all else 2 * per_sample * chunk, max_bytes=max_bytes,
                  allocate_result=True, device=trainable.device, batch=n1, chunk=chunk)
     if y_count == 0:  # no output element: an empty kernel (a sum over no outputs: zeros, for the trace)
@@ -199,13 +198,6 @@ def _feature_bytes(trainable: Trainable, x: Batch, y_count: int) -> int:
                                      if d is not None)
             numbers += sum(math.prod(r) for d, r in zip(spec.in_dims, spec.in_rest, strict=True) if d is not None)
     return numbers * trainable.dtype.itemsize
-
-
-def _budget(max_bytes: int | None, device: torch.device, need: int) -> int:
-    """The budget :func:`~pergrad_viz.core.memory.check_budget` holds ``need`` to (no query where it is small)."""
-    if max_bytes is not None:
-        return int(real_number("max_bytes", max_bytes, hint=" (a budget in bytes) or None"))
-    return need if need <= SMALL else default_budget(device)
 
 
 def _ghost_ntk(trainable: Trainable, x1: Batch, x2: Batch | None, full: bool, chunk: int, alone: int,
