@@ -9,11 +9,17 @@ from __future__ import annotations
 import torch
 
 from pergrad_viz.core.batch import Batch, cut
-from pergrad_viz.core.guards import check_no_reentrant_checkpoint, check_output_count, nothing_takes_part
+from pergrad_viz.core.guards import check_no_reentrant_checkpoint, check_output_count
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.observe import stale_error
-from pergrad_viz.strategies.outputs import non_finite_rows, refuse_random_forward, refuse_reentrant_forward, write
+from pergrad_viz.strategies.outputs import (
+    non_finite_rows,
+    nothing_took_part,
+    refuse_random_forward,
+    refuse_reentrant_forward,
+    write,
+)
 
 
 def working_bytes(chunk: int, num_params: int, largest_param: int, itemsize: int, outputs: int = 1) -> int:
@@ -37,8 +43,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
             walked = True
         write(out, trainable.names, g, i)
     if not took_part:
-        refuse_reentrant_forward(trainable, inputs.sample(0))  # a reentrant checkpoint on no-grad inputs: named
-        raise nothing_takes_part(trainable)
+        raise nothing_took_part(trainable, inputs)  # a reentrant checkpoint on no-grad inputs: named
 
 
 def _grad(output: torch.Tensor, params: tuple[torch.Tensor, ...], retain_graph: bool = False) -> tuple:
@@ -72,8 +77,7 @@ def jacobian(trainable: Trainable, inputs: Batch, out: dict[str, torch.Tensor]) 
                 walked = True
             write(out, trainable.names, g, (i, j))
     if not took_part and inputs.size:
-        refuse_reentrant_forward(trainable, inputs.sample(0))
-        raise nothing_takes_part(trainable, "model output")
+        raise nothing_took_part(trainable, inputs, "model output")
 
 
 def recompute_non_finite_rows(trainable: Trainable, loss_fn: LossFn | None, inputs: Batch, targets: object,

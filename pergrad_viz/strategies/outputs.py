@@ -86,9 +86,15 @@ def check_some_take_part(trainable: Trainable, result: torch.Tensor, inputs: Bat
     part, first whether a reentrant checkpoint on inputs that require no grad hid them (one more forward of sample
     0: :func:`refuse_reentrant_forward` names ``use_reentrant=False``, not a merged adapter)."""
     if isinstance(result, torch.Tensor) and not result.requires_grad:
-        if inputs.size:
-            refuse_reentrant_forward(trainable, inputs.sample(0))
-        raise nothing_takes_part(trainable, what)
+        raise nothing_took_part(trainable, inputs, what)
+
+
+def nothing_took_part(trainable: Trainable, inputs: Batch, what: str = "loss") -> ValueError:
+    """The error of a call in which no trainable parameter took part, once :func:`refuse_reentrant_forward` has found
+    no reentrant checkpoint on sample 0 (where one hid them, it raises naming ``use_reentrant=False``)."""
+    if inputs.size:
+        refuse_reentrant_forward(trainable, inputs.sample(0))
+    return nothing_takes_part(trainable, what)
 
 
 def check_batch_output_count(y_count: int, out: dict[str, torch.Tensor]) -> None:
