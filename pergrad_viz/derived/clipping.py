@@ -71,11 +71,11 @@ def _check_narrow_factors(c: torch.Tensor, bound: float, dtype: torch.dtype) -> 
     gradient of norm up to 2 C: the DP bound broken; float16 below 6e-5, float32 and bfloat16 below 1.2e-38). One
     host read, only where :func:`clip_factors` could not rule it out."""
     tiny = torch.finfo(dtype).tiny
-    if c.min().item() >= tiny:
+    least = c.min().item()  # 0 where even float64 underflowed (max_norm=1e-300 for norms of 1e30)
+    if least >= tiny:
         return
     rows = (c < tiny).nonzero().flatten().tolist()
     name = str(dtype).removeprefix("torch.")
-    least = c.min().item()  # 0 where even float64 underflowed (max_norm=1e-300 for norms of 1e30)
     norm = f"{bound / least:.3g}" if least > 0 else "over 1e308 times max_norm"
     fix = ("train in bfloat16 or float32 (model.to(torch.bfloat16)), or scale the loss down" if dtype == torch.float16
            else "scale the loss down (its gradients are past 1e38 times max_norm)")

@@ -34,27 +34,29 @@ def _options(values: Sequence[int], default: int, what: str) -> tuple[int, ...]:
     return tuple(options)
 
 
-def _check_threads_and_device(threads: object, device: object, model: nn.Module | None) -> None:
-    """ValueError naming the fix for a thread count that is not a positive integer, a device torch does not know or
-    has not got, or ``device=`` naming another device than your own network's (computed where its parameters are)."""
+def _checked_device(threads: object, device: object, model: nn.Module | None) -> str:
+    """Where to compute: your own network's device (where its parameters are), else ``device`` (None: the CPU).
+    ValueError naming the fix for a thread count that is not a positive integer, a device torch does not know or has
+    not got, or ``device=`` naming another device than your own network's."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, numbers.Integral)
                                 or threads < 1):
         raise ValueError(f"threads must be a positive number of intra-op threads (None: all cores but one), got "
                          f"{threads!r}")
+    own = next(model.parameters(), torch.empty(0)).device if isinstance(model, nn.Module) else None  # else: refused
     if device is None:
-        return
+        return "cpu" if own is None else str(own)
     try:
         kind = torch.device(device).type
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device must be a device torch knows ('cpu', 'cuda', 'cuda:0'), got {device!r}") from e
-    if model is not None:
-        own = next(model.parameters(), torch.empty(0)).device
+    if own is not None:
         if kind != own.type:
             raise ValueError(f"device={device!r}: your network is computed where its parameters are ({own}); move it "
                              "with model.to(device) first, or leave device= out")
-        return
+        return str(own)
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}, but torch finds no CUDA device here: leave device= out (the CPU)")
+    return device
 
 
 def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None, data: object = None,
@@ -106,10 +108,8 @@ def explorer(*, model: nn.Module | None = None, loss_fn: Callable | None = None,
     """
     if quantity not in QUANTITIES:
         raise ValueError(f"quantity must be one of {', '.join(map(repr, QUANTITIES))}, got {quantity!r}")
-    _check_threads_and_device(threads, device, model)
-    device = "cpu" if device is None else device
+    device = _checked_device(threads, device, model)
     if model is not None:
-        device = str(next(model.parameters(), torch.empty(0)).device)  # yours is computed where it is
         if loss_fn is None or data is None:
             raise ValueError("explorer(model=...) needs loss_fn= and data=(inputs, targets) (or a Dataset / "
                              "DataLoader) too")
