@@ -27,7 +27,7 @@ from pergrad_viz.core.guards import REENTRANT_CHECKPOINT, in_reentrant_checkpoin
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine import broadcast
 from pergrad_viz.engine.call_shapes import check_call, mismatch
-from pergrad_viz.engine.observe import outputs_close, tensors_of
+from pergrad_viz.engine.observe import PLAIN_LEAVES, outputs_close, tensors_of
 from pergrad_viz.engine.plan import CallSpec, LayerKind, LayerPlan, Plan
 from pergrad_viz.engine.probe import plan_for
 from pergrad_viz.engine.volatile import forget
@@ -329,7 +329,7 @@ def _forward(trainable: Trainable, inputs: Batch, layers: dict[str, Layer], copy
     return output, record.finish(spread, made)
 
 
-_SHALLOW = (torch.Tensor, nn.Parameter, bool, int, float, str, type(None))  # what a flat output tuple may hold
+_SHALLOW = (torch.Tensor, nn.Parameter, *PLAIN_LEAVES)  # what a flat output tuple may hold
 
 
 def _handed_downstream(output: object, copy: Callable[[int], bool]) -> tuple[object, list[torch.Tensor]]:

@@ -62,7 +62,7 @@ def tensors_of(obj: object) -> list[torch.Tensor]:
     return [t for t in tree_flatten(as_pytree(obj))[0] if isinstance(t, torch.Tensor)]
 
 
-_LEAVES = (bool, int, float, str, type(None))  # values a plain container holds besides tensors (flags, None)
+PLAIN_LEAVES = (bool, int, float, str, type(None))  # plain values: a flag, a number, a name, None
 
 
 def _plain_containers(obj: object, found: list[torch.Tensor], depth: int = 0) -> bool:
@@ -73,7 +73,7 @@ def _plain_containers(obj: object, found: list[torch.Tensor], depth: int = 0) ->
     if kind is torch.Tensor or kind is torch.nn.Parameter:
         found.append(obj)
         return True
-    if kind in _LEAVES:
+    if kind in PLAIN_LEAVES:
         return True
     if depth > 3:
         return False

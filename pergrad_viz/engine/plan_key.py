@@ -17,9 +17,10 @@ from torch.nn.modules import module as module_mod
 
 from pergrad_viz.core.batch import Batch
 from pergrad_viz.core.trainable import Trainable
+from pergrad_viz.engine.observe import PLAIN_LEAVES
 from pergrad_viz.engine.volatile import skipped
 
-_PLAIN = (bool, int, float, str, type(None))
+_PLAIN = PLAIN_LEAVES
 _EXACTLY_PLAIN = frozenset(_PLAIN)  # a value of exactly one of these types is plain: no isinstance needed
 _NEVER_PLAIN = frozenset((dict, OrderedDict, set))  # nn.Module's own bookkeeping (hooks, _parameters, ...)
 
