@@ -154,10 +154,10 @@ def _direct_norms(module, x, g, local) -> dict[str, torch.Tensor]:
         x, g, scale, bias_scale = scaled_unless_fit(x, g, math.prod(g.shape[2:]) ** 2 * module.weight.numel())
     result = {}
     if "weight" in local:
-        window, kernel, _ = live_window(module, x, g.shape[2:])
+        part, pads, kernel, _ = window_parts(module, x, g.shape[2:])
         _, stride, dilation = _geometry(module)
-        weight = pixel_gram(window, g.unsqueeze(-2) if isinstance(module, nn.Conv1d) else g, kernel, stride, dilation,
-                            noting)
+        weight = pixel_gram(part, pads, g.unsqueeze(-2) if isinstance(module, nn.Conv1d) else g, kernel, stride,
+                            dilation, noting)
         result["weight"] = weight if scale is None else weight.to(scale.dtype) * scale
     if "bias" in local:
         bias = g.reshape(g.shape[0], g.shape[1], -1).sum(2).square().sum(1)
@@ -178,31 +178,47 @@ def _kernel(module: nn.Module) -> tuple[int, ...]:
 
 def live_window(module: nn.Module, x: torch.Tensor, out_shape: tuple[int, ...]
           ) -> tuple[torch.Tensor, tuple[int, int], tuple[slice, slice] | None]:
-    """(x padded as the layer pads it, (B, C_in, H_p, W_p) as a Conv2d's input; the kernel's extent; its taps) where
-    every tap reads an input value at some output position (taps None); where some read nothing but zero padding
-    at every one (a 3 x 3 kernel on a 1 x 1 map: all but its centre, whose gradient and norm terms are then exactly
-    zero), the window of the others: their extent, their slices of the kernel, and the part of x they read, which
-    the same stride and dilation turn into the same ``out_shape`` output positions."""
+    """(the part of x padded as the layer pads it that the taps read, (B, C_in, H_p, W_p) as a Conv2d's input; the
+    kernel's extent; its taps): :func:`window_parts` with its zero padding applied."""
+    part, pads, kernel, taps = window_parts(module, x, out_shape)
+    return (F.pad(part, pads) if any(pads) else part), kernel, taps
+
+
+def window_parts(module: nn.Module, x: torch.Tensor, out_shape: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, int], tuple[slice, slice] | None]:
+    """(x's part that the live taps read, (B, C_in, H, W) as a Conv2d's input; the zero padding around it that
+    makes the window, in ``F.pad``'s order (W's left and right, then H's); the kernel's extent; its taps). The window
+    is x padded as the layer pads it, cut to the positions the taps read at the ``out_shape`` output positions
+    (padding never read is not made); where every tap reads an input value at some output position, taps is None;
+    where some read only zero padding at every one (a 3 x 3 kernel on a 1 x 1 map: all but its centre, whose
+    gradient and norm terms are then exactly zero), the window holds the others': their extent and their slices of
+    the kernel, which the same stride and dilation turn into the same output positions."""
     one_d = isinstance(module, nn.Conv1d)
-    padded = _padded(module, x)
-    padded = padded.unsqueeze(-2) if one_d else padded
     kernel, stride, dilation = _geometry(module)
-    out = (1, *out_shape) if one_d else tuple(out_shape)
     if module.padding_mode != "zeros":  # padding made of the input's own values: every tap reads some
-        return padded, kernel, None
+        padded = _padded(module, x)
+        return (padded.unsqueeze(-2) if one_d else padded), (0, 0, 0, 0), kernel, None
+    part = x.unsqueeze(-2) if one_d else x
+    out = (1, *out_shape) if one_d else tuple(out_shape)
     rev = _pad_amounts(module)
     lefts = (0, rev[0]) if one_d else (rev[2], rev[0])
-    sizes = (1, x.shape[-1]) if one_d else tuple(x.shape[2:])  # the input's own positions, unpadded
-    taps, window = [], padded
-    for dim, (left, size, k, s, d, o) in enumerate(zip(lefts, sizes, kernel, stride, dilation, out, strict=True)):
+    taps, pads = [], []
+    for dim, (left, k, s, d, o) in enumerate(zip(lefts, kernel, stride, dilation, out, strict=True)):
+        size = part.shape[2 + dim]
         live = [t for t in range(k) if _reads_input(t * d - left, s, o, size)]
         first, stop = (live[0], live[-1] + 1) if live else (0, 1)
         taps.append(slice(first, stop))
-        start = first * d
-        window = window.narrow(2 + dim, start, (o - 1) * s + d * (stop - first - 1) + 1)
+        start = first * d - left  # the window's first position, in x's own
+        length = (o - 1) * s + d * (stop - first - 1) + 1
+        lo = min(max(start, 0), size)
+        hi = min(max(start + length, lo), size)
+        before = min(length, max(0, lo - start))
+        part = part.narrow(2 + dim, lo, hi - lo)
+        pads.append((before, length - before - (hi - lo)))
+    flat = (*pads[1], *pads[0])
     if all(t.stop - t.start == k for t, k in zip(taps, kernel, strict=True)):
-        return padded, kernel, None
-    return window, tuple(t.stop - t.start for t in taps), (taps[0], taps[1])
+        return part, flat, kernel, None
+    return part, flat, tuple(t.stop - t.start for t in taps), (taps[0], taps[1])
 
 
 def _reads_input(offset: int, stride: int, outputs: int, size: int) -> bool:

@@ -7,21 +7,24 @@ large part, output gradients of opposite signs) a narrow dtype loses every digit
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pergrad_viz.rules.doubts import gram_tops, note_tops
 from pergrad_viz.rules.linear import below_rounding, guarded
 
 
-def pixel_gram(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
-               dilation: tuple[int, int], noting: bool = False) -> torch.Tensor:
-    """(B,) from x (B, C_in, H_p, W_p) and g (B, C_out, H_o, W_o) (a Conv1d's with H = 1), x padded and cropped to
-    the live taps' window, ``kernel`` their extent (``conv.live_window``): the columns' Gram <col_t, col_s> = sum over
+def pixel_gram(x: torch.Tensor, pads: tuple[int, ...], g: torch.Tensor, kernel: tuple[int, int],
+               stride: tuple[int, int], dilation: tuple[int, int], noting: bool = False) -> torch.Tensor:
+    """(B,) from x (B, C_in, H, W) and g (B, C_out, H_o, W_o) (a Conv1d's with H = 1), x the part of the input that
+    the live taps read and ``pads`` the zeros around it that make their window (``F.pad``'s order), ``kernel`` their
+    extent (``conv.window_parts``): the pixels' Gram of x, padded with zeros (not x: C_in times fewer numbers to pad,
+    and no products of zeros); the columns' Gram <col_t, col_s> = sum over
     the taps of the pixels' Gram at the taps' positions, each tap one strided view of the pixels' Gram (B, H_p, W_p,
     H_p, W_p), summed over the kernel's columns first, then its rows; then sum_{t,s} <col_t, col_s> (g_t . g_s) as
     for a Linear. ``noting``: both Grams noted for the open layer (:func:`~pergrad_viz.rules.doubts.note_grams`;
     a sum of at most L^2 k entries of each, L output positions, k taps), with the samples whose terms may cancel;
     else those computed again at once, their weight gradients formed in float64."""
-    columns, grads, top_x = _grams(x, g, kernel, stride, dilation, noting)
+    columns, grads, top_x = _grams(x, pads, g, kernel, stride, dilation, noting)
     weight = (columns * grads).sum((1, 2, 3, 4)).clamp_min(0)
     cancelled = _cancelling(weight, columns, grads, x.shape[1] * kernel[0] * kernel[1], g.shape[1])
     if noting:
@@ -31,7 +34,8 @@ def pixel_gram(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride
         return weight
     rows = cancelled.nonzero().flatten() if guarded(columns, grads) else None  # none can be: no host read
     if rows is not None and rows.numel():  # their gradients formed in float64: what cancels rounded once, not squared
-        weight[rows] = _explicit(x[rows].double(), g[rows].double(), kernel, stride, dilation).to(weight.dtype)
+        weight[rows] = _explicit(F.pad(x[rows].double(), pads), g[rows].double(), kernel, stride,
+                                 dilation).to(weight.dtype)
     return weight
 
 
@@ -48,18 +52,24 @@ def _explicit(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride:
     return torch.stack(norms)
 
 
-def _grams(x: torch.Tensor, g: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
-           dilation: tuple[int, int], noting: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _grams(x: torch.Tensor, pads: tuple[int, ...], g: torch.Tensor, kernel: tuple[int, int],
+           stride: tuple[int, int], dilation: tuple[int, int], noting: bool
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(the columns' Gram, the output gradients' Gram, both (B, H_o, H_o, W_o, W_o); the pixels' Gram's maxima (B,)
     where ``noting``)."""
+    if x.shape[2] * x.shape[3] == 0:  # every tap reads padding only: the Gram of the zeros
+        x, pads = F.pad(x, pads), (0, 0, 0, 0)
     batch, c_in, height, width = x.shape
     out_h, out_w = g.shape[-2:]
     pixels = x.reshape(batch, c_in, -1)
+    pixels_gram = torch.bmm(pixels.mT, pixels)  # (B, H W, H W)
+    top_x = gram_tops(pixels_gram) if noting else None
+    gram = pixels_gram.view(batch, height, width, height, width)
+    if any(pads):  # (B, H_p, W_p, H_p, W_p): the padding's rows and columns are zeros
+        gram = F.pad(gram, (*pads, *pads))
     # (B, H_p, H_p, W_p, W_p): summed over the kernel's columns, then its rows (a 5-D strided view a tap took 1.8x
     # as long: its innermost run is one output row)
-    pixels_gram = torch.bmm(pixels.mT, pixels)  # (B, H_p W_p, H_p W_p)
-    top_x = gram_tops(pixels_gram) if noting else None
-    gram = pixels_gram.view(batch, height, width, height, width).permute(0, 1, 3, 2, 4)
+    gram = gram.permute(0, 1, 3, 2, 4)
     del pixels_gram
     across = None
     for v in range(kernel[1]):

@@ -62,15 +62,15 @@ class _CancellingPixels(nn.Module):
     """A convolution whose positions share a large part of their input and whose output gradients alternate in sign
     (its norm from the pixels' Gram: positions^2 below the weight's size)."""
 
-    def __init__(self, two_d: bool):
+    def __init__(self, two_d: bool, padding: int | tuple[int, int] = 0):
         super().__init__()
         self.two_d = two_d
-        self.conv = nn.Conv2d(32, 32, 1) if two_d else nn.Conv1d(64, 64, 1)
+        self.conv = nn.Conv2d(32, 32, 1, padding=padding) if two_d else nn.Conv1d(64, 64, 1)
 
     def forward(self, x):
-        out = self.conv(x)
-        sign = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=x.dtype)  # over the 4 positions
-        return (out.flatten(2) * sign).sum(-1)
+        out = self.conv(x).flatten(2)
+        sign = torch.tensor([1.0, -1.0], dtype=x.dtype).repeat(out.shape[-1] // 2)  # alternating over the positions
+        return (out * sign).sum(-1)
 
 
 @pytest.mark.parametrize("path", ["cpu", "deferred"])
@@ -138,7 +138,7 @@ def test_ordinary_tokens_are_not_computed_again(dtype):
 
 
 @pytest.mark.parametrize("path", ["cpu", "deferred"])
-@pytest.mark.parametrize("layer", ["linear", "conv1d", "conv2d"])
+@pytest.mark.parametrize("layer", ["linear", "conv1d", "conv2d", "conv2d-padded"])
 def test_float64_terms_that_cancel_are_computed_again(monkeypatch, path, layer):
     """Found by a probe: float64 had no guard, and a Gram norm squares what cancels: tokens sharing a part 1e8 times
     their differences left a norm of 0 for 1.1e4 (that sample not clipped: a clipped sum of norm 1e4 where B C = 4),
@@ -146,8 +146,10 @@ def test_float64_terms_that_cancel_are_computed_again(monkeypatch, path, layer):
     if path == "deferred":
         monkeypatch.setattr(doubts, "ON_CPU", True)
     torch.manual_seed(0)
-    model = (_Cancelling() if layer == "linear" else _CancellingPixels(layer == "conv2d")).double()
-    shape = (B, T, D) if layer == "linear" else (B, 32, 2, 2) if layer == "conv2d" else (B, 64, 4)
+    # conv2d-padded: columns of zeros beside the pixels (padding (0, 1)), which the float64 pass pads again
+    padding = (0, 1) if layer == "conv2d-padded" else 0
+    model = (_Cancelling() if layer == "linear" else _CancellingPixels("2d" in layer, padding)).double()
+    shape = (B, T, D) if layer == "linear" else (B, 32, 2, 2) if "2d" in layer else (B, 64, 4)
     shared = torch.randn(1, 1, D) if layer == "linear" else torch.randn(1, shape[1], *(1,) * (len(shape) - 2))
     x = shared.double().expand(*shape) * 1e4 + 1e-4 * torch.randn(*shape, dtype=torch.float64)  # the same part
     t = torch.randn(B, shape[-1] if layer == "linear" else shape[1], dtype=torch.float64)

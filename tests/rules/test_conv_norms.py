@@ -168,3 +168,27 @@ def test_clipped_sum_of_a_small_cnn_equals_the_loop():
             want[n] += factor * t
     for n in params:
         torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-10)
+
+
+# The pixels' Gram taken whatever its cost (direct_norms called here), where the window of the taps is made of
+# padding on one side, on both, or only (no tap reads an input value: stride 3 over 2 padded positions, 7 over 3)
+ODD_WINDOWS = {
+    "padding-both-sides-stride3": (lambda: nn.Conv2d(3, 4, 1, stride=3, padding=2), (3, 1, 1)),
+    "padding-only": (lambda: nn.Conv2d(3, 4, 1, stride=7, padding=3), (3, 1, 1)),
+    "one-dim-padding-only": (lambda: nn.Conv2d(3, 4, (1, 3), stride=(7, 1), padding=(3, 1)), (3, 1, 4)),
+    "1d-padding-only": (lambda: nn.Conv1d(3, 4, 1, stride=7, padding=3), (3, 1)),
+    "right-padding-unread": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=2), (3, 4, 5)),
+}
+
+
+@pytest.mark.parametrize("name", list(ODD_WINDOWS))
+def test_pixels_gram_of_windows_made_of_padding(name):
+    make, shape = ODD_WINDOWS[name]
+    torch.manual_seed(4)
+    conv = make().to(DT)
+    x = torch.randn(B, *shape, dtype=DT)
+    with torch.no_grad():
+        g = torch.randn_like(conv(x))
+    got = ConvGhost.direct_norms(conv, [(x, g)], {"weight": "weight"})["weight"]
+    want = _per_sample(conv, x, g)["weight"].flatten(1).square().sum(1)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
