@@ -509,6 +509,51 @@ def test_calls_on_one_model_from_two_threads_run_one_at_a_time():
     assert not failures, failures[:2]
 
 
+def test_calls_on_two_models_sharing_a_layer_from_two_threads_take_turns():
+    """Found by a probe: two models sharing a trunk, each called from its own thread, took their locks per model, so
+    one call's hooks on the trunk captured the other's forward (89 of 120 results wrong, silently). Here thread A's
+    call waits inside its forward (up to 1 s) while thread B calls on the other model: B now waits for A."""
+    import threading
+
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(5, 8), nn.Tanh())
+    inside, leave = threading.Event(), threading.Event()
+
+    class _Pauses(nn.Linear):  # holds its first whole-batch forward open until the other thread has called (or 1 s)
+        pause = False
+
+        def forward(self, x):
+            if self.pause and x.shape[0] == 6 and not inside.is_set():
+                inside.set()
+                leave.wait(timeout=1.0)
+            return super().forward(x)
+
+    model_a, model_b = (nn.Sequential(trunk, head).double() for head in (_Pauses(8, 3), nn.Linear(8, 3)))
+    loss = nn.CrossEntropyLoss()
+    (xa, ya), (xb, yb) = ((torch.randn(n, 5, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in (6, 7))
+    wants = {"a": ref_grads(model_a, loss, xa, ya), "b": ref_grads(model_b, loss, xb, yb)}
+    model_a[1].pause = True
+    got, failures = {}, []
+
+    def work(key, model, x, y):
+        try:
+            got[key] = pv.per_sample_grads(model, loss, x, y)
+        except Exception as e:  # noqa: BLE001 (collected, asserted below)
+            failures.append(repr(e))
+        finally:
+            leave.set()
+
+    a = threading.Thread(target=work, args=("a", model_a, xa, ya))
+    a.start()
+    assert inside.wait(timeout=60)
+    work("b", model_b, xb, yb)
+    a.join(timeout=120)
+    assert not failures, failures[:2]
+    for key, want in wants.items():
+        for name, w in want.items():
+            torch.testing.assert_close(got[key][name], w, rtol=1e-10, atol=1e-12)
+
+
 def _child_call(model, x, y, queue):
     torch.set_num_threads(1)
     queue.put(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)["0.weight"].tolist())  # by value

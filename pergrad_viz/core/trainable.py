@@ -344,15 +344,28 @@ if hasattr(os, "register_at_fork"):
 
 @contextlib.contextmanager
 def _one_thread_at_a_time(model: object) -> Iterator[None]:
-    """Calls on one model from several threads run one at a time: a call hooks the model's layers, so that two at
-    once would each capture the other's forward (they failed with plan mismatches). Re-entrant: a call the package
-    makes inside another, in the same thread, passes."""
+    """Calls that reach one module from several threads run one at a time: a call hooks the model's layers, so that
+    two at once would each capture the other's forward (they failed with plan mismatches, and two models sharing a
+    trunk gave wrong rows). Each module has its lock, taken in one order (by id) by every call: two models sharing a
+    layer take turns, models sharing nothing do not wait. Re-entrant: a call the package makes inside another, in the
+    same thread, passes."""
     if not isinstance(model, nn.Module):
         yield
         return
+    modules = {id(m): m for m in model.modules()}
     with _CALL_LOCKS_LOCK:
-        lock = _CALL_LOCKS.get(model)
-        if lock is None:
-            lock = _CALL_LOCKS[model] = threading.RLock()
-    with lock:
+        locks = []
+        for key in sorted(modules):
+            lock = _CALL_LOCKS.get(modules[key])
+            if lock is None:
+                lock = _CALL_LOCKS[modules[key]] = threading.RLock()
+            locks.append(lock)
+    taken = 0
+    try:
+        for lock in locks:
+            lock.acquire()
+            taken += 1
         yield
+    finally:
+        for lock in reversed(locks[:taken]):
+            lock.release()
