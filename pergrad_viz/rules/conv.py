@@ -115,7 +115,11 @@ class ConvGhost(LinearGhost):
         limit = max(4 * math.prod(kernel[2:]) * tokens * tokens, tokens * math.prod(kernel[1:]))
         if positions * positions > limit:
             return None
-        return (positions * positions + 2 * tokens * tokens + x.shape[1] * positions) * elem
+        # the padded pixels' Gram, the columns' and gradients' Grams; and the input's own pixels' Gram (zero padding
+        # pads the Gram), or the padded input (padding made of its own values)
+        pixels = math.prod(x.shape[2:])
+        before = pixels * pixels if module.padding_mode == "zeros" else x.shape[1] * positions
+        return (positions * positions + 2 * tokens * tokens + before) * elem
 
     @staticmethod
     def direct_norms(module, seen, local):
