@@ -226,19 +226,20 @@ def new_noise(model: nn.Module, generator: torch.Generator | None, noise_multipl
               distributed: bool = False) -> Iterator[None]:
     """A noised step of ``model``: a warning where ``generator`` starts where one of its last 64 noised steps started
     (a fresh ``torch.Generator().manual_seed(s)`` at every step): the noise repeats, and two released gradients with
-    the same noise give it away. The start is noted once the step succeeded (a failed one may be taken again). Under
+    the same noise give it away. Said, and the start noted, once the step succeeded (a refused one draws nothing, and
+    may be taken again). Under
     ``distributed`` only rank 0 draws: the others' generators stay where they are, as they should."""
     if generator is None or not noise_multiplier > 0 or (distributed and torch.distributed.get_rank() != 0):
         yield
         return
     start = _start(generator.get_state())
     seen = _NOISE_STARTS.setdefault(model, collections.deque(maxlen=64))
-    if start in seen:
+    yield
+    if start in seen:  # said once the step is taken: a refused one draws nothing
         warnings.warn("the noise generator starts where an earlier step's started (a fresh generator seeded alike at "
                       "every step?): this step's noise repeats that one's, and the repeated noise can be subtracted "
                       "out. Create the generator once, before training, and pass the same one at every step",
                       UserWarning, stacklevel=_callers_level())
-    yield
     seen.append(start)
 
 

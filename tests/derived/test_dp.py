@@ -554,3 +554,9 @@ def test_a_fresh_generator_seeded_alike_at_every_step_is_warned_of():
         for _ in range(3):
             step(generator=once)
         pv.clipped_grad_sum(model, nn.CrossEntropyLoss(), x, y, 1.0, generator=torch.Generator().manual_seed(0))
+    # a step refused before it draws (a probe: the warning came first, for noise never drawn) says only its error
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="batch sizes differ"):
+            step.func(model, nn.CrossEntropyLoss(), x, y[:3], 1.0, noise_multiplier=1.0, expected_batch_size=4,
+                      generator=torch.Generator().manual_seed(0))
