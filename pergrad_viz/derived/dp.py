@@ -28,7 +28,7 @@ from pergrad_viz.core.trainable import Trainable, computing_gradients
 from pergrad_viz.core.validate import check_flags, check_loss, check_strategy_name
 from pergrad_viz.derived.bookkeeping import hooked_sums, materialised_sums
 from pergrad_viz.derived.clipping import Groups, PerLayer, clipping_groups, noise_std
-from pergrad_viz.derived.privacy import forget_noise, new_noise, warn_own_size
+from pergrad_viz.derived.privacy import forget_noise, new_noise, warn_class_weights, warn_own_size
 from pergrad_viz.derived.processes import agreed_count, all_reduce_sums, check_distributed, failing_together
 from pergrad_viz.derived.sums import LazySums, initial_sums
 from pergrad_viz.engine.certify import check_norms
@@ -61,6 +61,11 @@ def check_dp_arguments(max_norm: object, noise_multiplier: object, generator: ob
     noise_multiplier = real_number("noise_multiplier", noise_multiplier, hint=" (0 adds no noise)")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator is not None and (generator is torch.default_generator or generator in torch.cuda.default_generators):
+        raise ValueError(
+            "generator is torch's global generator, which dropout, data loading and torch.manual_seed share: the "
+            "noise is drawn from a generator of its own. Create one once, before training, e.g. "
+            "generator=torch.Generator().manual_seed(seed), and pass the same one at every step")
     if noise_multiplier > 0 and generator is None:
         raise ValueError(
             "noise_multiplier > 0 needs generator=: the noise is drawn from it alone (never from torch's global "
@@ -148,6 +153,7 @@ def _clipped(model, loss_fn, inputs, targets, max_norm, noise_multiplier, genera
         if distributed:
             count = _agreed(count, shapes, (tuple(groups), std, *agreed), generator, state)
             all_reduce_sums(sums)
+    warn_class_weights(loss_fn, targets)
     return sums, norms, count
 
 

@@ -187,7 +187,9 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
     accountants, _ = _accountants()
     acc = accountants.RDPAccountant() if accountant == "rdp" else accountants.PRVAccountant()
     acc.history = [(float(noise_multiplier), float(sample_rate), steps)]
-    return float(acc.get_epsilon(delta=delta))
+    with warnings.catch_warnings():  # the PRV accountant's log(1 - q) at q = 1, inside its numerics
+        warnings.filterwarnings("ignore", "divide by zero encountered in log", RuntimeWarning)
+        return float(acc.get_epsilon(delta=delta))
 
 
 def noise_multiplier_for(target_epsilon: float, sample_rate: float, steps: int, delta: float, *,
@@ -239,7 +241,7 @@ def new_noise(model: nn.Module, generator: torch.Generator | None, noise_multipl
         warnings.warn("the noise generator starts where an earlier step's started (a fresh generator seeded alike at "
                       "every step?): this step's noise repeats that one's, and the repeated noise can be subtracted "
                       "out. Create the generator once, before training, and pass the same one at every step",
-                      UserWarning, stacklevel=_callers_level())
+                      UserWarning, stacklevel=callers_level())
     seen.append(start)
 
 
@@ -254,7 +256,7 @@ def _start(state: torch.Tensor) -> int:
     return hash(state.numpy().tobytes())
 
 
-def _callers_level() -> int:
+def callers_level() -> int:
     """The ``stacklevel`` of the first frame outside the package (and contextlib), for a warning raised here."""
     package = __file__.rsplit("derived", 1)[0]
     frame, level = sys._getframe(1), 1
@@ -270,3 +272,16 @@ def warn_own_size() -> None:
                   "batches, the sampling pv.epsilon accounts for, pass expected_batch_size=sampler.expected_batch_size "
                   "(a batch's own size is itself private); with shuffled batches of a fixed size pv.epsilon's "
                   "guarantee does not hold", UserWarning, stacklevel=4)
+
+
+def warn_class_weights(loss_fn: object, targets: object) -> None:
+    """Warn where a class-weighted ``CrossEntropyLoss`` / ``NLLLoss`` with reduction='mean' meets one class index per
+    sample: a sample's loss is its own weighted mean, w_y l / w_y = l, so the weights divide out of every sample's
+    gradient (as in a loop over samples), unlike in the batch's weighted mean of plain training."""
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and loss_fn.reduction == "mean" \
+            and loss_fn.weight is not None and isinstance(targets, torch.Tensor) and targets.dim() == 1 \
+            and not targets.is_floating_point():
+        warnings.warn("loss_fn has class weights and reduction='mean': each sample's loss is its own weighted mean, "
+                      "w_y l / w_y = l, so the weights divide out of every sample's gradient. For class-weighted "
+                      "per-sample losses pass reduction='sum' (dp_step divides by the expected batch size)",
+                      UserWarning, stacklevel=callers_level())

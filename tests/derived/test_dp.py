@@ -376,6 +376,11 @@ def test_generator_type_and_expected_batch_size_are_checked():
     y = torch.tensor([0, 1, 2, 3, 0, 1])
     with pytest.raises(TypeError, match="generator must be a torch.Generator"):
         pv.clipped_grad_sum(model, nn.CrossEntropyLoss(), x, y, 1.0, noise_multiplier=1.0, generator=5)
+    state = torch.get_rng_state()  # the global generator passed as the noise's (a probe): refused, nothing drawn
+    with pytest.raises(ValueError, match="torch's global generator"):
+        pv.dp_step(model, nn.CrossEntropyLoss(), x, y, 1.0, noise_multiplier=1.0, generator=torch.default_generator,
+                   expected_batch_size=6)
+    assert torch.equal(torch.get_rng_state(), state)
     with pytest.raises(ValueError, match="expected_batch_size must be a positive int"):
         pv.dp_step(model, nn.CrossEntropyLoss(), x, y, 1.0, noise_multiplier=0.0, generator=None,
                    expected_batch_size=0)
@@ -560,3 +565,23 @@ def test_a_fresh_generator_seeded_alike_at_every_step_is_warned_of():
         with pytest.raises(ValueError, match="batch sizes differ"):
             step.func(model, nn.CrossEntropyLoss(), x, y[:3], 1.0, noise_multiplier=1.0, expected_batch_size=4,
                       generator=torch.Generator().manual_seed(0))
+
+
+def test_class_weights_that_divide_out_of_each_sample_are_warned_of():
+    """Found by a probe: CrossEntropyLoss(weight=w) with reduction='mean' gave exactly the unweighted clipped sum
+    (each sample's loss is its own weighted mean, w_y l / w_y), silently; 'sum' keeps the weights and says nothing."""
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(3, 3), torch.randn(6, 3), torch.tensor([0, 1, 2, 0, 1, 2])
+    weight = torch.tensor([1.0, 5.0, 0.2])
+    with pytest.warns(UserWarning, match="weights divide out") as caught:
+        weighted = pv.clipped_grad_sum(model, nn.CrossEntropyLoss(weight=weight), x, y, 0.5)
+    assert caught[0].filename == __file__
+    plain = pv.clipped_grad_sum(model, nn.CrossEntropyLoss(), x, y, 0.5)
+    for name in plain:
+        torch.testing.assert_close(weighted[name], plain[name])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pv.clipped_grad_sum(model, nn.CrossEntropyLoss(weight=weight, reduction="sum"), x, y, 0.5)
+        pv.dp_step(model, nn.CrossEntropyLoss(), x, y, 0.5, noise_multiplier=0.0, expected_batch_size=6)
+    with pytest.warns(UserWarning, match="weights divide out"):
+        pv.dp_step(model, nn.NLLLoss(weight=weight), x, y, 0.5, noise_multiplier=0.0, expected_batch_size=6)

@@ -171,6 +171,20 @@ def test_epsilon_is_opacus_accountant(accountant):
     assert pv.epsilon(2.0, 0.01, 300, 1e-5, accountant=accountant) < got  # more noise, less
 
 
+def test_the_prv_accountant_at_sample_rate_1_says_nothing():
+    """Found by a probe: Opacus' PRV accountant at q = 1 let numpy's 'divide by zero encountered in log' through (its
+    log(1 - q)); the value is Opacus' own."""
+    accountants = pytest.importorskip("opacus.accountants")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = pv.epsilon(1.0, 1.0, 10, 1e-5, accountant="prv")
+    acc = accountants.PRVAccountant()
+    acc.history = [(1.0, 1.0, 10)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert got == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-9)
+
+
 def test_noise_multiplier_for_a_target_epsilon():
     pytest.importorskip("opacus")
     sigma = pv.noise_multiplier_for(2.0, 0.01, 1000, 1e-5)
