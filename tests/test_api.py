@@ -554,6 +554,30 @@ def test_calls_on_two_models_sharing_a_layer_from_two_threads_take_turns():
             torch.testing.assert_close(got[key][name], w, rtol=1e-10, atol=1e-12)
 
 
+def test_modules_that_compare_equal_each_have_their_own_lock():
+    """Found by a review: the per-module locks were keyed by the modules' own __eq__ / __hash__, so two modules that
+    compare equal shared one lock (two threads then took it and another in opposite orders: a deadlock)."""
+    from pergrad_viz.core import trainable
+
+    class ByConfig(nn.Linear):  # compared by its configuration
+        def __eq__(self, other):
+            return isinstance(other, ByConfig) and self.in_features == other.in_features
+
+        def __hash__(self):
+            return hash(self.in_features)
+
+    a, b = ByConfig(4, 4), ByConfig(4, 4)
+    with trainable._CALL_LOCKS_LOCK:
+        assert trainable._lock_of(a) is not trainable._lock_of(b)
+        assert trainable._lock_of(a) is trainable._lock_of(a)
+    torch.manual_seed(0)
+    model = nn.Sequential(ByConfig(4, 6), nn.Tanh(), ByConfig(6, 2)).double()  # unequal: torch.nn dedupes equal ones
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 2, (5,))
+    got = pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    for name, want in ref_grads(model, nn.CrossEntropyLoss(), x, y).items():
+        torch.testing.assert_close(got[name], want, rtol=1e-10, atol=1e-12)
+
+
 def _child_call(model, x, y, queue):
     torch.set_num_threads(1)
     queue.put(pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)["0.weight"].tolist())  # by value

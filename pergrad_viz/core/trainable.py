@@ -328,14 +328,31 @@ def _device(model: object) -> torch.device:
     return torch.device("cpu") if p is None else p.device
 
 
-_CALL_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
-_CALL_LOCKS_LOCK = threading.Lock()
+# id(module) -> (a weak reference to it, its lock): by identity, as a module's own __eq__ / __hash__ (or none) must not
+# give two modules one lock, or a module none; an entry goes with its module
+_CALL_LOCKS: dict[int, tuple[weakref.ref, threading.RLock]] = {}
+_CALL_LOCKS_LOCK = threading.RLock()  # re-entrant: a collection while it is held may drop an entry (_drop_lock)
+
+
+def _lock_of(module: nn.Module) -> threading.RLock:
+    """The lock of ``module`` (made on first use); the caller holds ``_CALL_LOCKS_LOCK``."""
+    entry = _CALL_LOCKS.get(id(module))
+    if entry is None or entry[0]() is not module:
+        entry = _CALL_LOCKS[id(module)] = (weakref.ref(module, functools.partial(_drop_lock, id(module))),
+                                           threading.RLock())
+    return entry[1]
+
+
+def _drop_lock(key: int, ref: weakref.ref) -> None:
+    with _CALL_LOCKS_LOCK:
+        if _CALL_LOCKS.get(key, (None,))[0] is ref:
+            del _CALL_LOCKS[key]
 
 
 def _forget_locks() -> None:
     """In a forked child: the locks afresh (one held by a thread of the parent mid-call would never be released)."""
     global _CALL_LOCKS, _CALL_LOCKS_LOCK
-    _CALL_LOCKS, _CALL_LOCKS_LOCK = weakref.WeakKeyDictionary(), threading.Lock()
+    _CALL_LOCKS, _CALL_LOCKS_LOCK = {}, threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -354,12 +371,7 @@ def _one_thread_at_a_time(model: object) -> Iterator[None]:
         return
     modules = {id(m): m for m in model.modules()}
     with _CALL_LOCKS_LOCK:
-        locks = []
-        for key in sorted(modules):
-            lock = _CALL_LOCKS.get(modules[key])
-            if lock is None:
-                lock = _CALL_LOCKS[modules[key]] = threading.RLock()
-            locks.append(lock)
+        locks = [_lock_of(modules[key]) for key in sorted(modules)]
     taken = 0
     try:
         for lock in locks:
