@@ -187,7 +187,7 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
     accountants, _ = _accountants()
     acc = accountants.RDPAccountant() if accountant == "rdp" else accountants.PRVAccountant()
     acc.history = [(float(noise_multiplier), float(sample_rate), steps)]
-    with warnings.catch_warnings():  # the PRV accountant's log(1 - q) at q = 1, inside its numerics
+    with FILTERS, warnings.catch_warnings():  # the PRV accountant's log(1 - q) at q = 1, inside its numerics
         warnings.filterwarnings("ignore", "divide by zero encountered in log", RuntimeWarning)
         return float(acc.get_epsilon(delta=delta))
 

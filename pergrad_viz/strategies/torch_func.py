@@ -25,6 +25,7 @@ from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.loss_reads import functional_loss, reads_only_its_input
 from pergrad_viz.core.losses import LossFn, scalar_loss
 from pergrad_viz.core.process import quiet
+from pergrad_viz.core.randomness import random_state, set_random_state
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.cotangents import refuse_wrong_nesting
 from pergrad_viz.engine.observe import tensors_of
@@ -167,39 +168,31 @@ def _unreplaced(trainable: Trainable, one: Batch) -> str | None:
     return next((n for n, a, b in zip(trainable.names, plain, replaced, strict=True) if a and not b), None)
 
 
-# model -> (plan key, the loss's weak reference, the name of a parameter it holds or None)
-_HELD: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Callable, str | None]] = weakref.WeakKeyDictionary()
-
-
-def _refuse_parameters_held_by_loss(trainable: Trainable, loss_fn: LossFn, inputs: Batch,
+def _refuse_parameters_held_by_loss(trainable: Trainable, loss_fn: LossFn,
                                     loss_of_one: Callable[[dict], torch.Tensor]) -> None:
     """HandOverError where ``loss_fn`` reads a trainable parameter through the Parameter object it holds (a penalty
     on ``W = model.fc.weight`` taken outside the loss): functional_call replaces the module's attribute, not that
     object, so torch.func would leave the penalty's gradient out of every row (a probe). Found on one sample (the
-    loss of replaced values reaches an original parameter), once per plan key and loss; skipped for ``torch.nn``'s
-    own losses."""
+    loss of replaced values reaches an original parameter) at every call, as a loss may start reading one at any
+    call (a penalty switched on); the random state put back; skipped for ``torch.nn``'s own losses."""
     if reads_only_its_input(loss_fn):
         return
-    key = call_key(trainable, inputs)
-    found = _HELD.get(trainable.model)
-    if found is None or found[0] != key or found[1]() is not loss_fn:
-        try:
-            weak = weakref.ref(loss_fn)
-        except TypeError:  # not weakly referable: found again at every call
-            weak = lambda: None  # noqa: E731
+    drawn = random_state(trainable.device)
+    try:
         with torch.enable_grad():
             values = {n: p.detach().requires_grad_() for n, p in zip(trainable.names, trainable.params, strict=True)}
             loss = loss_of_one(values)
             reached = torch.autograd.grad(loss, list(trainable.params), allow_unused=True) \
                 if loss.requires_grad else [None] * len(trainable.params)
-        held = next((n for n, g in zip(trainable.names, reached, strict=True) if g is not None), None)
-        found = _HELD[trainable.model] = (key, weak, held)
-    if found[2] is not None:
-        raise HandOverError(f"loss_fn reads parameter {found[2]!r} through the Parameter object it holds (a penalty on "
+    finally:
+        set_random_state(trainable.device, drawn)
+    held = next((n for n, g in zip(trainable.names, reached, strict=True) if g is not None), None)
+    if held is not None:
+        raise HandOverError(f"loss_fn reads parameter {held!r} through the Parameter object it holds (a penalty on "
                             "a parameter taken outside the loss?): torch.func replaces the model's parameters, not "
                             "that object, and would leave its part out of every sample's gradient. Use "
                             "strategy='auto' or 'loop', or read it from the model inside loss_fn (model.fc.weight)",
-                            reason=f"loss_fn holds parameter {found[2]!r} itself")
+                            reason=f"loss_fn holds parameter {held!r} itself")
 
 
 def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
@@ -225,7 +218,7 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
     leaves = inputs.leaves()
     # per target leaf: 0 where it holds the samples, None where it is shared (a number, a class-weight tensor)
     by_sample = sample_dims(targets, inputs.size)
-    _refuse_parameters_held_by_loss(trainable, loss_fn, inputs, lambda values: loss_of_one(
+    _refuse_parameters_held_by_loss(trainable, loss_fn, lambda values: loss_of_one(
         values, _first(leaves), _first(targets, by_sample)))
     result = _vmapped(trainable, lambda: vmap(grad(checked), in_dims=(None, 0, by_sample))(params, leaves, targets),
                       lambda state: loss_of_one(params, _first(leaves), _first(targets, by_sample), state))
