@@ -115,10 +115,10 @@ class ConvGhost(LinearGhost):
         limit = max(4 * math.prod(kernel[2:]) * tokens * tokens, tokens * math.prod(kernel[1:]))
         if positions * positions > limit:
             return None
-        # the padded pixels' Gram, the columns' and gradients' Grams; and the input's own pixels' Gram (zero padding
-        # pads the Gram), or the padded input (padding made of its own values)
+        # the padded pixels' Gram, the columns' and gradients' Grams; and the input's own pixels' Gram (where zero
+        # padding pads the Gram) or the padded input (few channels, or padding made of the input's own values)
         pixels = math.prod(x.shape[2:])
-        before = pixels * pixels if module.padding_mode == "zeros" else x.shape[1] * positions
+        before = max(pixels * pixels if module.padding_mode == "zeros" else 0, x.shape[1] * positions)
         return (positions * positions + 2 * tokens * tokens + before) * elem
 
     @staticmethod

@@ -36,6 +36,8 @@ CONFIGS = {
     "2d-asymmetric-replicate-nobias": (lambda: nn.Conv2d(5, 7, 3, padding=(1, 2), padding_mode="replicate",
                                                          bias=False), (5, 2, 3), "pixels"),
     "2d-1x1-kernel": (lambda: nn.Conv2d(8, 8, 1), (8, 2, 2), "pixels"),
+    # many channels: the pixels' Gram padded, not the input (asymmetric: the two spatial dimensions' pads apart)
+    "2d-many-channels-asymmetric-pad": (lambda: nn.Conv2d(64, 4, 3, padding=(1, 2)), (64, 3, 4), "pixels"),
     "1d-stride-dilation": (lambda: nn.Conv1d(6, 8, 3, stride=2, padding=2, dilation=2), (6, 5), "pixels"),
     "1d-same-reflect": (lambda: nn.Conv1d(6, 6, 4, padding="same", padding_mode="reflect"), (6, 4), "pixels"),
     "2d-large-map": (lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 6, 6), None),  # each sample's gradient
