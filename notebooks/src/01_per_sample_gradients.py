@@ -143,7 +143,9 @@ viz.gradient_heatmap(reference, viz.param_boundaries(model), ylabel="sample i", 
 # %% [markdown]
 # How fast is each one here? A tiny model and batch, so the fixed costs of each strategy dominate; the
 # notebook `02_output_jacobians` and `python -m pergrad_viz bench` show how this changes with size.
-# (Timings are measured now, on this machine; "vs loop" is the speed-up over the loop, from the same run.)
+# (Timings are measured now, on this machine; "vs loop" is the speed-up over the loop, from the same run. A row
+# marked NOISY spread by more than a quarter of its median over the rounds, the machine busy with something else:
+# rerun the cell, or read that row's ratio loosely.)
 
 # %%
 records = bench.compare(model, loss_fn, x, y, quantity="grads", min_run_time=0.1)

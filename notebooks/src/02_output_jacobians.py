@@ -117,7 +117,11 @@ for strategy in pv.STRATEGIES:
 # People who ask this question report about **8.4 s for the loop vs 2.4 s for vmap** (1000 calls, batch size 2)
 # on their machines. Here is the same measurement on this machine: the three timed in interleaved rounds (each
 # round runs each of them, so a pause of the machine hits all three alike), the median of 9 rounds, times 1000
-# (the numbers below were measured when this notebook was run; your machine will differ).
+# (the numbers below were measured when this notebook was run; your machine will differ). At batch size 2 the
+# package's own work per call (checking the arguments, finding its plan, its per-call check on a schedule) is a
+# visible share of `pv.per_sample_jacobian`'s time next to the five-line vmap, and its `torch_func` strategy in the
+# sweep below adds to vmap the checks torch.func needs (random draws, parameters `functional_call` cannot replace):
+# at this size it costs more than the bare snippet, which is why `auto` prefers `hooks` where it runs.
 
 # %%
 calls = 1000
@@ -130,11 +134,13 @@ print(f"{calls} calls at batch size 2: loop {t_loop:.2f} s, vmap(jacrev) {t_vmap
 print(f"vmap is {t_loop / t_vmap:.1f}x faster than the loop; pv.per_sample_jacobian {t_loop / t_auto:.1f}x")
 
 # %% [markdown]
-# ### All five strategies at batch sizes 2 and 32; at 128 the three that do not run a backward per output
+# ### All five strategies at batch sizes 2 and 32; at 128 all but the two that run a whole-batch backward per output
 #
 # `bench.sweep` times every strategy on `MLP(784, 20, 10)` with sample images, next to two references:
 # one ordinary forward+backward of the batch, and the time to merely fill a tensor of the result's size
-# ("memory floor"). Ratios come from the same run.
+# ("memory floor"). Ratios come from the same run. `autograd_stack` and `batched_grad` run one backward of the
+# whole batch per output, B x Y of them (163,840 sample-backwards at 128): above `slow_limit` they are skipped. A
+# row marked NOISY spread by more than a quarter of its median: rerun the cell, or read its ratio loosely.
 
 # %%
 records = bench.sweep("jacobian", batch_sizes=[2, 32, 128], hiddens=[20], min_run_time=0.1, progress=False)

@@ -78,8 +78,9 @@ titles = [f"{'FLIPPED ' if flipped[i] else ''}given {names[noisy[i]]}\npred. {na
 viz.image_grid(x[top], titles=titles, suptitle="largest per-sample gradient norms")
 
 # %% [markdown]
-# The loss itself ranks well too (the two are related: for cross-entropy the gradient with respect to the logits
-# is p - onehot); the gradient norm also weighs how strongly the example's *input* drives the parameters.
+# The loss itself ranks the flipped labels too (notebook 05 scores both on the same kind of data; the two are
+# related: for cross-entropy the gradient with respect to the logits is p - onehot); the gradient norm also weighs
+# how strongly the example's *input* drives the parameters.
 #
 # ### How the norms come without the gradients: the fast rule
 #

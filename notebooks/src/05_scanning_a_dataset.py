@@ -217,9 +217,9 @@ print("projected dot products correlate with the exact ones (> 0.9):", corr > 0.
 # seeded, untrained CNN).
 #
 # ```bash
-# python -m pergrad_viz scan --data fashion-mnist --model cnn --checkpoint cnn.pt \
+# .venv/bin/python -m pergrad_viz scan --data fashion-mnist --model cnn --checkpoint cnn.pt \
 #     --quantities loss,grad_norm,layer_norms,el2n --proj-dim 256 --out scans/train
-# torchrun --nproc_per_node 2 -m pergrad_viz scan --data fashion-mnist --model cnn --checkpoint cnn.pt \
+# .venv/bin/torchrun --nproc_per_node 2 -m pergrad_viz scan --data fashion-mnist --model cnn --checkpoint cnn.pt \
 #     --quantities loss,grad_norm,layer_norms,el2n --proj-dim 256 --out scans/train
 # ```
 #

@@ -59,7 +59,7 @@ print("private:", tuple(x.shape), "public:", tuple(x_public.shape), "test:", tup
 # ## 1 · A backbone to fine-tune
 #
 # Real fine-tuning starts from downloaded weights; here nothing is downloaded, so we make a backbone ourselves:
-# a ViT with 7 x 7 patches (16 patches and a class token), hidden size 32, two blocks, trained plainly for a few
+# a ViT with 7 x 7 patches (16 patches and a class token), hidden size 32, two blocks, trained plainly for 20
 # epochs on the T-shirts, trousers, pullovers, dresses and coats (classes 0-4) of the other 500 training images,
 # the "public" ones, which the private fine-tuning never sees. It has never seen sandals, shirts, sneakers, bags or
 # ankle boots. (The attention is the plain, "eager" one: the materialised route of
@@ -187,13 +187,16 @@ print(f"the private run's epsilon after {EPOCHS} epochs is within {TARGET_EPSILO
 # `pv.dp_sgd_gradient`); and Opacus' ghost clipping (`GradSampleModuleFastGradientClipping`: norms first, then a
 # second backward of the reweighted loss), which like the rows without noise computes the noiseless sum.
 # The peak is the memory a step adds above what the process held before it (the resident set on a Linux CPU; the
-# allocator's peak on CUDA); `max |diff|` compares each noiseless clipped sum with the plain loop's. **These are
-# measurements from when this notebook was built, on one thread of a shared 2-core CPU**: noisy, and
-# small at this size; run the cell to measure yours.
+# allocator's peak on CUDA); `max |diff|` compares each noiseless clipped sum with the plain loop's. The noise rows
+# draw at sigma = 1 (what the noise costs does not depend on sigma). **The output below was measured when the cell
+# last ran (in the committed notebook: when it was built, on one thread of a shared 2-core CPU)**: noisy (a row
+# marked NOISY spread by more than a quarter of its median), and small at this size; run the cell to measure yours.
+# The table's ratios are the median of each round's own ratio, the figure's the ratio of the medians: on a busy
+# machine they differ a little.
 
 # %%
 rows = bench_dp.dp_rows(private_model, loss_fn, x[:32], labels[:32], rounds=5)
-print(f"measured now: {torch.get_num_threads()} thread(s), torch {torch.__version__}, CPU")
+print(f"measured when this cell ran: {torch.get_num_threads()} thread(s), torch {torch.__version__}, CPU")
 print(bench_dp.format_dp_table("the tiny ViT, all parameters", rows, 32))
 params = sum(p.numel() for p in private_model.parameters())
 print(f"the (B, P) matrix the materialised route builds: 32 x {params:,} floats = {32 * params * 4 / 2**20:.1f} MB")
