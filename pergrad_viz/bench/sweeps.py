@@ -60,9 +60,14 @@ def backward_work(strategy: str, quantity: str, batch: int, outputs: int) -> int
     return passes * batch if strategy in SLOW else 0
 
 
-def _flat(result: dict[str, torch.Tensor] | torch.Tensor, batch: int) -> torch.Tensor:
+def _flat(result: dict[str, torch.Tensor] | torch.Tensor, batch: int, quantity: str = "grads") -> torch.Tensor:
+    """A result as (B, numbers) in one layout: a dict's parameters side by side, as ``flat=True`` lays them out
+    (a Jacobian's (B, Y, P): each output's row of every parameter, not each parameter's block of every output)."""
     if isinstance(result, torch.Tensor):
         return result.reshape(batch, -1)
+    if quantity == "jacobian":
+        outputs = next(iter(result.values())).shape[1]
+        return torch.cat([t.reshape(batch, outputs, -1) for t in result.values()], dim=2).reshape(batch, -1)
     return torch.cat([t.reshape(batch, -1) for t in result.values()], dim=1)
 
 
@@ -214,7 +219,7 @@ def _checked_rows(methods: list[_Method], timed: dict, quantity: str, batch: int
         diff = None
         if check or m.peer:
             try:
-                result = _flat(m.fn(), batch).clone()
+                result = _flat(m.fn(), batch, quantity).clone()
             except Exception as e:  # a peer that cannot run this model
                 if not m.peer:
                     raise

@@ -10,6 +10,7 @@ The help texts are plain text (no reST): ``python -m pergrad_viz bench --help`` 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 from collections.abc import Sequence
@@ -172,9 +173,45 @@ def _sample_missing() -> str | None:
     return None
 
 
+def _output_problem(path: str, what: str) -> str | None:
+    """Why ``path`` cannot be written as ``what``'s file (a folder, a missing folder, a format matplotlib cannot
+    write), or None: said before the timing, not after it."""
+    if os.path.isdir(path):
+        return f"{what} {path} is a folder: give a file name"
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        return f"{what} {path}: the folder {folder} does not exist"
+    if what == "--plot":
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if os.path.splitext(path)[1].lower().lstrip(".") not in formats:
+            return f"--plot {path}: matplotlib writes {', '.join(sorted(formats))}; name the file e.g. plot.png"
+    return None
+
+
+def _unused_options(args: argparse.Namespace) -> list[str]:
+    """The options given that this kind of run does not read, each named with the runs that do."""
+    mode = "--dp" if args.dp else "--targets" if args.targets else "--model" if args.model else "the MLP sweep"
+    given = {"--plot": args.plot, "--csv": args.csv, "--norms": args.norms, "--chunk-sizes": args.chunk_sizes,
+             "--hidden": args.hidden != [20], "--peers": args.peers,
+             "--strategies": list(args.strategies) != list(STRATEGIES), "--batch-sizes": args.batch_sizes,
+             "--model": args.model and args.targets, "--targets": args.targets and args.dp}
+    used_by = {"--plot": ("the MLP sweep",), "--csv": ("the MLP sweep", "--model"),
+               "--norms": ("the MLP sweep", "--model") if args.quantity == "grads" else (),
+               "--chunk-sizes": ("the MLP sweep",), "--hidden": ("the MLP sweep",),
+               "--peers": ("the MLP sweep", "--model"), "--strategies": ("the MLP sweep", "--model"),
+               "--batch-sizes": ("the MLP sweep", "--model", "--dp"), "--model": (), "--targets": ()}
+    return [f"note: {option} is not used by {mode}" + (f" (only by {' and '.join(used_by[option])})"
+                                                       if used_by[option] else "") + ": ignored"
+            for option, value in given.items() if value and mode not in used_by[option]]
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    for note in _unused_options(args):
+        print(note, file=sys.stderr)
     if args.peers and args.quantity != "grads":
         print("error: --peers compute per-sample gradients only; use --quantity grads", file=sys.stderr)
         return 2
@@ -185,6 +222,11 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     if args.plot and not extras.available("matplotlib"):  # before the timing, not after it
         raise extras.missing_extra("matplotlib", "--plot", extra="viz")
+    for option, path in (("--csv", args.csv), ("--plot", args.plot)):
+        problem = path and _output_problem(path, option)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     if args.model is None or args.dp:  # the MLP sweep, --dp, the targets read the bundled images: fail before a bar
         problem = _sample_missing()
         if problem is not None:
@@ -258,6 +300,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "run", None) is not None:  # scan, scan-bench (pergrad_viz.cli.scan)
             return args.run(args)
         return run_bench(args) if args.command == "bench" else 2
+    except KeyboardInterrupt:
+        kept = " (the chunks a scan finished are kept: rerun the same command to continue)" \
+            if args.command == "scan" else ""
+        print(f"interrupted{kept}", file=sys.stderr)
+        return 130
     except MissingExtraError as e:  # a model, a plot, ... whose extra is not installed: the message names it
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -170,6 +170,9 @@ def run_scan(args: argparse.Namespace) -> int:
             return 2
         if rank == 0:
             run = result.manifest["runs"][-1]
+            if not run["examples"]:  # every chunk was there already
+                print(f"{args.out} is complete: all {len(dataset)} examples were scanned before (nothing to do)")
+                return 0
             shapes = ", ".join(f"{q} {tuple(t.shape)}" for q, t in result.items())
             print(f"scanned {run['examples']} of {len(dataset)} examples ({args.data} {args.split}) with {world} "
                   f"process(es) on {device} in {run['seconds']:.2f} s ({run['examples_per_s'] or 0:,.0f} examples/s); "

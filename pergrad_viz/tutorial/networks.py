@@ -151,6 +151,10 @@ def load_model(name: str, checkpoint: str | None, hidden: int = 20, seed: int = 
             state = torch.load(checkpoint, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise SystemExit(f"error: --checkpoint {checkpoint} does not exist") from None
+        except Exception as exc:  # noqa: BLE001 (a whole pickled model, a corrupt or foreign file: torch's many kinds)
+            raise SystemExit(f"error: --checkpoint {checkpoint} is not a state_dict torch.load(weights_only=True) "
+                             f"can read ({type(exc).__name__}: a whole pickled model, or not a checkpoint); save the "
+                             "weights with torch.save(model.state_dict(), path)") from None
         if isinstance(state, dict) and ("state_dict" in state or "model" in state):
             state = state.get("state_dict", state.get("model"))
         try:

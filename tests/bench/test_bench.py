@@ -412,3 +412,18 @@ def test_the_targets_cover_every_model_of_bench_model_and_issue_21s_rows():
     whats = {g.what for g in bt.GOALS}
     assert {"loop / auto", "hand vmap(jacrev) / auto", "auto fresh / auto (out=)",
             "check cost (auto - auto verify=False) / auto"} <= whats
+
+
+def test_a_hand_written_jacobian_is_compared_in_the_flat_layout():
+    """Found by a newcomer's probe: bench --targets showed the textbook vmap(jacrev) 1.5 off the loop, its (B, Y, P)
+    compared with the loop's per-parameter blocks flattened another way; both are now laid out as flat=True lays
+    them out."""
+    from pergrad_viz.bench import problems as bench_models
+    from pergrad_viz.bench.targets import HAND
+
+    model, loss, x, y = bench_models.setting(2, 5)
+    hand = (HAND, lambda: bench_models.hand_written_jacrev(model, x), "vmap(jacrev(functional_call))")
+    records = bench.compare(model, loss, x, y, quantity="jacobian", strategies=["loop"], extras=[hand],
+                            min_run_time=0.01)
+    diffs = {r.strategy: r.max_abs_diff for r in records if r.max_abs_diff is not None}
+    assert HAND in diffs and diffs[HAND] < 1e-5, diffs

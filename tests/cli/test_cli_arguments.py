@@ -68,3 +68,60 @@ def test_the_chunk_size_help_states_the_default_it_uses(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["scan", "--help"])
     assert "about 16 chunks, at most 64 batches" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("saved", ["whole model", "not a checkpoint"])
+def test_a_checkpoint_that_is_no_state_dict_names_how_to_save_one(tmp_path, saved):
+    """Found by a newcomer's probe: a whole pickled model or a corrupt file gave torch's UnpicklingError / KeyError
+    traceback, whose advice (add_safe_globals) is not the fix."""
+    path = tmp_path / "model.pt"
+    if saved == "whole model":
+        torch.save(MLP(784, 20, 10), path)
+    else:
+        path.write_bytes(b"not a checkpoint" * 8)
+    with pytest.raises(SystemExit) as info:
+        main(["scan", "--model", "mlp", "--checkpoint", str(path), "--out", str(tmp_path / "scan"), "--limit", "4"])
+    assert "torch.save(model.state_dict(), path)" in str(info.value)
+
+
+def test_bench_output_files_are_checked_before_the_timing(tmp_path, capsys):
+    """Found by a newcomer's probe: a --plot of an unknown format or a --csv into a missing folder raised a traceback
+    after the whole benchmark had run."""
+    assert main(["bench", "--plot", str(tmp_path / "p.txt")]) == 2
+    assert "name the file e.g. plot.png" in capsys.readouterr().err
+    assert main(["bench", "--csv", str(tmp_path / "missing" / "r.csv")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["bench", "--csv", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_bench_names_the_options_a_run_does_not_read(tmp_path, capsys):
+    """Found by a newcomer's probe: --plot with --model (and others) were dropped silently."""
+    assert main(["bench", "--dp", "--quantity", "jacobian", "--plot", str(tmp_path / "p.png"), "--norms"]) == 2
+    err = capsys.readouterr().err
+    assert "note: --plot is not used by --dp (only by the MLP sweep): ignored" in err
+    assert "note: --norms is not used by --dp" in err
+
+
+def test_an_interrupted_scan_says_its_chunks_are_kept(tmp_path, capsys, monkeypatch):
+    """Found by a newcomer's probe: Ctrl-C printed a KeyboardInterrupt traceback through torch."""
+    from pergrad_viz.cli import scan as cli_scan
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("pergrad_viz.scanning.api.scan", interrupted)
+    assert cli_scan is not None
+    code = main(["scan", "--data", "fashion-mnist-sample", "--model", "mlp", "--limit", "4",
+                 "--out", str(tmp_path / "scan"), "--no-progress"])
+    assert code == 130
+    assert "rerun the same command to continue" in capsys.readouterr().err
+
+
+def test_a_finished_scan_run_again_says_it_is_complete(tmp_path, capsys):
+    argv = ["scan", "--data", "fashion-mnist-sample", "--model", "mlp", "--limit", "8", "--batch-size", "4",
+            "--out", str(tmp_path / "scan"), "--no-progress"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "is complete: all 8 examples were scanned before" in capsys.readouterr().out
