@@ -13,6 +13,7 @@ import argparse
 import os
 import platform
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -299,7 +300,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "run", None) is not None:  # scan, scan-bench (pergrad_viz.cli.scan)
             return args.run(args)
-        return run_bench(args) if args.command == "bench" else 2
+        if args.command != "bench":
+            return 2
+        with warnings.catch_warnings():
+            # vmap's note that an operation runs without a batching rule (slower, as timed; "please file us an
+            # issue"), printed into the progress bar by the hand-written vmap and batched_grad: the table says the cost
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+            return run_bench(args)
     except KeyboardInterrupt:
         kept = " (the chunks a scan finished are kept: rerun the same command to continue)" \
             if args.command == "scan" else ""

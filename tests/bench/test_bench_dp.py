@@ -80,3 +80,15 @@ def test_a_missing_opacus_is_a_row_with_a_note(monkeypatch):
     by = {r["method"]: r for r in rows}
     assert by["opacus ghost clipping"]["median_s"] is None
     assert "not installed: pip install opacus" in by["opacus ghost clipping"]["note"]
+
+
+def test_the_opacus_ratio_says_where_opacus_computes_another_sum():
+    """Found by a newcomer's probe: the transformer's Opacus row, 0.14 off the loop, was timed and its ratio printed as
+    if both computed one result."""
+    rows = [{"method": "forward+backward", "median_s": 1e-3, "iqr": 0.01, "vs_plain": 1.0, "peak": None,
+             "peak_vs_plain": None, "max_diff": None, "note": ""},
+            {"method": "opacus ghost clipping", "median_s": 2e-3, "iqr": 0.01, "vs_plain": 2.0, "vs_pv": 1.5,
+             "peak": None, "peak_vs_plain": None, "max_diff": 0.14, "note": ""}]
+    assert "not the same result" in bench_dp.format_dp_table("transformer", rows, 4)
+    rows[1]["max_diff"] = 1e-7
+    assert "not the same result" not in bench_dp.format_dp_table("transformer", rows, 4)
