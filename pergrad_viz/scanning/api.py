@@ -75,6 +75,14 @@ class Scan(dict):
     def complete(self) -> bool:
         return bool(self.manifest.get("complete"))
 
+    def __missing__(self, quantity: str) -> torch.Tensor:
+        raise KeyError(f"{quantity!r} is not in this scan: it holds {', '.join(map(repr, self))} (pass quantities= "
+                       "to pv.scan, --quantities to the command, to scan others)")
+
+    def __repr__(self) -> str:  # the quantities' shapes, not their (N, ...) numbers
+        shapes = ", ".join(f"{q!r}: {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for q, t in self.items())
+        return f"Scan({{{shapes}}}, complete={self.complete})"
+
 
 def load_scan(out: str | Path, *, partial: bool = False) -> Scan:
     """The scan written to ``out`` by :func:`scan`: ``{quantity: Tensor (N, ...)}`` in dataset order, memory-mapped.

@@ -802,3 +802,18 @@ def test_a_mixing_output_selection_is_scanned_example_by_example(tmp_path):
     torch.testing.assert_close(torch.as_tensor(got["loss"]), want)
     el2n = torch.stack([(o.softmax(-1) - nn.functional.one_hot(y[i:i + 1], 3)).norm() for i, o in enumerate(outs)])
     torch.testing.assert_close(torch.as_tensor(got["el2n"]), el2n)
+
+
+def test_a_scan_shows_its_shapes_and_names_its_quantities(tmp_path):
+    """Found by a newcomer's probe: printing a scan printed every number, and a missing quantity a bare KeyError."""
+    from pergrad_viz.tutorial import fashion_mnist
+    from pergrad_viz.tutorial.networks import MLP
+
+    torch.manual_seed(0)
+    pv.scan(MLP(784, 20, 10).eval(), nn.CrossEntropyLoss(), fashion_mnist.fashion_mnist("train", limit=8),
+            out=tmp_path / "s", progress=False)
+    result = pv.load_scan(tmp_path / "s")
+    assert repr(result) == "Scan({'loss': (8,) float32, 'grad_norm': (8,) float32}, complete=True)"
+    with pytest.raises(KeyError, match="'el2n' is not in this scan: it holds 'loss', 'grad_norm'"):
+        result["el2n"]
+    assert result.get("el2n") is None
