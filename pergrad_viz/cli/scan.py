@@ -166,7 +166,9 @@ def run_scan(args: argparse.Namespace) -> int:
                           chunk_size=args.chunk_size, num_workers=args.num_workers, progress=not args.no_progress)
         except (ValueError, TypeError, OSError) as exc:  # refusals (their messages name the fix)
             where = f" (rank {rank})" if world > 1 else ""  # each process's own: another's may be the cause
-            print(f"error{where}: {str(exc).replace('pass proj_dim=K', 'pass --proj-dim K')}", file=sys.stderr)
+            message = str(exc).replace("pass proj_dim=K", "pass --proj-dim K").replace("new out= directory",
+                                                                                       "new --out directory")
+            print(f"error{where}: {message}", file=sys.stderr)
             return 2
         if rank == 0:
             run = result.manifest["runs"][-1]

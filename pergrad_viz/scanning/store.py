@@ -250,24 +250,46 @@ def refresh_manifest(out: Path, manifest: dict) -> None:
     write_manifest(out, manifest)
 
 
+# what a changed fingerprint means, said instead of its hashes
+_CHANGED = {"fingerprint.model.parts.structure": "the model's layers (another architecture or width)",
+            "fingerprint.model.parts.values": "the model's parameters or buffers (other values: another checkpoint, "
+                                              "seed or training; or other shapes: another width)",
+            "fingerprint.model.parts.training flags": "the model's training flags (train() / eval())",
+            "fingerprint.model.parts.requires_grad": "which of the model's parameters are trainable",
+            "fingerprint.dataset.sha256": "the dataset (other examples, split or limit)"}
+
+
 def differences(old: Mapping, new: Mapping) -> list[str]:
-    """Human-readable differences between two manifests in the fields that must match."""
+    """Human-readable differences between two manifests in the fields that must match: what a changed fingerprint
+    means (not its hashes), other values shortened."""
     diffs = []
+    parts_differ = old.get("fingerprint", {}).get("model", {}).get("parts") != \
+        new.get("fingerprint", {}).get("model", {}).get("parts")
 
     def walk(a: object, b: object, where: str) -> None:
         if where == "fingerprint.model.parts" and (a is None or b is None):  # a scan begun before parts were kept
+            return
+        if where == "fingerprint.model.sha256" and parts_differ:  # the parts say which
             return
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b), key=str):
                 walk(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
         elif a != b:
+            if where in _CHANGED:
+                diffs.append(f"{_CHANGED[where]} changed")
+                return
             why = " (chunk_size defaults to a multiple of batch_size: pass the batch_size the scan began with, or "\
                   "its chunk_size)" if where == "settings.chunk_size" else ""
-            diffs.append(f"{where}: {a!r} in the directory, {b!r} now{why}")
+            diffs.append(f"{where}: {_short(a)} in the directory, {_short(b)} now{why}")
 
     for field in MUST_MATCH:
         walk(old.get(field), new.get(field), field)
     return diffs
+
+
+def _short(value: object, width: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def check_same_scan(out: Path, old: Mapping, new: Mapping) -> None:

@@ -320,9 +320,12 @@ def test_rerun_with_other_model_data_or_settings_is_refused(tmp_path):
     flag = copy.deepcopy(model)
     flag.fc1.weight.requires_grad_(False)  # a probe: the refusal showed two hashes, not what had changed
     cases = [
-        (other, ds, {"quantities": ("loss",)}, r"fingerprint\.model\.parts\.values.*fingerprint\.model\.sha256"),
-        (flag, ds, {"quantities": ("loss",)}, r"fingerprint\.model\.parts\.requires_grad: '"),
-        (model, _data(31, flat=True), {"quantities": ("loss",)}, r"fingerprint\.dataset"),
+        # a probe: the refusal showed hashes and internal field names; it says what they mean
+        (other, ds, {"quantities": ("loss",)}, r"\(the model's parameters or buffers \(other values: another "
+                                               r"checkpoint, seed or training; or other shapes: another width\) "
+                                               r"changed\)"),
+        (flag, ds, {"quantities": ("loss",)}, r"which of the model's parameters are trainable changed"),
+        (model, _data(31, flat=True), {"quantities": ("loss",)}, r"the dataset \(other examples, split or limit\)"),
         (model, ds, {"quantities": ("loss", "el2n")}, r"settings\.quantities"),
         (model, ds, {"quantities": ("loss",), "chunk_size": 20}, r"settings\.chunk_size"),
     ]
@@ -378,10 +381,10 @@ def test_fingerprint_covers_buffers_modes_and_the_loss(tmp_path):
         assert (out / "loss.npy").read_bytes() == before
 
     model.mask[3] = 0.0  # a non-persistent buffer
-    refused(model, loss, r"fingerprint\.model\.sha256")
+    refused(model, loss, r"the model's parameters or buffers")
     model.mask[3] = 1.0
     model.drop.train()  # one module's training flag (p=0: the values would even agree)
-    refused(model, loss, r"fingerprint\.model\.sha256")
+    refused(model, loss, r"the model's training flags")
     model.drop.eval()
     other = lambda output, target: nn.functional.multi_margin_loss(output, target)  # noqa: E731
     refused(model, other, r"settings\.loss")  # two lambdas, one name
@@ -614,7 +617,8 @@ def test_cli_scan_in_process_and_bench_table(tmp_path, capsys):
                  "--batch-size", "10", "--quantities", "loss", "--out", str(tmp_path / "s"), "--no-progress",
                  "--device", "cpu"]) == 2  # another model (seeded, no checkpoint) and quantities: refused
     err = capsys.readouterr().err
-    assert "error:" in err and "holds a different scan" in err and "pass a new out= directory" in err
+    assert "error:" in err and "holds a different scan" in err and "pass a new --out directory" in err
+    assert "sha256" not in err and "the model's parameters or buffers" in err
     res = pv.load_scan(tmp_path / "s")
     x, y = load_sample(20, train=False, flatten=False)
     logits = _model(SmallCNN, seed=5)(x).detach()
