@@ -41,6 +41,7 @@ import pergrad_viz as pv
 from pergrad_viz.bench import peers, problems
 from pergrad_viz.bench.timing import paired_ratio, steady_checks, time_interleaved
 from pergrad_viz.core.losses import causal_lm_loss
+from pergrad_viz.core.process import NO_BATCHING_RULE
 from pergrad_viz.tutorial.networks import MLP
 
 DP_MODELS: tuple[str, ...] = ("mlp", "transformer", "resnet18", "gpt2", "bert", "lora-llama")
@@ -244,7 +245,7 @@ def dp_rows(model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, *, rounds: 
     saved = [p.grad for p in named]
     try:
         with warnings.catch_warnings():  # torch.func's note on the materialised row's vmap of attention
-            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+            warnings.filterwarnings("ignore", message=NO_BATCHING_RULE)
             return _rows(model, loss_fn, x, y, rounds, device)
     finally:
         for p, grad in zip(named, saved, strict=True):

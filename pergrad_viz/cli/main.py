@@ -23,6 +23,7 @@ from pergrad_viz.bench import peers
 from pergrad_viz.bench import problems as bench_models
 from pergrad_viz.cli.args import HelpFormatter, device, positive_int, positive_ints, positive_number
 from pergrad_viz.core import extras
+from pergrad_viz.core.process import NO_BATCHING_RULE
 from pergrad_viz.errors import MissingExtraError
 from pergrad_viz.strategies import STRATEGIES
 
@@ -305,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             # vmap's note that an operation runs without a batching rule (slower, as timed; "please file us an
             # issue"), printed into the progress bar by the hand-written vmap and batched_grad: the table says the cost
-            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+            warnings.filterwarnings("ignore", message=NO_BATCHING_RULE)
             return run_bench(args)
     except KeyboardInterrupt:
         kept = " (the chunks a scan finished are kept: rerun the same command to continue)" \

@@ -19,6 +19,9 @@ from collections.abc import Callable, Iterator
 from pergrad_viz.core.users import FILTERS
 
 INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+# the start of torch.func's note that an operation runs without a batching rule (slower, not wrong: "please file us
+# an issue"), kept out of what the package shows
+NO_BATCHING_RULE = "There is a performance drop because we have not yet"
 
 
 @contextlib.contextmanager

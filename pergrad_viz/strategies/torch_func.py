@@ -24,7 +24,7 @@ from pergrad_viz.core.functional import functional_call_once
 from pergrad_viz.core.guards import check_takes_part
 from pergrad_viz.core.loss_reads import functional_loss, reads_only_its_input
 from pergrad_viz.core.losses import LossFn, scalar_loss
-from pergrad_viz.core.process import quiet
+from pergrad_viz.core.process import NO_BATCHING_RULE, quiet
 from pergrad_viz.core.randomness import random_state, set_random_state
 from pergrad_viz.core.trainable import Trainable
 from pergrad_viz.engine.cotangents import refuse_wrong_nesting
@@ -52,7 +52,7 @@ def _vmapped(trainable: Trainable, batched: Callable[[], dict], one_sample: Call
     failing run: the call that works pays nothing. PyTorch's note that an operation runs without a batching rule
     (slower, not wrong: "please file us an issue") is not shown to the caller."""
     try:
-        with quiet("There is a performance drop because we have not yet"):
+        with quiet(NO_BATCHING_RULE):
             return batched()
     except (RuntimeError, NotImplementedError) as e:
         if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
