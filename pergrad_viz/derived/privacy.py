@@ -229,8 +229,8 @@ def new_noise(model: nn.Module, generator: torch.Generator | None, noise_multipl
     """A noised step of ``model``: a warning where ``generator`` starts where one of its last 64 noised steps started
     (a fresh ``torch.Generator().manual_seed(s)`` at every step): the noise repeats, and two released gradients with
     the same noise give it away. Said, and the start noted, once the step succeeded (a refused one draws nothing, and
-    may be taken again). Under
-    ``distributed`` only rank 0 draws: the others' generators stay where they are, as they should."""
+    may be taken again). Under ``distributed`` only rank 0 draws: the others' generators stay where they are, as they
+    should."""
     if generator is None or not noise_multiplier > 0 or (distributed and torch.distributed.get_rank() != 0):
         yield
         return

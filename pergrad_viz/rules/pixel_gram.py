@@ -17,13 +17,13 @@ def pixel_gram(x: torch.Tensor, pads: tuple[int, ...], g: torch.Tensor, kernel: 
                stride: tuple[int, int], dilation: tuple[int, int], noting: bool = False) -> torch.Tensor:
     """(B,) from x (B, C_in, H, W) and g (B, C_out, H_o, W_o) (a Conv1d's with H = 1), x the part of the input that
     the live taps read and ``pads`` the zeros around it that make their window (``F.pad``'s order), ``kernel`` their
-    extent (``conv.window_parts``): the pixels' Gram of x, padded with zeros (not x: C_in times fewer numbers to pad,
-    and no products of zeros); the columns' Gram <col_t, col_s> = sum over
-    the taps of the pixels' Gram at the taps' positions, each tap one strided view of the pixels' Gram (B, H_p, W_p,
-    H_p, W_p), summed over the kernel's columns first, then its rows; then sum_{t,s} <col_t, col_s> (g_t . g_s) as
-    for a Linear. ``noting``: both Grams noted for the open layer (:func:`~pergrad_viz.rules.doubts.note_grams`;
-    a sum of at most L^2 k entries of each, L output positions, k taps), with the samples whose terms may cancel;
-    else those computed again at once, their weight gradients formed in float64."""
+    extent (``conv.window_parts``): the pixels' Gram of x padded with zeros where its channels make that cheaper than
+    padding x (:func:`_grams`); the columns' Gram <col_t, col_s> = sum over the taps of the pixels' Gram at the
+    taps' positions, each tap one strided view of the pixels' Gram (B, H_p, W_p, H_p, W_p), summed over the kernel's
+    columns first, then its rows; then sum_{t,s} <col_t, col_s> (g_t . g_s) as for a Linear. ``noting``: both Grams
+    noted for the open layer (:func:`~pergrad_viz.rules.doubts.note_grams`; a sum of at most L^2 k entries of each,
+    L output positions, k taps), with the samples whose terms may cancel; else those computed again at once, their
+    weight gradients formed in float64."""
     columns, grads, top_x = _grams(x, pads, g, kernel, stride, dilation, noting)
     weight = (columns * grads).sum((1, 2, 3, 4)).clamp_min(0)
     cancelled = _cancelling(weight, columns, grads, x.shape[1] * kernel[0] * kernel[1], g.shape[1])

@@ -251,7 +251,7 @@ def refresh_manifest(out: Path, manifest: dict) -> None:
 
 
 # what a changed fingerprint means, said instead of its hashes
-_CHANGED = {"fingerprint.model.parts.structure": "the model's layers (another architecture or width)",
+_CHANGED = {"fingerprint.model.parts.structure": "the model's layers (other modules, names or classes)",
             "fingerprint.model.parts.values": "the model's parameters or buffers (other values: another checkpoint, "
                                               "seed or training; or other shapes: another width)",
             "fingerprint.model.parts.training flags": "the model's training flags (train() / eval())",
