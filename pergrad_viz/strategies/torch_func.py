@@ -168,14 +168,16 @@ def _unreplaced(trainable: Trainable, one: Batch) -> str | None:
     return next((n for n, a, b in zip(trainable.names, plain, replaced, strict=True) if a and not b), None)
 
 
-def _refuse_parameters_held_by_loss(trainable: Trainable, loss_fn: LossFn,
+def _refuse_parameters_held_by_loss(trainable: Trainable, losses: torch.Tensor,
                                     loss_of_one: Callable[[dict], torch.Tensor]) -> None:
-    """HandOverError where ``loss_fn`` reads a trainable parameter through the Parameter object it holds (a penalty
-    on ``W = model.fc.weight`` taken outside the loss): functional_call replaces the module's attribute, not that
-    object, so torch.func would leave the penalty's gradient out of every row (a probe). Found on one sample (the
-    loss of replaced values reaches an original parameter) at every call, as a loss may start reading one at any
-    call (a penalty switched on); the random state put back; skipped for ``torch.nn``'s own losses."""
-    if reads_only_its_input(loss_fn):
+    """HandOverError where the loss read a trainable parameter through the Parameter object it holds (a penalty on
+    ``W = model.fc.weight`` taken outside the loss): functional_call replaces the module's attribute, not that
+    object, so torch.func would leave the penalty's gradient out of every row (a probe). Read from the batched pass
+    itself: its per-sample ``losses`` (B,), formed with gradients recorded outside the transforms, require grad only
+    where something outside them (such an object, inputs that require grad) reached the loss, so the usual call pays
+    nothing. Only then is it looked into on one sample (``loss_of_one(values)``: the loss of replaced values reaches
+    an original parameter), the random state put back; every call, as a loss may start reading one at any call."""
+    if not losses.requires_grad:
         return
     drawn = random_state(trainable.device)
     try:
@@ -209,19 +211,22 @@ def grads(trainable: Trainable, loss_fn: LossFn, inputs: Batch, targets: object,
         # the loss inside the functional call too: one that reads a parameter (a weight penalty) reads the replaced
         return scalar_loss(functional_loss(root, values, one.args, one.kwargs, loss_fn, batch_of_one(y, by_sample)))
 
-    def checked(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object) -> torch.Tensor:
+    def checked(params: dict[str, torch.Tensor], xs: list[torch.Tensor], y: object) -> tuple:
         loss = loss_of_one(params, xs, y)
         check_takes_part(trainable, loss)  # under grad, requires_grad says whether the loss depends on params
-        return loss
+        return loss, loss
 
     params = _trainable(trainable)
     leaves = inputs.leaves()
     # per target leaf: 0 where it holds the samples, None where it is shared (a number, a class-weight tensor)
     by_sample = sample_dims(targets, inputs.size)
-    _refuse_parameters_held_by_loss(trainable, loss_fn, lambda values: loss_of_one(
-        values, _first(leaves), _first(targets, by_sample)))
-    result = _vmapped(trainable, lambda: vmap(grad(checked), in_dims=(None, 0, by_sample))(params, leaves, targets),
-                      lambda state: loss_of_one(params, _first(leaves), _first(targets, by_sample), state))
+    with torch.enable_grad():  # the losses then say whether anything outside the transforms reached them
+        result, losses = _vmapped(
+            trainable, lambda: vmap(grad(checked, has_aux=True), in_dims=(None, 0, by_sample))(params, leaves, targets),
+            lambda state: loss_of_one(params, _first(leaves), _first(targets, by_sample), state))
+    if not reads_only_its_input(loss_fn):
+        _refuse_parameters_held_by_loss(trainable, losses, lambda values: loss_of_one(
+            values, _first(leaves), _first(targets, by_sample)))
     with torch.no_grad():  # numbers only (inputs that require grad leave the result on a graph)
         for name in trainable.names:
             out[name].copy_(result[name])

@@ -130,3 +130,22 @@ def test_clipped_sum_refuses_a_forward_that_no_trainable_parameter_takes_part_in
     x, y = torch.randn(4, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
     with pytest.raises(ValueError, match="no trainable parameter takes part"):
         pv.clipped_grad_sum(model, nn.CrossEntropyLoss(reduction="sum"), x, y, 1.0)
+
+
+def test_torch_func_finds_a_held_parameter_without_running_the_loss_again():
+    """The held-Parameter finding is read from the batched pass (its losses require grad only where something
+    outside the transforms reached them): a custom loss runs once a call, not once more on one sample, which on a
+    GPU costs about as much as the batch."""
+    model, _, x, y = _problem(shared=False)
+    runs = []
+
+    def loss_fn(out, target):
+        runs.append(1)
+        return F.cross_entropy(out, target, reduction="sum")
+
+    pv.per_sample_grads(model, loss_fn, x, y, strategy="torch_func", verify=False)
+    runs.clear()
+    got = pv.per_sample_grads(model, loss_fn, x, y, strategy="torch_func", verify=False)
+    assert len(runs) == 1
+    for n, w in ref_grads(model, loss_fn, x, y).items():
+        torch.testing.assert_close(got[n], w, rtol=1e-10, atol=1e-12)
