@@ -55,6 +55,25 @@ def _plain_attributes(module: nn.Module, settings: dict[int, tuple]) -> tuple:
     return tuple(items)
 
 
+def _state_of(module: nn.Module, settings: dict[int, tuple]) -> tuple:
+    """:func:`_plain_attributes`, then the tensors the module holds that are not trained (buffers, frozen parameters,
+    tensor attributes), each by its identity and version counter, as numbers: a value a forward may scale a coupling
+    by (``h + self.mix * h.mean(0)``) written in place (``mix.fill_(0.5)``) or replaced changes the key, so the plan is
+    probed again with it. A tensor written on every call (a counter, an EMA) is left out once two probes found the
+    same plan (:mod:`~pergrad_viz.engine.volatile`), as a number attribute is."""
+    items = _plain_attributes(module, settings)
+    held = [(k, t) for k, t in module._buffers.items() if t is not None]
+    held += [(k, p) for k, p in module._parameters.items() if p is not None and not p.requires_grad]
+    held += [(k, v) for k, v in module.__dict__.items() if type(v) is torch.Tensor]
+    if not held:
+        return items
+    extra = []
+    for k, t in held:
+        extra.append((f"{k}#id", id(t)))
+        extra.append((f"{k}#version", -1 if t.is_inference() else t._version))  # inference tensors keep no count
+    return items + tuple(extra)
+
+
 _SKIP, _DICT, _MAYBE_PLAIN, _SETTINGS = range(4)
 _ROLES: dict[type, int] = {}  # an attribute's type -> what the key reads of it (the same for every value)
 
@@ -98,7 +117,8 @@ def _plain_fields(fields: dict) -> tuple:
 
 def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
     """What a plan depends on, read afresh: the input signature; per module its name, identity, type, forward (the
-    class's and an instance's own), forward hooks and plain attributes; the plain fields of the settings objects
+    class's and an instance's own), forward hooks, plain attributes and the identities and versions of the tensors it
+    holds untrained (:func:`_state_of`); the plain fields of the settings objects
     the modules hold; the global forward hooks; per parameter (``named_parameters()``, frozen ones too, walked once
     per call by :meth:`Trainable.of`) its name, identity, shape, dtype and ``requires_grad``; the call's
     ``randomness=`` and ``output=``."""
@@ -108,7 +128,7 @@ def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
         inputs.signature(),
         tuple((n, id(m), type(m), type(m).forward, m.__dict__.get("forward"),
                len(m._forward_hooks) + len(m._forward_pre_hooks),
-               _plain_attributes(m, settings) if n not in skip else _without(_plain_attributes(m, settings), skip[n]))
+               _state_of(m, settings) if n not in skip else _without(_state_of(m, settings), skip[n]))
               for n, m in trainable.modules),
         tuple(settings.items()),
         len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks),

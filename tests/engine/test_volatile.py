@@ -86,3 +86,76 @@ def test_what_changes_the_plan_and_bools_are_never_left_out(probes, setting):
     _calls(model, 6, **setting)
     assert volatile.skipped(model) == {}
     assert len(probes) == (3 if "repeats" in setting else 2)  # each value probed once: its plan kept under its key
+
+
+class Mixing(nn.Module):
+    """Samples mixed through ``h.mean(0)`` scaled by a value the module holds as a tensor: 0 (apart) at first."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+        if kind == "buffer":
+            self.register_buffer("mix", torch.tensor(0.0))
+        elif kind == "frozen parameter":
+            self.mix = nn.Parameter(torch.tensor(0.0), requires_grad=False)
+        else:
+            self.mix = torch.tensor(0.0)
+
+    def forward(self, x):
+        h = self.net[1](self.net[0](x))
+        return self.net[2](h + self.mix * h.mean(0, keepdim=True))
+
+
+@pytest.mark.parametrize("kind", ["buffer", "frozen parameter", "tensor attribute"])
+@pytest.mark.parametrize("change", ["in place", "replaced"])
+def test_a_tensor_value_switching_a_coupling_on_after_warm_up_is_probed_again(probes, kind, change):
+    """Found by a probe: a coupling scaled by a buffer that was 0 through the plan's checked first calls, set to 0.5
+    later, gave rows 0.24 off the loop on every call (the key saw no change; the sampled check rarely ran). The
+    key holds the identity and version of every tensor a module holds untrained, so the change is probed."""
+    model = Mixing(kind).double()
+    _calls(model, 4)
+    with torch.no_grad():
+        if change == "in place":
+            model.mix.fill_(0.5)
+        elif kind == "buffer":
+            model.mix = torch.tensor(0.5, dtype=torch.float64)  # assigned to a buffer's name: still a buffer
+        else:
+            model.mix = type(model.mix)(torch.tensor(0.5, dtype=torch.float64), requires_grad=False) \
+                if kind == "frozen parameter" else torch.tensor(0.5, dtype=torch.float64)
+    before = len(probes)
+    _calls(model, 3)
+    assert len(probes) == before + 1
+    torch.manual_seed(1)
+    loss_fn, x, y = nn.CrossEntropyLoss(reduction="sum"), torch.randn(5, 4, dtype=torch.float64), torch.tensor(
+        [0, 1, 2, 0, 1])
+    with torch.no_grad():
+        model.mix.zero_()
+    for _ in range(4):  # the DP sum's own plan, its first calls apart
+        pv.clipped_grad_sum(model, loss_fn, x, y, 0.5)
+    with torch.no_grad():
+        model.mix.fill_(0.5)
+    ref = ref_grads(model, loss_fn, x, y)
+    c = (0.5 / (torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1) + 1e-6)).clamp(max=1.0)
+    assert_dict_close(pv.clipped_grad_sum(model, loss_fn, x, y, 0.5),
+                      {n: torch.einsum("b,b...->...", c, g) for n, g in ref.items()}, rtol=1e-9, atol=1e-12)
+
+
+class CountingTensor(Counting):
+    """A call counter kept as a tensor attribute, made anew by every forward (a buffer written there is refused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = torch.zeros((), dtype=torch.int64)
+
+    def forward(self, x):
+        self.seen = self.seen + 1
+        return self.net(x)
+
+
+def test_a_tensor_made_by_every_forward_stops_the_probes(probes):
+    model = CountingTensor().double()
+    _calls(model, 8)
+    assert len(probes) <= 3  # the first probe and at most two that found the same plan
+    probed = len(probes)
+    _calls(model, 4)
+    assert len(probes) == probed
