@@ -25,19 +25,24 @@ _EXACTLY_PLAIN = frozenset(_PLAIN)  # a value of exactly one of these types is p
 _NEVER_PLAIN = frozenset((dict, OrderedDict, set))  # nn.Module's own bookkeeping (hooks, _parameters, ...)
 
 
-def _plain_attributes(module: nn.Module, settings: dict[int, tuple]) -> tuple:
+def _plain_attributes(module: nn.Module, settings: dict[int, tuple], held: bool = False) -> tuple:
     """The module's attributes that are plain values (bools, numbers, strings, None, enum members, tuples / lists of
     them): what a forward may branch on (``self.task``, ``self.center``), so a plan made with other values does not
     describe it. A settings object it holds (:func:`_role`) counts by its identity here, its plain fields read into
     ``settings`` once per call however many modules share it; a dict of its own by its plain items.
 
     Read on every call (a value changed since the plan was made must be seen); the exact-type tests first only skip
-    the ``isinstance`` calls (a subclass of a plain type, an ``IntEnum`` flag, still counts)."""
-    items = []
+    the ``isinstance`` calls (a subclass of a plain type, an ``IntEnum`` flag, still counts). ``held``: a tensor
+    attribute by its identity and version too (:func:`_state_of`)."""
+    items: list = []
     for k, v in module.__dict__.items():
         kind = type(v)
         if kind in _EXACTLY_PLAIN:
             items.append((k, v))
+            continue
+        if kind is torch.Tensor:
+            if held:
+                _add_held(items, k, v)
             continue
         role = _ROLES.get(kind)
         if role is None:
@@ -56,22 +61,26 @@ def _plain_attributes(module: nn.Module, settings: dict[int, tuple]) -> tuple:
 
 
 def _state_of(module: nn.Module, settings: dict[int, tuple]) -> tuple:
-    """:func:`_plain_attributes`, then the tensors the module holds that are not trained (buffers, frozen parameters,
-    tensor attributes), each by its identity and version counter, as numbers: a value a forward may scale a coupling
+    """:func:`_plain_attributes`, then the tensors the module holds that are not trained (tensor attributes, buffers,
+    frozen parameters), each by its identity and version counter, as numbers: a value a forward may scale a coupling
     by (``h + self.mix * h.mean(0)``) written in place (``mix.fill_(0.5)``) or replaced changes the key, so the plan is
     probed again with it. A tensor written on every call (a counter, an EMA) is left out once two probes found the
     same plan (:mod:`~pergrad_viz.engine.volatile`), as a number attribute is."""
-    items = _plain_attributes(module, settings)
-    held = [(k, t) for k, t in module._buffers.items() if t is not None]
-    held += [(k, p) for k, p in module._parameters.items() if p is not None and not p.requires_grad]
-    held += [(k, v) for k, v in module.__dict__.items() if type(v) is torch.Tensor]
-    if not held:
-        return items
-    extra = []
-    for k, t in held:
-        extra.append((f"{k}#id", id(t)))
-        extra.append((f"{k}#version", -1 if t.is_inference() else t._version))  # inference tensors keep no count
-    return items + tuple(extra)
+    items = _plain_attributes(module, settings, held=True)
+    extra: list = []
+    for k, t in module._buffers.items():
+        if t is not None:
+            _add_held(extra, k, t)
+    for k, p in module._parameters.items():
+        if p is not None and not p.requires_grad:
+            _add_held(extra, k, p)
+    return items + tuple(extra) if extra else items
+
+
+def _add_held(items: list, name: str, t: torch.Tensor) -> None:
+    """A held tensor's two key items: its identity, its version counter (an inference tensor keeps none)."""
+    items.append(((name, "id"), id(t)))
+    items.append(((name, "version"), -1 if t.is_inference() else t._version))
 
 
 _SKIP, _DICT, _MAYBE_PLAIN, _SETTINGS = range(4)
