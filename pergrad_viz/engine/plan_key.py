@@ -62,10 +62,10 @@ def _plain_attributes(module: nn.Module, settings: dict[int, tuple], held: bool 
 
 def _state_of(module: nn.Module, settings: dict[int, tuple]) -> tuple:
     """:func:`_plain_attributes`, then the tensors the module holds that are not trained (tensor attributes, buffers,
-    frozen parameters), each by its identity and version counter, as numbers: a value a forward may scale a coupling
-    by (``h + self.mix * h.mean(0)``) written in place (``mix.fill_(0.5)``) or replaced changes the key, so the plan is
-    probed again with it. A tensor written on every call (a counter, an EMA) is left out once two probes found the
-    same plan (:mod:`~pergrad_viz.engine.volatile`), as a number attribute is."""
+    frozen parameters), by their values or their identity and version counter (:func:`_add_held`), as numbers: a
+    value a forward may scale a coupling by (``h + self.mix * h.mean(0)``) written in place (``mix.fill_(0.5)``) or
+    replaced changes the key, so the plan is probed again with it. A tensor written on every call (a counter, an EMA)
+    is left out once two probes found the same plan (:mod:`~pergrad_viz.engine.volatile`), as a number attribute is."""
     items = _plain_attributes(module, settings, held=True)
     extra: list = []
     for k, t in module._buffers.items():
@@ -78,7 +78,14 @@ def _state_of(module: nn.Module, settings: dict[int, tuple]) -> tuple:
 
 
 def _add_held(items: list, name: str, t: torch.Tensor) -> None:
-    """A held tensor's two key items: its identity, its version counter (an inference tensor keeps none)."""
+    """A held tensor's key items: a small one on a CPU (a scale, a flag; at most :data:`_SMALL` numbers, read for
+    free) by its values, one item each, as a number attribute is keyed (written every step with the same value, a
+    ``mix`` kept 0 and then ramped, it changes the key only when its value does); any other (read without a
+    device's synchronisation) by its identity and version counter (an inference tensor keeps none)."""
+    if t.device.type == "cpu" and t.layout == torch.strided and t.numel() <= _SMALL and not t.is_quantized:
+        for i, v in enumerate(_values(t.detach().flatten().tolist())):
+            items.append(((name, i), v))
+        return
     items.append(((name, "id"), id(t)))
     items.append(((name, "version"), -1 if t.is_inference() else t._version))
 
