@@ -9,8 +9,10 @@ strategy:
 * the first :data:`FIRST` calls are always checked (a plan that is wrong for every batch, a rule that is wrong, a
   misplaced row: caught on the first call);
 * after them a call is checked when the time spent on checks, with this one's expected cost (the last one's),
-  stays within :data:`SHARE` of the time spent computing. Over many calls the checks cost at most that share, on
-  any device: it is a share of measured time, not a count.
+  stays within :data:`SHARE` of the time spent computing, both counted from the call after them (the first calls
+  and checks pay one-time costs: a first check's start-up, 1 s, would starve a 1 ms call's checks for 10,000
+  calls). Over many calls the checks cost at most that share, on any device: it is a share of measured time, not a
+  count.
 * and a ``hooks`` call whose graph between the layers (``engine.unplanned``) no passed check saw yet, up to
   :data:`GRAPHS` of them per plan: a forward that a flag or the data switches to another path between the layers
   after the first calls (a coupling of the samples, ``h * x.sum(0)``) is checked on the first batch that takes it.
@@ -74,8 +76,14 @@ class Schedule:
         return self.check_seconds + self.last_check <= SHARE * self.compute_seconds
 
     def computed(self, seconds: float, batch: int = 1) -> None:
-        """A call of ``batch`` samples computed its result in ``seconds`` (before any check)."""
+        """A call of ``batch`` samples computed its result in ``seconds`` (before any check). The first
+        :data:`FIRST` calls and their checks stay out of the account: they are always made, and pay one-time costs
+        (a first check's start-up took 1 s against 4 ms after it, and starved the checks of a 1 ms call for 10,000
+        calls; a first call's 0.33 s would allow a run of checks)."""
         self.calls += 1
+        if self.calls <= FIRST:
+            self.check_before = self.checked = False
+            return
         self.compute_seconds += seconds
         if not self.check_before:
             self.recent = [*self.recent[1 - RECENT:], seconds / max(batch, 1)]
@@ -87,13 +95,15 @@ class Schedule:
 
     @contextmanager
     def checking(self) -> Iterator[None]:
-        """Times the check run inside (counted even when it fails)."""
+        """Times the check run inside (counted even when it fails; a check of the first calls as the next one's
+        expected cost only)."""
         start = time.perf_counter()
         try:
             yield
         finally:
             self.last_check = time.perf_counter() - start
-            self.check_seconds += self.last_check
+            if self.calls >= FIRST:
+                self.check_seconds += self.last_check
             self.checks += 1
             self.checked = True
 
