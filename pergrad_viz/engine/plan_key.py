@@ -133,26 +133,44 @@ def _plain_fields(fields: dict) -> tuple:
 
 def plan_key(trainable: Trainable, inputs: Batch) -> tuple:
     """What a plan depends on, read afresh: the input signature; per module its name, identity, type, forward (the
-    class's and an instance's own), forward hooks, plain attributes and the identities and versions of the tensors it
-    holds untrained (:func:`_state_of`); the plain fields of the settings objects
-    the modules hold; the global forward hooks; per parameter (``named_parameters()``, frozen ones too, walked once
-    per call by :meth:`Trainable.of`) its name, identity, shape, dtype and ``requires_grad``; the call's
-    ``randomness=`` and ``output=``."""
+    class's and an instance's own), forward hooks (:func:`_hooks`), plain attributes and the tensors it holds
+    untrained (:func:`_state_of`); the plain fields of the settings objects the modules hold; the global forward
+    hooks; per parameter (``named_parameters()``, frozen ones too, walked once per call by :meth:`Trainable.of`) its
+    name, identity, shape, dtype and ``requires_grad``; the call's ``randomness=`` and ``output=``."""
     settings: dict[int, tuple] = {}
     skip = skipped(trainable.model)
     return (
         inputs.signature(),
         tuple((n, id(m), type(m), type(m).forward, m.__dict__.get("forward"),
-               len(m._forward_hooks) + len(m._forward_pre_hooks),
+               _hooks(m._forward_hooks, m._forward_pre_hooks),
                _state_of(m, settings) if n not in skip else _without(_state_of(m, settings), skip[n]))
               for n, m in trainable.modules),
         tuple(settings.items()),
-        len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks),
+        _hooks(module_mod._global_forward_hooks, module_mod._global_forward_pre_hooks),
         tuple((n, id(p), tuple(p.shape), p.dtype, p.requires_grad)
               for n, p in trainable.named_parameters or trainable.model.named_parameters()),
         trainable.call.draws is not None,  # randomness='different': a plan probed with the draws held fixed
         selection_key(trainable.select),  # output=: what the probe saw selected (engine.selection)
     )
+
+
+def _hooks(forward: dict, pre: dict) -> tuple:
+    """Forward hooks and pre-hooks by what runs (:func:`_hook`), not by their number: a hook swapped for one that
+    centres the outputs over the batch changes the key; a hook made anew each step from the same code, or one that
+    counts its calls, does not (what it holds is not read: a counter would probe every call)."""
+    if not forward and not pre:
+        return ()
+    return tuple(map(_hook, forward.values())), tuple(map(_hook, pre.values()))
+
+
+def _hook(hook: object) -> object:
+    """A hook's code: a function's, a bound method's (with its object's type), a ``functools.partial``'s function's;
+    a callable object by its type."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    if isinstance(hook, types.MethodType):
+        return type(hook.__self__), _hook(hook.__func__)
+    return hook.__code__ if isinstance(hook, types.FunctionType) else type(hook)
 
 
 def selection_key(select: object, depth: int = 0) -> object:

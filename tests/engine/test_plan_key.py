@@ -87,3 +87,55 @@ def test_every_structural_change_changes_the_key():
     assert _key(model, torch.randn(3, 4, dtype=torch.float64)) != _key(model, x), "input dtype"
     assert _key(nn.Sequential(nn.Linear(4, 3)), torch.randn(3, 4)) != _key(nn.Sequential(nn.Linear(4, 3)),
                                                                           torch.randn(3, 4)), "another model"
+
+
+def test_a_hook_swapped_for_another_changes_the_key_one_made_anew_or_counting_does_not():
+    """Found by a probe: the key counted hooks, so a hook swapped for one that centres the outputs over the batch
+    (or a pre-hook for a forward hook) kept it, and the cached plan gave rows 0.16 off the loop, also unchecked
+    (verify=False). Hooks are keyed by their code: the same code made anew each step, or a hook object that counts
+    its calls, keeps the key (a counter would probe every call)."""
+    model, x = _net(), torch.randn(3, 4)
+
+    class Counting:
+        calls = 0
+
+        def __call__(self, module, args, output):
+            self.calls += 1
+
+    def identity():
+        return lambda m, i, o: o
+
+    counting = Counting()
+    model[2].register_forward_hook(counting)
+    handle = model[0].register_forward_hook(identity())
+    before = _key(model, x)
+    handle.remove()
+    handle = model[0].register_forward_hook(identity())  # the same code, made anew
+    counting.calls += 5
+    assert _key(model, x) == before
+    handle.remove()
+    handle = model[0].register_forward_hook(lambda m, i, o: o - o.mean(0, keepdim=True))
+    assert _key(model, x) != before
+    handle.remove()
+    model[0].register_forward_pre_hook(lambda m, i: i)
+    assert _key(model, x) != before
+
+
+def test_a_swapped_hook_gives_the_loop_s_rows_without_the_check():
+    import torch.nn.functional as F
+
+    import pergrad_viz as pv
+
+    torch.manual_seed(0)
+    model = _net().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
+    handle = model[0].register_forward_hook(lambda m, i, o: o)
+    for _ in range(4):
+        pv.per_sample_grads(model, F.cross_entropy, x, y)
+    handle.remove()
+    model[0].register_forward_hook(lambda m, i, o: o + 0.5 * o.mean(0, keepdim=True))
+    got = pv.per_sample_grads(model, F.cross_entropy, x, y, verify=False)
+    for n, p in model.named_parameters():
+        want = torch.stack([torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), p)[0]
+                            for i in range(6)])
+        torch.testing.assert_close(got[n], want, rtol=1e-9, atol=1e-12)
