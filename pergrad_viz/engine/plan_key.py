@@ -32,8 +32,9 @@ def _plain_attributes(module: nn.Module, settings: dict[int, tuple], held: bool 
     ``settings`` once per call however many modules share it; a dict of its own by its plain items.
 
     Read on every call (a value changed since the plan was made must be seen); the exact-type tests first only skip
-    the ``isinstance`` calls (a subclass of a plain type, an ``IntEnum`` flag, still counts). ``held``: a tensor
-    attribute by its identity and version too (:func:`_state_of`)."""
+    the ``isinstance`` calls (a subclass of a plain type, an ``IntEnum`` flag, still counts). ``held`` (the plan's
+    key): a tensor attribute by its values or identity and version too (:func:`_state_of`), a function attribute
+    by its code (:func:`_hook`)."""
     items: list = []
     for k, v in module.__dict__.items():
         kind = type(v)
@@ -57,6 +58,8 @@ def _plain_attributes(module: nn.Module, settings: dict[int, tuple], held: bool 
             if id(v) not in settings:
                 settings[id(v)] = _plain_fields(vars(v))
             items.append((k, id(v)))
+        elif role == _CODE and held:
+            items.append((k, _hook(v)))  # a function the forward calls (self.f = lambda h: ...): by its code
     return tuple(items)
 
 
@@ -90,7 +93,8 @@ def _add_held(items: list, name: str, t: torch.Tensor) -> None:
     items.append(((name, "version"), -1 if t.is_inference() else t._version))
 
 
-_SKIP, _DICT, _MAYBE_PLAIN, _SETTINGS = range(4)
+_SKIP, _DICT, _MAYBE_PLAIN, _SETTINGS, _CODE = range(5)
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
 _ROLES: dict[type, int] = {}  # an attribute's type -> what the key reads of it (the same for every value)
 
 
@@ -103,6 +107,8 @@ def _role(kind: type, value: object) -> int:
         return _DICT
     if issubclass(kind, (*_PLAIN, enum.Enum, tuple, list)):
         return _MAYBE_PLAIN
+    if issubclass(kind, _FUNCTIONS):
+        return _CODE
     if kind in _NEVER_PLAIN or callable(value) or not hasattr(value, "__dict__"):
         return _SKIP
     return _SKIP if issubclass(kind, (nn.Module, torch.Tensor, type, types.ModuleType)) else _SETTINGS
@@ -164,12 +170,14 @@ def _hooks(forward: dict, pre: dict) -> tuple:
 
 
 def _hook(hook: object) -> object:
-    """A hook's code: a function's, a bound method's (with its object's type), a ``functools.partial``'s function's;
-    a callable object by its type."""
+    """A hook's (or a function attribute's) code: a function's, a bound method's (with its object's type), a
+    ``functools.partial``'s function's; a builtin (``torch.relu``) itself; a callable object by its type."""
     while isinstance(hook, functools.partial):
         hook = hook.func
     if isinstance(hook, types.MethodType):
         return type(hook.__self__), _hook(hook.__func__)
+    if isinstance(hook, types.BuiltinFunctionType):
+        return hook
     return hook.__code__ if isinstance(hook, types.FunctionType) else type(hook)
 
 

@@ -139,3 +139,23 @@ def test_a_swapped_hook_gives_the_loop_s_rows_without_the_check():
         want = torch.stack([torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), p)[0]
                             for i in range(6)])
         torch.testing.assert_close(got[n], want, rtol=1e-9, atol=1e-12)
+
+
+def test_a_function_attribute_swapped_changes_the_key():
+    """Found by a probe: ``self.f = lambda h: h`` swapped for a function centring over the batch kept the key (a
+    callable was not read), and ``verify=False`` returned the old plan's rows, 0.23 off. A function attribute counts
+    by its code (a builtin by itself); the same code made anew keeps the key."""
+    model, x = _net(), torch.randn(3, 4)
+
+    def same():
+        return lambda h: h
+
+    model[1].f, model[1].g = same(), torch.relu
+    before = _key(model, x)
+    model[1].f = same()
+    assert _key(model, x) == before
+    model[1].g = torch.tanh
+    assert _key(model, x) != before
+    model[1].g = torch.relu
+    model[1].f = lambda h: h - h.mean(0)
+    assert _key(model, x) != before
