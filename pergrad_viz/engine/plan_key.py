@@ -33,8 +33,8 @@ def _plain_attributes(module: nn.Module, settings: dict[int, tuple], held: bool 
 
     Read on every call (a value changed since the plan was made must be seen); the exact-type tests first only skip
     the ``isinstance`` calls (a subclass of a plain type, an ``IntEnum`` flag, still counts). ``held`` (the plan's
-    key): a tensor attribute by its values or identity and version too (:func:`_state_of`), a function attribute
-    by its code (:func:`_hook`)."""
+    key): a tensor attribute by its values or identity and version too (:func:`_state_of`), also in a list, tuple or
+    dict it holds, a small numpy array by its values, a function attribute by its code (:func:`_hook`)."""
     items: list = []
     for k, v in module.__dict__.items():
         kind = type(v)
@@ -51,9 +51,19 @@ def _plain_attributes(module: nn.Module, settings: dict[int, tuple], held: bool 
         if role == _DICT:
             if not k.startswith("_"):
                 items.append((k, _plain_fields(v)))
+                if held:
+                    _add_held_within(items, k, v.values())
         elif role == _MAYBE_PLAIN:
             if (plain := _plain(v)) is not _NOT_PLAIN:
                 items.append((k, plain))
+            elif held:
+                _add_held_within(items, k, v)
+        elif role == _SKIP and held:
+            if isinstance(v, torch.Tensor):  # a subclass: by identity and version (its values may not read plainly)
+                items.append(((k, "id"), id(v)))
+                items.append(((k, "version"), -1 if v.is_inference() else v._version))
+            elif _is_array(v):
+                _add_array(items, k, v)
         elif role == _SETTINGS:
             if id(v) not in settings:
                 settings[id(v)] = _plain_fields(vars(v))
@@ -91,6 +101,28 @@ def _add_held(items: list, name: str, t: torch.Tensor) -> None:
         return
     items.append(((name, "id"), id(t)))
     items.append(((name, "version"), -1 if t.is_inference() else t._version))
+
+
+def _add_held_within(items: list, name: str, values) -> None:
+    """The tensors and arrays among the first :data:`_SMALL` values of a list, tuple or dict a module holds
+    (``self.scales = [torch.tensor(0.0)]``), each as :func:`_add_held` keys one, by its place."""
+    for i, v in enumerate(itertools.islice(values, _SMALL)):
+        if isinstance(v, torch.Tensor):
+            _add_held(items, (name, i), v)
+        elif _is_array(v):
+            _add_array(items, (name, i), v)
+
+
+def _is_array(v: object) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic))
+
+
+def _add_array(items: list, name: object, v) -> None:
+    """A numpy value a module holds: a small one by its values (a permutation, a scale); a larger one not read."""
+    if v.size <= _SMALL and v.dtype.kind in "biuf":
+        for i, e in enumerate(_values(v.ravel().tolist())):
+            items.append(((name, i), e))
 
 
 _SKIP, _DICT, _MAYBE_PLAIN, _SETTINGS, _CODE = range(5)
