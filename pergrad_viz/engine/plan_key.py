@@ -9,6 +9,7 @@ import itertools
 import operator
 import sys
 import types
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -23,6 +24,8 @@ from pergrad_viz.engine.volatile import skipped
 _PLAIN = PLAIN_LEAVES
 _EXACTLY_PLAIN = frozenset(_PLAIN)  # a value of exactly one of these types is plain: no isinstance needed
 _NEVER_PLAIN = frozenset((dict, OrderedDict, set))  # nn.Module's own bookkeeping (hooks, _parameters, ...)
+# nn.Module's own containers (hooks, _parameters, _modules, ...): never read here, passed over first
+_BOOKKEEPING = frozenset(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
 
 
 def _plain_attributes(module: nn.Module, settings: dict[int, tuple], held: bool = False) -> tuple:
@@ -37,6 +40,8 @@ def _plain_attributes(module: nn.Module, settings: dict[int, tuple], held: bool 
     dict it holds, a small numpy array by its values, a function attribute by its code (:func:`_hook`)."""
     items: list = []
     for k, v in module.__dict__.items():
+        if k in _BOOKKEEPING:
+            continue
         kind = type(v)
         if kind in _EXACTLY_PLAIN:
             items.append((k, v))
@@ -59,9 +64,8 @@ def _plain_attributes(module: nn.Module, settings: dict[int, tuple], held: bool 
             elif held:
                 _add_held_within(items, k, v)
         elif role == _SKIP and held:
-            if isinstance(v, torch.Tensor):  # a subclass: by identity and version (its values may not read plainly)
-                items.append(((k, "id"), id(v)))
-                items.append(((k, "version"), -1 if v.is_inference() else v._version))
+            if isinstance(v, torch.Tensor):  # a subclass: by identity and version (_add_held)
+                _add_held(items, k, v)
             elif _is_array(v):
                 _add_array(items, k, v)
         elif role == _SETTINGS:
@@ -90,17 +94,48 @@ def _state_of(module: nn.Module, settings: dict[int, tuple]) -> tuple:
     return items + tuple(extra) if extra else items
 
 
-def _add_held(items: list, name: str, t: torch.Tensor) -> None:
-    """A held tensor's key items: a small one on a CPU (a scale, a flag; at most :data:`_SMALL` numbers, read for
-    free) by its values, one item each, as a number attribute is keyed (written every step with the same value, a
-    ``mix`` kept 0 and then ramped, it changes the key only when its value does); any other (read without a
-    device's synchronisation) by its identity and version counter (an inference tensor keeps none)."""
-    if t.device.type == "cpu" and t.layout == torch.strided and t.numel() <= _SMALL and not t.is_quantized:
-        for i, v in enumerate(_values(t.detach().flatten().tolist())):
-            items.append(((name, i), v))
+def _add_held(items: list, name: object, t: torch.Tensor) -> None:
+    """A held tensor's key items: a plain one on a CPU by its values where small (a scale, a flag: at most
+    :data:`_SMALL` numbers, one item each, as a number attribute is keyed) or by a digest of its bytes up to
+    :data:`_DIGESTED` numbers (a mask), so that one written every step with the same values (a ``mix`` kept 0 and
+    then ramped) changes the key only when its values do; any other (on a device: read without a synchronisation;
+    a subclass, a nested tensor: its values may not read plainly) by its identity and version counter, or by its
+    identity alone where even that cannot be read (a tensor a forward under vmap left in a list)."""
+    try:
+        if type(t) in _PLAIN_TENSORS and t.is_cpu and t.dtype in _READABLE and t.layout is torch.strided \
+                and not t.is_nested and t.numel() <= _DIGESTED:
+            if t.numel() <= _SMALL:
+                for i, v in enumerate(_values(t.detach().flatten().tolist())):
+                    items.append(((name, i), v))
+            else:
+                items.append(((name, "digest"), _digest(t)))
+            return
+        version = -1 if t.is_inference() else t._version
+    except Exception:  # a tensor that no longer reads (escaped from a transform): its identity alone
+        items.append(((name, "id"), id(t)))
         return
     items.append(((name, "id"), id(t)))
-    items.append(((name, "version"), -1 if t.is_inference() else t._version))
+    items.append(((name, "version"), version))
+
+
+def _digest(t: torch.Tensor) -> int:
+    """A digest of a CPU tensor's bytes, made again only when its version counter moved (a frozen model's many
+    biases cost a dictionary lookup each, not a hash of their bytes, on every call)."""
+    version = -1 if t.is_inference() else t._version
+    seen = _DIGESTS.get(id(t))
+    if seen is not None and seen[0]() is t and seen[1] == version != -1:
+        return seen[2]
+    digest = hash(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    key = id(t)
+    _DIGESTS[key] = (weakref.ref(t, lambda _, key=key: _DIGESTS.pop(key, None)), version, digest)
+    return digest
+
+
+_DIGESTS: dict[int, tuple] = {}  # id -> (a weak reference to the tensor, its version, its digest)
+_PLAIN_TENSORS = frozenset((torch.Tensor, nn.Parameter))
+_READABLE = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
+                       torch.int32, torch.int64, torch.uint8, torch.bool))
+_DIGESTED = 4096  # numbers of a CPU tensor read as a digest of its bytes (some microseconds); past it, its version
 
 
 def _add_held_within(items: list, name: str, values) -> None:

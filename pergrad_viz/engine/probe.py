@@ -48,7 +48,7 @@ from pergrad_viz.engine.observe import close, first_difference, forked_random, o
 from pergrad_viz.engine.plan import SHARED, CallSpec, LayerKind, LayerPlan, Plan, Unbatched
 from pergrad_viz.engine.plan_key import plan_key
 from pergrad_viz.engine.selection import selection_interaction
-from pergrad_viz.engine.volatile import note_probe
+from pergrad_viz.engine.volatile import differs_in_numbers, note_probe
 from pergrad_viz.errors import UndefinedPerSampleError
 from pergrad_viz.rules import call_rule_for, rule_for, rule_takes_batch_dim
 
@@ -387,7 +387,8 @@ def plan_for(trainable: Trainable, inputs: Batch | torch.Tensor) -> Plan:
         plan = cached
         plans.move_to_end(key)
     else:
-        last = next(reversed(plans.items()), None)  # the plan of the model's last call
+        # the latest plan whose key differs from this one in numbers only (the same input signature, structure)
+        last = next(((k, p) for k, p in reversed(plans.items()) if differs_in_numbers(k, key)), None)
         # the probe's backward passes meet a reentrant checkpoint first; randomness='different': draws held fixed
         with refusing_reentrant_checkpoints(), held_fixed(trainable.call.draws is not None):
             plan = _make_plan(trainable, inputs)

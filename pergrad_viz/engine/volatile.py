@@ -60,6 +60,13 @@ def note_probe(model: nn.Module, old: tuple[tuple, Plan], key: tuple, plan: Plan
     return True
 
 
+def differs_in_numbers(old: tuple, new: tuple) -> bool:
+    """Whether the keys ``old`` and ``new`` differ in number attributes of modules alone (the plan of ``old`` is
+    the one to compare a new probe's with: with batches of several lengths, the model's last plan is another
+    length's, and a number changing every call would never be left out)."""
+    return bool(_changed_numbers(old, new))
+
+
 def _changed_numbers(old: tuple, new: tuple) -> list[tuple[str, str]] | None:
     """[(module name, attribute)] whose number values differ between the keys ``old`` and ``new``
     (``plan_key``'s); None where anything else differs (another input signature, module, hook, parameter, a

@@ -184,3 +184,22 @@ def test_tensors_and_arrays_held_in_containers_change_the_key_when_written():
 
 class _Marked(torch.Tensor):
     pass
+
+
+def test_odd_tensors_held_give_a_stable_key():
+    """Found by a review: a small buffer or frozen parameter of a ``__torch_dispatch__`` subclass (the kind DTensor,
+    torchao and float8 use) made the key's ``tolist()`` raise on every call. Subclasses, nested and unreadable
+    tensors count by identity and version; plain ones by their values or a digest of them."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    model, x = _net(), torch.randn(3, 4)
+    holder = model[1]
+    holder.register_buffer("pair", TwoTensor(torch.zeros(3), torch.ones(3)))
+    holder.frozen = nn.Parameter(TwoTensor(torch.zeros(2), torch.zeros(2)), requires_grad=False)
+    holder.register_buffer("mask", torch.zeros(40, dtype=torch.bfloat16))
+    holder.nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    before = _key(model, x)
+    assert _key(model, x) == before and hash(before) == hash(_key(model, x))
+    with torch.no_grad():
+        holder.mask.add_(1.0)
+    assert _key(model, x) != before

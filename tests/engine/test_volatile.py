@@ -96,6 +96,8 @@ class Mixing(nn.Module):
         self.net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
         if kind == "buffer":
             self.register_buffer("mix", torch.tensor(0.0))
+        elif kind == "buffer of 20":
+            self.register_buffer("mix", torch.zeros(20, 1))
         elif kind == "frozen parameter":
             self.mix = nn.Parameter(torch.tensor(0.0), requires_grad=False)
         else:
@@ -103,7 +105,8 @@ class Mixing(nn.Module):
 
     def forward(self, x):
         h = self.net[1](self.net[0](x))
-        return self.net[2](h + self.mix * h.mean(0, keepdim=True))
+        scale = self.mix if self.mix.dim() == 0 else self.mix[0]
+        return self.net[2](h + scale * h.mean(0, keepdim=True))
 
 
 @pytest.mark.parametrize("kind", ["buffer", "frozen parameter", "tensor attribute"])
@@ -166,14 +169,64 @@ def test_a_tensor_made_by_every_forward_stops_the_probes(probes):
     assert len(probes) == probed
 
 
-def test_a_small_tensor_written_every_step_counts_by_its_value(probes):
+@pytest.mark.parametrize("kind", ["buffer", "buffer of 20"])
+def test_a_tensor_written_every_step_counts_by_its_value(probes, kind):
     """Found by a probe: ``mix.fill_(v)`` every step, v = 0 for some steps, then ramped: its version counter changed
     at every call with the plan the same, so it was left out of the key while still 0, and the ramp's coupling went
-    unseen (rows 0.08-0.45 off the loop for 150 steps). A small tensor on a CPU is keyed by its values, as a number
-    attribute is: written with the same value, it changes nothing."""
-    model = Mixing("buffer").double()
+    unseen (rows 0.08-0.45 off the loop for 150 steps). A tensor on a CPU is keyed by its values (a small one) or a
+    digest of them (up to 4096 numbers), as a number attribute is: written with the same values, it changes
+    nothing."""
+    model = Mixing(kind).double()
     for v in [0.0] * 5 + [0.1, 0.2, 0.3, 0.4]:
         with torch.no_grad():
             model.mix.fill_(v)
         _clipped_sum_matches(model)
     assert len(probes) <= 4  # the first probe, the coupling's, then at most two more before it is left out
+
+
+class Logging(nn.Module):
+    """A forward that logs into a list it holds (feature-logging code), as it runs under vmap too."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        self.seen: list = []
+
+    def forward(self, x):
+        h = self.net[1](self.net[0](x))
+        self.seen.append(h.detach().norm())
+        return self.net[2](h)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "torch_func"])
+def test_a_forward_logging_into_a_list_it_holds_keeps_working(strategy):
+    """Found by a review: a tensor that escaped vmap into the model's list made the key's read of it raise on every
+    later call. A tensor that cannot be read counts by its identity."""
+    _calls(Logging().double(), 5, strategy)
+
+
+class Pooling(nn.Module):
+    """A sequence model whose training loop keeps an EMA buffer of 64 numbers, updated after every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv1d(3, 8, 3, padding=1), nn.Linear(8, 3)
+        self.register_buffer("ema", torch.zeros(64))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).mean(-1))
+
+
+def test_a_buffer_written_every_step_with_batches_of_several_lengths_stops_the_probes(probes):
+    """Found by a review: with the lengths in rotation, each probe was compared with the model's last plan (another
+    length's), so a buffer written every step was never left out: a probe on every call (6x a call). The probe is
+    compared with the latest plan whose key differs in numbers alone (the same length)."""
+    torch.manual_seed(0)
+    model, loss_fn = Pooling().double(), nn.CrossEntropyLoss()
+    for k in range(18):
+        x, y = torch.randn(4, 3, (5, 6, 7)[k % 3], dtype=torch.float64), torch.randint(0, 3, (4,))
+        assert_dict_close(pv.per_sample_grads(model, loss_fn, x, y), ref_grads(model, loss_fn, x, y), rtol=1e-9,
+                          atol=1e-12)
+        with torch.no_grad():
+            model.ema.add_(1.0)
+    assert len(probes) <= 9
