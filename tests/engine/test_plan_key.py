@@ -197,7 +197,7 @@ def test_odd_tensors_held_give_a_stable_key():
     holder.register_buffer("pair", TwoTensor(torch.zeros(3), torch.ones(3)))
     holder.frozen = nn.Parameter(TwoTensor(torch.zeros(2), torch.zeros(2)), requires_grad=False)
     holder.register_buffer("mask", torch.zeros(40, dtype=torch.bfloat16))
-    holder.nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    holder.nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged)
     before = _key(model, x)
     assert _key(model, x) == before and hash(before) == hash(_key(model, x))
     with torch.no_grad():
