@@ -104,11 +104,12 @@ def _add_held(items: list, name: object, t: torch.Tensor) -> None:
     try:
         if type(t) in _PLAIN_TENSORS and t.is_cpu and t.dtype in _READABLE and t.layout is torch.strided \
                 and not t.is_nested and t.numel() <= _DIGESTED:
+            form = (name, tuple(t.shape), t.dtype)  # in the items' names: another shape or dtype is another key
             if t.numel() <= _SMALL:
                 for i, v in enumerate(_values(t.detach().flatten().tolist())):
-                    items.append(((name, i), v))
+                    items.append(((*form, i), v))
             else:
-                items.append(((name, "digest"), _digest(t)))
+                items.append(((*form, "digest"), _digest(t)))
             return
         version = -1 if t.is_inference() else t._version
     except Exception:  # a tensor that no longer reads (escaped from a transform): its identity alone
@@ -119,19 +120,22 @@ def _add_held(items: list, name: object, t: torch.Tensor) -> None:
 
 
 def _digest(t: torch.Tensor) -> int:
-    """A digest of a CPU tensor's bytes, made again only when its version counter moved (a frozen model's many
-    biases cost a dictionary lookup each, not a hash of their bytes, on every call)."""
-    version = -1 if t.is_inference() else t._version
+    """A digest of a CPU tensor's bytes (of a copy: numpy would pin the tensor's own storage, which then could not be
+    resized, as FSDP frees a frozen one), made again only when its version counter or its data's address moved (a
+    frozen model's many biases cost a dictionary lookup each on every call, not a hash of their bytes). A write
+    through ``.data`` in place moves neither: not seen here (the per-call check's), as on a larger tensor."""
+    state = (-1 if t.is_inference() else t._version, t.data_ptr())
     seen = _DIGESTS.get(id(t))
-    if seen is not None and seen[0]() is t and seen[1] == version != -1:
+    if seen is not None and seen[0]() is t and seen[1] == state and state[0] != -1:
         return seen[2]
-    digest = hash(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    copy = t.detach().clone(memory_format=torch.contiguous_format)
+    digest = hash(copy.view(-1).view(torch.uint8).numpy().tobytes())
     key = id(t)
-    _DIGESTS[key] = (weakref.ref(t, lambda _, key=key: _DIGESTS.pop(key, None)), version, digest)
+    _DIGESTS[key] = (weakref.ref(t, lambda _, key=key: _DIGESTS.pop(key, None)), state, digest)
     return digest
 
 
-_DIGESTS: dict[int, tuple] = {}  # id -> (a weak reference to the tensor, its version, its digest)
+_DIGESTS: dict[int, tuple] = {}  # id -> (a weak reference to the tensor, (its version, its address), its digest)
 _PLAIN_TENSORS = frozenset((torch.Tensor, nn.Parameter))
 _READABLE = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
                        torch.int32, torch.int64, torch.uint8, torch.bool))
@@ -193,6 +197,11 @@ def _plain(v: object) -> object:
     return _NOT_PLAIN
 
 
+def _plain_or_type(v: object) -> object:
+    plain = _plain(v)
+    return type(v) if plain is _NOT_PLAIN else plain
+
+
 def _plain_fields(fields: dict) -> tuple:
     """The (name, value) pairs of ``fields`` whose values are plain (:func:`_plain`), one level deep."""
     out = []
@@ -239,8 +248,9 @@ def _hooks(forward: dict, pre: dict) -> tuple:
 def _hook(hook: object) -> object:
     """A hook's (or a function attribute's) code: a function's, a bound method's (with its object's type), a
     ``functools.partial``'s function's; a builtin (``torch.relu``) itself; a callable object by its type."""
-    while isinstance(hook, functools.partial):
-        hook = hook.func
+    if isinstance(hook, functools.partial):  # its function and its plain arguments (approximate="tanh")
+        return (_hook(hook.func), tuple(map(_plain_or_type, hook.args)),
+                tuple((k, _plain_or_type(v)) for k, v in hook.keywords.items()))
     if isinstance(hook, types.MethodType):
         return type(hook.__self__), _hook(hook.__func__)
     if isinstance(hook, types.BuiltinFunctionType):

@@ -203,3 +203,27 @@ def test_odd_tensors_held_give_a_stable_key():
     with torch.no_grad():
         holder.mask.add_(1.0)
     assert _key(model, x) != before
+
+
+def test_the_key_leaves_held_storage_resizable_and_sees_data_swapped():
+    """Found by a review: the digest read the tensor through numpy, which pins its storage: a buffer of 17-4096
+    numbers could no longer be resized after a call (as FSDP frees a frozen one). And a frozen tensor given other
+    data (``p.data = new``, ``vector_to_parameters``) keeps its version: its digest is made again when its data's
+    address moves too."""
+    import functools
+
+    model, x = _net(), torch.randn(3, 4)
+    model[1].register_buffer("memory", torch.zeros(32))
+    model[1].frozen = nn.Parameter(torch.zeros(64), requires_grad=False)
+    model[1].act = functools.partial(torch.nn.functional.gelu, approximate="none")
+    before = _key(model, x)
+    model[1].memory.resize_(64)
+    model[1].memory.resize_(32)
+    model[1].frozen.data = torch.ones(64)
+    assert _key(model, x) != before
+    swapped = _key(model, x)
+    torch.nn.utils.vector_to_parameters(torch.full((64,), 2.0), [model[1].frozen])
+    assert _key(model, x) != swapped
+    swapped = _key(model, x)
+    model[1].act = functools.partial(torch.nn.functional.gelu, approximate="tanh")
+    assert _key(model, x) != swapped
