@@ -2,7 +2,8 @@
 of tensors' values, grouped so that a model of many buffers costs a few copies; whether a value changed although its
 version counter did not (a write through ``.data``, a numpy view or the storage, or an op that does not count, such
 as x86's fused quantisation observer); whether a hook of the user's runs (then every module's attributes are kept).
-Hooks a forward registers during a call are left (another thread of the user's may register one meanwhile)."""
+Hooks a forward registers during a call are left (another thread of the user's may register one meanwhile), and with
+them the plain values the forward added as attributes (the mark that they are installed)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ def has_user_hooks(named: Sequence[tuple[str, nn.Module]]) -> bool:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                for _, m in named)
+
+
+def hooks_since(named: Sequence[tuple[str, nn.Module]], first: int) -> bool:
+    """Whether a hook registered since handle number ``first`` (``RemovableHandle.next_id`` then) is on a module: a
+    forward that installs hooks of its own once and marks the model so (Hugging Face's output capturing sets
+    ``_output_capturing_hooks_installed``), whose mark is then kept with the hooks."""
+    return any(k >= first for _, m in named
+               for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+               for k in hooks)
 
 
 def copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pergrad_viz.core.kept_state import copies, has_user_hooks, same_values, values_changed
+from pergrad_viz.core.kept_state import copies, has_user_hooks, hooks_since, same_values, values_changed
 from pergrad_viz.core.process import leaving_process_as_found
 from pergrad_viz.core.randomness import random_state, set_random_state
 from pergrad_viz.core.users import drop_package_frames, is_package_error
@@ -193,6 +193,7 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
             for k, value in zip(picked, copies([owned[k][1] for k in picked]), strict=True):
                 kept_values[k] = value
     failed: BaseException | None = None
+    first_hook = torch.utils.hooks.RemovableHandle.next_id  # hooks numbered from here on: registered in the call
     try:
         with torch.inference_mode(False), torch.enable_grad():
             yield
@@ -202,12 +203,14 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
         for (_, m), flag in zip(named, flags, strict=True):
             if m.training != flag:
                 m.training = flag
-        replaced, made = [], []  # made: layers and parameters the forward created (self.fc = nn.Linear(...))
+        replaced, made, lazy = [], [], None  # made: layers and parameters the forward created (self.fc = Linear)
         known: set[int] | None = None  # the model's parameters before the call, read only where one was registered
         for name, m, params, bufs, attributes, modules in kept:
             if attributes is not None and not _same_objects(m.__dict__, attributes):  # self.h = h.detach()
                 for added in m.__dict__.keys() - attributes.keys():
-                    del m.__dict__[added]
+                    lazy = lazy if lazy is not None else hooks_since(named, first_hook)  # a mark kept with its hooks
+                    if not (lazy and type(m.__dict__[added]) in _MARKS):
+                        del m.__dict__[added]
                 m.__dict__.update(attributes)
             for now, before in ((m._parameters, params), (m._modules, modules)):
                 if not _same_objects(now, before):
@@ -278,6 +281,7 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
 
 # The copy ``restoring_modes(keep_parameters=True)`` keeps: every parameter of a model of at most this many bytes,
 # else the parameters of at most this many elements (a large model's weights are not doubled in memory).
+_MARKS = frozenset((bool, int, float, str, type(None)))  # an attribute added with hooks: kept (their mark)
 KEPT_PARAMETER_BYTES = 64 << 20
 KEPT_PARAMETER_ELEMENTS = 1 << 16
 
