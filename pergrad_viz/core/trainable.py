@@ -279,9 +279,10 @@ def restoring_modes(model: nn.Module | Trainable, keep_parameters: bool = False)
         raise error
 
 
+# The types of an attribute a forward added in a call that left hooks, kept with them (the mark they are installed)
+_MARKS = frozenset((bool, int, float, str, type(None)))
 # The copy ``restoring_modes(keep_parameters=True)`` keeps: every parameter of a model of at most this many bytes,
 # else the parameters of at most this many elements (a large model's weights are not doubled in memory).
-_MARKS = frozenset((bool, int, float, str, type(None)))  # an attribute added with hooks: kept (their mark)
 KEPT_PARAMETER_BYTES = 64 << 20
 KEPT_PARAMETER_ELEMENTS = 1 << 16
 
