@@ -304,8 +304,8 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Inputs, targets:
         max_bytes: memory budget (default: half of the memory available on the device).
         out: with ``flat=True``, a preallocated (B, P) tensor to write into (same dtype and device as
             the parameters); it is returned.
-        verify: check the result against the definition (``pergrad_viz.engine.certify``), amortised (a plan's first
-            calls, then within 10% of the time spent: ``pergrad_viz.engine.schedule``). ``False`` skips it.
+        verify: check the result against the definition (``engine.certify``), amortised (a plan's first calls, then
+            10% of the time: ``engine.schedule``). ``False`` skips it: samples interacting in some batches go unseen.
         model_kwargs: more keyword arguments for the model, cut like the inputs.
         randomness: ``"error"`` (refuse a forward that draws random numbers) or ``"different"`` (row i: sample i's
             gradient under its own dropout mask, one batched forward's draws; ``pergrad_viz.core.randomness``).

@@ -258,6 +258,14 @@ def test_batch_sizes_differ():
         pv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y[0])
 
 
+def test_a_list_of_samples_is_told_to_stack():
+    model, (x, y) = small_model(), data(3)  # 3 samples of 4 features
+    with pytest.raises(ValueError, match=r"no input tensor has 3 .*list of one tensor per sample\? Stack them"):
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), list(x), y)
+    with pytest.raises(ValueError, match=r"no input tensor has 3 .*dimension\)$"):  # a tuple of other inputs: no hint
+        pv.per_sample_grads(model, nn.CrossEntropyLoss(), (x[0], x[1]), y)
+
+
 @pytest.mark.parametrize("quantity", QUANTITIES)
 def test_unknown_strategy_lists_valid_names(quantity):
     model, (x, y) = small_model(), data()

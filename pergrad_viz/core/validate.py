@@ -159,8 +159,7 @@ def _check_special(name: str, m: nn.Module, random_ok: bool, model: object) -> N
             "too): every forward pass would update its statistics and scale, so computing per-sample gradients would "
             "change your model and each sample would see another quantisation. Turn the observers off for the call: "
             "model.apply(torch.ao.quantization.disable_observer) (model.apply(torch.ao.quantization.enable_observer) "
-            "after it, to train on)."
-        )
+            "after it, to train on).")
     if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None:
         raise UndefinedPerSampleError(
             f"{_label(name, m)} has max_norm={m.max_norm}, which rewrites its weight in place on every forward "
@@ -246,10 +245,11 @@ def batch_of(trainable: TrainableLike, inputs: Inputs, targets: object = None, m
                 f"batch sizes differ: inputs has {tensors[0][1].shape[0]} samples, targets has {size} samples{one}; "
                 "pass one target per input sample (same first dimension)")
         firsts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
+        listed = type(inputs) in (list, tuple) and len(inputs) == size == len(tensors)  # one tensor a sample?
+        stack = "; the inputs are a list of one tensor per sample? Stack them: torch.stack(inputs)" if listed else ""
         raise ValueError(
             f"batch sizes differ: targets hold {size} samples but no input tensor has {size} as its first dimension "
-            f"({firsts}); pass one target per input sample (same first dimension)"
-        )
+            f"({firsts}); pass one target per input sample (same first dimension){stack}")
     device = trainable.device
     on = {"inputs": tensors[0][1].device, "targets": target_tensors[0].device} if tensors and target_tensors else {}
     if on and on["inputs"] != on["targets"] and device in on.values():  # the one not on the model's device is named
